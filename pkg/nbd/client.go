@@ -1,0 +1,344 @@
+package nbd
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+)
+
+// DialOptions configures Dial.
+type DialOptions struct {
+	Network string // "tcp" unless set
+	Addr    string
+	Export  string
+	// Conns is the number of connections (1 unless set). More than one
+	// needs a server that announces NBD_FLAG_CAN_MULTI_CONN.
+	Conns int
+	// MPTCP dials with multipath TCP. A silent fallback to plain TCP is
+	// logged and visible in Client.MultipathTCP.
+	MPTCP bool
+	// Dialer is copied and used for every connection; nil means a default.
+	Dialer *net.Dialer
+	Logger *slog.Logger
+}
+
+// Client is a pipelined NBD client over one or more connections to one
+// export. It is safe for concurrent use: callers issue requests from many
+// goroutines and they travel together on the wire.
+type Client struct {
+	info   ExportInfo
+	conns  []*clientConn
+	next   atomic.Uint64
+	handle atomic.Uint64
+	maxReq int
+	log    *slog.Logger
+}
+
+// Dial connects, negotiates and returns a client.
+func Dial(ctx context.Context, o DialOptions) (*Client, error) {
+	n := max(o.Conns, 1)
+	network := o.Network
+	if network == "" {
+		network = "tcp"
+	}
+	var d net.Dialer
+	if o.Dialer != nil {
+		d = *o.Dialer
+	}
+	if o.MPTCP {
+		d.SetMultipathTCP(true)
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	var conns []net.Conn
+	var info ExportInfo
+	fail := func(err error) (*Client, error) {
+		for _, c := range conns {
+			c.Close()
+		}
+		return nil, err
+	}
+	for i := 0; i < n; i++ {
+		c, err := d.DialContext(ctx, network, o.Addr)
+		if err != nil {
+			return fail(err)
+		}
+		conns = append(conns, c)
+		if o.MPTCP && !IsMultipathTCP(c) {
+			log.Warn("MPTCP requested but the connection fell back to TCP", "remote", o.Addr, "conn", i)
+		}
+		ci, err := NegotiateConn(ctx, c, o.Export)
+		if err != nil {
+			return fail(err)
+		}
+		if i == 0 {
+			info = ci
+			if n > 1 && info.Flags&FlagCanMultiConn == 0 {
+				return fail(fmt.Errorf("%w: %d connections requested but the server does not allow multi-conn", ErrUnsupported, n))
+			}
+		}
+	}
+	cl := NewClient(info, conns, log)
+	return cl, nil
+}
+
+// IsMultipathTCP reports whether c is a TCP connection really carried by
+// MPTCP (false after a fallback to plain TCP, or for other socket types).
+func IsMultipathTCP(c net.Conn) bool {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return false
+	}
+	ok, err := tc.MultipathTCP()
+	return err == nil && ok
+}
+
+// NewClient starts a client on connections that already finished
+// negotiation for the export described by info.
+func NewClient(info ExportInfo, conns []net.Conn, log *slog.Logger) *Client {
+	if log == nil {
+		log = slog.Default()
+	}
+	cl := &Client{info: info, log: log, maxReq: MaxRequestSize}
+	if info.MaxBlock > 0 && int(info.MaxBlock) < cl.maxReq {
+		cl.maxReq = int(info.MaxBlock)
+	}
+	for _, c := range conns {
+		cc := &clientConn{conn: c, pending: make(map[uint64]*call), r: bufio.NewReaderSize(c, 256<<10)}
+		cl.conns = append(cl.conns, cc)
+		go cc.readLoop()
+	}
+	return cl
+}
+
+// Info returns what negotiation told about the export.
+func (cl *Client) Info() ExportInfo { return cl.info }
+
+// Size is the export size in bytes.
+func (cl *Client) Size() int64 { return int64(cl.info.Size) }
+
+// Conns returns the underlying connections (for metrics such as MPTCP_INFO).
+func (cl *Client) Conns() []net.Conn {
+	out := make([]net.Conn, len(cl.conns))
+	for i, c := range cl.conns {
+		out[i] = c.conn
+	}
+	return out
+}
+
+// MultipathTCP reports, per connection, whether it is carried by MPTCP.
+func (cl *Client) MultipathTCP() []bool {
+	out := make([]bool, len(cl.conns))
+	for i, c := range cl.conns {
+		out[i] = IsMultipathTCP(c.conn)
+	}
+	return out
+}
+
+// ReadAt reads len(p) bytes at off, split into requests the server accepts.
+func (cl *Client) ReadAt(p []byte, off int64) (int, error) {
+	return cl.chunked(p, off, func(b []byte, o int64) error {
+		return cl.do(Request{Type: CmdRead, Offset: uint64(o), Length: uint32(len(b))}, nil, b)
+	})
+}
+
+// WriteAt writes p at off.
+func (cl *Client) WriteAt(p []byte, off int64) (int, error) {
+	return cl.WriteAtFlags(p, off, 0)
+}
+
+// WriteAtFlags writes p at off with command flags (CmdFlagFUA).
+func (cl *Client) WriteAtFlags(p []byte, off int64, flags uint16) (int, error) {
+	return cl.chunked(p, off, func(b []byte, o int64) error {
+		return cl.do(Request{Type: CmdWrite, Flags: flags, Offset: uint64(o), Length: uint32(len(b))}, b, nil)
+	})
+}
+
+// Flush asks the server to make every completed write durable.
+func (cl *Client) Flush() error {
+	return cl.do(Request{Type: CmdFlush}, nil, nil)
+}
+
+// Trim discards a range.
+func (cl *Client) Trim(off, length int64) error {
+	return cl.ranged(CmdTrim, 0, off, length)
+}
+
+// WriteZeroes zeroes a range; noHole keeps it allocated.
+func (cl *Client) WriteZeroes(off, length int64, noHole bool) error {
+	var f uint16
+	if noHole {
+		f = CmdFlagNoHole
+	}
+	return cl.ranged(CmdWriteZeroes, f, off, length)
+}
+
+func (cl *Client) ranged(cmd, flags uint16, off, length int64) error {
+	const step = 1 << 30
+	for length > 0 {
+		n := min(length, step)
+		if err := cl.do(Request{Type: cmd, Flags: flags, Offset: uint64(off), Length: uint32(n)}, nil, nil); err != nil {
+			return err
+		}
+		off += n
+		length -= n
+	}
+	return nil
+}
+
+func (cl *Client) chunked(p []byte, off int64, f func([]byte, int64) error) (int, error) {
+	done := 0
+	for done < len(p) {
+		n := min(len(p)-done, cl.maxReq)
+		if err := f(p[done:done+n], off+int64(done)); err != nil {
+			return done, err
+		}
+		done += n
+	}
+	return done, nil
+}
+
+// Close sends NBD_CMD_DISC on every connection and closes them.
+func (cl *Client) Close() error {
+	var errs []error
+	for _, c := range cl.conns {
+		errs = append(errs, c.close(cl.handle.Add(1)))
+	}
+	return errors.Join(errs...)
+}
+
+func (cl *Client) do(req Request, payload, dst []byte) error {
+	req.Handle = cl.handle.Add(1)
+	c := cl.conns[int(cl.next.Add(1)%uint64(len(cl.conns)))]
+	return c.roundTrip(req, payload, dst)
+}
+
+type call struct {
+	dst  []byte
+	cmd  uint16
+	done chan error
+}
+
+var callPool = sync.Pool{New: func() any { return &call{done: make(chan error, 1)} }}
+
+type clientConn struct {
+	conn net.Conn
+	r    *bufio.Reader
+
+	wmu sync.Mutex
+
+	mu      sync.Mutex
+	pending map[uint64]*call
+	err     error
+}
+
+func (c *clientConn) roundTrip(req Request, payload, dst []byte) error {
+	cl := callPool.Get().(*call)
+	cl.dst, cl.cmd = dst, req.Type
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		callPool.Put(cl)
+		return err
+	}
+	c.pending[req.Handle] = cl
+	c.mu.Unlock()
+
+	var hdr [requestHeaderSize]byte
+	req.Encode(hdr[:])
+	c.wmu.Lock()
+	var err error
+	if len(payload) > 0 {
+		bufs := net.Buffers{hdr[:], payload}
+		_, err = bufs.WriteTo(c.conn)
+	} else {
+		_, err = c.conn.Write(hdr[:])
+	}
+	c.wmu.Unlock()
+	if err != nil {
+		c.fail(fmt.Errorf("%w: %v", ErrClosed, err))
+	}
+	err = <-cl.done
+	cl.dst = nil
+	callPool.Put(cl)
+	return err
+}
+
+func (c *clientConn) readLoop() {
+	var hdr [replyHeaderSize]byte
+	for {
+		if _, err := io.ReadFull(c.r, hdr[:]); err != nil {
+			c.fail(fmt.Errorf("%w: %v", ErrClosed, err))
+			return
+		}
+		rep, err := DecodeReply(hdr[:])
+		if err != nil {
+			c.fail(err)
+			return
+		}
+		c.mu.Lock()
+		cl, ok := c.pending[rep.Handle]
+		delete(c.pending, rep.Handle)
+		c.mu.Unlock()
+		if !ok {
+			c.fail(fmt.Errorf("%w: reply for unknown handle %#x", ErrProtocol, rep.Handle))
+			return
+		}
+		if rep.Errno != 0 {
+			cl.done <- &Error{Cmd: cl.cmd, Errno: rep.Errno}
+			continue
+		}
+		if cl.cmd == CmdRead {
+			if _, err := io.ReadFull(c.r, cl.dst); err != nil {
+				err = fmt.Errorf("%w: reading payload: %v", ErrClosed, err)
+				cl.done <- err
+				c.fail(err)
+				return
+			}
+		}
+		cl.done <- nil
+	}
+}
+
+// fail ends the connection: every pending and future request gets err.
+func (c *clientConn) fail(err error) {
+	c.mu.Lock()
+	if c.err == nil {
+		c.err = err
+	}
+	pend := c.pending
+	c.pending = make(map[uint64]*call)
+	c.mu.Unlock()
+	c.conn.Close()
+	for _, cl := range pend {
+		cl.done <- c.err
+	}
+}
+
+func (c *clientConn) close(handle uint64) error {
+	c.mu.Lock()
+	dead := c.err != nil
+	c.mu.Unlock()
+	var err error
+	if !dead {
+		var hdr [requestHeaderSize]byte
+		(&Request{Type: CmdDisc, Handle: handle}).Encode(hdr[:])
+		c.wmu.Lock()
+		_, err = c.conn.Write(hdr[:])
+		c.wmu.Unlock()
+	}
+	c.fail(ErrClosed)
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
+	return err
+}

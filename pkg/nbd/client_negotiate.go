@@ -1,0 +1,169 @@
+package nbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+)
+
+// Negotiate runs the client side of the fixed-newstyle handshake on rw
+// and selects export with NBD_OPT_GO (falling back to NBD_OPT_EXPORT_NAME
+// on servers without GO). On success rw is in the transmission phase with
+// simple replies only, so it can be handed to the kernel's NBD client.
+func Negotiate(rw io.ReadWriter, export string) (ExportInfo, error) {
+	noZeroes, err := clientHello(rw)
+	if err != nil {
+		return ExportInfo{}, err
+	}
+	q := InfoRequest{Name: export, Infos: []uint16{InfoBlockSize, InfoName, InfoDescription}}
+	o := option{Code: OptGo, Data: q.encode()}
+	if _, err := rw.Write(o.encode()); err != nil {
+		return ExportInfo{}, err
+	}
+	info := ExportInfo{Name: export}
+	gotExport := false
+	for {
+		r, err := readOptReply(rw)
+		if err != nil {
+			return ExportInfo{}, err
+		}
+		if r.Option != OptGo {
+			return ExportInfo{}, fmt.Errorf("%w: reply to option %s while waiting for GO", ErrProtocol, OptName(r.Option))
+		}
+		switch {
+		case r.Type == RepInfo:
+			if err := info.applyInfo(r.Data); err != nil {
+				return ExportInfo{}, err
+			}
+			if len(r.Data) >= 2 && be.Uint16(r.Data) == InfoExport {
+				gotExport = true
+			}
+		case r.Type == RepAck:
+			if !gotExport {
+				return ExportInfo{}, fmt.Errorf("%w: GO acknowledged without NBD_INFO_EXPORT", ErrProtocol)
+			}
+			return info, nil
+		case r.Type == RepErrUnsup:
+			return exportNameFallback(rw, export, noZeroes)
+		case r.Type&repErrBit != 0:
+			return ExportInfo{}, &OptionError{Option: OptGo, Reply: r.Type, Msg: printable(r.Data)}
+		default:
+			// Unknown non-error replies are skipped, as the protocol asks.
+		}
+	}
+}
+
+// clientHello reads the server greeting and sends the client flags.
+func clientHello(rw io.ReadWriter) (noZeroes bool, err error) {
+	var hello [18]byte
+	if _, err := io.ReadFull(rw, hello[:]); err != nil {
+		return false, fmt.Errorf("read greeting: %w", err)
+	}
+	if m := be.Uint64(hello[0:]); m != magicNBD {
+		return false, fmt.Errorf("%w: greeting magic %#x", ErrBadMagic, m)
+	}
+	if m := be.Uint64(hello[8:]); m != magicIHaveOpt {
+		return false, fmt.Errorf("%w: server speaks oldstyle (magic %#x)", ErrNotFixed, m)
+	}
+	sflags := be.Uint16(hello[16:])
+	if sflags&flagFixedNewstyle == 0 {
+		return false, ErrNotFixed
+	}
+	cflags := clientFlagFixedNewstyle
+	if sflags&flagNoZeroes != 0 {
+		cflags |= clientFlagNoZeroes
+		noZeroes = true
+	}
+	var b [4]byte
+	be.PutUint32(b[:], cflags)
+	if _, err := rw.Write(b[:]); err != nil {
+		return false, err
+	}
+	return noZeroes, nil
+}
+
+func exportNameFallback(rw io.ReadWriter, export string, noZeroes bool) (ExportInfo, error) {
+	o := option{Code: OptExportName, Data: []byte(export)}
+	if _, err := rw.Write(o.encode()); err != nil {
+		return ExportInfo{}, err
+	}
+	n := 10
+	if !noZeroes {
+		n += 124
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(rw, b); err != nil {
+		// The server hangs up on an unknown export.
+		return ExportInfo{}, fmt.Errorf("export %q: %w (%v)", export, ErrUnknownExport, err)
+	}
+	return ExportInfo{Name: export, Size: be.Uint64(b[0:]), Flags: be.Uint16(b[8:])}, nil
+}
+
+// ListExports asks the server for its export names, then ends the session
+// with NBD_OPT_ABORT.
+func ListExports(rw io.ReadWriter) ([]string, error) {
+	if _, err := clientHello(rw); err != nil {
+		return nil, err
+	}
+	o := option{Code: OptList}
+	if _, err := rw.Write(o.encode()); err != nil {
+		return nil, err
+	}
+	var names []string
+	for {
+		r, err := readOptReply(rw)
+		if err != nil {
+			return nil, err
+		}
+		if r.Option != OptList {
+			return nil, fmt.Errorf("%w: reply to option %s while waiting for LIST", ErrProtocol, OptName(r.Option))
+		}
+		switch {
+		case r.Type == RepServer:
+			name, err := decodeServerReply(r.Data)
+			if err != nil {
+				return nil, err
+			}
+			names = append(names, name)
+		case r.Type == RepAck:
+			a := option{Code: OptAbort}
+			rw.Write(a.encode())
+			return names, nil
+		case r.Type&repErrBit != 0:
+			return nil, &OptionError{Option: OptList, Reply: r.Type, Msg: printable(r.Data)}
+		}
+	}
+}
+
+func printable(b []byte) string {
+	if len(b) > 256 {
+		b = b[:256]
+	}
+	out := make([]rune, 0, len(b))
+	for _, r := range string(b) {
+		if r < 0x20 || r == 0x7f {
+			r = '?'
+		}
+		out = append(out, r)
+	}
+	return string(out)
+}
+
+// NegotiateConn is Negotiate bounded by ctx (deadline or cancellation).
+func NegotiateConn(ctx context.Context, c net.Conn, export string) (ExportInfo, error) {
+	if d, ok := ctx.Deadline(); ok {
+		c.SetDeadline(d)
+	} else {
+		c.SetDeadline(time.Now().Add(30 * time.Second))
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	info, err := Negotiate(c, export)
+	if !stop() && err != nil {
+		err = errors.Join(ctx.Err(), err)
+	}
+	c.SetDeadline(time.Time{})
+	return info, err
+}

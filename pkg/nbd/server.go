@@ -1,0 +1,342 @@
+package nbd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+)
+
+// Export is one named block device served by a Server.
+type Export struct {
+	Name        string
+	Description string
+	Backend     Backend
+	ReadOnly    bool
+
+	mu      sync.Mutex
+	conns   map[*serverConn]struct{}
+	removed bool
+}
+
+// Flags returns the transmission flags announced for the export.
+func (e *Export) Flags() uint16 {
+	f := FlagHasFlags | FlagSendFlush | FlagSendFUA | FlagCanMultiConn
+	if e.ReadOnly {
+		return f | FlagReadOnly
+	}
+	return f | FlagSendTrim | FlagSendWriteZeroes
+}
+
+// ConnInfo describes a client connection to authorization hooks and observers.
+type ConnInfo struct {
+	Conn       net.Conn
+	RemoteAddr net.Addr
+	LocalAddr  net.Addr
+}
+
+// Observer receives events for metrics. Calls are made from the serving
+// goroutines and must not block.
+type Observer interface {
+	ConnOpened(c ConnInfo, export string)
+	ConnClosed(c ConnInfo, export string)
+	Request(export string, cmd uint16, bytes int, d time.Duration, errno uint32)
+}
+
+// Server serves exports over any net.Listener. MPTCP, TCP or a UNIX socket
+// is decided by how the listener was made.
+type Server struct {
+	// Logger receives structured logs; nil means slog.Default().
+	Logger *slog.Logger
+	// Authorize decides whether a connection may open an export. Nil allows
+	// everything. An error refuses the export (ERR_POLICY during GO/INFO).
+	Authorize func(c ConnInfo, export string) error
+	// DisableList refuses NBD_OPT_LIST (export names may carry secrets).
+	DisableList bool
+	// DefaultExport is served to clients that ask for the empty name.
+	DefaultExport string
+	// Observer, when set, gets connection and request events.
+	Observer Observer
+	// HandshakeTimeout bounds negotiation; zero means 30 s.
+	HandshakeTimeout time.Duration
+	// MaxInflightBytes bounds payload bytes held per connection; zero means
+	// 64 MiB. With the request count limit it caps memory per client, so a
+	// client that stops reading replies stalls only itself.
+	MaxInflightBytes int
+	// MaxInflight bounds requests in flight per connection; zero means 256.
+	MaxInflight int
+
+	mu        sync.Mutex
+	exports   map[string]*Export
+	listeners map[net.Listener]struct{}
+	conns     map[*serverConn]struct{}
+	closed    bool
+	wg        sync.WaitGroup
+}
+
+func (s *Server) log() *slog.Logger {
+	if s.Logger != nil {
+		return s.Logger
+	}
+	return slog.Default()
+}
+
+// AddExport makes an export available to new connections.
+func (s *Server) AddExport(e *Export) error {
+	if e.Name == "" || len(e.Name) > maxNameLen {
+		return fmt.Errorf("export name %q: %w", e.Name, ErrProtocol)
+	}
+	if e.Backend == nil {
+		return fmt.Errorf("export %q has no backend", e.Name)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.exports == nil {
+		s.exports = make(map[string]*Export)
+	}
+	if _, ok := s.exports[e.Name]; ok {
+		return fmt.Errorf("export %q: %w", e.Name, ErrExportExists)
+	}
+	e.mu.Lock()
+	e.conns = make(map[*serverConn]struct{})
+	e.removed = false
+	e.mu.Unlock()
+	s.exports[e.Name] = e
+	s.log().Info("export added", "export", e.Name, "size", e.Backend.Size(), "read_only", e.ReadOnly)
+	return nil
+}
+
+// Export returns the export with the given name.
+func (s *Server) Export(name string) (*Export, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.exports[name]
+	return e, ok
+}
+
+// Exports returns the names of all exports.
+func (s *Server) Exports() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	names := make([]string, 0, len(s.exports))
+	for n := range s.exports {
+		names = append(names, n)
+	}
+	return names
+}
+
+// RemoveExport stops serving an export: new connections are refused at
+// once; existing ones stop reading requests, finish those in flight, flush
+// and close. It returns when they are all gone or ctx ends. The backend is
+// not closed: it belongs to the caller.
+func (s *Server) RemoveExport(ctx context.Context, name string) error {
+	s.mu.Lock()
+	e, ok := s.exports[name]
+	if ok {
+		delete(s.exports, name)
+	}
+	s.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("export %q: %w", name, ErrUnknownExport)
+	}
+	e.mu.Lock()
+	e.removed = true
+	conns := make([]*serverConn, 0, len(e.conns))
+	for c := range e.conns {
+		conns = append(conns, c)
+	}
+	e.mu.Unlock()
+	err := drainAll(ctx, conns)
+	s.log().Info("export removed", "export", name, "connections_closed", len(conns))
+	return err
+}
+
+// CloseConns drains the connections of an export for which match returns
+// true (e.g. those of a node whose access was revoked).
+func (s *Server) CloseConns(ctx context.Context, name string, match func(ConnInfo) bool) (int, error) {
+	e, ok := s.Export(name)
+	if !ok {
+		return 0, fmt.Errorf("export %q: %w", name, ErrUnknownExport)
+	}
+	e.mu.Lock()
+	var conns []*serverConn
+	for c := range e.conns {
+		if match(c.info) {
+			conns = append(conns, c)
+		}
+	}
+	e.mu.Unlock()
+	return len(conns), drainAll(ctx, conns)
+}
+
+func drainAll(ctx context.Context, conns []*serverConn) error {
+	for _, c := range conns {
+		c.drain()
+	}
+	for _, c := range conns {
+		select {
+		case <-c.done:
+		case <-ctx.Done():
+			for _, c := range conns {
+				c.conn.Close()
+			}
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// Serve accepts connections on l until l is closed or Shutdown is called.
+func (s *Server) Serve(l net.Listener) error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	if s.listeners == nil {
+		s.listeners = make(map[net.Listener]struct{})
+	}
+	s.listeners[l] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, l)
+		s.mu.Unlock()
+	}()
+	var backoff time.Duration
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			s.mu.Lock()
+			closed := s.closed
+			s.mu.Unlock()
+			if closed || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			// Temporary resource exhaustion (EMFILE...): back off, retry.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			s.log().Warn("accept failed", "error", err, "retry_in", backoff)
+			time.Sleep(backoff)
+			continue
+		}
+		backoff = 0
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.ServeConn(c)
+		}()
+	}
+}
+
+// ServeConn runs negotiation and transmission on one connection and closes
+// it when done.
+func (s *Server) ServeConn(c net.Conn) {
+	sc := &serverConn{
+		srv:  s,
+		conn: c,
+		info: ConnInfo{Conn: c, RemoteAddr: c.RemoteAddr(), LocalAddr: c.LocalAddr()},
+		done: make(chan struct{}),
+	}
+	defer close(sc.done)
+	defer c.Close()
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	if s.conns == nil {
+		s.conns = make(map[*serverConn]struct{})
+	}
+	s.conns[sc] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, sc)
+		s.mu.Unlock()
+	}()
+
+	log := s.log().With("remote", c.RemoteAddr().String())
+	exp, err := s.negotiate(sc)
+	if err != nil {
+		if !errors.Is(err, ErrAborted) && !isEOF(err) {
+			log.Info("negotiation failed", "error", err)
+		}
+		return
+	}
+	if !exp.attach(sc) {
+		log.Info("export removed during negotiation", "export", exp.Name)
+		return
+	}
+	defer exp.detach(sc)
+	sc.export = exp
+	sc.log = log.With("export", exp.Name)
+	if o := s.Observer; o != nil {
+		o.ConnOpened(sc.info, exp.Name)
+		defer o.ConnClosed(sc.info, exp.Name)
+	}
+	sc.log.Debug("transmission started", "flags", exp.Flags())
+	sc.transmit()
+}
+
+func (e *Export) attach(c *serverConn) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.removed {
+		return false
+	}
+	e.conns[c] = struct{}{}
+	return true
+}
+
+func (e *Export) detach(c *serverConn) {
+	e.mu.Lock()
+	delete(e.conns, c)
+	e.mu.Unlock()
+}
+
+// Shutdown stops accepting, drains every connection and waits for them
+// (or for ctx, after which connections are closed hard).
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.mu.Lock()
+	s.closed = true
+	for l := range s.listeners {
+		l.Close()
+	}
+	conns := make([]*serverConn, 0, len(s.conns))
+	for c := range s.conns {
+		conns = append(conns, c)
+	}
+	s.mu.Unlock()
+	err := drainAll(ctx, conns)
+	s.wg.Wait()
+	return err
+}
+
+func (s *Server) lookup(c ConnInfo, name string) (*Export, uint32, error) {
+	if name == "" {
+		name = s.DefaultExport
+	}
+	s.mu.Lock()
+	e, ok := s.exports[name]
+	s.mu.Unlock()
+	if !ok {
+		return nil, RepErrUnknown, fmt.Errorf("export %q: %w", name, ErrUnknownExport)
+	}
+	if s.Authorize != nil {
+		if err := s.Authorize(c, name); err != nil {
+			return nil, RepErrPolicy, fmt.Errorf("export %q: %w: %v", name, ErrAccessDenied, err)
+		}
+	}
+	return e, 0, nil
+}
+
+func isEOF(err error) bool {
+	return errors.Is(err, net.ErrClosed) || errors.Is(err, errEOF) || errors.Is(err, errUnexpectedEOF)
+}

@@ -1,0 +1,190 @@
+package nbd
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"time"
+)
+
+var (
+	errEOF           = io.EOF
+	errUnexpectedEOF = io.ErrUnexpectedEOF
+)
+
+// maxOptions bounds the options one client may send before choosing an
+// export, so a peer cannot keep a connection in negotiation forever.
+const maxOptions = 256
+
+// Block size constraints announced with NBD_INFO_BLOCK_SIZE.
+const (
+	minBlock  = 1
+	prefBlock = 4096
+)
+
+// negotiate runs the fixed-newstyle handshake on sc and returns the export
+// the client chose. It never negotiates structured replies or extended
+// headers: the kernel client speaks only simple replies.
+func (s *Server) negotiate(sc *serverConn) (*Export, error) {
+	timeout := s.HandshakeTimeout
+	if timeout == 0 {
+		timeout = 30 * time.Second
+	}
+	c := sc.conn
+	c.SetDeadline(time.Now().Add(timeout))
+	defer c.SetDeadline(time.Time{})
+
+	var hello [18]byte
+	be.PutUint64(hello[0:], magicNBD)
+	be.PutUint64(hello[8:], magicIHaveOpt)
+	be.PutUint16(hello[16:], flagFixedNewstyle|flagNoZeroes)
+	if _, err := c.Write(hello[:]); err != nil {
+		return nil, err
+	}
+	var cf [4]byte
+	if _, err := io.ReadFull(c, cf[:]); err != nil {
+		return nil, err
+	}
+	cflags := binary.BigEndian.Uint32(cf[:])
+	if cflags&clientFlagFixedNewstyle == 0 {
+		return nil, ErrNotFixed
+	}
+	if cflags&^(clientFlagFixedNewstyle|clientFlagNoZeroes) != 0 {
+		return nil, fmt.Errorf("%w: unknown client flags %#x", ErrProtocol, cflags)
+	}
+	noZeroes := cflags&clientFlagNoZeroes != 0
+
+	br := bufio.NewReaderSize(c, 4096)
+	// A client may pipeline its first requests behind GO: keep what was
+	// read ahead for the transmission phase.
+	sc.hsReader = br
+	bw := bufio.NewWriterSize(c, 4096)
+	reply := func(opt, typ uint32, data []byte) error {
+		r := optReply{Option: opt, Type: typ, Data: data}
+		_, err := bw.Write(r.encode())
+		return err
+	}
+	replyErr := func(opt, typ uint32, msg string) error {
+		if err := reply(opt, typ, []byte(msg)); err != nil {
+			return err
+		}
+		return bw.Flush()
+	}
+
+	for n := 0; ; n++ {
+		if n >= maxOptions {
+			return nil, fmt.Errorf("%w: more than %d options", ErrProtocol, maxOptions)
+		}
+		o, err := readOption(br)
+		if err != nil {
+			return nil, err
+		}
+		switch o.Code {
+		case OptExportName:
+			if len(o.Data) > maxNameLen {
+				return nil, fmt.Errorf("%w: export name of %d bytes", ErrProtocol, len(o.Data))
+			}
+			e, _, err := s.lookup(sc.info, string(o.Data))
+			if err != nil {
+				// EXPORT_NAME has no error reply: the only answer is to hang up.
+				return nil, err
+			}
+			b := make([]byte, 10, 10+124)
+			be.PutUint64(b[0:], uint64(e.Backend.Size()))
+			be.PutUint16(b[8:], e.Flags())
+			if !noZeroes {
+				b = b[:10+124]
+			}
+			if _, err := bw.Write(b); err != nil {
+				return nil, err
+			}
+			return e, bw.Flush()
+
+		case OptAbort:
+			// Best effort: the client may already have gone.
+			reply(o.Code, RepAck, nil)
+			bw.Flush()
+			return nil, ErrAborted
+
+		case OptList:
+			if len(o.Data) != 0 {
+				if err := replyErr(o.Code, RepErrInvalid, "LIST takes no data"); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			if s.DisableList {
+				if err := replyErr(o.Code, RepErrPolicy, "listing exports is disabled"); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			for _, name := range s.Exports() {
+				if s.Authorize != nil && s.Authorize(sc.info, name) != nil {
+					continue
+				}
+				if err := reply(o.Code, RepServer, encodeServerReply(name)); err != nil {
+					return nil, err
+				}
+			}
+			if err := replyErr(o.Code, RepAck, ""); err != nil {
+				return nil, err
+			}
+
+		case OptInfo, OptGo:
+			q, err := decodeInfoRequest(o.Data)
+			if err != nil {
+				if err := replyErr(o.Code, RepErrInvalid, err.Error()); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			e, rep, err := s.lookup(sc.info, q.Name)
+			if err != nil {
+				msg := "unknown export"
+				if rep == RepErrPolicy {
+					msg = "access denied"
+				}
+				if err := replyErr(o.Code, rep, msg); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			if err := reply(o.Code, RepInfo, encodeInfoExport(uint64(e.Backend.Size()), e.Flags())); err != nil {
+				return nil, err
+			}
+			for _, t := range q.Infos {
+				var data []byte
+				switch t {
+				case InfoName:
+					data = encodeInfoString(InfoName, e.Name)
+				case InfoDescription:
+					if e.Description != "" {
+						data = encodeInfoString(InfoDescription, e.Description)
+					}
+				case InfoBlockSize:
+					data = encodeInfoBlockSize(minBlock, prefBlock, MaxRequestSize)
+				}
+				if data != nil {
+					if err := reply(o.Code, RepInfo, data); err != nil {
+						return nil, err
+					}
+				}
+			}
+			if err := replyErr(o.Code, RepAck, ""); err != nil {
+				return nil, err
+			}
+			if o.Code == OptGo {
+				return e, nil
+			}
+
+		default:
+			// STARTTLS, STRUCTURED_REPLY, EXTENDED_HEADERS, meta contexts and
+			// anything unknown: the simple reply format is all we speak.
+			if err := replyErr(o.Code, RepErrUnsup, "unsupported option "+OptName(o.Code)); err != nil {
+				return nil, err
+			}
+		}
+	}
+}
