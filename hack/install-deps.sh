@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what the tests, benchmarks and demo need on a fresh Debian 12 machine.
+set -euo pipefail
+pkgs=(iproute2 nbd-server nbd-client nbdkit libnbd-bin qemu-utils fio mptcpd iperf3 e2fsprogs util-linux)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+cd "$(dirname "$0")/.."
+go mod download

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, vet, unit + root integration tests with
+# the race detector, and a short run of every fuzz target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FUZZTIME=${FUZZTIME:-8s}
+
+echo "== gofmt"
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+if [ -n "$unformatted" ]; then
+  echo "gofmt needed:"; echo "$unformatted"; exit 1
+fi
+
+echo "== go vet"
+go vet ./...
+
+echo "== go test -race"
+[ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
+go test -race -count=1 -timeout 20m ./...
+
+echo "== fuzz (${FUZZTIME} each)"
+grep -l '^func Fuzz' $(git ls-files '*_test.go') | while read -r f; do
+  pkg=./$(dirname "$f")
+  for fn in $(grep -o '^func Fuzz[A-Za-z0-9_]*' "$f" | cut -d' ' -f2); do
+    echo "-- $pkg $fn"
+    go test -run '^$' -fuzz "^${fn}\$" -fuzztime "$FUZZTIME" "$pkg" >/tmp/fuzz.$$.log 2>&1 || { cat /tmp/fuzz.$$.log; exit 1; }
+  done
+done
+rm -f /tmp/fuzz.$$.log
+echo "all tests passed"
