@@ -1,0 +1,63 @@
+package nbd
+
+import (
+	"context"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// benchmarkLoopback measures the server and client together over TCP on
+// loopback, qd requests of bs bytes in flight.
+func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
+	const size = 256 << 20
+	s := &Server{Logger: quietLogger()}
+	s.AddExport(&Export{Name: "d", Backend: NewMemBackend(size)})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	go s.Serve(l)
+	defer s.Shutdown(context.Background())
+	cl, err := Dial(context.Background(), DialOptions{Addr: l.Addr().String(), Export: "d"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer cl.Close()
+	b.SetBytes(int64(bs))
+	b.ResetTimer()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < qd; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, bs)
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(b.N) {
+					return
+				}
+				off := (i * int64(bs)) % (size - int64(bs))
+				off -= off % int64(bs)
+				var err error
+				if write {
+					_, err = cl.WriteAt(buf, off)
+				} else {
+					_, err = cl.ReadAt(buf, off)
+				}
+				if err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func BenchmarkLoopbackRead1M(b *testing.B)  { benchmarkLoopback(b, false, 1<<20, 8) }
+func BenchmarkLoopbackWrite1M(b *testing.B) { benchmarkLoopback(b, true, 1<<20, 8) }
+func BenchmarkLoopbackRead4K(b *testing.B)  { benchmarkLoopback(b, false, 4096, 32) }
+func BenchmarkLoopbackWrite4K(b *testing.B) { benchmarkLoopback(b, true, 4096, 32) }
