@@ -7,11 +7,27 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-func fdatasync(f *os.File) error { return unix.Fdatasync(int(f.Fd())) }
+// withFd runs fn on f's descriptor while the file is kept open, so a
+// concurrent Close cannot hand the number to another file underneath us.
+func withFd(f *os.File, fn func(fd int) error) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var opErr error
+	if err := rc.Control(func(fd uintptr) { opErr = fn(int(fd)) }); err != nil {
+		return err
+	}
+	return opErr
+}
+
+func fdatasync(f *os.File) error { return withFd(f, unix.Fdatasync) }
 
 // punchHole deallocates a range; reads of it return zeroes afterwards.
 func punchHole(f *os.File, off, length int64) error {
-	err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, length)
+	err := withFd(f, func(fd int) error {
+		return unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, length)
+	})
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENODEV) {
 		// Filesystems and devices without hole punching still get zeroes.
 		return zeroRange(f, off, length)
@@ -21,7 +37,9 @@ func punchHole(f *os.File, off, length int64) error {
 
 // zeroRange zeroes a range and keeps it allocated.
 func zeroRange(f *os.File, off, length int64) error {
-	err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, length)
+	err := withFd(f, func(fd int) error {
+		return unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, length)
+	})
 	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENODEV) {
 		return writeZeroes(f, off, length)
 	}

@@ -180,8 +180,13 @@ func drainAll(ctx context.Context, conns []*serverConn) error {
 		select {
 		case <-c.done:
 		case <-ctx.Done():
+			// Out of patience: close hard, but still wait for the handlers
+			// so the caller knows the backend is no longer in use.
 			for _, c := range conns {
 				c.conn.Close()
+			}
+			for _, c := range conns {
+				<-c.done
 			}
 			return ctx.Err()
 		}

@@ -83,6 +83,9 @@ func (c *serverConn) transmit() {
 		case req.Length > MaxRequestSize && (req.Type == CmdWrite || req.Type == CmdRead):
 			c.log.Warn("request too big", "cmd", CmdName(req.Type), "length", req.Length)
 			c.reply(req.Handle, EOVERFLOW, nil)
+			if o := c.srv.Observer; o != nil {
+				o.Request(e.Name, req.Type, 0, 0, EOVERFLOW)
+			}
 			if req.Type == CmdWrite {
 				// Its payload follows and is too big to skip safely.
 				return

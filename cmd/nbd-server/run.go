@@ -1,0 +1,392 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nbdmetrics"
+)
+
+// Exit codes.
+const (
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
+)
+
+// run is the whole command: it parses args, serves until ctx ends, shuts
+// down gracefully and returns the exit code. SIGHUP reloads the config
+// file while it runs.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	opts, err := parseArgs(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fs, _ := newFlagSet()
+		fmt.Fprint(stdout, usage(fs))
+		return exitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "nbd-server: %v\nRun 'nbd-server --help' for usage.\n", err)
+		return exitUsage
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	return serve(ctx, opts, newLogger(stderr, opts), hup)
+}
+
+func newLogger(w io.Writer, o *options) *slog.Logger {
+	ho := &slog.HandlerOptions{Level: o.logLevel}
+	if o.logFormat == "json" {
+		return slog.New(slog.NewJSONHandler(w, ho))
+	}
+	return slog.New(slog.NewTextHandler(w, ho))
+}
+
+// daemon is the state of one running server.
+type daemon struct {
+	opts    *options
+	log     *slog.Logger
+	srv     *nbd.Server
+	metrics *nbdmetrics.Observer
+	exports map[string]*openExport
+	// retired are removed exports whose connections did not drain in time.
+	retired []*openExport
+}
+
+type openExport struct {
+	cfg     ExportConfig
+	backend *nbd.FileBackend
+}
+
+// serve runs the server described by opts until ctx ends. Each value
+// received on reload re-reads the config file.
+func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan os.Signal) int {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	)
+	obs, err := nbdmetrics.New(reg)
+	if err != nil {
+		log.Error("registering metrics failed", "error", err)
+		return exitFailure
+	}
+	d := &daemon{
+		opts:    opts,
+		log:     log,
+		metrics: obs,
+		exports: make(map[string]*openExport),
+		srv: &nbd.Server{
+			Logger:      log,
+			DisableList: opts.noList,
+			Observer:    obs,
+		},
+	}
+
+	// Open every backend before listening, so that a bad path fails the
+	// start instead of clients.
+	for _, e := range opts.exports {
+		if err := d.addExport(e); err != nil {
+			log.Error("cannot serve export", "export", e.Name, "error", err)
+			d.closeBackends()
+			return exitFailure
+		}
+	}
+	if len(opts.exports) == 0 {
+		log.Warn("no exports yet; add some to the config file and send SIGHUP", "config", opts.configPath)
+	}
+
+	var listeners []net.Listener
+	closeListeners := func() {
+		for _, l := range listeners {
+			l.Close()
+		}
+	}
+	var bound []string
+	for _, addr := range opts.listen {
+		l, err := mptcp.Listen(ctx, "tcp", addr, !opts.tcp)
+		if err != nil {
+			log.Error("cannot listen", "addr", addr, "error", err)
+			closeListeners()
+			d.closeBackends()
+			return exitFailure
+		}
+		listeners = append(listeners, l)
+		bound = append(bound, l.Addr().String())
+		d.logListener(l, addr)
+	}
+
+	var healthy atomic.Bool
+	healthy.Store(true)
+	var metricsSrv *http.Server
+	metricsAddr := ""
+	if opts.metricsAddr != "" {
+		ml, err := net.Listen("tcp", opts.metricsAddr)
+		if err != nil {
+			log.Error("cannot listen for metrics", "addr", opts.metricsAddr, "error", err)
+			closeListeners()
+			d.closeBackends()
+			return exitFailure
+		}
+		metricsAddr = ml.Addr().String()
+		metricsSrv = newMetricsServer(reg, &healthy, log)
+		go func() {
+			if err := metricsSrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("metrics server failed", "error", err)
+			}
+		}()
+		log.Info("metrics listening", "addr", metricsAddr)
+	}
+
+	var serving sync.WaitGroup
+	for _, l := range listeners {
+		serving.Go(func() {
+			if err := d.srv.Serve(l); err != nil && !errors.Is(err, nbd.ErrClosed) {
+				log.Error("serving failed", "addr", l.Addr().String(), "error", err)
+			}
+		})
+	}
+	log.Info("ready", "listen", bound, "metrics_addr", metricsAddr, "exports", len(d.exports))
+
+	for done := false; !done; {
+		select {
+		case <-ctx.Done():
+			done = true
+		case sig := <-reload:
+			d.reload(sig)
+		}
+	}
+
+	code := exitOK
+	healthy.Store(false)
+	log.Info("shutting down", "reason", context.Cause(ctx).Error(), "timeout", opts.shutdownTimeout.String())
+	sctx, cancel := context.WithTimeout(context.Background(), opts.shutdownTimeout)
+	if err := d.srv.Shutdown(sctx); err != nil {
+		log.Warn("connections did not drain in time and were closed", "error", err)
+	}
+	cancel()
+	serving.Wait()
+	if !d.closeBackends() {
+		code = exitFailure
+	}
+	if metricsSrv != nil {
+		mctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		metricsSrv.Shutdown(mctx)
+		cancel()
+	}
+	log.Info("stopped", "exit_code", code)
+	return code
+}
+
+// logListener logs a listener and whether it really runs MPTCP; not
+// getting MPTCP when it was asked for is a warning.
+func (d *daemon) logListener(l net.Listener, requested string) {
+	attrs := []any{"addr", l.Addr().String()}
+	if requested != l.Addr().String() {
+		attrs = append(attrs, "requested", requested)
+	}
+	if d.opts.tcp {
+		d.log.Info("listening", append(attrs, "mptcp", false, "reason", "--tcp")...)
+		return
+	}
+	on, err := listenerMPTCP(l)
+	switch {
+	case err != nil:
+		d.log.Warn("listening", append(attrs, "mptcp", "unknown", "error", err)...)
+	case on:
+		d.log.Info("listening", append(attrs, "mptcp", true)...)
+	default:
+		reason := "the kernel gave a plain TCP socket"
+		if err := mptcp.Available(); err != nil {
+			reason = err.Error()
+		}
+		d.log.Warn("listening", append(attrs, "mptcp", false, "reason", reason)...)
+	}
+}
+
+func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, log *slog.Logger) *http.Server {
+	errLog := slog.NewLogLogger(log.Handler(), slog.LevelError)
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog: errLog,
+		Registry: reg,
+	}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if !healthy.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, "shutting down\n")
+			return
+		}
+		io.WriteString(w, "ok\n")
+	})
+	return &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          errLog,
+	}
+}
+
+// openBackend opens the file or block device of an export.
+func openBackend(e ExportConfig) (*nbd.FileBackend, error) {
+	st, err := os.Stat(e.Path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist) && e.ReadOnly:
+		return nil, fmt.Errorf("%s does not exist", e.Path)
+	case errors.Is(err, fs.ErrNotExist) && !e.Create:
+		return nil, fmt.Errorf("%s does not exist (add the create option, with a size, to make it)", e.Path)
+	case err == nil && !st.Mode().IsRegular() && (st.Mode()&fs.ModeDevice == 0 || st.Mode()&fs.ModeCharDevice != 0):
+		return nil, fmt.Errorf("%s is not a regular file or block device (mode %s)", e.Path, st.Mode())
+	case err != nil && !errors.Is(err, fs.ErrNotExist):
+		return nil, err
+	}
+	b, err := nbd.OpenFile(e.Path, int64(e.Size), e.Create, e.ReadOnly)
+	if err != nil {
+		return nil, err
+	}
+	if b.Size() == 0 {
+		b.Close()
+		return nil, fmt.Errorf("%s is empty; give a size (with create, or to grow it)", e.Path)
+	}
+	return b, nil
+}
+
+// addExport opens an export's backend and starts serving it.
+func (d *daemon) addExport(e ExportConfig) error {
+	b, err := openBackend(e)
+	if err != nil {
+		return err
+	}
+	if e.Size > 0 && b.Size() > int64(e.Size) {
+		d.log.Warn("file is larger than the size given; serving all of it",
+			"export", e.Name, "path", e.Path, "size", int64(e.Size), "file_size", b.Size())
+	}
+	err = d.srv.AddExport(&nbd.Export{
+		Name:        e.Name,
+		Description: e.Description,
+		Backend:     b,
+		ReadOnly:    e.ReadOnly,
+	})
+	if err != nil {
+		b.Close()
+		return err
+	}
+	d.exports[e.Name] = &openExport{cfg: e, backend: b}
+	d.metrics.ExportAdded(e.Name)
+	d.log.Info("serving export", "export", e.Name, "path", e.Path, "size", b.Size(), "read_only", e.ReadOnly)
+	return nil
+}
+
+// removeExport drains an export's connections, then flushes and closes
+// its backend.
+func (d *daemon) removeExport(name string) {
+	oe := d.exports[name]
+	ctx, cancel := context.WithTimeout(context.Background(), d.opts.shutdownTimeout)
+	defer cancel()
+	err := d.srv.RemoveExport(ctx, name)
+	delete(d.exports, name)
+	d.metrics.ExportRemoved(name)
+	if err != nil {
+		// The connections were closed hard, but requests they had in
+		// flight may still be running on the backend: it is closed only
+		// at shutdown, once the server has waited for every connection.
+		d.log.Warn("export connections did not drain in time and were closed; its file stays open until shutdown",
+			"export", name, "error", err)
+		d.retired = append(d.retired, oe)
+		return
+	}
+	closeBackend(d.log, name, oe)
+}
+
+func closeBackend(log *slog.Logger, name string, oe *openExport) bool {
+	ok := true
+	if !oe.cfg.ReadOnly {
+		if err := oe.backend.Sync(); err != nil {
+			log.Error("flush failed", "export", name, "error", err)
+			ok = false
+		}
+	}
+	if err := oe.backend.Close(); err != nil {
+		log.Error("close failed", "export", name, "error", err)
+		ok = false
+	}
+	return ok
+}
+
+// closeBackends flushes and closes every backend; false if one failed.
+func (d *daemon) closeBackends() bool {
+	ok := true
+	for name, oe := range d.exports {
+		ok = closeBackend(d.log, name, oe) && ok
+		delete(d.exports, name)
+	}
+	for _, oe := range d.retired {
+		ok = closeBackend(d.log, oe.cfg.Name, oe) && ok
+	}
+	d.retired = nil
+	return ok
+}
+
+// reload re-reads the config file and makes the served exports match it
+// plus the --export flags: exports that disappeared or changed are
+// drained and removed, new or changed ones are (re)opened.
+func (d *daemon) reload(sig os.Signal) {
+	log := d.log.With("signal", sig.String())
+	if d.opts.configPath == "" {
+		log.Warn("no --config file to reload; ignoring the signal")
+		return
+	}
+	fc, err := loadConfig(d.opts.configPath)
+	if err != nil {
+		log.Error("reload failed; keeping the current exports", "error", err)
+		return
+	}
+	want, err := mergeExports(fc.Exports, d.opts.flagExports)
+	if err != nil {
+		log.Error("reload failed; keeping the current exports", "config", d.opts.configPath, "error", err)
+		return
+	}
+	byName := make(map[string]ExportConfig, len(want))
+	for _, e := range want {
+		byName[e.Name] = e
+	}
+	var removed, added, failed int
+	for name, oe := range d.exports {
+		if e, ok := byName[name]; !ok || e != oe.cfg {
+			d.removeExport(name)
+			removed++
+		}
+	}
+	for _, e := range want {
+		if _, ok := d.exports[e.Name]; ok {
+			continue
+		}
+		if err := d.addExport(e); err != nil {
+			log.Error("cannot serve export", "export", e.Name, "error", err)
+			failed++
+			continue
+		}
+		added++
+	}
+	log.Info("config reloaded", "config", d.opts.configPath,
+		"exports", len(d.exports), "added", added, "removed", removed, "failed", failed)
+}
