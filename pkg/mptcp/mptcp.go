@@ -18,7 +18,7 @@ import (
 var (
 	// ErrUnsupported is returned by functions that need kernel MPTCP
 	// support on platforms (or kernels) that lack it.
-	ErrUnsupported = errors.New("mptcp: not supported on this platform")
+	ErrUnsupported = errors.New("mptcp: not supported")
 
 	// ErrNotMPTCP is returned by GetInfo when the connection is not an
 	// MPTCP connection: a plain TCP socket, or an MPTCP socket that fell

@@ -1,0 +1,108 @@
+package topo
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// InClient runs fn on a locked OS thread switched into the client
+// namespace. See InNetns.
+func (t *Topology) InClient(fn func() error) error { return InNetns(t.ClientNS, fn) }
+
+// InServer runs fn on a locked OS thread switched into the server
+// namespace. See InNetns.
+func (t *Topology) InServer(fn func() error) error { return InNetns(t.ServerNS, fn) }
+
+// InNetns runs fn in the network namespace ns (a name known to
+// `ip netns`) and returns its error.
+//
+// fn runs on a separate goroutine locked to its OS thread; only that
+// thread is switched (setns), and it is switched back afterwards.
+// Sockets created by fn (listeners, dialled connections) stay in ns and
+// may be used from any goroutine after InNetns returns. Goroutines started
+// by fn do NOT run in ns. If switching back fails, the thread is left
+// locked so the Go runtime terminates it instead of reusing it.
+//
+// A panic in fn is re-raised in the caller, and runtime.Goexit in fn
+// (e.g. t.FailNow) is propagated to the caller, so test helpers behave
+// as if fn had been called directly.
+func InNetns(ns string, fn func() error) error {
+	target, err := os.Open(netnsPath(ns))
+	if err != nil {
+		return fmt.Errorf("topo: open netns %q: %w", ns, err)
+	}
+	defer target.Close()
+
+	type outcome struct {
+		err      error
+		panicked bool
+		panicVal any
+		goexit   bool
+	}
+	done := make(chan outcome, 1)
+	go func() {
+		var o outcome
+		returned := false
+		defer func() {
+			if !returned {
+				if r := recover(); r != nil {
+					o.panicked, o.panicVal = true, r
+				} else {
+					o.goexit = true
+				}
+			}
+			done <- o
+		}()
+
+		runtime.LockOSThread()
+		orig, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			o.err, returned = fmt.Errorf("topo: open current netns: %w", err), true
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			o.err, returned = fmt.Errorf("topo: setns %q: %w", ns, err), true
+			return
+		}
+		defer func() {
+			if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+				// Keep the thread locked: it exits with this goroutine.
+				if o.err == nil {
+					o.err = fmt.Errorf("topo: restoring netns after %q: %w", ns, err)
+				}
+				return
+			}
+			runtime.UnlockOSThread()
+		}()
+		o.err = fn()
+		returned = true
+	}()
+	o := <-done
+	switch {
+	case o.panicked:
+		panic(o.panicVal)
+	case o.goexit:
+		runtime.Goexit()
+	}
+	return o.err
+}
+
+// writeSysctl sets a sysctl (dotted name, e.g. "net.mptcp.enabled")
+// inside namespace ns.
+func writeSysctl(ns, key, value string) error {
+	return InNetns(ns, func() error {
+		p := filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/"))
+		if err := os.WriteFile(p, []byte(value), 0o644); err != nil {
+			return fmt.Errorf("topo: sysctl %s=%s in %s: %w", key, value, ns, err)
+		}
+		return nil
+	})
+}
