@@ -143,8 +143,17 @@ func (cl *Client) MultipathTCP() []bool {
 	return out
 }
 
-// ReadAt reads len(p) bytes at off, split into requests the server accepts.
+// ReadAt reads len(p) bytes at off, split into requests the server
+// accepts. A range that is not aligned to the server's minimum block size
+// is read rounded out to whole blocks.
 func (cl *Client) ReadAt(p []byte, off int64) (int, error) {
+	if lo, hi := cl.alignOut(off, int64(len(p))); lo != off || hi != off+int64(len(p)) {
+		tmp := make([]byte, hi-lo)
+		if _, err := cl.ReadAt(tmp, lo); err != nil {
+			return 0, err
+		}
+		return copy(p, tmp[off-lo:]), nil
+	}
 	return cl.chunked(p, off, func(b []byte, o int64) error {
 		return cl.do(Request{Type: CmdRead, Offset: uint64(o), Length: uint32(len(b))}, nil, b)
 	})
@@ -155,11 +164,35 @@ func (cl *Client) WriteAt(p []byte, off int64) (int, error) {
 	return cl.WriteAtFlags(p, off, 0)
 }
 
-// WriteAtFlags writes p at off with command flags (CmdFlagFUA).
+// WriteAtFlags writes p at off with command flags (CmdFlagFUA). Ranges not
+// aligned to the server's minimum block size are refused with ErrUnaligned
+// rather than emulated: a read-modify-write would not be atomic.
 func (cl *Client) WriteAtFlags(p []byte, off int64, flags uint16) (int, error) {
+	if err := cl.checkAligned(off, int64(len(p))); err != nil {
+		return 0, err
+	}
 	return cl.chunked(p, off, func(b []byte, o int64) error {
 		return cl.do(Request{Type: CmdWrite, Flags: flags, Offset: uint64(o), Length: uint32(len(b))}, b, nil)
 	})
+}
+
+func (cl *Client) minBlock() int64 { return max(int64(cl.info.MinBlock), 1) }
+
+func (cl *Client) alignOut(off, n int64) (lo, hi int64) {
+	m := cl.minBlock()
+	lo = off - off%m
+	hi = off + n
+	if r := hi % m; r != 0 {
+		hi += m - r
+	}
+	return lo, hi
+}
+
+func (cl *Client) checkAligned(off, n int64) error {
+	if m := cl.minBlock(); off%m != 0 || n%m != 0 {
+		return fmt.Errorf("%w: %d bytes at %d with a minimum block size of %d", ErrUnaligned, n, off, m)
+	}
+	return nil
 }
 
 // Flush asks the server to make every completed write durable.
@@ -182,7 +215,16 @@ func (cl *Client) WriteZeroes(off, length int64, noHole bool) error {
 }
 
 func (cl *Client) ranged(cmd, flags uint16, off, length int64) error {
-	const step = 1 << 30
+	if err := cl.checkAligned(off, length); err != nil {
+		return err
+	}
+	// Trim is bounded only by the 32-bit length; write-zeroes also by the
+	// maximum block size.
+	step := int64(1 << 30)
+	if cmd == CmdWriteZeroes {
+		step = int64(cl.maxReq)
+	}
+	step -= step % cl.minBlock()
 	for length > 0 {
 		n := min(length, step)
 		if err := cl.do(Request{Type: cmd, Flags: flags, Offset: uint64(off), Length: uint32(n)}, nil, nil); err != nil {
@@ -196,8 +238,9 @@ func (cl *Client) ranged(cmd, flags uint16, off, length int64) error {
 
 func (cl *Client) chunked(p []byte, off int64, f func([]byte, int64) error) (int, error) {
 	done := 0
+	step := cl.maxReq - cl.maxReq%int(cl.minBlock())
 	for done < len(p) {
-		n := min(len(p)-done, cl.maxReq)
+		n := min(len(p)-done, step)
 		if err := f(p[done:done+n], off+int64(done)); err != nil {
 			return done, err
 		}

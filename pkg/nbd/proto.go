@@ -142,6 +142,7 @@ var (
 	ErrOutOfRange      = errors.New("nbd: request outside the export")
 	ErrReadOnly        = errors.New("nbd: export is read-only")
 	ErrNegotiationDone = errors.New("nbd: negotiation already finished")
+	ErrUnaligned       = errors.New("nbd: request not aligned to the minimum block size")
 )
 
 // Error is an error reply from the peer for one command.
