@@ -1,0 +1,124 @@
+// Package attach turns an NBD export into a block device on this node, by
+// one of several transports:
+//
+//   - kernel:    the MPTCP socket itself is handed to the kernel's NBD driver
+//     (only on kernels whose nbd accepts MPTCP sockets);
+//   - relay:     the kernel gets one end of an AF_UNIX socketpair and a
+//     userspace relay moves NBD frames to and from the MPTCP connection,
+//     redialling and replaying in-flight requests when it breaks;
+//   - multiconn: N plain TCP connections, one per local storage NIC;
+//   - tcp:       one plain TCP connection (the baseline);
+//   - fuse:      no nbd driver at all: the pipelined userspace client serves
+//     the export as a file through FUSE and a loop device sits on top.
+//
+// auto picks kernel, then relay, then fuse, by what the node supports.
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Transport names a way of attaching.
+type Transport string
+
+const (
+	Auto      Transport = "auto"
+	Kernel    Transport = "kernel"
+	Relay     Transport = "relay"
+	MultiConn Transport = "multiconn"
+	TCP       Transport = "tcp"
+	FUSE      Transport = "fuse"
+)
+
+// Transports lists every valid value, auto first.
+var Transports = []Transport{Auto, Kernel, Relay, MultiConn, TCP, FUSE}
+
+// ParseTransport validates a transport name.
+func ParseTransport(s string) (Transport, error) {
+	if s == "" {
+		return Auto, nil
+	}
+	for _, t := range Transports {
+		if string(t) == s {
+			return t, nil
+		}
+	}
+	return "", fmt.Errorf("%w: transport %q (want one of auto, kernel, relay, multiconn, tcp, fuse)", ErrInvalid, s)
+}
+
+// Defaults for every attach; documented in the README.
+const (
+	DefaultDeadConnTimeout = 120 * time.Second
+	DefaultRequestTimeout  = 0 // no per-request timeout: a stuck request waits for reconnect
+	DefaultBlockSize       = 4096
+)
+
+// Target says what to attach.
+type Target struct {
+	// VolumeID becomes the kernel's BACKEND_IDENTIFIER, so a device can be
+	// found again after a restart and never reattached to another volume.
+	VolumeID string
+	// Export is the NBD export name (it may carry a per-node secret).
+	Export string
+	// Addrs are the server's addresses (host:port). The first is dialled
+	// with MPTCP; multiconn uses one per path, paired with LocalAddrs.
+	Addrs []string
+	// LocalAddrs are the node's storage addresses, for multiconn.
+	LocalAddrs []string
+}
+
+// Options tune an attach. Zero values mean the defaults above.
+type Options struct {
+	DeadConnTimeout time.Duration
+	RequestTimeout  time.Duration
+	BlockSize       uint64
+	ReadOnly        bool
+}
+
+// Attachment is an attached volume.
+type Attachment struct {
+	VolumeID  string
+	Transport Transport
+	// Device is the block device path (/dev/nbdN or /dev/loopN).
+	Device string
+	Size   uint64
+	// MPTCP reports whether the data path runs over MPTCP.
+	MPTCP bool
+}
+
+// Health is a volume's data-path state, for volume stats and conditions.
+type Health struct {
+	Connected bool
+	MPTCP     bool
+	// Subflows is the number of MPTCP subflows (including the first) of
+	// each connection; empty when unknown.
+	Subflows []int
+	// Reconnects counts redials since the attach.
+	Reconnects int
+	Message    string
+}
+
+// Attacher is one transport.
+type Attacher interface {
+	// Attach connects the target and returns the block device. It is
+	// idempotent: a volume already attached is returned as is. On failure
+	// nothing is left behind (no device, socket or relay).
+	Attach(ctx context.Context, t Target, o Options) (*Attachment, error)
+	// Detach disconnects a volume and removes its device. Detaching a
+	// volume that is not attached succeeds.
+	Detach(ctx context.Context, volumeID string) error
+	// Health reports the data path of an attached volume.
+	Health(volumeID string) (Health, error)
+}
+
+// Sentinel errors, mapped to gRPC codes at the CSI boundary.
+var (
+	ErrInvalid       = errors.New("attach: invalid argument")
+	ErrNotAttached   = errors.New("attach: volume not attached")
+	ErrUnsupported   = errors.New("attach: transport not supported on this node")
+	ErrWrongVolume   = errors.New("attach: device belongs to another volume")
+	ErrServerRefused = errors.New("attach: server refused the export")
+)
