@@ -1,0 +1,177 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+)
+
+// Manager routes attaches to the transports this node has and resolves
+// auto: kernel where the kernel accepts MPTCP sockets (learnt from the
+// first refusal and remembered), else relay, else fuse.
+type Manager struct {
+	attachers map[Transport]Attacher
+	log       *slog.Logger
+
+	mu             sync.Mutex
+	kernelRefused  bool
+	chosen         map[string]Transport
+	fallbackEvents []Fallback
+}
+
+// Fallback records one automatic fallback, for logs and status.
+type Fallback struct {
+	VolumeID string
+	From, To Transport
+	Reason   string
+}
+
+// NewManager returns a manager over the given transports; a transport
+// missing from the map is unavailable on this node.
+func NewManager(attachers map[Transport]Attacher, log *slog.Logger) *Manager {
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Manager{attachers: attachers, log: log, chosen: make(map[string]Transport)}
+}
+
+// Available lists the transports this node can use, auto excluded.
+func (m *Manager) Available() []Transport {
+	var out []Transport
+	for _, t := range Transports[1:] {
+		if _, ok := m.attachers[t]; ok {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// candidates resolves a requested transport to what will be tried, in order.
+func (m *Manager) candidates(tr Transport) ([]Transport, error) {
+	if tr == "" {
+		tr = Auto
+	}
+	if tr != Auto {
+		if _, ok := m.attachers[tr]; !ok {
+			return nil, fmt.Errorf("%w: %s (this node has %v)", ErrUnsupported, tr, m.Available())
+		}
+		return []Transport{tr}, nil
+	}
+	m.mu.Lock()
+	refused := m.kernelRefused
+	m.mu.Unlock()
+	var out []Transport
+	for _, t := range []Transport{Kernel, Relay, FUSE} {
+		if _, ok := m.attachers[t]; !ok || (t == Kernel && refused) {
+			continue
+		}
+		out = append(out, t)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: no transport for auto on this node", ErrUnsupported)
+	}
+	return out, nil
+}
+
+// Attach attaches t with the requested transport (auto falls back on
+// ErrUnsupported). The transport used is remembered for Detach and Health.
+func (m *Manager) Attach(ctx context.Context, tr Transport, t Target, o Options) (*Attachment, error) {
+	m.mu.Lock()
+	if prev, ok := m.chosen[t.VolumeID]; ok {
+		m.mu.Unlock()
+		if tr != Auto && tr != "" && tr != prev {
+			return nil, fmt.Errorf("%w: volume %s is attached with %s, not %s", ErrInvalid, t.VolumeID, prev, tr)
+		}
+		return m.attachers[prev].Attach(ctx, t, o)
+	}
+	m.mu.Unlock()
+	cands, err := m.candidates(tr)
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	for i, c := range cands {
+		att, err := m.attachers[c].Attach(ctx, t, o)
+		if err == nil {
+			m.mu.Lock()
+			m.chosen[t.VolumeID] = c
+			m.mu.Unlock()
+			m.log.Info("transport chosen", "volume_id", t.VolumeID, "requested", string(tr), "transport", string(c), "device", att.Device)
+			return att, nil
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", c, err))
+		if !errors.Is(err, ErrUnsupported) || i == len(cands)-1 {
+			break
+		}
+		if c == Kernel {
+			m.mu.Lock()
+			m.kernelRefused = true
+			m.mu.Unlock()
+		}
+		fb := Fallback{VolumeID: t.VolumeID, From: c, To: cands[i+1], Reason: err.Error()}
+		m.mu.Lock()
+		m.fallbackEvents = append(m.fallbackEvents, fb)
+		m.mu.Unlock()
+		m.log.Warn("transport unsupported, falling back", "volume_id", t.VolumeID, "from", string(fb.From), "to", string(fb.To), "reason", fb.Reason)
+	}
+	return nil, errors.Join(errs...)
+}
+
+// Detach detaches a volume with the transport that attached it; for a
+// volume this process does not know, every transport is asked (each
+// succeeds on volumes it does not have).
+func (m *Manager) Detach(ctx context.Context, volumeID string) error {
+	m.mu.Lock()
+	tr, ok := m.chosen[volumeID]
+	m.mu.Unlock()
+	if ok {
+		if err := m.attachers[tr].Detach(ctx, volumeID); err != nil {
+			return err
+		}
+		m.mu.Lock()
+		delete(m.chosen, volumeID)
+		m.mu.Unlock()
+		return nil
+	}
+	var errs []error
+	for _, t := range m.Available() {
+		errs = append(errs, m.attachers[t].Detach(ctx, volumeID))
+	}
+	return errors.Join(errs...)
+}
+
+// Health reports the data path of an attached volume.
+func (m *Manager) Health(volumeID string) (Transport, Health, error) {
+	m.mu.Lock()
+	tr, ok := m.chosen[volumeID]
+	m.mu.Unlock()
+	if !ok {
+		return "", Health{}, fmt.Errorf("%w: %s", ErrNotAttached, volumeID)
+	}
+	h, err := m.attachers[tr].Health(volumeID)
+	return tr, h, err
+}
+
+// Chosen returns the transport a volume was attached with.
+func (m *Manager) Chosen(volumeID string) (Transport, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	tr, ok := m.chosen[volumeID]
+	return tr, ok
+}
+
+// Fallbacks returns the automatic fallbacks so far.
+func (m *Manager) Fallbacks() []Fallback {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return append([]Fallback(nil), m.fallbackEvents...)
+}
+
+// KernelRefused reports whether the kernel transport was found unsupported.
+func (m *Manager) KernelRefused() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.kernelRefused
+}

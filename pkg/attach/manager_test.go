@@ -1,0 +1,162 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"testing"
+)
+
+type fakeAttacher struct {
+	name     Transport
+	err      error
+	attached map[string]bool
+	calls    int
+	detaches int
+}
+
+func (f *fakeAttacher) Attach(_ context.Context, t Target, _ Options) (*Attachment, error) {
+	f.calls++
+	if f.err != nil {
+		return nil, f.err
+	}
+	if f.attached == nil {
+		f.attached = map[string]bool{}
+	}
+	f.attached[t.VolumeID] = true
+	return &Attachment{VolumeID: t.VolumeID, Transport: f.name, Device: "/dev/" + string(f.name)}, nil
+}
+
+func (f *fakeAttacher) Detach(_ context.Context, id string) error {
+	f.detaches++
+	delete(f.attached, id)
+	return nil
+}
+
+func (f *fakeAttacher) Health(id string) (Health, error) {
+	if !f.attached[id] {
+		return Health{}, ErrNotAttached
+	}
+	return Health{Connected: true}, nil
+}
+
+func newTestManager(ts map[Transport]*fakeAttacher) *Manager {
+	m := map[Transport]Attacher{}
+	for k, v := range ts {
+		v.name = k
+		m[k] = v
+	}
+	return NewManager(m, slog.New(slog.NewTextHandler(io.Discard, nil)))
+}
+
+var target = Target{VolumeID: "v1", Export: "e", Addrs: []string{"a:1"}}
+
+func TestAutoPrefersKernel(t *testing.T) {
+	k, r := &fakeAttacher{}, &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Relay: r})
+	att, err := m.Attach(context.Background(), Auto, target, Options{})
+	if err != nil || att.Transport != Kernel || r.calls != 0 {
+		t.Fatalf("auto: %+v %v (relay calls %d)", att, err, r.calls)
+	}
+}
+
+func TestAutoFallsBackAndRemembers(t *testing.T) {
+	k := &fakeAttacher{err: ErrUnsupported}
+	r := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Relay: r, FUSE: {}})
+	att, err := m.Attach(context.Background(), Auto, target, Options{})
+	if err != nil || att.Transport != Relay {
+		t.Fatalf("auto with a refusing kernel: %+v %v", att, err)
+	}
+	if !m.KernelRefused() || len(m.Fallbacks()) != 1 || m.Fallbacks()[0].To != Relay {
+		t.Fatalf("fallback not recorded: %v %+v", m.KernelRefused(), m.Fallbacks())
+	}
+	// The refusal is remembered: the next volume goes straight to relay.
+	t2 := target
+	t2.VolumeID = "v2"
+	if _, err := m.Attach(context.Background(), Auto, t2, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if k.calls != 1 {
+		t.Fatalf("kernel tried %d times, want 1", k.calls)
+	}
+	if tr, ok := m.Chosen("v2"); !ok || tr != Relay {
+		t.Fatalf("chosen = %v %v", tr, ok)
+	}
+	// Idempotent: attaching v1 again goes to the same transport.
+	if att, err := m.Attach(context.Background(), Auto, target, Options{}); err != nil || att.Transport != Relay {
+		t.Fatalf("re-attach: %+v %v", att, err)
+	}
+	if _, err := m.Attach(context.Background(), FUSE, target, Options{}); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("re-attach with another transport: %v", err)
+	}
+}
+
+func TestAutoWithoutNBDUsesFUSE(t *testing.T) {
+	f := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{FUSE: f})
+	att, err := m.Attach(context.Background(), "", target, Options{})
+	if err != nil || att.Transport != FUSE {
+		t.Fatalf("%+v %v", att, err)
+	}
+	if _, err := m.Attach(context.Background(), Relay, Target{VolumeID: "x"}, Options{}); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("explicit relay on a node without it: %v", err)
+	}
+}
+
+func TestOtherErrorsDoNotFallBack(t *testing.T) {
+	k := &fakeAttacher{err: ErrServerRefused}
+	r := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Relay: r})
+	if _, err := m.Attach(context.Background(), Auto, target, Options{}); !errors.Is(err, ErrServerRefused) {
+		t.Fatalf("err = %v", err)
+	}
+	if r.calls != 0 || m.KernelRefused() {
+		t.Fatal("a refused export must not fall back to another transport")
+	}
+}
+
+func TestExplicitKernelDoesNotFallBack(t *testing.T) {
+	k := &fakeAttacher{err: ErrUnsupported}
+	r := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Relay: r})
+	if _, err := m.Attach(context.Background(), Kernel, target, Options{}); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("err = %v", err)
+	}
+	if r.calls != 0 {
+		t.Fatal("explicit kernel fell back")
+	}
+}
+
+func TestDetachAndHealth(t *testing.T) {
+	r, f := &fakeAttacher{}, &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Relay: r, FUSE: f})
+	if _, err := m.Attach(context.Background(), Relay, target, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if tr, h, err := m.Health("v1"); err != nil || tr != Relay || !h.Connected {
+		t.Fatalf("health: %v %+v %v", tr, h, err)
+	}
+	if err := m.Detach(context.Background(), "v1"); err != nil || r.detaches != 1 || f.detaches != 0 {
+		t.Fatalf("detach: %v relay=%d fuse=%d", err, r.detaches, f.detaches)
+	}
+	if _, _, err := m.Health("v1"); !errors.Is(err, ErrNotAttached) {
+		t.Fatalf("health after detach: %v", err)
+	}
+	// Unknown volume: every transport is asked, and it succeeds.
+	if err := m.Detach(context.Background(), "unknown"); err != nil || r.detaches != 2 || f.detaches != 1 {
+		t.Fatalf("detach unknown: %v relay=%d fuse=%d", err, r.detaches, f.detaches)
+	}
+}
+
+func TestParseTransport(t *testing.T) {
+	for _, s := range []string{"", "auto", "kernel", "relay", "multiconn", "tcp", "fuse"} {
+		if _, err := ParseTransport(s); err != nil {
+			t.Errorf("%q: %v", s, err)
+		}
+	}
+	if _, err := ParseTransport("iscsi"); !errors.Is(err, ErrInvalid) {
+		t.Errorf("iscsi: %v", err)
+	}
+}
