@@ -1,0 +1,132 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestVMSmoke boots the VM and runs the guest smoke test in it: the nbd
+// driver and netlink family, MPTCP, mkfs.ext4, netns with veth and tbf.
+func TestVMSmoke(t *testing.T) {
+	cfg := Default(t)
+	start := time.Now()
+	res := RunGoTestWith(t, cfg, "./e2e/vm/guest", "^TestGuestNBDDevice$")
+	if !strings.Contains(res.Output, "--- PASS: TestGuestNBDDevice") {
+		t.Errorf("guest output lacks the PASS line of TestGuestNBDDevice")
+	}
+	t.Logf("smoke test took %v in all, VM %v", time.Since(start).Round(time.Millisecond), res.Duration.Round(time.Millisecond))
+}
+
+// errorRecorder captures Errorf so that a test can check that a helper
+// reports a failure.
+type errorRecorder struct {
+	testing.TB
+	errs []string
+}
+
+func (r *errorRecorder) Errorf(format string, args ...any) {
+	r.errs = append(r.errs, fmt.Sprintf(format, args...))
+}
+
+func TestVMGuestTestFailure(t *testing.T) {
+	cfg := Default(t)
+	rec := &errorRecorder{TB: t}
+	// A 1ns test timeout (the last -test.timeout wins) makes the guest
+	// test binary fail at once.
+	res := runGoTest(rec, cfg, "./e2e/vm/guest", "^TestGuestNBDDevice$", "-test.timeout=1ns")
+	if len(rec.errs) != 1 || !strings.Contains(rec.errs[0], "payload exited with status 2") ||
+		!strings.Contains(rec.errs[0], "test timed out") {
+		t.Fatalf("errors reported: %q\nguest output:\n%s", rec.errs, res.Output)
+	}
+	if !strings.Contains(res.Output, "---- dmesg (tail) ----") {
+		t.Errorf("no dmesg tail after a failed guest test:\n%s", res.Output)
+	}
+}
+
+// privateTempDir points TMPDIR at a fresh directory so that the test can
+// check Run leaves nothing behind.
+func privateTempDir(t *testing.T) string {
+	dir := t.TempDir()
+	t.Setenv("TMPDIR", dir)
+	return dir
+}
+
+func checkCleanedUp(t *testing.T, tmp string, res Result) {
+	t.Helper()
+	if ents, err := os.ReadDir(tmp); err != nil || len(ents) != 0 {
+		t.Errorf("temporary directory not cleaned up: %v %v", ents, err)
+	}
+	if res.PID <= 0 {
+		t.Fatalf("no qemu pid in result")
+	}
+	if b, err := os.ReadFile("/proc/" + strconv.Itoa(res.PID) + "/cmdline"); err == nil && strings.Contains(string(b), "qemu") {
+		t.Errorf("qemu (pid %d) still running after Run returned", res.PID)
+	}
+}
+
+func TestVMExitCode(t *testing.T) {
+	cfg := Default(t)
+	tmp := privateTempDir(t)
+	cfg.Cmd = "echo payload-says-hello; echo \"env=$MPNBD_VM_TEST\"; exit 3"
+	cfg.Env = map[string]string{"MPNBD_VM_TEST": "it's quoted"}
+	res, err := Run(context.Background(), cfg)
+	var ee *ExitError
+	if !errors.As(err, &ee) || ee.Code != 3 {
+		t.Fatalf("Run = %v, want *ExitError with code 3\n%s", err, res.Log)
+	}
+	if res.ExitCode != 3 {
+		t.Errorf("ExitCode = %d, want 3", res.ExitCode)
+	}
+	if !strings.Contains(res.Output, "payload-says-hello") || !strings.Contains(res.Output, "env=it's quoted") {
+		t.Errorf("payload output missing from Output:\n%s", res.Output)
+	}
+	if strings.Contains(res.Output, markerExit) || strings.Contains(res.Output, markerStart) {
+		t.Errorf("Output includes init's markers:\n%s", res.Output)
+	}
+	t.Logf("VM ran %v", res.Duration.Round(time.Millisecond))
+	checkCleanedUp(t, tmp, res)
+}
+
+func TestVMTimeout(t *testing.T) {
+	cfg := Default(t)
+	tmp := privateTempDir(t)
+	cfg.Cmd = "echo sleeping; sleep 1000"
+	cfg.Timeout = 5 * time.Second
+	start := time.Now()
+	res, err := Run(context.Background(), cfg)
+	took := time.Since(start)
+	if !errors.Is(err, ErrTimeout) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Run = %v, want ErrTimeout and context.DeadlineExceeded\n%s", err, res.Log)
+	}
+	if res.ExitCode != -1 {
+		t.Errorf("ExitCode = %d, want -1", res.ExitCode)
+	}
+	if took > cfg.Timeout+10*time.Second {
+		t.Errorf("Run returned after %v, timeout %v", took, cfg.Timeout)
+	}
+	if !strings.Contains(res.Log, "sleeping") {
+		t.Logf("the payload had not started when the timeout hit (slow boot)")
+	}
+	checkCleanedUp(t, tmp, res)
+}
+
+func TestVMSetupError(t *testing.T) {
+	cfg := Default(t)
+	bogus := t.TempDir() + "/bogus.ko"
+	if err := os.WriteFile(bogus, []byte("not a module"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Modules = append(cfg.Modules, bogus)
+	cfg.Files = nil
+	cfg.Tools = nil
+	res, err := Run(context.Background(), cfg)
+	if err == nil || !strings.Contains(err.Error(), "guest setup failed: insmod") {
+		t.Fatalf("Run = %v, want a setup error naming insmod\n%s", err, res.Log)
+	}
+}
