@@ -290,6 +290,13 @@ func (s *Server) ServeConn(c net.Conn) {
 	sc.transmit()
 }
 
+// ConnCount is the number of connections in the transmission phase.
+func (e *Export) ConnCount() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.conns)
+}
+
 func (e *Export) attach(c *serverConn) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
