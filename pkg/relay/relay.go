@@ -1,0 +1,363 @@
+// Package relay moves NBD transmission-phase frames between a local
+// connection (the kernel's end of a socket pair) and a connection to the NBD
+// server, and hides failures of the latter.
+//
+// Current kernels accept only TCP and stream UNIX sockets in NBD, so an MPTCP
+// connection cannot be handed to the kernel. Instead the kernel gets one end
+// of an AF_UNIX socket pair and a Relay owns the MPTCP connection (the
+// rbd-nbd model). Because the relay understands NBD framing it keeps every
+// unanswered request; when the remote connection breaks it dials a new one,
+// sends the unanswered requests again in the order they arrived and carries
+// on. The kernel sees latency, not errors.
+//
+// What the relay guarantees:
+//
+//   - Every request read from the local side enters a table of unanswered
+//     requests (with its payload, for a write) before it is forwarded.
+//     After a reconnect the table is sent again in arrival order, followed
+//     by what arrived during the outage; nothing is sent twice on one
+//     connection.
+//   - A reply leaves the table only once it is complete (header and, for a
+//     successful read, the whole payload), so a connection that breaks in
+//     the middle of a reply leaves the request to the replay. The local
+//     side gets each reply exactly once, whole, and only for a request it
+//     sent. A reply for a handle the relay did not send on that
+//     connection, a bad magic or NBD_ESHUTDOWN count as a broken remote.
+//   - Memory is bounded: once the unanswered requests hold
+//     Options.MaxInflightBytes, the relay stops reading the local side.
+//   - Replaying is safe because NBD commands are idempotent in effect: a
+//     write whose reply was lost is written again with the same data, and
+//     the kernel never depends on the order of requests it has in flight
+//     together. It assumes the old server is gone when the new connection
+//     is served (a crashed or restarted server), not still executing.
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Dialer returns a new connection to the same export, already negotiated
+// (NBD_OPT_GO, simple replies only) and so in the transmission phase. The
+// relay calls it after the remote connection fails; ctx bounds one attempt
+// and ends when Run does, so the dialer must honour it.
+type Dialer func(ctx context.Context) (net.Conn, error)
+
+// Defaults for zero Options fields.
+const (
+	DefaultMaxInflightBytes = 64 << 20
+	DefaultReconnectBackoff = 100 * time.Millisecond
+	DefaultMaxBackoff       = 5 * time.Second
+)
+
+// Bounds that are not worth an option.
+const (
+	// dialTimeout bounds one dial + negotiation attempt.
+	dialTimeout = 30 * time.Second
+	// discDrainTimeout bounds how long NBD_CMD_DISC waits for the replies
+	// of requests still in flight.
+	discDrainTimeout = 30 * time.Second
+	// discCloseTimeout bounds how long the relay waits, after forwarding
+	// NBD_CMD_DISC, for the server to flush and close its end.
+	discCloseTimeout = 10 * time.Second
+)
+
+// Options tune a Relay. Zero values mean the defaults.
+type Options struct {
+	// Logger receives structured logs; nil means slog.Default().
+	Logger *slog.Logger
+	// MaxInflightBytes bounds what unanswered requests may hold: each
+	// counts its 28-byte header plus its data length (the payload of a
+	// write, the bytes a read will bring back). When the bound is reached
+	// the relay stops reading from the local side until replies make room,
+	// so an outage never makes it grow without bound. A single request
+	// larger than the bound is admitted when nothing else is in flight.
+	MaxInflightBytes int
+	// ReconnectBackoff is the first pause between dial attempts; it doubles
+	// up to MaxBackoff. The first attempt after a working connection fails
+	// is made at once.
+	ReconnectBackoff, MaxBackoff time.Duration
+	// GiveUpAfter ends Run with ErrGaveUp when no connection could be made
+	// for that long. Zero means never: keep retrying until ctx ends.
+	GiveUpAfter time.Duration
+	// OnEvent, when set, is called for connection events from the relay's
+	// connection-management goroutine. It must not block.
+	OnEvent func(Event)
+}
+
+// EventKind says what happened to the remote connection.
+type EventKind int
+
+const (
+	// EventConnected: the first remote connection is in use.
+	EventConnected EventKind = iota + 1
+	// EventDisconnected: the remote connection failed (Err says why).
+	EventDisconnected
+	// EventReconnected: a new remote connection is in use.
+	EventReconnected
+	// EventReplayed: unanswered requests were sent on the new connection
+	// (Replayed says how many).
+	EventReplayed
+	// EventGaveUp: no connection for GiveUpAfter; Run returns ErrGaveUp.
+	EventGaveUp
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventConnected:
+		return "connected"
+	case EventDisconnected:
+		return "disconnected"
+	case EventReconnected:
+		return "reconnected"
+	case EventReplayed:
+		return "replayed"
+	case EventGaveUp:
+		return "gave_up"
+	}
+	return fmt.Sprintf("event(%d)", int(k))
+}
+
+// Event reports a change of the remote connection.
+type Event struct {
+	Kind EventKind
+	// Err is the failure (EventDisconnected) or the last dial error
+	// (EventGaveUp).
+	Err error
+	// Replayed is the number of requests sent again (EventReplayed).
+	Replayed int
+	// Attempts counts dial attempts of the outage (EventReconnected,
+	// EventGaveUp).
+	Attempts int
+	// Outage is the time since the remote failed (EventReconnected,
+	// EventGaveUp).
+	Outage time.Duration
+	// Remote is the new connection (EventConnected, EventReconnected).
+	Remote net.Conn
+}
+
+// Stats is a snapshot of a relay.
+type Stats struct {
+	// Reconnects counts successful redials.
+	Reconnects int
+	// InFlight is the number of requests read from the local side and not
+	// yet answered to it; InFlightBytes is what they count against
+	// MaxInflightBytes.
+	InFlight      int
+	InFlightBytes int
+	// Bytes read from and written to the local side (frames and payloads).
+	BytesFromLocal, BytesToLocal uint64
+	// Remote is the current remote connection; nil while there is none.
+	Remote net.Conn
+	// Connected reports whether a remote connection is in use.
+	Connected bool
+}
+
+// Sentinel errors.
+var (
+	// ErrGaveUp ends Run when GiveUpAfter passed without a connection.
+	ErrGaveUp = errors.New("relay: gave up reconnecting to the server")
+	// ErrUnsupported: the platform has no kernel side for a relay (only
+	// Linux has).
+	ErrUnsupported = errors.New("relay: not supported on this platform")
+	// ErrRunning is returned by a second call to Run.
+	ErrRunning = errors.New("relay: already started")
+	// errServerShutdown marks an NBD_ESHUTDOWN reply: the server is going
+	// away, so the request is retried on the next connection.
+	errServerShutdown = errors.New("relay: server replied ESHUTDOWN")
+	// errLocalGone stops the reply path when the local side is gone.
+	errLocalGone = errors.New("relay: local side gone")
+)
+
+// Remote connection states.
+const (
+	stateDown      = iota // no connection
+	stateReplaying        // connected; the connection manager sends what is unsent
+	stateUp               // connected; the request path sends each request itself
+)
+
+// Relay moves frames between a local and a remote connection. Create one
+// with New and call Run once.
+type Relay struct {
+	local   net.Conn
+	initial net.Conn
+	dial    Dialer
+	o       Options
+	log     *slog.Logger
+	max     int
+
+	started  atomic.Bool
+	cancel   context.CancelFunc
+	endOnce  sync.Once
+	endErr   error
+	ended    chan struct{}
+	discDone chan struct{}
+
+	fromLocal, toLocal atomic.Uint64
+
+	// wmu serializes writes to the remote. rw is bound to the connection of
+	// generation rwGen; a sender holding an older generation writes nothing.
+	wmu   sync.Mutex
+	rw    frameWriter
+	rwGen uint64
+
+	// lwmu serializes writes to the local side.
+	lwmu sync.Mutex
+	lw   frameWriter
+
+	// mu guards everything below. cond wakes the request path when room is
+	// made (backpressure, DISC drain) and when the relay closes.
+	mu   sync.Mutex
+	cond sync.Cond
+	// table holds every request read from the local side and not yet
+	// answered to it, by handle; head..tail links them in arrival order.
+	// The unanswered ones that were not sent on the current connection are
+	// a suffix of that list starting at unsent.
+	table      map[uint64]*entry
+	head, tail *entry
+	unsent     *entry
+	bytes      int
+	waiting    bool
+	remote     net.Conn
+	gen        uint64
+	state      int
+	lastErr    error
+	reconnects int
+	closing    bool
+	discSent   bool
+}
+
+// New returns a relay between local (the kernel's end) and remote, a
+// connection to the server already in the transmission phase. remote may
+// be nil: Run then dials first. dial makes replacement connections; nil
+// means a failed remote ends Run with ErrGaveUp.
+func New(local, remote net.Conn, dial Dialer, o Options) *Relay {
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	if o.MaxInflightBytes <= 0 {
+		o.MaxInflightBytes = DefaultMaxInflightBytes
+	}
+	if o.ReconnectBackoff <= 0 {
+		o.ReconnectBackoff = DefaultReconnectBackoff
+	}
+	if o.MaxBackoff <= 0 {
+		o.MaxBackoff = DefaultMaxBackoff
+	}
+	o.MaxBackoff = max(o.MaxBackoff, o.ReconnectBackoff)
+	r := &Relay{
+		local:    local,
+		initial:  remote,
+		dial:     dial,
+		o:        o,
+		log:      o.Logger,
+		max:      o.MaxInflightBytes,
+		ended:    make(chan struct{}),
+		discDone: make(chan struct{}),
+		table:    make(map[uint64]*entry),
+	}
+	r.cond.L = &r.mu
+	r.lw.reset(local)
+	return r
+}
+
+// Run relays until the local side sends NBD_CMD_DISC (forwarded once the
+// requests in flight are answered; Run returns nil after the server closed
+// its end), the local side closes (nil), ctx ends (ctx.Err()), the relay
+// gives up reconnecting (ErrGaveUp) or the local side breaks the protocol.
+// Both connections are closed when Run returns.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.started.CompareAndSwap(false, true) {
+		return ErrRunning
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r.cancel = cancel
+	stop := context.AfterFunc(ctx, func() { r.end(ctx.Err()) })
+	defer stop()
+
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		r.upLoop()
+	}()
+	go func() {
+		defer wg.Done()
+		r.remoteLoop(ctx)
+	}()
+	<-r.ended
+	wg.Wait()
+	return r.endErr
+}
+
+// Stats returns a snapshot; it is safe to call at any time.
+func (r *Relay) Stats() Stats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return Stats{
+		Reconnects:     r.reconnects,
+		InFlight:       len(r.table),
+		InFlightBytes:  r.bytes,
+		BytesFromLocal: r.fromLocal.Load(),
+		BytesToLocal:   r.toLocal.Load(),
+		Remote:         r.remote,
+		Connected:      r.state != stateDown,
+	}
+}
+
+// end records why Run returns (the first reason wins) and closes both
+// connections, which unblocks every goroutine of the relay.
+func (r *Relay) end(err error) {
+	r.endOnce.Do(func() {
+		r.endErr = err
+		r.mu.Lock()
+		r.closing = true
+		r.state = stateDown
+		remote := r.remote
+		r.remote = nil
+		r.mu.Unlock()
+		r.cond.Broadcast()
+		if r.cancel != nil {
+			r.cancel()
+		}
+		r.local.Close()
+		if remote != nil {
+			remote.Close()
+		}
+		if r.initial != nil {
+			r.initial.Close()
+		}
+		close(r.ended)
+	})
+}
+
+// localEnded ends the relay after a read or write on the local side failed:
+// a closed local side is a normal end.
+func (r *Relay) localEnded(err error) {
+	if isClosed(err) {
+		r.end(nil)
+		return
+	}
+	r.end(fmt.Errorf("relay: local side: %w", err))
+}
+
+func isClosed(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, syscall.ECONNRESET)
+}
+
+func (r *Relay) emit(e Event) {
+	if r.o.OnEvent != nil {
+		r.o.OnEvent(e)
+	}
+}

@@ -1,0 +1,344 @@
+package relay
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// outage tracks one period without a working remote connection.
+type outage struct {
+	start    time.Time
+	backoff  time.Duration // next pause between attempts
+	attempts int
+	err      error // why the last connection or dial failed
+}
+
+// remoteLoop manages the remote connection: it runs the reply path on the
+// current connection and, when that fails, dials a new one, replays the
+// unanswered requests on it and starts over.
+func (r *Relay) remoteLoop(ctx context.Context) {
+	br := bufio.NewReaderSize(nil, readBufSize)
+	conn := r.initial
+	var out outage
+	connected := false
+	for {
+		if conn == nil {
+			if out.start.IsZero() {
+				out = outage{start: time.Now()}
+			}
+			c, err := r.redial(ctx, &out)
+			if err != nil {
+				if ctx.Err() == nil {
+					r.mu.Lock()
+					left := len(r.table)
+					r.mu.Unlock()
+					r.log.Error("giving up on the server", "error", err, "attempts", out.attempts, "unanswered", left)
+					r.emit(Event{Kind: EventGaveUp, Err: out.err, Attempts: out.attempts, Outage: time.Since(out.start)})
+					r.end(err)
+				}
+				return
+			}
+			conn = c
+		}
+		gen, ok := r.attach(conn, connected)
+		if !ok {
+			conn.Close()
+			return
+		}
+		if connected {
+			r.log.Info("reconnected to the server", "remote", conn.RemoteAddr().String(), "attempts", out.attempts, "outage", time.Since(out.start))
+			r.emit(Event{Kind: EventReconnected, Attempts: out.attempts, Outage: time.Since(out.start), Remote: conn})
+		} else {
+			r.emit(Event{Kind: EventConnected, Remote: conn})
+		}
+		since := time.Now()
+
+		done := make(chan downResult, 1)
+		go func(c net.Conn) {
+			n, err := r.downLoop(c, gen, br)
+			done <- downResult{n, err}
+		}(conn)
+		n, err := r.replay(gen)
+		if err != nil {
+			r.fail(gen, err)
+		} else if connected || n > 0 {
+			if n > 0 {
+				r.log.Info("replayed unanswered requests", "requests", n)
+			}
+			r.emit(Event{Kind: EventReplayed, Replayed: n})
+		}
+		res := <-done
+		r.fail(gen, res.err)
+		conn = nil
+		connected = true
+
+		r.mu.Lock()
+		closing, discSent, cause := r.closing, r.discSent, r.lastErr
+		r.mu.Unlock()
+		if closing {
+			return
+		}
+		if discSent {
+			close(r.discDone)
+			return
+		}
+		// A connection that answered something, or lived a while, ends the
+		// outage; one that failed at once continues it, so a server that
+		// accepts and drops connections meets a growing backoff and, in
+		// the end, GiveUpAfter.
+		if res.delivered > 0 || time.Since(since) >= r.o.MaxBackoff || out.start.IsZero() {
+			out = outage{start: time.Now()}
+		}
+		out.err = cause
+		r.log.Warn("server connection lost", "error", cause)
+		r.emit(Event{Kind: EventDisconnected, Err: cause})
+	}
+}
+
+type downResult struct {
+	delivered int
+	err       error
+}
+
+// redial dials until it succeeds, ctx ends or the outage is older than
+// GiveUpAfter.
+func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
+	if r.dial == nil {
+		if out.err == nil {
+			return nil, fmt.Errorf("%w: no remote connection and no dialer", ErrGaveUp)
+		}
+		return nil, fmt.Errorf("%w: no dialer: %w", ErrGaveUp, out.err)
+	}
+	giveUp := r.o.GiveUpAfter
+	for {
+		if wait := out.backoff; wait > 0 {
+			// ±20 % so that many relays do not redial in step.
+			wait = wait*4/5 + time.Duration(rand.Int64N(int64(wait*2/5)+1))
+			if giveUp > 0 {
+				wait = min(wait, max(time.Until(out.start.Add(giveUp)), 0))
+			}
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return nil, ctx.Err()
+			case <-t.C:
+			}
+		}
+		out.backoff = min(max(2*out.backoff, r.o.ReconnectBackoff), r.o.MaxBackoff)
+		timeout := dialTimeout
+		if giveUp > 0 {
+			timeout = min(timeout, max(time.Until(out.start.Add(giveUp)), 100*time.Millisecond))
+		}
+		dctx, cancel := context.WithTimeout(ctx, timeout)
+		c, err := r.dial(dctx)
+		cancel()
+		out.attempts++
+		if err == nil {
+			return c, nil
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		out.err = err
+		r.log.Debug("redial failed", "error", err, "attempt", out.attempts)
+		if giveUp > 0 && time.Since(out.start) >= giveUp {
+			return nil, fmt.Errorf("%w after %v and %d attempts: %w", ErrGaveUp, time.Since(out.start).Round(time.Millisecond), out.attempts, err)
+		}
+	}
+}
+
+// attach makes conn the current remote connection, in the replaying state:
+// every unanswered request is to be sent again. It returns the
+// connection's generation, or false when the relay is closing.
+func (r *Relay) attach(conn net.Conn, again bool) (uint64, bool) {
+	r.mu.Lock()
+	if r.closing {
+		r.mu.Unlock()
+		return 0, false
+	}
+	r.gen++
+	gen := r.gen
+	r.remote = conn
+	r.state = stateReplaying
+	r.unsent = r.head
+	r.lastErr = nil
+	if again {
+		r.reconnects++
+	}
+	r.mu.Unlock()
+	r.wmu.Lock()
+	r.rw.reset(conn)
+	r.rwGen = gen
+	r.wmu.Unlock()
+	return gen, true
+}
+
+// replay sends, in arrival order, every request not yet sent on the
+// connection of generation gen, including those arriving meanwhile, then
+// hands sending over to the request path.
+func (r *Relay) replay(gen uint64) (int, error) {
+	n := 0
+	for {
+		r.mu.Lock()
+		if r.gen != gen || r.state != stateReplaying {
+			r.mu.Unlock()
+			return n, nil // failed meanwhile; the reply path reports why
+		}
+		e := r.unsent
+		if e == nil {
+			r.state = stateUp
+			r.mu.Unlock()
+			r.flushRemote()
+			return n, nil
+		}
+		r.unsent = e.next
+		e.gen = gen
+		sending(e)
+		r.mu.Unlock()
+		if err := r.send(gen, e); err != nil {
+			return n, err
+		}
+		n++
+	}
+}
+
+// fail marks the connection of generation gen broken and closes it. Later
+// calls for the same generation do nothing.
+func (r *Relay) fail(gen uint64, err error) {
+	r.mu.Lock()
+	if r.gen != gen || r.state == stateDown {
+		r.mu.Unlock()
+		return
+	}
+	r.state = stateDown
+	c := r.remote
+	r.remote = nil
+	r.lastErr = err
+	r.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
+
+// downLoop is the reply path of one connection. It returns (with the
+// replies it delivered) when the connection fails or breaks the protocol.
+// A reply is taken out of the table only once it is complete, so a
+// connection that dies in the middle of a read payload leaves the request
+// to the replay, and each reply reaches the local side exactly once.
+func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered int, err error) {
+	br.Reset(conn)
+	defer func() {
+		// Replies taken out of the table must reach the local side even
+		// though this connection is done.
+		if ferr := r.flushLocal(); ferr != nil {
+			r.localEnded(ferr)
+		}
+	}()
+	var hdr [repHeaderSize]byte
+	for {
+		if br.Buffered() < repHeaderSize {
+			if err := r.flushLocal(); err != nil {
+				r.localEnded(err)
+				return delivered, errLocalGone
+			}
+		}
+		if _, err := io.ReadFull(br, hdr[:]); err != nil {
+			return delivered, err
+		}
+		rep, err := nbd.DecodeReply(hdr[:])
+		if err != nil {
+			return delivered, err
+		}
+		r.mu.Lock()
+		e := r.table[rep.Handle]
+		// An entry of the current generation was taken for sending on this
+		// connection; the unsent ones carry an older generation.
+		known := e != nil && e.gen == gen
+		r.mu.Unlock()
+		if !known {
+			return delivered, fmt.Errorf("%w: reply for unknown handle %#x", nbd.ErrProtocol, rep.Handle)
+		}
+		if rep.Errno == nbd.ESHUTDOWN {
+			return delivered, errServerShutdown
+		}
+		var buf *[]byte
+		var data []byte
+		if e.cmd == nbd.CmdRead && rep.Errno == 0 && e.length > 0 {
+			buf = getBuf(int(e.length))
+			data = *buf
+			if br.Buffered() < len(data) {
+				if err := r.flushLocal(); err != nil {
+					putBuf(buf)
+					r.localEnded(err)
+					return delivered, errLocalGone
+				}
+			}
+			if _, err := io.ReadFull(br, data); err != nil {
+				putBuf(buf)
+				return delivered, fmt.Errorf("reading %d-byte read payload: %w", len(data), err)
+			}
+		}
+		r.complete(e)
+		werr := r.deliver(hdr[:], data)
+		putBuf(buf)
+		if werr != nil {
+			r.localEnded(werr)
+			return delivered, errLocalGone
+		}
+		delivered++
+	}
+}
+
+// complete takes e out of the table and wakes a request path waiting for
+// room.
+func (r *Relay) complete(e *entry) {
+	r.mu.Lock()
+	delete(r.table, e.handle)
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		r.head = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		r.tail = e.prev
+	}
+	if r.unsent == e {
+		r.unsent = e.next
+	}
+	r.bytes -= e.cost
+	wake := r.waiting
+	r.waiting = false
+	r.mu.Unlock()
+	if wake {
+		r.cond.Broadcast()
+	}
+	answered(e)
+}
+
+// deliver passes one reply to the local side.
+func (r *Relay) deliver(hdr, data []byte) error {
+	r.lwmu.Lock()
+	err := r.lw.writeFrame(hdr, data)
+	r.lwmu.Unlock()
+	if err == nil {
+		r.toLocal.Add(uint64(len(hdr) + len(data)))
+	}
+	return err
+}
+
+func (r *Relay) flushLocal() error {
+	r.lwmu.Lock()
+	err := r.lw.flush()
+	r.lwmu.Unlock()
+	return err
+}
