@@ -1,0 +1,215 @@
+package nodeattach
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
+	"golang.org/x/sys/unix"
+)
+
+// writeDevice writes data at offset 0 of a block device in 1 MiB writes
+// with O_DIRECT, then fsyncs.
+func writeDevice(dev string, data []byte) error {
+	f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	buf := alignedBuf(1 << 20)
+	for off := 0; off < len(data); off += len(buf) {
+		n := copy(buf, data[off:])
+		if _, err := f.WriteAt(buf[:n], int64(off)); err != nil {
+			return err
+		}
+	}
+	return f.Sync()
+}
+
+func readDevice(dev string, n int) ([]byte, error) {
+	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := make([]byte, 0, n)
+	buf := alignedBuf(1 << 20)
+	for off := 0; off < n; off += len(buf) {
+		m, err := f.ReadAt(buf[:min(len(buf), n-off)], int64(off))
+		if err != nil && err != io.EOF {
+			return nil, err
+		}
+		out = append(out, buf[:m]...)
+	}
+	return out, nil
+}
+
+// alignedBuf returns a page-aligned buffer for O_DIRECT.
+func alignedBuf(n int) []byte {
+	b := make([]byte, n+4096)
+	off := 4096 - int(uintptrOf(b)%4096)
+	if off == 4096 {
+		off = 0
+	}
+	return b[off : off+n]
+}
+
+// dialTCPFile dials the export from the client namespace, negotiates, and
+// returns the socket as a file for the kernel.
+func dialTCPFile(t *testing.T, tp *topo.Topology, st *storage) (*os.File, error) {
+	var c net.Conn
+	err := tp.InClient(func() error {
+		var err error
+		c, err = net.Dial("tcp", st.addr)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	if _, err := nbd.NegotiateConn(context.Background(), c, "vol"); err != nil {
+		return nil, err
+	}
+	return c.(*net.TCPConn).File()
+}
+
+// childSpec is what the attaching child process is told.
+type childSpec struct {
+	ClientNS string
+	Target   attach.Target
+}
+
+// TestHelperAttachProcess is not a test: it is the attaching process that
+// TestReadoptAfterKill starts and kills. It attaches (or re-adopts) the
+// volume with the relay, prints the device and waits to be killed.
+func TestHelperAttachProcess(t *testing.T) {
+	spec := os.Getenv("MPNBD_ATTACH_CHILD")
+	if spec == "" {
+		t.Skip("helper process for TestReadoptAfterKill")
+	}
+	var cs childSpec
+	if err := json.Unmarshal([]byte(spec), &cs); err != nil {
+		t.Fatal(err)
+	}
+	nl, err := nbdnl.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := nbddev.New(nbddev.Config{
+		Mode: attach.Relay, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t),
+		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
+			err = topo.InNetns(cs.ClientNS, func() error {
+				c, err = d.DialContext(ctx, network, addr)
+				return err
+			})
+			return c, err
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	att, err := a.Attach(context.Background(), cs.Target, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Stdout.WriteString("ATTACHED " + att.Device + "\n")
+	select {}
+}
+
+func startChild(t *testing.T, cs childSpec) (*exec.Cmd, string) {
+	t.Helper()
+	spec, _ := json.Marshal(cs)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v")
+	cmd.Env = append(os.Environ(), "MPNBD_ATTACH_CHILD="+string(spec))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	dev := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			line := sc.Text()
+			if d, ok := strings.CutPrefix(line, "ATTACHED "); ok {
+				dev <- d
+			}
+		}
+		close(dev)
+	}()
+	select {
+	case d, ok := <-dev:
+		if !ok {
+			t.Fatal("attaching process exited without attaching")
+		}
+		return cmd, d
+	case <-time.After(60 * time.Second):
+		t.Fatal("attaching process did not attach in time")
+	}
+	return nil, ""
+}
+
+// TestReadoptAfterKill kills the attaching process while a writer runs; a
+// new process re-adopts the device by its backend identifier within the
+// dead-connection timeout, and the writer sees no error.
+func TestReadoptAfterKill(t *testing.T) {
+	requireGuest(t)
+	tp := guestTopology(t)
+	st := newStorage(t, tp, volSize, true)
+	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t))}
+	first, dev := startChild(t, cs)
+
+	data := make([]byte, dataSize)
+	rand.Read(data)
+	errc := make(chan error, 1)
+	go func() { errc <- writeDevice(dev, data) }()
+	time.Sleep(500 * time.Millisecond)
+	first.Process.Kill()
+	first.Wait()
+	time.Sleep(500 * time.Millisecond)
+	_, dev2 := startChild(t, cs)
+	if dev2 != dev {
+		t.Fatalf("re-adopted %s, want %s", dev2, dev)
+	}
+	select {
+	case err := <-errc:
+		if err != nil {
+			t.Fatalf("writer saw an error across the restart: %v", err)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("writer stuck after re-adoption")
+	}
+	got, err := readDevice(dev, len(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) {
+		t.Fatal("data differs after re-adoption")
+	}
+	nl, err := nbdnl.Dial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nl.Close()
+	if err := nl.Disconnect(indexOf(t, dev)); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,26 @@
+package nodeattach
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/mpnbd/mpnbd/e2e/vm"
+)
+
+// TestNodeAttachInVM boots the test VM and runs this package's guest tests
+// against the kernel's real nbd driver.
+func TestNodeAttachInVM(t *testing.T) {
+	if os.Getenv("MPNBD_IN_VM") == "1" {
+		t.Skip("already inside the VM")
+	}
+	cfg := vm.Default(t)
+	cfg.MemoryMB = 1536
+	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^Test(AttachTransports|KernelTransportRefused|RelaySurvivesServerRestart|PathDownMidRead|WrongVolumeRefused|ReadoptAfterKill)$")
+	for _, name := range []string{"TestAttachTransports", "TestKernelTransportRefused", "TestRelaySurvivesServerRestart",
+		"TestPathDownMidRead", "TestWrongVolumeRefused", "TestReadoptAfterKill"} {
+		if !strings.Contains(res.Output, "--- PASS: "+name) {
+			t.Errorf("%s did not pass in the VM", name)
+		}
+	}
+}
