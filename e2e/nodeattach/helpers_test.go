@@ -190,21 +190,30 @@ func run(t *testing.T, name string, args ...string) string {
 // their sha256.
 func writeRandomFile(t *testing.T, path string, n int64) string {
 	t.Helper()
-	f, err := os.Create(path)
+	sum, err := writeRandomFileErr(path, n)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return sum
+}
+
+func writeRandomFileErr(path string, n int64) (string, error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
 	h := sha256.New()
 	if _, err := io.CopyN(io.MultiWriter(f, h), rand.Reader, n); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	if err := f.Sync(); err != nil {
-		t.Fatal(err)
+		return "", fmt.Errorf("fsync: %w", err)
 	}
 	if err := f.Close(); err != nil {
-		t.Fatal(err)
+		return "", err
 	}
-	return hex.EncodeToString(h.Sum(nil))
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
 func fileSum(t *testing.T, path string) string {

@@ -175,7 +175,9 @@ func TestReadoptAfterKill(t *testing.T) {
 	tp := guestTopology(t)
 	st := newStorage(t, tp, volSize, true)
 	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t))}
+	t0 := time.Now()
 	first, dev := startChild(t, cs)
+	t.Logf("%v: attached %s", time.Since(t0).Round(time.Millisecond), dev)
 
 	data := make([]byte, dataSize)
 	rand.Read(data)
@@ -185,7 +187,9 @@ func TestReadoptAfterKill(t *testing.T) {
 	first.Process.Kill()
 	first.Wait()
 	time.Sleep(500 * time.Millisecond)
+	t.Logf("%v: first attaching process killed", time.Since(t0).Round(time.Millisecond))
 	_, dev2 := startChild(t, cs)
+	t.Logf("%v: re-adopted %s", time.Since(t0).Round(time.Millisecond), dev2)
 	if dev2 != dev {
 		t.Fatalf("re-adopted %s, want %s", dev2, dev)
 	}
@@ -197,6 +201,7 @@ func TestReadoptAfterKill(t *testing.T) {
 	case <-time.After(2 * time.Minute):
 		t.Fatal("writer stuck after re-adoption")
 	}
+	t.Logf("%v: writer finished", time.Since(t0).Round(time.Millisecond))
 	got, err := readDevice(dev, len(data))
 	if err != nil {
 		t.Fatal(err)

@@ -4,6 +4,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/mpnbd/mpnbd/e2e/vm"
 )
@@ -16,9 +17,10 @@ func TestNodeAttachInVM(t *testing.T) {
 	}
 	cfg := vm.Default(t)
 	cfg.MemoryMB = 1536
-	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^Test(AttachTransports|KernelTransportRefused|RelaySurvivesServerRestart|PathDownMidRead|WrongVolumeRefused|ReadoptAfterKill)$")
-	for _, name := range []string{"TestAttachTransports", "TestKernelTransportRefused", "TestRelaySurvivesServerRestart",
-		"TestPathDownMidRead", "TestWrongVolumeRefused", "TestReadoptAfterKill"} {
+	cfg.Timeout = 8 * time.Minute
+	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^Test(AttachTransports|KernelTransportRefused|ServerRestartMidWrite|PathDownMidRead|WrongVolumeRefused|ReadoptAfterKill|MeasureTransports)$")
+	for _, name := range []string{"TestAttachTransports", "TestKernelTransportRefused", "TestServerRestartMidWrite",
+		"TestPathDownMidRead", "TestWrongVolumeRefused", "TestReadoptAfterKill", "TestMeasureTransports"} {
 		if !strings.Contains(res.Output, "--- PASS: "+name) {
 			t.Errorf("%s did not pass in the VM", name)
 		}

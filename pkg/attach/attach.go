@@ -51,9 +51,14 @@ func ParseTransport(s string) (Transport, error) {
 
 // Defaults for every attach; documented in the README.
 const (
+	// DefaultDeadConnTimeout is how long I/O waits for a dead connection to
+	// be replaced before it fails.
 	DefaultDeadConnTimeout = 120 * time.Second
-	DefaultRequestTimeout  = 0 // no per-request timeout: a stuck request waits for reconnect
-	DefaultBlockSize       = 4096
+	// DefaultRequestTimeout is the kernel's per-request timeout: a request
+	// unanswered this long marks its connection dead, which triggers a
+	// reconnect and requeues the request (it does not fail it).
+	DefaultRequestTimeout = 30 * time.Second
+	DefaultBlockSize      = 4096
 )
 
 // Target says what to attach.

@@ -120,6 +120,9 @@ func withDefaults(o attach.Options) attach.Options {
 	if o.DeadConnTimeout == 0 {
 		o.DeadConnTimeout = attach.DefaultDeadConnTimeout
 	}
+	if o.RequestTimeout == 0 {
+		o.RequestTimeout = attach.DefaultRequestTimeout
+	}
 	if o.BlockSize == 0 {
 		o.BlockSize = attach.DefaultBlockSize
 	}

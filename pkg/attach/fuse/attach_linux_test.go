@@ -1,0 +1,503 @@
+package fuse
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// alignedBuf returns a zeroed buffer of n bytes aligned for O_DIRECT.
+func alignedBuf(n int) []byte {
+	const align = 4096
+	b := make([]byte, n+align)
+	off := int(uintptr(unsafe.Pointer(&b[0])) & (align - 1))
+	if off != 0 {
+		off = align - off
+	}
+	return b[off : off+n]
+}
+
+func openDirect(t testing.TB, dev string, flag int) *os.File {
+	t.Helper()
+	f, err := os.OpenFile(dev, flag|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func TestAttachLocal(t *testing.T) {
+	requireFUSE(t)
+	const size = 64 << 20
+	ts := localServer(t, size)
+	a := newAttacher(t, Config{})
+	ctx := context.Background()
+
+	att, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if att.Transport != attach.FUSE || att.VolumeID != "pv-local" || !strings.HasPrefix(att.Device, "/dev/loop") || att.Size != size {
+		t.Fatalf("attachment %+v", att)
+	}
+	st, err := blockdev.StatLoop(att.Device)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.DirectIO {
+		t.Errorf("loop device without direct I/O: %+v", st)
+	}
+	_, file := a.paths("pv-local")
+	if st.BackingFile != file {
+		t.Errorf("backing file %q, want %q", st.BackingFile, file)
+	}
+	ts.conns.waitConns(t, "vol", 1)
+
+	// Same volume again: the same attachment, no second connection.
+	again, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *again != *att {
+		t.Fatalf("second attach %+v, first %+v", again, att)
+	}
+	ts.conns.waitConns(t, "vol", 1)
+
+	// Direct I/O on the device reaches the export.
+	want := alignedBuf(4 << 20)
+	rand.Read(want)
+	f := openDirect(t, att.Device, os.O_RDWR)
+	if _, err := f.WriteAt(want, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	got := alignedBuf(len(want))
+	if _, err := f.ReadAt(got, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if !bytes.Equal(got, want) {
+		t.Fatal("read back through the device differs")
+	}
+	direct := make([]byte, len(want))
+	if _, err := ts.backend.ReadAt(direct, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(direct, want) {
+		t.Fatal("the export does not hold what was written to the device")
+	}
+
+	// Discard and write-zeroes reach the export as zeroes.
+	f = openDirect(t, att.Device, os.O_RDWR)
+	rng := [2]uint64{1 << 20, 1 << 20}
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKZEROOUT, uintptr(unsafe.Pointer(&rng[0]))); e != 0 {
+		t.Fatalf("BLKZEROOUT: %v", e)
+	}
+	rng = [2]uint64{2 << 20, 1 << 20}
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKDISCARD, uintptr(unsafe.Pointer(&rng[0]))); e != 0 {
+		t.Fatalf("BLKDISCARD: %v", e)
+	}
+	f.Close()
+	if _, err := ts.backend.ReadAt(direct, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(direct[:2<<20], make([]byte, 2<<20)) {
+		t.Error("zeroed and discarded ranges do not read back as zeroes")
+	}
+	if !bytes.Equal(direct[2<<20:], want[2<<20:]) {
+		t.Error("data next to the zeroed ranges changed")
+	}
+
+	h, err := a.Health("pv-local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !h.Connected {
+		t.Errorf("health %+v: not connected", h)
+	}
+	if h.MPTCP != att.MPTCP || att.MPTCP && len(h.Subflows) != 1 {
+		t.Errorf("health %+v for attachment %+v", h, att)
+	}
+	t.Logf("health: %+v", h)
+
+	// Grow the export, then the device.
+	if err := ts.backend.Resize(size * 2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Resize(ctx, "pv-local", size*4); err == nil {
+		t.Error("Resize past the export's size succeeds")
+	}
+	n, err := a.Resize(ctx, "pv-local", size*2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != size*2 {
+		t.Fatalf("size after resize %d, want %d", n, size*2)
+	}
+	if n, err := blockdev.DeviceSize(att.Device); err != nil || n != size*2 {
+		t.Fatalf("device size after resize %d, %v", n, err)
+	}
+	// The new end is writable.
+	f = openDirect(t, att.Device, os.O_RDWR)
+	if _, err := f.WriteAt(want[:1<<20], size*2-(1<<20)); err != nil {
+		t.Fatalf("write at the new end: %v", err)
+	}
+	f.Close()
+	ts.conns.waitConns(t, "vol", 1)
+
+	if err := a.Detach(ctx, "pv-local"); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, "pv-local", ts)
+	if err := a.Detach(ctx, "pv-local"); err != nil {
+		t.Errorf("second detach: %v", err)
+	}
+	if err := a.Detach(ctx, "never-attached"); err != nil {
+		t.Errorf("detach of an unknown volume: %v", err)
+	}
+}
+
+// TestAttachConcurrent attaches one volume from several goroutines: one
+// attachment, one connection.
+func TestAttachConcurrent(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{})
+	const n = 4
+	devs := make(chan string, n)
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		go func() {
+			att, err := a.Attach(context.Background(), target("pv-conc", ts.addr), attach.Options{})
+			if err != nil {
+				errs <- err
+				return
+			}
+			devs <- att.Device
+		}()
+	}
+	var first string
+	for i := 0; i < n; i++ {
+		select {
+		case err := <-errs:
+			t.Fatal(err)
+		case d := <-devs:
+			if first == "" {
+				first = d
+			} else if d != first {
+				t.Fatalf("concurrent attaches got %s and %s", first, d)
+			}
+		}
+	}
+	ts.conns.waitConns(t, "vol", 1)
+	if err := a.Detach(context.Background(), "pv-conc"); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, "pv-conc", ts)
+}
+
+// TestServerGone loses the server under an attached volume: I/O fails,
+// Health says so, and Detach still cleans up.
+func TestServerGone(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{})
+	att, err := a.Attach(context.Background(), target("pv-gone", ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	ts.srv.Shutdown(ctx)
+	cancel()
+	f := openDirect(t, att.Device, os.O_RDONLY)
+	if _, err := f.ReadAt(alignedBuf(4096), 0); err == nil {
+		t.Error("read succeeds with the server gone")
+	}
+	f.Close()
+	h, err := a.Health("pv-gone")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h.Connected || h.Message == "" {
+		t.Errorf("health with the server gone: %+v", h)
+	}
+	t.Logf("health: %+v", h)
+	if err := a.Detach(context.Background(), "pv-gone"); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, "pv-gone", nil)
+}
+
+func TestAttachReadOnly(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{})
+	att, err := a.Attach(context.Background(), target("pv-ro", ts.addr), attach.Options{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := blockdev.StatLoop(att.Device)
+	if err != nil || !st.ReadOnly {
+		t.Fatalf("loop status %+v, %v: want read-only", st, err)
+	}
+	_, file := a.paths("pv-ro")
+	if f, err := os.OpenFile(file, os.O_RDWR, 0); err == nil {
+		f.Close()
+		t.Error("export file of a read-only volume opens for writing")
+	}
+	if err := a.Detach(context.Background(), "pv-ro"); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, "pv-ro", ts)
+}
+
+func TestAttachUnknownExport(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{})
+	tg := target("pv-unknown", ts.addr)
+	tg.Export = "no-such-export"
+	_, err := a.Attach(context.Background(), tg, attach.Options{})
+	if !errors.Is(err, attach.ErrServerRefused) {
+		t.Fatalf("Attach to an unknown export: %v, want ErrServerRefused", err)
+	}
+	if !errors.Is(err, nbd.ErrUnknownExport) {
+		t.Errorf("error %v does not wrap nbd.ErrUnknownExport", err)
+	}
+	assertNothingLeft(t, a, "pv-unknown", ts)
+}
+
+func TestAttachMountFails(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+
+	// The state directory is a file: nothing can be mounted under it.
+	notDir := filepath.Join(t.TempDir(), "state")
+	if err := os.WriteFile(notDir, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := newAttacher(t, Config{StateDir: notDir})
+	if _, err := a.Attach(context.Background(), target("pv-nodir", ts.addr), attach.Options{}); err == nil {
+		t.Fatal("Attach with a file as state directory succeeds")
+	}
+	ts.conns.waitConns(t, "vol", 0)
+
+	// The mount itself fails (the mount point is a file), after the dial.
+	a = newAttacher(t, Config{})
+	dir, _ := a.paths("pv-nomount")
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	dialed := false
+	a.cfg.Dial = func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
+		cl, err := nbd.Dial(ctx, o)
+		if err == nil {
+			dialed = true
+			// Put a file where the mount point goes, after the stale
+			// state check removed whatever was there.
+			os.WriteFile(dir, nil, 0o600)
+		}
+		return cl, err
+	}
+	if _, err := a.Attach(context.Background(), target("pv-nomount", ts.addr), attach.Options{}); err == nil {
+		t.Fatal("Attach succeeds although the mount point is a file")
+	} else {
+		t.Logf("attach error: %v", err)
+	}
+	if !dialed {
+		t.Fatal("the attach failed before dialling")
+	}
+	ts.conns.waitConns(t, "vol", 0)
+	if m := mountsUnder(t, a.cfg.StateDir); len(m) != 0 {
+		t.Errorf("mounts left: %v", m)
+	}
+	os.Remove(dir)
+	assertNothingLeft(t, a, "pv-nomount", ts)
+}
+
+// TestAttachLoopFails makes the last step fail: the loop device cannot be
+// made (block size the kernel refuses), and the mount and the connection
+// made before it are undone.
+func TestAttachLoopFails(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{})
+	_, err := a.Attach(context.Background(), target("pv-noloop", ts.addr), attach.Options{BlockSize: 3000})
+	if err == nil {
+		t.Fatal("Attach with an invalid block size succeeds")
+	}
+	t.Logf("attach error: %v", err)
+	assertNothingLeft(t, a, "pv-noloop", ts)
+}
+
+// TestStaleAttachment leaves an attachment behind as a process that died
+// would (mount, loop device) and checks that a new Attacher cleans it up,
+// both on Detach and on Attach.
+func TestStaleAttachment(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 16<<20)
+	state := filepath.Join(t.TempDir(), "state")
+	old := newAttacher(t, Config{StateDir: state})
+	forget := func() *volume {
+		old.mu.Lock()
+		defer old.mu.Unlock()
+		v := old.vols["pv-stale"]
+		delete(old.vols, "pv-stale")
+		return v
+	}
+	ctx := context.Background()
+
+	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	v := forget()
+	fresh := newAttacher(t, Config{StateDir: state})
+	if err := fresh.Detach(ctx, "pv-stale"); err != nil {
+		t.Fatalf("detach of a stale attachment: %v", err)
+	}
+	v.client.Close()
+	assertNothingLeft(t, fresh, "pv-stale", ts)
+
+	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	v = forget()
+	att, err := fresh.Attach(ctx, target("pv-stale", ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatalf("attach over a stale attachment: %v", err)
+	}
+	v.client.Close()
+	ts.conns.waitConns(t, "vol", 1)
+	f := openDirect(t, att.Device, os.O_RDONLY)
+	if _, err := f.ReadAt(alignedBuf(4096), 0); err != nil {
+		t.Fatalf("read after reattach: %v", err)
+	}
+	f.Close()
+	if err := fresh.Detach(ctx, "pv-stale"); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, fresh, "pv-stale", ts)
+}
+
+func TestVolumeName(t *testing.T) {
+	for id, want := range map[string]string{
+		"pvc-0123-abcd": "pvc-0123-abcd",
+		"a.b_c":         "a.b_c",
+	} {
+		if got := volumeName(id); got != want {
+			t.Errorf("volumeName(%q) = %q, want %q", id, got, want)
+		}
+	}
+	for _, id := range []string{"../x", "a/b", ".hidden", "", strings.Repeat("x", 200), "a b"} {
+		got := volumeName(id)
+		if !strings.HasPrefix(got, "v-") || strings.ContainsAny(got, "/ ") {
+			t.Errorf("volumeName(%q) = %q", id, got)
+		}
+	}
+	if volumeName("a/b") == volumeName("a/c") {
+		t.Error("different IDs share a name")
+	}
+}
+
+func TestUnescapeMountPath(t *testing.T) {
+	for in, want := range map[string]string{
+		`/run/a`:          "/run/a",
+		`/run/a\040b`:     "/run/a b",
+		`/x\134y`:         `/x\y`,
+		`/trailing\04`:    `/trailing\04`,
+		`/t\011ab\012end`: "/t\tab\nend",
+	} {
+		if got := unescapeMountPath(in); got != want {
+			t.Errorf("unescapeMountPath(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// TestMountOnFileUndone mounts on a regular file: the mount syscall
+// succeeds (FUSE mounts files too) but the file system cannot serve a
+// directory there, and the failed mount must not stay behind.
+func TestMountOnFileUndone(t *testing.T) {
+	requireFUSE(t)
+	dir := t.TempDir()
+	p := filepath.Join(dir, "file")
+	if err := os.WriteFile(p, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := New(Config{})
+	node := &exportFile{log: a.cfg.Logger}
+	srv, err := mount(p, &rootDir{name: "x", file: node}, a.fuseOptions("x", a.cfg.Logger))
+	if err == nil {
+		srv.Unmount()
+		t.Fatal("mount on a file succeeds")
+	}
+	if m := mountsUnder(t, dir); len(m) != 0 {
+		t.Fatalf("mounts left: %v", m)
+	}
+}
+
+// TestDetachWithMountCopy detaches while another mount namespace holds a
+// copy of the FUSE mount (as one made by `ip netns exec` or a container
+// start would): the unmount here does not end the FUSE connection, so
+// Detach aborts it rather than waiting for that namespace to go away.
+func TestDetachWithMountCopy(t *testing.T) {
+	requireFUSE(t)
+	requireTool(t, "unshare")
+	ts := localServer(t, 16<<20)
+	a := newAttacher(t, Config{UnmountTimeout: 500 * time.Millisecond})
+	if _, err := a.Attach(context.Background(), target("pv-copy", ts.addr), attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	dir, _ := a.paths("pv-copy")
+	holder := exec.Command("unshare", "--mount", "--propagation", "private", "sleep", "60")
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		holder.Process.Kill()
+		holder.Wait()
+	}()
+	// Wait until the copy exists in the holder's namespace.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", holder.Process.Pid))
+		if bytes.Contains(b, []byte(dir)) && !bytes.Equal(mustReadlink(t, holder.Process.Pid), mustReadlink(t, os.Getpid())) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the holder's mount namespace never showed the FUSE mount")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	start := time.Now()
+	if err := a.Detach(context.Background(), "pv-copy"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("detach took %v", time.Since(start).Round(time.Millisecond))
+	assertNothingLeft(t, a, "pv-copy", ts)
+}
+
+func mustReadlink(t *testing.T, pid int) []byte {
+	t.Helper()
+	s, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return []byte(s)
+}

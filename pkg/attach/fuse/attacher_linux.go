@@ -1,0 +1,643 @@
+package fuse
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	gofuse "github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// Attacher is the FUSE transport. It is safe for concurrent use; calls for
+// one volume are serialized.
+type Attacher struct {
+	cfg Config
+
+	mu    sync.Mutex
+	vols  map[string]*volume
+	locks map[string]*volumeLock
+}
+
+var _ attach.Attacher = (*Attacher)(nil)
+
+type volumeLock struct {
+	mu   sync.Mutex
+	refs int
+}
+
+// volume is one attached volume. target, dir, file, client, node and
+// att.MPTCP do not change once it is stored; server, dev and closed
+// record how far teardown got (so a failed detach resumes there) and are
+// only used under the volume's lock.
+type volume struct {
+	target attach.Target
+	dir    string // mount point
+	file   string // the export file inside it
+	client *nbd.Client
+	node   *exportFile
+	att    attach.Attachment
+
+	server *gofuse.Server
+	conn   string // the FUSE connection's name under fusectl
+	dev    string
+	closed bool
+}
+
+// New returns an Attacher.
+func New(c Config) *Attacher {
+	return &Attacher{
+		cfg:   c.withDefaults(),
+		vols:  make(map[string]*volume),
+		locks: make(map[string]*volumeLock),
+	}
+}
+
+// Available tells whether this node can use the transport: it needs root,
+// /dev/fuse and loop devices.
+func Available() error {
+	if err := blockdev.LoopAvailable(); err != nil {
+		return fmt.Errorf("%w: %v", attach.ErrUnsupported, err)
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		return fmt.Errorf("%w: %v", attach.ErrUnsupported, err)
+	}
+	return nil
+}
+
+func (a *Attacher) lock(id string) func() {
+	a.mu.Lock()
+	l := a.locks[id]
+	if l == nil {
+		l = &volumeLock{}
+		a.locks[id] = l
+	}
+	l.refs++
+	a.mu.Unlock()
+	l.mu.Lock()
+	return func() {
+		l.mu.Unlock()
+		a.mu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(a.locks, id)
+		}
+		a.mu.Unlock()
+	}
+}
+
+func (a *Attacher) get(id string) *volume {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.vols[id]
+}
+
+// paths returns a volume's mount point and file. The state directory is
+// resolved through symlinks so the path matches what the loop driver
+// reports as its backing file.
+func (a *Attacher) paths(volumeID string) (dir, file string) {
+	state := a.cfg.StateDir
+	if r, err := filepath.EvalSymlinks(state); err == nil {
+		state = r
+	}
+	if abs, err := filepath.Abs(state); err == nil {
+		state = abs
+	}
+	name := volumeName(volumeID)
+	dir = filepath.Join(state, name)
+	return dir, filepath.Join(dir, name)
+}
+
+// Attach dials the export, mounts its file and attaches a loop device.
+func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options) (*attach.Attachment, error) {
+	if t.VolumeID == "" {
+		return nil, fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
+	}
+	if len(t.Addrs) == 0 {
+		return nil, fmt.Errorf("%w: no server address for volume %s", attach.ErrInvalid, t.VolumeID)
+	}
+	unlock := a.lock(t.VolumeID)
+	defer unlock()
+	if v := a.get(t.VolumeID); v != nil {
+		att := v.att
+		return &att, nil
+	}
+	if err := Available(); err != nil {
+		return nil, err
+	}
+	log := a.cfg.Logger.With("volume", t.VolumeID, "transport", string(attach.FUSE))
+
+	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("fuse: state directory: %w", err)
+	}
+	dir, file := a.paths(t.VolumeID)
+	// What an earlier process may have left (a dead mount, a loop device
+	// on it) is in the way of a new mount.
+	if err := cleanup(dir, file, log); err != nil {
+		return nil, fmt.Errorf("fuse: stale attachment of volume %s: %w", t.VolumeID, err)
+	}
+
+	cl, err := a.cfg.Dial(ctx, nbd.DialOptions{
+		Addr:   t.Addrs[0],
+		Export: t.Export,
+		MPTCP:  true,
+		Conns:  a.cfg.Conns,
+		Logger: log,
+	})
+	if err != nil {
+		return nil, dialError(t, err)
+	}
+	v := &volume{target: t, dir: dir, file: file, client: cl}
+	fail := func(err error) (*attach.Attachment, error) {
+		if terr := a.teardown(v, log); terr != nil {
+			log.Error("fuse: cleaning up after a failed attach", "err", terr)
+		}
+		return nil, err
+	}
+
+	multipath := true
+	for i, mp := range cl.MultipathTCP() {
+		if !mp {
+			multipath = false
+			log.Warn("fuse: NBD connection runs plain TCP: MPTCP fell back", "conn", i, "addr", t.Addrs[0])
+		}
+	}
+	info := cl.Info()
+	readOnly := o.ReadOnly || info.Flags&nbd.FlagReadOnly != 0
+	node := &exportFile{
+		bio:       cl,
+		readOnly:  readOnly,
+		canZero:   info.Flags&nbd.FlagSendWriteZeroes != 0,
+		openFlags: a.openFlags(),
+		mtime:     time.Now(),
+		log:       log,
+	}
+	node.size.Store(info.Size)
+	v.node = node
+
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return fail(fmt.Errorf("fuse: mount point: %w", err))
+	}
+	// FUSE mounts on a file too, as a file.
+	if st, err := os.Lstat(dir); err != nil {
+		return fail(fmt.Errorf("fuse: mount point: %w", err))
+	} else if !st.IsDir() {
+		return fail(fmt.Errorf("fuse: mount point %s is not a directory", dir))
+	}
+	srv, err := mount(dir, &rootDir{name: filepath.Base(file), file: node}, a.fuseOptions(filepath.Base(file), log))
+	if err != nil {
+		return fail(fmt.Errorf("fuse: mount %s: %w", dir, err))
+	}
+	v.server = srv
+	v.conn = connName(dir)
+
+	bs := o.BlockSize
+	if bs == 0 {
+		bs = attach.DefaultBlockSize
+	}
+	dev, err := blockdev.AttachLoop(file, blockdev.LoopOptions{
+		ReadOnly:  readOnly,
+		DirectIO:  !a.cfg.bufferedLoop,
+		BlockSize: uint32(bs),
+	})
+	if err != nil {
+		return fail(fmt.Errorf("fuse: loop device: %w", err))
+	}
+	v.dev = dev
+	if !a.cfg.bufferedLoop {
+		if st, err := blockdev.StatLoop(dev); err == nil && !st.DirectIO {
+			log.Warn("fuse: the loop device runs without direct I/O", "device", dev)
+		}
+	}
+	size, err := blockdev.DeviceSize(dev)
+	if err != nil {
+		return fail(err)
+	}
+	v.att = attach.Attachment{
+		VolumeID:  t.VolumeID,
+		Transport: attach.FUSE,
+		Device:    dev,
+		Size:      size,
+		MPTCP:     multipath,
+	}
+	a.mu.Lock()
+	a.vols[t.VolumeID] = v
+	a.mu.Unlock()
+	log.Info("fuse: attached", "device", dev, "size", size, "mptcp", multipath, "file", file)
+	att := v.att
+	return &att, nil
+}
+
+// mount mounts and serves the file system. Unlike fs.Mount it unmounts
+// again when the mount syscall worked but the file system does not answer.
+func mount(dir string, root fusefs.InodeEmbedder, o *fusefs.Options) (*gofuse.Server, error) {
+	srv, err := gofuse.NewServer(fusefs.NewNodeFS(root, o), dir, &o.MountOptions)
+	if err != nil {
+		return nil, err
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		if uerr := srv.Unmount(); uerr != nil {
+			// Leave nothing mounted, even if it takes a lazy unmount.
+			_ = unix.Unmount(dir, unix.MNT_DETACH)
+		}
+		return nil, err
+	}
+	return srv, nil
+}
+
+func dialError(t attach.Target, err error) error {
+	if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
+		return fmt.Errorf("%w: volume %s: %w", attach.ErrServerRefused, t.VolumeID, err)
+	}
+	return fmt.Errorf("fuse: connect volume %s to %s: %w", t.VolumeID, t.Addrs[0], err)
+}
+
+func (a *Attacher) openFlags() uint32 {
+	if a.cfg.cachedFile {
+		return 0
+	}
+	// The loop device has its own page cache; the file's would hold every
+	// block a second time. Parallel direct writes spare the inode lock.
+	return gofuse.FOPEN_DIRECT_IO | gofuse.FOPEN_PARALLEL_DIRECT_WRITES
+}
+
+func (a *Attacher) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
+	ttl := time.Hour // the file never changes but by Resize, which says so
+	l := newLogAdapter(log)
+	caps := uint64(gofuse.CAP_ASYNC_DIO)
+	if a.cfg.syncDIO {
+		caps = 0
+	}
+	return &fusefs.Options{
+		MountOptions: gofuse.MountOptions{
+			FsName:            "mpnbd:" + name,
+			Name:              "mpnbd",
+			DirectMountStrict: true,
+			MaxWrite:          a.cfg.MaxWrite,
+			MaxBackground:     a.cfg.MaxBackground,
+			// Replies carry data from memory, never from a file
+			// descriptor: splicing buys nothing, and go-fuse would try to
+			// grow a pipe past pipe-max-size for each 1 MiB read.
+			DisableSplice: true,
+			DisableXAttrs: true,
+			// Let the loop driver's direct I/O stay asynchronous.
+			ExtraCapabilities: caps,
+			Logger:            l,
+		},
+		EntryTimeout: &ttl,
+		AttrTimeout:  &ttl,
+		Logger:       l,
+	}
+}
+
+// Detach removes the loop device, unmounts the file system and closes the
+// connection. A volume this Attacher does not know is still looked for on
+// disk (left by an earlier process) and cleaned up; nothing found is fine.
+func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
+	if volumeID == "" {
+		return fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
+	}
+	unlock := a.lock(volumeID)
+	defer unlock()
+	log := a.cfg.Logger.With("volume", volumeID, "transport", string(attach.FUSE))
+	v := a.get(volumeID)
+	if v == nil {
+		dir, file := a.paths(volumeID)
+		return cleanup(dir, file, log)
+	}
+	if err := a.teardown(v, log); err != nil {
+		return fmt.Errorf("fuse: detach volume %s: %w", volumeID, err)
+	}
+	a.mu.Lock()
+	delete(a.vols, volumeID)
+	a.mu.Unlock()
+	log.Info("fuse: detached", "device", v.att.Device)
+	return nil
+}
+
+// teardown undoes whatever of an attach is in place, last step first.
+func (a *Attacher) teardown(v *volume, log *slog.Logger) error {
+	if v.server != nil {
+		// Every loop device on our file, not just v.dev: after an
+		// autoclear the number may already belong to someone else.
+		if err := retryBusy(a.cfg.UnmountTimeout, func() error { return detachLoops(v.file) }); err != nil {
+			return err
+		}
+		v.dev = ""
+		if err := unmount(v.server, v.dir, v.conn, a.cfg.UnmountTimeout, log); err != nil {
+			return err
+		}
+		v.server = nil
+	}
+	// Rmdir, not Remove: whatever else sits there is not ours.
+	if err := unix.Rmdir(v.dir); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENOTDIR) {
+		log.Warn("fuse: removing mount point", "dir", v.dir, "err", err)
+	}
+	if !v.closed {
+		if v.node != nil && !v.node.readOnly && v.node.lastErr.Load() == nil {
+			// Writes nobody fsync'ed (a raw device closed without a flush)
+			// become durable before the connection goes.
+			if err := v.client.Flush(); err != nil {
+				log.Warn("fuse: final flush", "err", err)
+			}
+		}
+		if err := v.client.Close(); err != nil {
+			log.Debug("fuse: closing NBD client", "err", err)
+		}
+		v.closed = true
+	}
+	return nil
+}
+
+func detachLoops(file string) error {
+	devs, err := blockdev.FindLoopByBackingFile(file)
+	if err != nil {
+		return err
+	}
+	for _, d := range devs {
+		if err := blockdev.DetachLoop(d); err != nil {
+			return fmt.Errorf("loop device %s: %w", d, err)
+		}
+	}
+	return nil
+}
+
+// retryBusy calls f until it does not fail with ErrLoopBusy or timeout
+// has passed. A file system unmounted from the device a moment ago can
+// keep it claimed while another mount namespace still holds a copy of the
+// mount, e.g. one made by a concurrent `ip netns exec`.
+func retryBusy(timeout time.Duration, f func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := f()
+		if !errors.Is(err, blockdev.ErrLoopBusy) || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// unmount unmounts a FUSE server of ours and waits for it to stop.
+//
+// A mount namespace created while the file system was mounted (unshare,
+// `ip netns exec`, a container) holds a copy of the mount that our umount
+// does not remove; the kernel then keeps the FUSE connection, and the
+// server, alive as long as that namespace lives. The file is no longer in
+// use by then (the loop device let go of it), so the connection is
+// aborted through fusectl.
+func unmount(srv *gofuse.Server, dir, conn string, timeout time.Duration, log *slog.Logger) error {
+	done := make(chan error, 1)
+	go func() { done <- unmountRetry(srv, dir, timeout) }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(timeout):
+	}
+	if m, err := isMountPoint(dir); err != nil || m {
+		return <-done // still retrying a busy mount; it gives up soon
+	}
+	log.Warn("fuse: unmounted, but another mount namespace still holds the file system; aborting the FUSE connection", "dir", dir, "conn", conn)
+	if err := abortConn(conn); err != nil {
+		return fmt.Errorf("unmount %s: the FUSE connection outlives the mount and cannot be aborted: %w", dir, err)
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(timeout):
+		return fmt.Errorf("unmount %s: the FUSE server did not stop after its connection was aborted", dir)
+	}
+}
+
+// unmountRetry retries while the kernel still holds the file (a loop
+// device being released).
+func unmountRetry(srv *gofuse.Server, dir string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := srv.Unmount()
+		if err == nil {
+			return nil
+		}
+		if m, merr := isMountPoint(dir); merr == nil && !m {
+			return nil // unmounted behind our back
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("unmount %s: %w", dir, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+const fusectlDir = "/sys/fs/fuse/connections"
+
+// connName returns the name fusectl gives the FUSE connection mounted at
+// dir: its anonymous device's minor number.
+func connName(dir string) string {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil || unix.Major(st.Dev) != 0 {
+		return ""
+	}
+	return strconv.FormatUint(uint64(unix.Minor(st.Dev)), 10)
+}
+
+// abortConn aborts a FUSE connection, mounting fusectl if needed.
+func abortConn(conn string) error {
+	if conn == "" {
+		return errors.New("unknown FUSE connection")
+	}
+	p := filepath.Join(fusectlDir, conn, "abort")
+	if _, err := os.Stat(p); errors.Is(err, os.ErrNotExist) {
+		if err := unix.Mount("fusectl", fusectlDir, "fusectl", 0, ""); err != nil && !errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("mount fusectl: %w", err)
+		}
+	}
+	return os.WriteFile(p, []byte("1"), 0)
+}
+
+// cleanup removes what an attach of the volume left on this node without
+// an Attacher that knows it: loop devices on its file, the mount (whose
+// server may be dead) and the mount point.
+func cleanup(dir, file string, log *slog.Logger) error {
+	if err := detachLoops(file); err != nil {
+		return err
+	}
+	m, err := isMountPoint(dir)
+	if err != nil {
+		return err
+	}
+	if m {
+		log.Info("fuse: unmounting a stale mount", "dir", dir)
+		if err := unix.Unmount(dir, 0); err != nil && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("unmount %s: %w", dir, err)
+		}
+	}
+	if err := unix.Rmdir(dir); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENOTDIR) {
+		return fmt.Errorf("remove %s: %w", dir, err)
+	}
+	return nil
+}
+
+// isMountPoint reports whether dir is a mount point of this mount
+// namespace (a dead FUSE mount cannot be stat'ed, so mountinfo it is).
+func isMountPoint(dir string) (bool, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) > 4 && unescapeMountPath(fields[4]) == dir {
+			return true, nil
+		}
+	}
+	return false, sc.Err()
+}
+
+// unescapeMountPath undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMountPath(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// Health reports whether the volume's connections are up, whether they run
+// MPTCP and their subflows.
+func (a *Attacher) Health(volumeID string) (attach.Health, error) {
+	v := a.get(volumeID)
+	if v == nil {
+		return attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	h := attach.Health{Connected: true, MPTCP: v.att.MPTCP}
+	var msgs []string
+	for i, c := range v.client.Conns() {
+		if !alive(c) {
+			h.Connected = false
+			msgs = append(msgs, fmt.Sprintf("connection %d closed", i))
+			continue
+		}
+		if !nbd.IsMultipathTCP(c) {
+			continue
+		}
+		info, err := mptcp.GetInfo(c)
+		if err != nil {
+			msgs = append(msgs, fmt.Sprintf("connection %d: %v", i, err))
+			h.Subflows = append(h.Subflows, 0)
+			continue
+		}
+		h.Subflows = append(h.Subflows, info.TotalSubflows())
+	}
+	if p := v.node.lastErr.Load(); p != nil {
+		h.Connected = false
+		msgs = append(msgs, (*p).Error())
+	}
+	if !v.att.MPTCP {
+		msgs = append(msgs, "MPTCP fell back to TCP")
+	}
+	h.Message = strings.Join(msgs, "; ")
+	return h, nil
+}
+
+// alive reports whether the client still has c open (it closes a
+// connection on the first transport error).
+func alive(c net.Conn) bool {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return true
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	return rc.Control(func(uintptr) {}) == nil
+}
+
+// Resize picks up a grown export: it asks the server for the export's
+// size on a fresh connection, which must be at least newSize, updates the
+// file and the loop device, and returns the device's new size.
+func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
+	unlock := a.lock(volumeID)
+	defer unlock()
+	v := a.get(volumeID)
+	if v == nil {
+		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	cl, err := a.cfg.Dial(ctx, nbd.DialOptions{Addr: v.target.Addrs[0], Export: v.target.Export, MPTCP: true, Logger: a.cfg.Logger})
+	if err != nil {
+		return 0, dialError(v.target, err)
+	}
+	size := cl.Info().Size
+	cl.Close()
+	if size < newSize {
+		return 0, fmt.Errorf("fuse: resize volume %s: the export has %d bytes, less than %d", volumeID, size, newSize)
+	}
+	if size != v.node.size.Load() {
+		v.node.size.Store(size)
+		// Drop the kernel's cached attributes, then look again so the
+		// inode's size, which the loop driver reads, is the new one.
+		if errno := v.node.NotifyContent(-1, 0); errno != 0 {
+			return 0, fmt.Errorf("fuse: resize volume %s: invalidate attributes: %w", volumeID, errno)
+		}
+		st, err := os.Stat(v.file)
+		if err != nil {
+			return 0, fmt.Errorf("fuse: resize volume %s: %w", volumeID, err)
+		}
+		if uint64(st.Size()) != size {
+			return 0, fmt.Errorf("fuse: resize volume %s: file size %d after update, want %d", volumeID, st.Size(), size)
+		}
+	}
+	if err := blockdev.LoopSetCapacity(v.dev); err != nil {
+		return 0, fmt.Errorf("fuse: resize volume %s: %w", volumeID, err)
+	}
+	got, err := blockdev.DeviceSize(v.dev)
+	if err != nil {
+		return 0, err
+	}
+	a.mu.Lock()
+	v.att.Size = got
+	a.mu.Unlock()
+	return got, nil
+}
+
+// logAdapter feeds go-fuse's line logger into slog as warnings.
+type logAdapter struct{ log *slog.Logger }
+
+func newLogAdapter(l *slog.Logger) *log.Logger {
+	return log.New(logAdapter{l}, "", 0)
+}
+
+func (w logAdapter) Write(p []byte) (int, error) {
+	w.log.Warn("go-fuse: " + string(bytes.TrimRight(p, "\n")))
+	return len(p), nil
+}

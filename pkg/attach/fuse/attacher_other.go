@@ -1,0 +1,44 @@
+//go:build !linux
+
+package fuse
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Attacher is the FUSE transport; it only works on Linux.
+type Attacher struct{ cfg Config }
+
+var _ attach.Attacher = (*Attacher)(nil)
+
+// New returns an Attacher whose every call fails with ErrUnsupported.
+func New(c Config) *Attacher { return &Attacher{cfg: c.withDefaults()} }
+
+func unsupported() error {
+	return fmt.Errorf("%w: fuse transport (GOOS=%s)", attach.ErrUnsupported, runtime.GOOS)
+}
+
+// Available tells whether this node can use the transport: never here.
+func Available() error { return unsupported() }
+
+// Attach is only implemented on Linux.
+func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options) (*attach.Attachment, error) {
+	return nil, unsupported()
+}
+
+// Detach of a volume that cannot have been attached succeeds.
+func (a *Attacher) Detach(ctx context.Context, volumeID string) error { return nil }
+
+// Health is only implemented on Linux.
+func (a *Attacher) Health(volumeID string) (attach.Health, error) {
+	return attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+}
+
+// Resize is only implemented on Linux.
+func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
+	return 0, unsupported()
+}

@@ -1,0 +1,171 @@
+package fuse
+
+import (
+	"context"
+	"crypto/rand"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+const (
+	benchBlock = 1 << 20
+	benchSize  = 1 << 30
+)
+
+// benchSeq moves b.N blocks of 1 MiB with qd workers taking consecutive
+// offsets (qd 1 is dd with bs=1M).
+func benchSeq(b *testing.B, qd int, op func(buf []byte, off int64) error) {
+	b.SetBytes(benchBlock)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var firstErr atomic.Pointer[error]
+	b.ResetTimer()
+	for w := 0; w < qd; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := alignedBuf(benchBlock)
+			rand.Read(buf)
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(b.N) {
+					return
+				}
+				off := i * benchBlock % benchSize
+				if err := op(buf, off); err != nil {
+					firstErr.CompareAndSwap(nil, &err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	b.StopTimer()
+	if p := firstErr.Load(); p != nil {
+		b.Fatal(*p)
+	}
+}
+
+// benchVariant is one FUSE configuration to measure.
+type benchVariant struct {
+	name string
+	cfg  Config
+}
+
+// benchVariants are the settings compared; FUSE_BENCH_VARIANTS=all adds
+// the alternatives to the chosen defaults.
+func benchVariants() []benchVariant {
+	v := []benchVariant{{name: "default"}}
+	if os.Getenv("FUSE_BENCH_VARIANTS") == "all" {
+		v = append(v,
+			benchVariant{"maxwrite128k", Config{MaxWrite: 128 << 10}},
+			benchVariant{"maxwrite256k", Config{MaxWrite: 256 << 10}},
+			benchVariant{"bg12", Config{MaxBackground: 12}},
+			benchVariant{"bg128", Config{MaxBackground: 128}},
+			benchVariant{"syncdio", Config{syncDIO: true}},
+			benchVariant{"bufferedloop", Config{bufferedLoop: true}},
+			benchVariant{"cachedfile", Config{cachedFile: true}},
+		)
+	}
+	return v
+}
+
+// BenchmarkThroughput measures sequential 1 MiB I/O over one MPTCP
+// connection with a subflow on each of 4 paths (1 Gbit/s each): through
+// the loop device with O_DIRECT (FUSE transport), and with the client's
+// ReadAt/WriteAt directly, at queue depth 1 (dd bs=1M) and 8.
+//
+//	go test -run '^$' -bench Throughput -benchtime 2s ./pkg/attach/fuse/
+func BenchmarkThroughput(b *testing.B) {
+	requireFUSE(b)
+	tp, ts, _ := fourPaths(b, "fb", benchSize)
+	benchThroughput(b, inClient(tp), ts.addr, 4)
+}
+
+// BenchmarkThroughputLoopback is BenchmarkThroughput over the unshaped
+// loopback interface (one subflow), where the CPU cost of each layer,
+// not the paths, sets the pace.
+func BenchmarkThroughputLoopback(b *testing.B) {
+	requireFUSE(b)
+	ts := localServer(b, benchSize)
+	benchThroughput(b, nbd.Dial, ts.addr, 1)
+}
+
+func benchThroughput(b *testing.B, dial func(context.Context, nbd.DialOptions) (*nbd.Client, error), addr string, subflows int) {
+	ctx := context.Background()
+	cl, err := dial(ctx, nbd.DialOptions{Addr: addr, Export: "vol", MPTCP: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { cl.Close() })
+	warm := alignedBuf(benchBlock)
+	for off := int64(0); off < 128<<20; off += benchBlock {
+		if _, err := cl.WriteAt(warm, off); err != nil {
+			b.Fatal(err)
+		}
+	}
+
+	for _, qd := range []int{1, 8} {
+		qs := "qd" + string(rune('0'+qd))
+		b.Run("client/write-"+qs, func(b *testing.B) {
+			benchSeq(b, qd, func(buf []byte, off int64) error { _, err := cl.WriteAt(buf, off); return err })
+		})
+		b.Run("client/read-"+qs, func(b *testing.B) {
+			benchSeq(b, qd, func(buf []byte, off int64) error { _, err := cl.ReadAt(buf, off); return err })
+		})
+	}
+
+	for _, v := range benchVariants() {
+		cfg := v.cfg
+		cfg.Dial = dial
+		a := newAttacher(b, cfg)
+		id := "pv-bench-" + v.name
+		att, err := a.Attach(ctx, target(id, addr), attach.Options{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		f, err := os.OpenFile(att.Device, os.O_RDWR|unix.O_DIRECT, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		// Bring the subflows up before measuring.
+		for off := int64(0); off < 128<<20; off += benchBlock {
+			if _, err := f.WriteAt(warm, off); err != nil {
+				b.Fatal(err)
+			}
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			h, _ := a.Health(id)
+			if len(h.Subflows) == 1 && h.Subflows[0] >= subflows || time.Now().After(deadline) {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		for _, qd := range []int{1, 8} {
+			qs := "qd" + string(rune('0'+qd))
+			name := "fuse-loop"
+			if v.name != "default" {
+				name += "-" + v.name
+			}
+			b.Run(name+"/write-"+qs, func(b *testing.B) {
+				benchSeq(b, qd, func(buf []byte, off int64) error { _, err := f.WriteAt(buf, off); return err })
+			})
+			b.Run(name+"/read-"+qs, func(b *testing.B) {
+				benchSeq(b, qd, func(buf []byte, off int64) error { _, err := f.ReadAt(buf, off); return err })
+			})
+		}
+		f.Close()
+		if err := a.Detach(ctx, id); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,208 @@
+package fuse
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// fourPaths builds the 4-path topology, serves a memory export of size
+// bytes from the server namespace and returns an attacher that dials from
+// the client namespace. Only the sockets live in the namespaces: the FUSE
+// mount and the loop device are the host's.
+func fourPaths(t testing.TB, prefix string, size int64) (*topo.Topology, *testServer, *Attacher) {
+	t.Helper()
+	requireFUSE(t)
+	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName(prefix)))
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	var l net.Listener
+	err := tp.InServer(func() error {
+		var err error
+		l, err = mptcp.Listen(context.Background(), "tcp", net.JoinHostPort(tp.ServerAddr(1).String(), "0"), true)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := serveMem(t, l, size)
+	a := newAttacher(t, Config{Dial: inClient(tp)})
+	return tp, ts, a
+}
+
+func inClient(tp *topo.Topology) func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
+	return func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
+		var cl *nbd.Client
+		err := tp.InClient(func() error {
+			var err error
+			cl, err = nbd.Dial(ctx, o)
+			return err
+		})
+		return cl, err
+	}
+}
+
+func run(t testing.TB, name string, args ...string) {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %v: %v\n%s", name, args, err, out)
+	}
+}
+
+// The ext4 file system is mounted in a private mount namespace (see
+// mountNS) so that concurrent namespace creation elsewhere on the host
+// cannot keep it, and so the loop device, busy after the unmount.
+
+func mountExt4(ns *mountNS, dev string, mnt string) error {
+	return ns.do(func() error { return unix.Mount(dev, mnt, "ext4", 0, "") })
+}
+
+func unmountExt4(ns *mountNS, mnt string) error {
+	return ns.do(func() error { return unix.Unmount(mnt, 0) })
+}
+
+// TestExt4OverFourPaths puts ext4 on a FUSE-attached volume carried by one
+// MPTCP connection with a subflow on each of 4 paths, writes 200 MiB,
+// detaches, attaches again and reads everything back bit-exact.
+func TestExt4OverFourPaths(t *testing.T) {
+	requireTool(t, "mkfs.ext4")
+	_, ts, a := fourPaths(t, "fu", 512<<20)
+	ns := newMountNS(t)
+	mnt := t.TempDir()
+	t.Cleanup(func() { unmountExt4(ns, mnt) })
+	ctx := context.Background()
+	const vol = "pv-ext4"
+
+	att, err := a.Attach(ctx, target(vol, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !att.MPTCP {
+		t.Fatalf("attachment %+v does not run MPTCP", att)
+	}
+	run(t, "mkfs.ext4", "-q", "-F", att.Device)
+	if err := mountExt4(ns, att.Device, mnt); err != nil {
+		t.Fatal(err)
+	}
+
+	const files, fileSize = 50, 4 << 20 // 200 MiB
+	sums := make(map[string][32]byte)
+	start := time.Now()
+	err = ns.do(func() error {
+		buf := make([]byte, fileSize)
+		for i := 0; i < files; i++ {
+			rand.Read(buf)
+			name := fmt.Sprintf("f%02d", i)
+			if err := os.WriteFile(filepath.Join(mnt, name), buf, 0o600); err != nil {
+				return err
+			}
+			sums[name] = sha256.Sum256(buf)
+		}
+		unix.Sync()
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("wrote %d MiB through ext4 in %v", files*fileSize>>20, time.Since(start).Round(time.Millisecond))
+	if err := unmountExt4(ns, mnt); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Detach(ctx, vol); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, vol, ts)
+
+	att, err = a.Attach(ctx, target(vol, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mountExt4(ns, att.Device, mnt); err != nil {
+		t.Fatal(err)
+	}
+	start = time.Now()
+	err = ns.do(func() error {
+		for name, want := range sums {
+			f, err := os.Open(filepath.Join(mnt, name))
+			if err != nil {
+				return err
+			}
+			h := sha256.New()
+			_, err = io.Copy(h, f)
+			f.Close()
+			if err != nil {
+				return err
+			}
+			var got [32]byte
+			h.Sum(got[:0])
+			if got != want {
+				return fmt.Errorf("%s: sha256 differs after reattach", name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("verified %d files in %v", len(sums), time.Since(start).Round(time.Millisecond))
+
+	// The subflows join while data moves; by now all 4 paths are up.
+	var h attach.Health
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		h, err = a.Health(vol)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(h.Subflows) == 1 && h.Subflows[0] == 4 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("health: %+v", h)
+	if !h.Connected || !h.MPTCP || len(h.Subflows) != 1 || h.Subflows[0] != 4 {
+		t.Errorf("health %+v: want connected over MPTCP with 4 subflows", h)
+	}
+
+	// Detach is refused while the file system is mounted, and changes
+	// nothing.
+	a.cfg.UnmountTimeout = 200 * time.Millisecond
+	if err := a.Detach(ctx, vol); !errors.Is(err, blockdev.ErrLoopBusy) {
+		t.Fatalf("detach with ext4 mounted: %v, want ErrLoopBusy", err)
+	}
+	a.cfg.UnmountTimeout = 0
+	a.cfg = a.cfg.withDefaults()
+	if err := ns.do(func() error { _, err := os.ReadFile(filepath.Join(mnt, "f00")); return err }); err != nil {
+		t.Fatalf("read after the refused detach: %v", err)
+	}
+	if h, err := a.Health(vol); err != nil || !h.Connected {
+		t.Fatalf("health after the refused detach: %+v, %v", h, err)
+	}
+
+	if err := unmountExt4(ns, mnt); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Detach(ctx, vol); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, vol, ts)
+}
