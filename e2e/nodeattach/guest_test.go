@@ -19,8 +19,10 @@ import (
 // Sizes are modest: the VM runs under TCG, about ten times slower than
 // the host.
 const (
-	volSize  = 256 << 20
+	volSize  = 512 << 20
 	dataSize = 64 << 20
+	// bigData is what the main attach test writes through the filesystem.
+	bigData = 200 << 20
 )
 
 func guestTopology(t *testing.T) *topo.Topology {
@@ -72,7 +74,7 @@ func TestAttachTransports(t *testing.T) {
 				}
 			}
 
-			sum := mkfsMountWrite(t, att.Device, dataSize)
+			sum := mkfsMountWrite(t, att.Device, bigData)
 			if mode == attach.Relay {
 				h, _ := a.Health(tg.VolumeID)
 				if len(h.Subflows) != 1 || h.Subflows[0] != len(tp.Paths) {

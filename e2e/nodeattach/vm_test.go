@@ -16,7 +16,7 @@ func TestNodeAttachInVM(t *testing.T) {
 		t.Skip("already inside the VM")
 	}
 	cfg := vm.Default(t)
-	cfg.MemoryMB = 1536
+	cfg.MemoryMB = 2048
 	cfg.Timeout = 8 * time.Minute
 	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^Test(AttachTransports|KernelTransportRefused|ServerRestartMidWrite|PathDownMidRead|WrongVolumeRefused|ReadoptAfterKill|MeasureTransports)$")
 	for _, name := range []string{"TestAttachTransports", "TestKernelTransportRefused", "TestServerRestartMidWrite",
