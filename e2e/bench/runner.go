@@ -1,0 +1,490 @@
+//go:build linux
+
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/topo"
+)
+
+// Run executes the matrix and returns every run; the report holds what
+// was measured until then also when ctx is cancelled or setup fails
+// (together with the error). Everything it starts is removed before it
+// returns: processes, namespaces and export files.
+func Run(ctx context.Context, o Options) (*Report, error) {
+	o.defaults()
+	rep := &Report{Meta: Meta{
+		Started:  time.Now(),
+		Duration: o.Duration.String(),
+		Ramp:     o.Ramp.String(),
+		Repeat:   o.Repeat,
+		CPUs:     runtime.NumCPU(),
+		Go:       runtime.Version(),
+		Versions: toolVersions(o.Matrix),
+	}}
+	rep.Meta.Host, _ = os.Hostname()
+	if b, err := os.ReadFile("/proc/sys/kernel/osrelease"); err == nil {
+		rep.Meta.Kernel = strings.TrimSpace(string(b))
+	}
+	rep.Meta.Notes = []string{
+		"MB/s = 10^6 bytes/s measured by the client after the ramp",
+		"% line = MB/s relative to the network's line rate (path 1 for tcp1; sum of the non-backup paths for MPTCP)",
+		"CPU s/GB = CPU seconds of the server process tree (or the client process) over the whole client run, divided by the 10^9 bytes the server's interfaces carried in the data direction over the same interval",
+		"order per server: workloads in matrix order, each repeat runs every client (fio first); the export is sparse, so the first write run of each server also allocates the tmpfs pages it touches",
+	}
+	line := map[string]float64{}
+	for _, n := range o.Matrix.Networks {
+		l := n.PlanLineRateMBps()
+		line[n.Name] = l
+		rep.Networks = append(rep.Networks, NetInfo{Network: n, LineMBps: l})
+	}
+	finish := func(err error) (*Report, error) {
+		rep.Meta.Finished = time.Now()
+		rep.Meta.Elapsed = rep.Meta.Finished.Sub(rep.Meta.Started).Round(time.Second).String()
+		rep.Cells = Aggregate(rep.Runs, line)
+		SortCells(rep.Cells)
+		return rep, err
+	}
+	if missing := MissingTools(o.Matrix); len(missing) > 0 {
+		return finish(fmt.Errorf("missing tools: %s (hack/install-deps.sh installs them)", strings.Join(missing, ", ")))
+	}
+	for _, bin := range []string{o.ServerBin, o.LoadBin} {
+		if bin == "" {
+			continue
+		}
+		if _, err := os.Stat(bin); err != nil {
+			return finish(fmt.Errorf("%w (run make build / hack/bench.sh)", err))
+		}
+	}
+
+	total := o.Matrix.Size() * o.Repeat
+	r := &runner{o: o, total: total, rep: rep}
+	for _, msg := range cleanLeftovers(o.Name, o.TmpDir) {
+		r.logf("leftover of an earlier run: %s", msg)
+	}
+	defer r.down()
+	for _, n := range o.Matrix.Networks {
+		if err := ctx.Err(); err != nil {
+			return finish(err)
+		}
+		if err := r.network(ctx, n); err != nil {
+			return finish(err)
+		}
+	}
+	if err := r.down(); err != nil {
+		return finish(err)
+	}
+	return finish(ctx.Err())
+}
+
+type runner struct {
+	o     Options
+	total int
+	done  int
+	rep   *Report
+	// The current topology, kept for the next network if it is of the
+	// same kind.
+	topo     *topo.Topology
+	topoKind string
+}
+
+// down removes the current topology, if any.
+func (r *runner) down() error {
+	if r.topo == nil {
+		return nil
+	}
+	err := r.topo.Down()
+	r.topo, r.topoKind = nil, ""
+	return err
+}
+
+func (r *runner) logf(format string, args ...any) {
+	fmt.Fprintf(r.o.Progress, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
+
+// network runs every server of the matrix on the network's topology,
+// created unless the previous network used the same kind.
+func (r *runner) network(ctx context.Context, n Network) error {
+	if r.topo == nil || r.topoKind != n.Topology || n.Topology == "" {
+		if err := r.down(); err != nil {
+			return err
+		}
+		r.logf("network %s: %s: creating topology %q (%s)", n.Name, n.Desc, r.o.Name, n.Topology)
+		t, err := topo.Up(n.Config(r.o.Name))
+		if err != nil {
+			return err
+		}
+		r.topo, r.topoKind = t, n.Topology
+	} else {
+		r.logf("network %s: %s: on the same topology", n.Name, n.Desc)
+	}
+	t := r.topo
+	env := &serverEnv{topo: t, mptcp: n.MPTCP, port: r.o.Port, serverBin: r.o.ServerBin,
+		tmpDir: r.o.TmpDir, tag: r.o.Name}
+	for _, s := range r.o.Matrix.Servers {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := r.server(ctx, env, n, s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// server runs all clients and workloads against one server.
+func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name string) error {
+	start := func() (*serverProc, error) {
+		srv, err := startServer(ctx, env, name)
+		if err != nil {
+			return nil, fmt.Errorf("network %s: server %s: %w", n.Name, name, err)
+		}
+		r.logf("network %s: server %s listening on %s (pid %d)", n.Name, name, env.addr(), srv.pid)
+		return srv, nil
+	}
+	srv, err := start()
+	if err != nil {
+		// Record the failure for every run of this server and go on.
+		r.logf("%v", err)
+		for _, w := range r.o.Matrix.Workloads {
+			for rep := 1; rep <= r.o.Repeat; rep++ {
+				for _, c := range r.o.Matrix.Clients {
+					r.record(RunResult{Key: Key{name, c, n.Name, w.Name}, Repeat: rep, Started: time.Now(), Error: err.Error()})
+				}
+			}
+		}
+		return nil
+	}
+	defer func() { srv.stop() }()
+	for _, w := range r.o.Matrix.Workloads {
+		for rep := 1; rep <= r.o.Repeat; rep++ {
+			for _, c := range r.o.Matrix.Clients {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				if !srv.alive() {
+					r.logf("network %s: server %s died (%s); restarting it", n.Name, name, srv.log)
+					srv.stop()
+					if srv, err = start(); err != nil {
+						r.logf("%v", err)
+						srv = &serverProc{name: name}
+					}
+				}
+				run := r.one(ctx, env, n, srv, c, w, rep)
+				if ctx.Err() != nil {
+					// Interrupted runs are not results.
+					return ctx.Err()
+				}
+				r.record(run)
+			}
+		}
+	}
+	if err := srv.stop(); err != nil {
+		r.logf("network %s: stopping %s: %v", n.Name, name, err)
+	}
+	return nil
+}
+
+func (r *runner) record(run RunResult) {
+	r.done++
+	r.rep.Runs = append(r.rep.Runs, run)
+	msg := fmt.Sprintf("[%d/%d] %s #%d: ", r.done, r.total, run.Key, run.Repeat)
+	if run.OK {
+		msg += fmt.Sprintf("%.1f MB/s, %.0f IOPS, server %.3f CPU s/GB, client %.3f CPU s/GB",
+			run.MBps, run.IOPS, run.ServerCPUPerGB, run.ClientCPUPerGB)
+		if run.Subflows != nil {
+			msg += ", subflows " + run.Subflows.String()
+		}
+	} else {
+		msg += "FAILED: " + run.Error
+	}
+	for _, note := range run.Notes {
+		msg += "; " + note
+	}
+	r.logf("%s", msg)
+	if r.o.OnRun != nil {
+		r.o.OnRun(run)
+	}
+}
+
+// serverBytes returns the byte counters summed over the server
+// namespace's interfaces.
+func serverBytes(t *topo.Topology) (LinkBytes, error) {
+	out, err := exec.Command("ip", "-n", t.ServerNS, "-s", "-j", "link", "show").Output()
+	if err != nil {
+		return LinkBytes{}, fmt.Errorf("ip -s link in %s: %w", t.ServerNS, err)
+	}
+	m, err := ParseLinkStats(out)
+	if err != nil {
+		return LinkBytes{}, err
+	}
+	return SumLinks(m), nil
+}
+
+// clientArgv returns the command line of one client run.
+func (r *runner) clientArgv(env *serverEnv, n Network, client string, w Workload) []string {
+	switch client {
+	case ClientFio:
+		uri := "nbd://" + env.addr() + "/" + ExportName
+		return inNS(env.topo.ClientNS, n.MPTCP, append([]string{"fio"}, FioArgs(w, uri, r.o.Duration, r.o.Ramp)...)...)
+	default:
+		argv := []string{r.o.LoadBin, "--addr", env.addr(), "--export", ExportName,
+			"--rw", w.RW, "--bs", strconv.Itoa(w.BlockSize), "--qd", strconv.Itoa(w.QueueDepth),
+			"--time", r.o.Duration.String(), "--warmup", r.o.Ramp.String()}
+		if n.MPTCP {
+			argv = append(argv, "--mptcp")
+		}
+		return inNS(env.topo.ClientNS, false, argv...)
+	}
+}
+
+// one performs a single run.
+func (r *runner) one(ctx context.Context, env *serverEnv, n Network, srv *serverProc, client string, w Workload, repeat int) RunResult {
+	run := RunResult{Key: Key{srv.name, client, n.Name, w.Name}, Repeat: repeat, Started: time.Now()}
+	fail := func(format string, args ...any) RunResult {
+		run.OK = false
+		run.Error = fmt.Sprintf(format, args...)
+		return run
+	}
+	if !srv.alive() {
+		return fail("server not running")
+	}
+	cpu0, err := TreeCPU(srv.pid)
+	if err != nil {
+		return fail("server CPU: %v", err)
+	}
+	wire0, err := serverBytes(env.topo)
+	if err != nil {
+		return fail("%v", err)
+	}
+
+	argv := r.clientArgv(env, n, client, w)
+	cctx, cancel := context.WithTimeout(ctx, r.o.Ramp+r.o.Duration+60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(cctx, argv[0], argv[1:]...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	cmd.WaitDelay = 5 * time.Second
+	if err := cmd.Start(); err != nil {
+		return fail("starting %s: %v", client, err)
+	}
+	var sample chan *SubflowSample
+	if n.MPTCP {
+		sample = make(chan *SubflowSample, 1)
+	}
+	sctx, stopSampling := context.WithCancel(cctx)
+	defer stopSampling()
+	if sample != nil {
+		go func() { sample <- sampleSubflows(sctx, env.topo) }()
+	}
+	waitErr := cmd.Wait()
+	stopSampling()
+	if sample != nil {
+		run.Subflows = <-sample
+	}
+	if ps := cmd.ProcessState; ps != nil {
+		run.ClientCPUSeconds = (ps.UserTime() + ps.SystemTime()).Seconds()
+	}
+	srv.settle()
+	cpu1, cpuErr := TreeCPU(srv.pid)
+	wire1, wireErr := serverBytes(env.topo)
+	if ctx.Err() != nil {
+		return fail("interrupted")
+	}
+	if cctx.Err() != nil {
+		return fail("%s did not finish within %v", client, r.o.Ramp+r.o.Duration+60*time.Second)
+	}
+
+	// What the client measured.
+	tail := func(s string) string {
+		s = strings.TrimSpace(s)
+		if len(s) > 400 {
+			s = "..." + s[len(s)-400:]
+		}
+		return s
+	}
+	switch client {
+	case ClientFio:
+		fr, err := ParseFio(stdout.Bytes())
+		if err != nil {
+			return fail("fio: %v (exit: %v; stderr: %s)", err, waitErr, tail(stderr.String()+stdout.String()))
+		}
+		run.Bytes, run.Ops, run.Seconds, run.MBps, run.IOPS = fr.Bytes, fr.Ops, fr.Seconds, fr.MBps, fr.IOPS
+		switch {
+		case fr.Error != 0:
+			return fail("fio job error %d (%s): %s", fr.Error, syscall.Errno(fr.Error), tail(stderr.String()))
+		case waitErr != nil:
+			return fail("fio: %v: %s", waitErr, tail(stderr.String()))
+		}
+		run.MPTCP = run.Subflows != nil && run.Subflows.Total > 0
+	default:
+		var lr LoadReport
+		if err := json.Unmarshal(stdout.Bytes(), &lr); err != nil {
+			return fail("nbdload: %v (exit: %v): %s", err, waitErr, tail(stderr.String()))
+		}
+		run.Bytes, run.Ops, run.Seconds, run.MBps, run.IOPS = lr.Bytes, lr.Ops, lr.Seconds, lr.MBps, lr.IOPS
+		run.ClientSubflows = lr.Subflows
+		run.MPTCP = len(lr.MPTCP) > 0
+		for _, m := range lr.MPTCP {
+			run.MPTCP = run.MPTCP && m
+		}
+		if !lr.OK() {
+			return fail("nbdload: %s", lr.Problem())
+		}
+		if waitErr != nil {
+			return fail("nbdload: %v: %s", waitErr, tail(stderr.String()))
+		}
+	}
+	if run.Bytes <= 0 || run.Ops <= 0 {
+		return fail("no data moved")
+	}
+	if n.MPTCP && !run.MPTCP {
+		return fail("the connection was not carried by MPTCP (no subflows; fallback to TCP?)")
+	}
+	if n.MPTCP && run.Subflows != nil && run.Subflows.Total != len(env.topo.Paths) {
+		run.Notes = append(run.Notes, fmt.Sprintf("%d subflows, expected %d", run.Subflows.Total, len(env.topo.Paths)))
+	}
+	if !srv.alive() {
+		return fail("server exited during the run: %s", srv.log)
+	}
+
+	// CPU per GB over the whole client run.
+	if cpuErr != nil || wireErr != nil {
+		run.Notes = append(run.Notes, fmt.Sprintf("no CPU figures: %v", errors.Join(cpuErr, wireErr)))
+	} else {
+		run.ServerCPUSeconds = cpu1 - cpu0
+		moved := wire1.TX - wire0.TX
+		if w.Write() {
+			moved = wire1.RX - wire0.RX
+		}
+		run.WireBytes = int64(moved)
+		if moved > 0 {
+			gb := float64(moved) / 1e9
+			run.ServerCPUPerGB = run.ServerCPUSeconds / gb
+			run.ClientCPUPerGB = run.ClientCPUSeconds / gb
+		}
+	}
+	run.OK = true
+	return run
+}
+
+// subflowInterval is how often the client's subflows are listed while a
+// client runs on an MPTCP network.
+const subflowInterval = time.Second
+
+// sampleSubflows lists the client's MPTCP subflows every subflowInterval
+// until ctx ends and summarises the connection that moved the most data.
+func sampleSubflows(ctx context.Context, t *topo.Topology) *SubflowSample {
+	var samples [][]topo.Subflow
+	tick := time.NewTicker(subflowInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return SummarizeSubflows(samples, t.PathOf, len(t.Paths))
+		case <-tick.C:
+			if subs, err := t.ClientSubflows(); err == nil && ctx.Err() == nil {
+				samples = append(samples, subs)
+			}
+		}
+	}
+}
+
+// SummarizeSubflows takes successive `ss` listings of the client's
+// subflows and describes the MPTCP connection (by token) that moved the
+// most bytes: its largest number of subflows listed at once, how many of
+// them carried at least 1% of its bytes, how many are backup subflows and
+// the bytes per path. Byte counts are those of the last listing that
+// showed each subflow. pathOf maps an address to its 1-based path (0:
+// unknown).
+func SummarizeSubflows(samples [][]topo.Subflow, pathOf func(a netip.Addr) int, paths int) *SubflowSample {
+	type key struct {
+		token         uint32
+		local, remote netip.AddrPort
+	}
+	last := map[key]topo.Subflow{}
+	count := map[uint32]int{} // most subflows listed at once, per token
+	for _, sample := range samples {
+		n := map[uint32]int{}
+		for _, s := range sample {
+			last[key{s.Token, s.Local, s.Remote}] = s
+			n[s.Token]++
+		}
+		for tok, c := range n {
+			count[tok] = max(count[tok], c)
+		}
+	}
+	bytesOf := func(s topo.Subflow) uint64 { return s.BytesSent + s.BytesReceived }
+	moved := map[uint32]uint64{}
+	for k, s := range last {
+		moved[k.token] += bytesOf(s)
+	}
+	out := &SubflowSample{Samples: len(samples)}
+	var best uint32
+	found := false
+	for tok := range count {
+		if !found || moved[tok] > moved[best] || (moved[tok] == moved[best] && count[tok] > count[best]) {
+			best, found = tok, true
+		}
+	}
+	if !found {
+		return out
+	}
+	out.Total = count[best]
+	out.PathBytes = make([]uint64, paths)
+	for k, s := range last {
+		if k.token != best {
+			continue
+		}
+		b := bytesOf(s)
+		if b > 0 && b*100 >= moved[best] {
+			out.Active++
+		}
+		if s.Backup() {
+			out.Backup++
+		}
+		if p := pathOf(k.local.Addr()); p >= 1 && p <= paths {
+			out.PathBytes[p-1] += b
+		}
+	}
+	return out
+}
+
+// toolVersions asks the external programs of the matrix for their
+// versions (first line of output).
+func toolVersions(m Matrix) map[string]string {
+	out := map[string]string{}
+	ask := func(name string, args ...string) {
+		if _, err := exec.LookPath(name); err != nil {
+			return
+		}
+		b, _ := exec.Command(name, args...).CombinedOutput()
+		if l, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n"); l != "" {
+			out[name] = l
+		}
+	}
+	for _, t := range RequiredTools(m) {
+		switch t {
+		case "nbdkit", "fio":
+			ask(t, "--version")
+		case "nbd-server":
+			ask(t, "-V")
+		}
+	}
+	return out
+}

@@ -1,0 +1,80 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/bench"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+func serve(t *testing.T) string {
+	t.Helper()
+	s := &nbd.Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if err := s.AddExport(&nbd.Export{Name: "bench", Backend: nbd.NewMemBackend(4 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(l)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		s.Shutdown(ctx)
+		l.Close()
+	})
+	return l.Addr().String()
+}
+
+func TestRunPrintsJSON(t *testing.T) {
+	addr := serve(t)
+	for _, args := range [][]string{
+		{"--rw", "randwrite", "--bs", "4k", "--qd", "4", "--time", "100ms", "--warmup", "10ms", "--span", "1M"},
+		{"--rw", "write", "--bs", "64k", "--verify", "--span", "1M"},
+	} {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"--addr", addr, "--export", "bench"}, args...), &stdout, &stderr)
+		if code != 0 {
+			t.Fatalf("%v: exit %d: %s", args, code, stderr.String())
+		}
+		var rep bench.LoadReport
+		if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+			t.Fatalf("%v: output is not one JSON report: %v\n%s", args, err, stdout.String())
+		}
+		if !rep.OK() || rep.Span != 1<<20 || rep.RW != args[1] {
+			t.Errorf("%v: report %+v", args, rep)
+		}
+		if strings.Count(strings.TrimSpace(stdout.String()), "\n") != 0 {
+			t.Errorf("%v: more than one line of output", args)
+		}
+	}
+}
+
+func TestRunFailures(t *testing.T) {
+	addr := serve(t)
+	for _, tc := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"--export", "bench"}, 2},                                            // no address
+		{[]string{"--addr", addr, "--rw", "mixed"}, 2},                                // bad pattern
+		{[]string{"--addr", addr, "--bs", "1X"}, 2},                                   // bad size
+		{[]string{"--addr", addr, "extra"}, 2},                                        // stray argument
+		{[]string{"--addr", addr, "--export", "nope", "--time", "50ms"}, 1},           // unknown export
+		{[]string{"--addr", "127.0.0.1:1", "--export", "bench", "--time", "50ms"}, 1}, // refused
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := run(context.Background(), tc.args, &stdout, &stderr); code != tc.code {
+			t.Errorf("%v: exit %d, want %d (%s)", tc.args, code, tc.code, stderr.String())
+		}
+	}
+}
