@@ -68,6 +68,9 @@ type Server struct {
 	MaxInflightBytes int
 	// MaxInflight bounds requests in flight per connection; zero means 256.
 	MaxInflight int
+	// Workers is the number of goroutines executing requests per
+	// connection; zero means 16.
+	Workers int
 
 	mu        sync.Mutex
 	exports   map[string]*Export

@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"io"
 	"log/slog"
@@ -13,8 +14,9 @@ import (
 )
 
 // serverConn is one client connection in the transmission phase. A reader
-// loop parses requests and hands each to its own goroutine; replies are
-// written under a mutex, whole, in whatever order requests finish.
+// loop parses requests and queues them to a small pool of workers; replies
+// are queued as they finish, in any order, and whoever finds the queue idle
+// writes everything queued in one writev.
 type serverConn struct {
 	srv      *Server
 	conn     net.Conn
@@ -26,9 +28,31 @@ type serverConn struct {
 
 	draining atomic.Bool
 	inflight sync.WaitGroup
+	lim      *limiter
 
-	wmu  sync.Mutex
-	werr error
+	qmu     sync.Mutex
+	queue   []queuedReply
+	spare   []queuedReply
+	writing bool
+	werr    error
+	bufs    net.Buffers
+	hdrs    []byte
+}
+
+// work is one request handed to a worker.
+type work struct {
+	req     Request
+	buf     []byte // write payload
+	payload int    // bytes charged to the limiter
+	start   time.Time
+}
+
+// queuedReply is a finished request waiting to be written.
+type queuedReply struct {
+	handle  uint64
+	errno   uint32
+	data    []byte // read payload (pooled)
+	payload int
 }
 
 // drain makes the reader loop stop at the next request boundary; requests
@@ -37,6 +61,11 @@ func (c *serverConn) drain() {
 	c.draining.Store(true)
 	c.conn.SetReadDeadline(time.Now())
 }
+
+// defaultWorkers is the per-connection worker count: enough to keep a
+// file backend busy at the kernel client's queue depths, few enough that
+// their stacks stay warm.
+const defaultWorkers = 16
 
 func (c *serverConn) transmit() {
 	maxReqs := c.srv.MaxInflight
@@ -47,15 +76,29 @@ func (c *serverConn) transmit() {
 	if maxBytes <= 0 {
 		maxBytes = 64 << 20
 	}
-	lim := newLimiter(maxReqs, maxBytes)
-	var src io.Reader = c.conn
-	if c.hsReader != nil {
-		src = c.hsReader
+	c.lim = newLimiter(maxReqs, maxBytes)
+	lc := newLowatConn(c.conn)
+	var src io.Reader = lc
+	if c.hsReader != nil && c.hsReader.Buffered() > 0 {
+		pre, _ := c.hsReader.Peek(c.hsReader.Buffered())
+		src = io.MultiReader(bytes.NewReader(append([]byte(nil), pre...)), lc)
+		// Bytes read ahead make the count of bytes still to come from the
+		// socket uncertain; a wrong low-water mark would stall.
+		lc.disable()
 	}
 	r := bufio.NewReaderSize(src, 256<<10)
 	e := c.export
 
+	workers := c.srv.Workers
+	if workers <= 0 {
+		workers = defaultWorkers
+	}
+	queue := make(chan work, maxReqs)
+	for i := 0; i < workers; i++ {
+		go c.worker(queue)
+	}
 	defer func() {
+		close(queue)
 		c.inflight.Wait()
 		if !e.ReadOnly {
 			if err := e.Backend.Sync(); err != nil {
@@ -82,7 +125,9 @@ func (c *serverConn) transmit() {
 			return
 		case req.Length > MaxRequestSize && (req.Type == CmdWrite || req.Type == CmdRead):
 			c.log.Warn("request too big", "cmd", CmdName(req.Type), "length", req.Length)
-			c.reply(req.Handle, EOVERFLOW, nil)
+			c.lim.acquire(0)
+			c.inflight.Add(1)
+			c.reply(queuedReply{handle: req.Handle, errno: EOVERFLOW})
 			if o := c.srv.Observer; o != nil {
 				o.Request(e.Name, req.Type, 0, 0, EOVERFLOW)
 			}
@@ -92,27 +137,45 @@ func (c *serverConn) transmit() {
 			}
 			continue
 		}
-		var payload int
+		w := work{req: req, start: time.Now()}
 		if req.Type == CmdWrite || req.Type == CmdRead {
-			payload = int(req.Length)
+			w.payload = int(req.Length)
 		}
-		lim.acquire(payload)
-		var buf []byte
+		c.lim.acquire(w.payload)
 		if req.Type == CmdWrite {
-			buf = getBuf(payload)
-			if _, err := io.ReadFull(r, buf); err != nil {
-				putBuf(buf)
-				lim.release(payload)
+			w.buf = getBuf(w.payload)
+			if rest := w.payload - r.Buffered(); rest > 0 {
+				// Wake up only when most of the payload is there.
+				lc.expect(rest)
+			}
+			_, err := io.ReadFull(r, w.buf)
+			lc.expect(0)
+			if err != nil {
+				putBuf(w.buf)
+				c.lim.release(w.payload)
 				c.readEnded(err)
 				return
 			}
 		}
 		c.inflight.Add(1)
-		go func() {
-			defer c.inflight.Done()
-			defer lim.release(payload)
-			c.handle(req, buf)
-		}()
+		queue <- w
+	}
+}
+
+func (c *serverConn) worker(queue <-chan work) {
+	for w := range queue {
+		errno, data := c.execute(w.req, w.buf)
+		if w.buf != nil {
+			putBuf(w.buf)
+		}
+		c.reply(queuedReply{handle: w.req.Handle, errno: errno, data: data, payload: w.payload})
+		if o := c.srv.Observer; o != nil {
+			n := 0
+			if errno == 0 && (w.req.Type == CmdRead || w.req.Type == CmdWrite) {
+				n = int(w.req.Length)
+			}
+			o.Request(c.export.Name, w.req.Type, n, time.Since(w.start), errno)
+		}
 	}
 }
 
@@ -126,25 +189,6 @@ func (c *serverConn) readEnded(err error) {
 		return
 	}
 	c.log.Info("connection read failed", "error", err)
-}
-
-func (c *serverConn) handle(req Request, buf []byte) {
-	start := time.Now()
-	errno, data := c.execute(req, buf)
-	c.reply(req.Handle, errno, data)
-	if data != nil {
-		putBuf(data)
-	}
-	if buf != nil {
-		putBuf(buf)
-	}
-	if o := c.srv.Observer; o != nil {
-		n := 0
-		if errno == 0 && (req.Type == CmdRead || req.Type == CmdWrite) {
-			n = int(req.Length)
-		}
-		o.Request(c.export.Name, req.Type, n, time.Since(start), errno)
-	}
 }
 
 // execute performs one request against the backend. It never touches a
@@ -231,28 +275,69 @@ func errnoOf(err error) uint32 {
 	return EIO
 }
 
-// reply writes one simple reply (with data for a successful read). A write
-// error closes the connection; later replies are dropped.
-func (c *serverConn) reply(handle uint64, errno uint32, data []byte) {
-	hdr := make([]byte, replyHeaderSize)
-	(&Reply{Errno: errno, Handle: handle}).Encode(hdr)
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	if c.werr != nil {
+// reply queues one simple reply (with data for a successful read). If no
+// one is writing, the caller writes the whole queue, batch after batch,
+// in one writev each, so replies finishing together share a system call.
+// A write error closes the connection; later replies are dropped. Buffers
+// and limiter charges are released once a reply is written or dropped.
+func (c *serverConn) reply(r queuedReply) {
+	c.qmu.Lock()
+	c.queue = append(c.queue, r)
+	if c.writing {
+		c.qmu.Unlock()
 		return
 	}
-	var err error
-	if errno == 0 && len(data) > 0 {
-		bufs := net.Buffers{hdr, data}
-		_, err = bufs.WriteTo(c.conn)
-	} else {
-		_, err = c.conn.Write(hdr)
+	c.writing = true
+	for len(c.queue) > 0 {
+		batch := c.queue
+		c.queue = c.spare[:0]
+		werr := c.werr
+		c.qmu.Unlock()
+
+		if werr == nil {
+			werr = c.writeBatch(batch)
+		}
+		for i := range batch {
+			if batch[i].data != nil {
+				putBuf(batch[i].data)
+			}
+			c.lim.release(batch[i].payload)
+			c.inflight.Done()
+			batch[i] = queuedReply{}
+		}
+
+		c.qmu.Lock()
+		if werr != nil && c.werr == nil {
+			c.werr = werr
+			c.log.Info("reply failed, closing connection", "error", werr)
+			c.conn.Close()
+		}
+		c.spare = batch[:0]
 	}
-	if err != nil {
-		c.werr = err
-		c.log.Info("reply failed, closing connection", "error", err)
-		c.conn.Close()
+	c.writing = false
+	c.qmu.Unlock()
+}
+
+// writeBatch writes replies with one writev. Only the current writer calls
+// it, so the header and iovec scratch space is not shared.
+func (c *serverConn) writeBatch(batch []queuedReply) error {
+	if cap(c.hdrs) < len(batch)*replyHeaderSize {
+		c.hdrs = make([]byte, len(batch)*replyHeaderSize)
 	}
+	hdrs := c.hdrs[:len(batch)*replyHeaderSize]
+	bufs := c.bufs[:0]
+	for i, r := range batch {
+		h := hdrs[i*replyHeaderSize : (i+1)*replyHeaderSize]
+		(&Reply{Errno: r.errno, Handle: r.handle}).Encode(h)
+		bufs = append(bufs, h)
+		if r.errno == 0 && len(r.data) > 0 {
+			bufs = append(bufs, r.data)
+		}
+	}
+	keep := bufs
+	_, err := bufs.WriteTo(c.conn)
+	c.bufs = keep[:0]
+	return err
 }
 
 // limiter bounds requests and payload bytes in flight on one connection.
