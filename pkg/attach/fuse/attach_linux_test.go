@@ -41,11 +41,26 @@ func openDirect(t testing.TB, dev string, flag int) *os.File {
 	return f
 }
 
+// modes are the two ways of serving a volume.
+var modes = []struct {
+	name string
+	cfg  Config
+}{
+	{"server", Config{}},
+	{"inprocess", Config{InProcess: true}},
+}
+
 func TestAttachLocal(t *testing.T) {
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) { testAttachLocal(t, m.cfg) })
+	}
+}
+
+func testAttachLocal(t *testing.T, cfg Config) {
 	requireFUSE(t)
 	const size = 64 << 20
 	ts := localServer(t, size)
-	a := newAttacher(t, Config{})
+	a := newAttacher(t, cfg)
 	ctx := context.Background()
 
 	att, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
@@ -67,6 +82,9 @@ func TestAttachLocal(t *testing.T) {
 		t.Errorf("backing file %q, want %q", st.BackingFile, file)
 	}
 	ts.conns.waitConns(t, "vol", 1)
+	if !cfg.InProcess {
+		checkServerProcess(t, a, "pv-local")
+	}
 
 	// Same volume again: the same attachment, no second connection.
 	again, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
@@ -300,7 +318,7 @@ func TestAttachMountFails(t *testing.T) {
 	ts.conns.waitConns(t, "vol", 0)
 
 	// The mount itself fails (the mount point is a file), after the dial.
-	a = newAttacher(t, Config{})
+	a = newAttacher(t, Config{InProcess: true})
 	dir, _ := a.paths("pv-nomount")
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		t.Fatal(err)
@@ -330,6 +348,25 @@ func TestAttachMountFails(t *testing.T) {
 	}
 	os.Remove(dir)
 	assertNothingLeft(t, a, "pv-nomount", ts)
+
+	// The same in a server process: the file is there before the attach,
+	// which leaves it alone (it is not ours) and fails after the dial.
+	a = newAttacher(t, Config{})
+	dir, _ = a.paths("pv-nomount")
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Attach(context.Background(), target("pv-nomount", ts.addr), attach.Options{}); err == nil {
+		t.Fatal("Attach succeeds although the mount point is a file")
+	} else {
+		t.Logf("attach error: %v", err)
+	}
+	ts.conns.waitConns(t, "vol", 0)
+	os.Remove(dir)
+	assertNothingLeft(t, a, "pv-nomount", ts)
 }
 
 // TestAttachLoopFails makes the last step fail: the loop device cannot be
@@ -347,14 +384,15 @@ func TestAttachLoopFails(t *testing.T) {
 	assertNothingLeft(t, a, "pv-noloop", ts)
 }
 
-// TestStaleAttachment leaves an attachment behind as a process that died
-// would (mount, loop device) and checks that a new Attacher cleans it up,
-// both on Detach and on Attach.
+// TestStaleAttachment leaves an attachment served in process behind as a
+// process that died would (mount, loop device) and checks that a new
+// Attacher cleans it up, both on Detach and on Attach (which then starts
+// a server process).
 func TestStaleAttachment(t *testing.T) {
 	requireFUSE(t)
 	ts := localServer(t, 16<<20)
 	state := filepath.Join(t.TempDir(), "state")
-	old := newAttacher(t, Config{StateDir: state})
+	old := newAttacher(t, Config{StateDir: state, InProcess: true})
 	forget := func() *volume {
 		old.mu.Lock()
 		defer old.mu.Unlock()
@@ -405,7 +443,7 @@ func TestVolumeName(t *testing.T) {
 			t.Errorf("volumeName(%q) = %q, want %q", id, got, want)
 		}
 	}
-	for _, id := range []string{"../x", "a/b", ".hidden", "", strings.Repeat("x", 200), "a b"} {
+	for _, id := range []string{"../x", "a/b", ".hidden", "", strings.Repeat("x", 200), "a b", "a.sock", "b.lock", "c.json", "d.json.tmp"} {
 		got := volumeName(id)
 		if !strings.HasPrefix(got, "v-") || strings.ContainsAny(got, "/ ") {
 			t.Errorf("volumeName(%q) = %q", id, got)
@@ -440,9 +478,9 @@ func TestMountOnFileUndone(t *testing.T) {
 	if err := os.WriteFile(p, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	a := New(Config{})
-	node := &exportFile{log: a.cfg.Logger}
-	srv, err := mount(p, &rootDir{name: "x", file: node}, a.fuseOptions("x", a.cfg.Logger))
+	cfg := Config{}.withDefaults()
+	node := &exportFile{log: cfg.Logger}
+	srv, err := mount(p, &rootDir{name: "x", file: node}, cfg.fuseOptions("x", cfg.Logger))
 	if err == nil {
 		srv.Unmount()
 		t.Fatal("mount on a file succeeds")

@@ -31,10 +31,13 @@ import (
 // one volume are serialized.
 type Attacher struct {
 	cfg Config
+	// ownDial records that Config.Dial was set, which needs InProcess.
+	ownDial bool
 
-	mu    sync.Mutex
-	vols  map[string]*volume
-	locks map[string]*volumeLock
+	mu      sync.Mutex
+	vols    map[string]*volume     // served by this process (InProcess)
+	servers map[string]*serverProc // served by server processes
+	locks   map[string]*volumeLock
 }
 
 var _ attach.Attacher = (*Attacher)(nil)
@@ -44,10 +47,10 @@ type volumeLock struct {
 	refs int
 }
 
-// volume is one attached volume. target, dir, file, client, node and
-// att.MPTCP do not change once it is stored; server, dev and closed
-// record how far teardown got (so a failed detach resumes there) and are
-// only used under the volume's lock.
+// volume is one attached volume, served by the process it lives in.
+// target, dir, file, client, node and att.MPTCP do not change once it is
+// stored; server, dev and closed record how far teardown got (so a failed
+// detach resumes there) and are only used under the volume's lock.
 type volume struct {
 	target attach.Target
 	dir    string // mount point
@@ -65,9 +68,11 @@ type volume struct {
 // New returns an Attacher.
 func New(c Config) *Attacher {
 	return &Attacher{
-		cfg:   c.withDefaults(),
-		vols:  make(map[string]*volume),
-		locks: make(map[string]*volumeLock),
+		cfg:     c.withDefaults(),
+		ownDial: c.Dial != nil,
+		vols:    make(map[string]*volume),
+		servers: make(map[string]*serverProc),
+		locks:   make(map[string]*volumeLock),
 	}
 }
 
@@ -109,10 +114,9 @@ func (a *Attacher) get(id string) *volume {
 	return a.vols[id]
 }
 
-// paths returns a volume's mount point and file. The state directory is
-// resolved through symlinks so the path matches what the loop driver
-// reports as its backing file.
-func (a *Attacher) paths(volumeID string) (dir, file string) {
+// stateDir returns the state directory resolved through symlinks, so
+// that paths in it match what the loop driver reports as a backing file.
+func (a *Attacher) stateDir() string {
 	state := a.cfg.StateDir
 	if r, err := filepath.EvalSymlinks(state); err == nil {
 		state = r
@@ -120,18 +124,31 @@ func (a *Attacher) paths(volumeID string) (dir, file string) {
 	if abs, err := filepath.Abs(state); err == nil {
 		state = abs
 	}
+	return state
+}
+
+// paths returns a volume's mount point and file.
+func (a *Attacher) paths(volumeID string) (dir, file string) {
+	return volumePaths(a.stateDir(), volumeID)
+}
+
+func volumePaths(stateDir, volumeID string) (dir, file string) {
 	name := volumeName(volumeID)
-	dir = filepath.Join(state, name)
+	dir = filepath.Join(stateDir, name)
 	return dir, filepath.Join(dir, name)
 }
 
-// Attach dials the export, mounts its file and attaches a loop device.
+// Attach dials the export, mounts its file and attaches a loop device,
+// in a server process of the volume's own unless Config.InProcess.
 func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options) (*attach.Attachment, error) {
 	if t.VolumeID == "" {
 		return nil, fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
 	}
 	if len(t.Addrs) == 0 {
 		return nil, fmt.Errorf("%w: no server address for volume %s", attach.ErrInvalid, t.VolumeID)
+	}
+	if a.ownDial && !a.cfg.InProcess {
+		return nil, fmt.Errorf("%w: fuse: Config.Dial needs Config.InProcess", attach.ErrInvalid)
 	}
 	unlock := a.lock(t.VolumeID)
 	defer unlock()
@@ -143,30 +160,62 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		return nil, err
 	}
 	log := a.cfg.Logger.With("volume", t.VolumeID, "transport", string(attach.FUSE))
-
 	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("fuse: state directory: %w", err)
 	}
-	dir, file := a.paths(t.VolumeID)
-	// What an earlier process may have left (a dead mount, a loop device
-	// on it) is in the way of a new mount.
-	if err := cleanup(dir, file, log); err != nil {
-		return nil, fmt.Errorf("fuse: stale attachment of volume %s: %w", t.VolumeID, err)
+	// A server may serve the volume already, started by this process or
+	// an earlier one; else whatever an earlier attach left (a dead mount,
+	// a loop device on it) is in the way and goes.
+	p, lf, err := a.claim(ctx, t.VolumeID, false, log)
+	if err != nil {
+		return nil, err
 	}
+	if p != nil {
+		a.mu.Lock()
+		known := a.servers[t.VolumeID]
+		a.servers[t.VolumeID] = p
+		a.mu.Unlock()
+		if known == nil || known.pid != p.pid {
+			log.Info("fuse: adopted the volume's server process", "pid", p.pid, "device", p.att.Device)
+		}
+		att := p.att
+		return &att, nil
+	}
+	if !a.cfg.InProcess {
+		return a.spawn(ctx, t, o, lf, log)
+	}
+	dir, file := a.paths(t.VolumeID)
+	v, err := startVolume(ctx, a.cfg, t, o, dir, file, log)
+	if err != nil {
+		a.dropLock(t.VolumeID, lf)
+		return nil, err
+	}
+	// The lock keeps other attaches out only while this one runs: the
+	// volume lives and dies with this process, not with a lock holder.
+	lf.Close()
+	a.mu.Lock()
+	a.vols[t.VolumeID] = v
+	a.mu.Unlock()
+	att := v.att
+	return &att, nil
+}
 
-	cl, err := a.cfg.Dial(ctx, nbd.DialOptions{
+// startVolume dials the export, mounts its file at dir and attaches a
+// loop device on file. On failure it undoes what it did.
+func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Options, dir, file string, log *slog.Logger) (*volume, error) {
+	cl, err := cfg.Dial(ctx, nbd.DialOptions{
 		Addr:   t.Addrs[0],
 		Export: t.Export,
 		MPTCP:  true,
-		Conns:  a.cfg.Conns,
+		Conns:  cfg.Conns,
 		Logger: log,
 	})
 	if err != nil {
 		return nil, dialError(t, err)
 	}
 	v := &volume{target: t, dir: dir, file: file, client: cl}
-	fail := func(err error) (*attach.Attachment, error) {
-		if terr := a.teardown(v, log); terr != nil {
+	fail := func(err error) (*volume, error) {
+		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "err", terr)
 		}
 		return nil, err
@@ -185,7 +234,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		bio:       cl,
 		readOnly:  readOnly,
 		canZero:   info.Flags&nbd.FlagSendWriteZeroes != 0,
-		openFlags: a.openFlags(),
+		openFlags: cfg.openFlags(),
 		mtime:     time.Now(),
 		log:       log,
 	}
@@ -201,7 +250,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	} else if !st.IsDir() {
 		return fail(fmt.Errorf("fuse: mount point %s is not a directory", dir))
 	}
-	srv, err := mount(dir, &rootDir{name: filepath.Base(file), file: node}, a.fuseOptions(filepath.Base(file), log))
+	srv, err := mount(dir, &rootDir{name: filepath.Base(file), file: node}, cfg.fuseOptions(filepath.Base(file), log))
 	if err != nil {
 		return fail(fmt.Errorf("fuse: mount %s: %w", dir, err))
 	}
@@ -214,14 +263,14 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	}
 	dev, err := blockdev.AttachLoop(file, blockdev.LoopOptions{
 		ReadOnly:  readOnly,
-		DirectIO:  !a.cfg.bufferedLoop,
+		DirectIO:  !cfg.bufferedLoop,
 		BlockSize: uint32(bs),
 	})
 	if err != nil {
 		return fail(fmt.Errorf("fuse: loop device: %w", err))
 	}
 	v.dev = dev
-	if !a.cfg.bufferedLoop {
+	if !cfg.bufferedLoop {
 		if st, err := blockdev.StatLoop(dev); err == nil && !st.DirectIO {
 			log.Warn("fuse: the loop device runs without direct I/O", "device", dev)
 		}
@@ -237,12 +286,8 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		Size:      size,
 		MPTCP:     multipath,
 	}
-	a.mu.Lock()
-	a.vols[t.VolumeID] = v
-	a.mu.Unlock()
 	log.Info("fuse: attached", "device", dev, "size", size, "mptcp", multipath, "file", file)
-	att := v.att
-	return &att, nil
+	return v, nil
 }
 
 // mount mounts and serves the file system. Unlike fs.Mount it unmounts
@@ -270,8 +315,8 @@ func dialError(t attach.Target, err error) error {
 	return fmt.Errorf("fuse: connect volume %s to %s: %w", t.VolumeID, t.Addrs[0], err)
 }
 
-func (a *Attacher) openFlags() uint32 {
-	if a.cfg.cachedFile {
+func (c Config) openFlags() uint32 {
+	if c.cachedFile {
 		return 0
 	}
 	// The loop device has its own page cache; the file's would hold every
@@ -279,11 +324,11 @@ func (a *Attacher) openFlags() uint32 {
 	return gofuse.FOPEN_DIRECT_IO | gofuse.FOPEN_PARALLEL_DIRECT_WRITES
 }
 
-func (a *Attacher) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
+func (c Config) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
 	ttl := time.Hour // the file never changes but by Resize, which says so
 	l := newLogAdapter(log)
 	caps := uint64(gofuse.CAP_ASYNC_DIO)
-	if a.cfg.syncDIO {
+	if c.syncDIO {
 		caps = 0
 	}
 	return &fusefs.Options{
@@ -291,8 +336,8 @@ func (a *Attacher) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
 			FsName:            "mpnbd:" + name,
 			Name:              "mpnbd",
 			DirectMountStrict: true,
-			MaxWrite:          a.cfg.MaxWrite,
-			MaxBackground:     a.cfg.MaxBackground,
+			MaxWrite:          c.MaxWrite,
+			MaxBackground:     c.MaxBackground,
 			// Replies carry data from memory, never from a file
 			// descriptor: splicing buys nothing, and go-fuse would try to
 			// grow a pipe past pipe-max-size for each 1 MiB read.
@@ -309,8 +354,10 @@ func (a *Attacher) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
 }
 
 // Detach removes the loop device, unmounts the file system and closes the
-// connection. A volume this Attacher does not know is still looked for on
-// disk (left by an earlier process) and cleaned up; nothing found is fine.
+// connection, through the volume's server process if it has one, and
+// waits for that process to exit. A volume this Attacher does not know is
+// still looked for on disk (left by an earlier process) and cleaned up;
+// nothing found is fine.
 func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	if volumeID == "" {
 		return fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
@@ -320,29 +367,32 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	log := a.cfg.Logger.With("volume", volumeID, "transport", string(attach.FUSE))
 	v := a.get(volumeID)
 	if v == nil {
-		dir, file := a.paths(volumeID)
-		return cleanup(dir, file, log)
+		return a.detachServer(ctx, volumeID, log)
 	}
-	if err := a.teardown(v, log); err != nil {
+	if err := teardown(v, a.cfg.UnmountTimeout, log); err != nil {
 		return fmt.Errorf("fuse: detach volume %s: %w", volumeID, err)
 	}
 	a.mu.Lock()
 	delete(a.vols, volumeID)
 	a.mu.Unlock()
+	if lf, err := lockFile(a.lockPath(volumeID)); err == nil && lf != nil {
+		a.dropLock(volumeID, lf)
+	}
 	log.Info("fuse: detached", "device", v.att.Device)
 	return nil
 }
 
 // teardown undoes whatever of an attach is in place, last step first.
-func (a *Attacher) teardown(v *volume, log *slog.Logger) error {
+// timeout bounds the waits for the loop device and the mount to let go.
+func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 	if v.server != nil {
 		// Every loop device on our file, not just v.dev: after an
 		// autoclear the number may already belong to someone else.
-		if err := retryBusy(a.cfg.UnmountTimeout, func() error { return detachLoops(v.file) }); err != nil {
+		if err := retryBusy(timeout, func() error { return detachLoops(v.file) }); err != nil {
 			return err
 		}
 		v.dev = ""
-		if err := unmount(v.server, v.dir, v.conn, a.cfg.UnmountTimeout, log); err != nil {
+		if err := unmount(v.server, v.dir, v.conn, timeout, log); err != nil {
 			return err
 		}
 		v.server = nil
@@ -533,12 +583,16 @@ func unescapeMountPath(s string) string {
 }
 
 // Health reports whether the volume's connections are up, whether they run
-// MPTCP and their subflows.
+// MPTCP and their subflows. A volume whose server process is gone or does
+// not answer is reported as not connected.
 func (a *Attacher) Health(volumeID string) (attach.Health, error) {
-	v := a.get(volumeID)
-	if v == nil {
-		return attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	if v := a.get(volumeID); v != nil {
+		return v.health(), nil
 	}
+	return a.serverHealth(volumeID)
+}
+
+func (v *volume) health() attach.Health {
 	h := attach.Health{Connected: true, MPTCP: v.att.MPTCP}
 	var msgs []string
 	for i, c := range v.client.Conns() {
@@ -566,7 +620,7 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 		msgs = append(msgs, "MPTCP fell back to TCP")
 	}
 	h.Message = strings.Join(msgs, "; ")
-	return h, nil
+	return h
 }
 
 // alive reports whether the client still has c open (it closes a
@@ -591,9 +645,23 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 	defer unlock()
 	v := a.get(volumeID)
 	if v == nil {
-		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+		return a.serverResize(ctx, volumeID, newSize)
 	}
-	cl, err := a.cfg.Dial(ctx, nbd.DialOptions{Addr: v.target.Addrs[0], Export: v.target.Export, MPTCP: true, Logger: a.cfg.Logger})
+	got, err := v.resize(ctx, a.cfg, newSize)
+	if err != nil {
+		return 0, err
+	}
+	a.mu.Lock()
+	v.att.Size = got
+	a.mu.Unlock()
+	return got, nil
+}
+
+// resize is Resize of a volume served here; the caller records the new
+// size in v.att.
+func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64, error) {
+	volumeID := v.target.VolumeID
+	cl, err := cfg.Dial(ctx, nbd.DialOptions{Addr: v.target.Addrs[0], Export: v.target.Export, MPTCP: true, Logger: cfg.Logger})
 	if err != nil {
 		return 0, dialError(v.target, err)
 	}
@@ -620,14 +688,7 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 	if err := blockdev.LoopSetCapacity(v.dev); err != nil {
 		return 0, fmt.Errorf("fuse: resize volume %s: %w", volumeID, err)
 	}
-	got, err := blockdev.DeviceSize(v.dev)
-	if err != nil {
-		return 0, err
-	}
-	a.mu.Lock()
-	v.att.Size = got
-	a.mu.Unlock()
-	return got, nil
+	return blockdev.DeviceSize(v.dev)
 }
 
 // logAdapter feeds go-fuse's line logger into slog as warnings.

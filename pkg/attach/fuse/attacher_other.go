@@ -5,6 +5,7 @@ package fuse
 import (
 	"context"
 	"fmt"
+	"os"
 	"runtime"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
@@ -41,4 +42,13 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 // Resize is only implemented on Linux.
 func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
 	return 0, unsupported()
+}
+
+// Adopt finds nothing here.
+func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) { return nil, nil }
+
+// ServeMain is only implemented on Linux: it reports that and returns 2.
+func ServeMain() int {
+	fmt.Fprintln(os.Stderr, unsupported())
+	return 2
 }

@@ -126,6 +126,7 @@ func benchThroughput(b *testing.B, dial func(context.Context, nbd.DialOptions) (
 	for _, v := range benchVariants() {
 		cfg := v.cfg
 		cfg.Dial = dial
+		cfg.InProcess = true // the data path is the same in a server process
 		a := newAttacher(b, cfg)
 		id := "pv-bench-" + v.name
 		att, err := a.Attach(ctx, target(id, addr), attach.Options{})

@@ -11,16 +11,54 @@
 // loop device accesses the file with direct I/O, so neither the loop
 // device's data nor the file's is cached twice.
 //
-// The FUSE server runs inside the attaching process: when that process
-// exits, I/O to the device fails until the volume is detached and attached
-// again. There is no redial either: once the connection breaks, I/O fails
-// with EIO and Health reports it (Reconnects stays 0); the dead-connection
-// and request timeouts of attach.Options do not apply.
+// # One server process per volume
+//
+// The FUSE file system of a volume is served by a process of its own, not
+// by the process that calls Attach (the node plugin). Attach starts it
+// (Config.ServeCommand, by default the running executable again, which
+// must hand over to ServeMain when ServeRequested says so) in a session of
+// its own, so it neither dies with the plugin nor gets the signals of the
+// plugin's process group; once the plugin is gone, whatever reaps orphans
+// in its PID namespace (PID 1, a subreaper) reaps it. The server dials the
+// export, mounts the file system, attaches the loop device and then
+// answers on a unix socket, <StateDir>/V.sock (mode 0600): status, health,
+// resize and detach. It holds the lock <StateDir>/V.lock for as long as it
+// lives and describes itself in <StateDir>/V.json. Detach asks it to
+// remove the loop device, unmount, disconnect (NBD_CMD_DISC) and exit,
+// and returns once it has. A server costs about 10 MiB of memory besides
+// the requests in flight (see DefaultMaxBackground), charged to the
+// plugin's cgroup.
+//
+// An Attacher keeps no state that matters: a new one, in a new process,
+// finds the servers through the state directory and adopts them. Attach
+// of a volume that is being served returns the existing attachment, and
+// Health, Resize and Detach go through the socket. What a dead server
+// left behind (a loop device on its file, the mount, the socket and state
+// files) is cleaned up by the next Attach or Detach of the volume; Attach
+// then starts a new server.
+//
+// This survives restarts of the plugin process, as long as the server
+// processes live on: I/O to the devices continues while no plugin runs.
+// It does not survive the death of a volume's server process: the FUSE
+// connection goes with it and I/O to the device fails until the volume is
+// detached and attached again. Nor does it survive a restart of the
+// container the plugin runs in, when the runtime kills every process of
+// the container's cgroup (or the plugin is the PID 1 of a PID namespace,
+// whose exit kills the namespace): the servers go too. Where that
+// matters, use the relay transport on a kernel with nbd, whose devices a
+// fresh process re-adopts with nothing running in between. Config.InProcess
+// serves volumes from the attaching process instead, for tests and tools:
+// such volumes do not survive the process at all.
+//
+// There is no redial either: once the connection breaks, I/O fails with
+// EIO and Health reports it (Reconnects stays 0); the dead-connection and
+// request timeouts of attach.Options do not apply.
 package fuse
 
 import (
 	"context"
 	"log/slog"
+	"os"
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -43,18 +81,49 @@ const (
 	DefaultMaxBackground = 32
 )
 
+// ServeEnv is the environment variable that tells a process started by
+// an Attacher to be a volume's server: ServeRequested reports it.
+const ServeEnv = "MPNBD_FUSE_SERVE"
+
+// ServeArg is the argument the default ServeCommand passes after the
+// running executable, so that server processes stand out in ps.
+const ServeArg = "fuse-serve"
+
 // Config configures an Attacher. Zero values mean the defaults.
 type Config struct {
-	// StateDir holds one mount point per attached volume
-	// (DefaultStateDir if empty). It is created when missing.
+	// StateDir holds, per attached volume, the mount point and the
+	// server's socket, lock and state files (DefaultStateDir if empty).
+	// It is created, mode 0700, when missing. Every Attacher of the node
+	// must use the same one.
 	StateDir string
 	// Conns is the number of NBD connections per volume (1 if zero); more
 	// than one needs a server that allows multi-conn.
 	Conns int
-	// Dial connects to an export; nil means nbd.Dial. Tests use it to dial
-	// from another network namespace.
+
+	// InProcess serves the volumes from the attaching process instead of
+	// one server process per volume: they fail when the process exits.
+	InProcess bool
+	// ServeCommand starts a volume's server process: the program and its
+	// arguments. It runs with ServeEnv=1 added to the environment, the
+	// attach request on standard input and two more descriptors (3 and 4)
+	// that ServeMain uses, and must end in a call of ServeMain, like a
+	// main that starts with
+	//
+	//	if fuse.ServeRequested() {
+	//		os.Exit(fuse.ServeMain())
+	//	}
+	//
+	// Empty means the running executable (os.Executable) with ServeArg.
+	// A wrapper that execs the program keeps the descriptors (nsenter
+	// --net=PATH, to dial from another network namespace).
+	ServeCommand []string
+
+	// Dial connects to an export; nil means nbd.Dial. Only an InProcess
+	// Attacher can use another: a server process always uses nbd.Dial,
+	// and Attach without InProcess refuses a Config with Dial set.
 	Dial func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error)
-	// Logger receives warnings and events; nil means slog.Default().
+	// Logger receives warnings and events; nil means slog.Default(). The
+	// server processes log to the attaching process's standard error.
 	Logger *slog.Logger
 
 	// MaxWrite is the largest FUSE read/write request
@@ -66,13 +135,19 @@ type Config struct {
 
 	// UnmountTimeout bounds the wait at detach for the loop device to be
 	// released (by a file system unmounted just before) and for the mount
-	// to let go of the file (5 s if zero).
+	// to let go of the file (5 s if zero). A detach through a server
+	// process uses the detaching Attacher's value.
 	UnmountTimeout time.Duration
 
 	// For measurements only: the loop device without direct I/O, the
 	// FUSE file with a page cache, no asynchronous direct I/O.
 	bufferedLoop, cachedFile, syncDIO bool
 }
+
+// ServeRequested reports whether this process was started as a volume's
+// server (ServeEnv is set), in which case main should exit with the
+// result of ServeMain before doing anything else.
+func ServeRequested() bool { return os.Getenv(ServeEnv) == "1" }
 
 func (c Config) withDefaults() Config {
 	if c.StateDir == "" {

@@ -2,12 +2,14 @@ package fuse
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -112,8 +114,9 @@ func localServer(t testing.TB, size int64) *testServer {
 	return serveMem(t, l, size)
 }
 
-// newAttacher returns an attacher with a fresh state directory that
-// detaches everything it still holds when the test ends.
+// newAttacher returns an attacher with a fresh state directory (unless c
+// names one) that detaches everything it still holds, or finds in its
+// state directory, when the test ends.
 func newAttacher(t testing.TB, c Config) *Attacher {
 	t.Helper()
 	if c.StateDir == "" {
@@ -121,19 +124,99 @@ func newAttacher(t testing.TB, c Config) *Attacher {
 	}
 	a := New(c)
 	t.Cleanup(func() {
+		ids := map[string]bool{}
 		a.mu.Lock()
-		var ids []string
 		for id := range a.vols {
-			ids = append(ids, id)
+			ids[id] = true
+		}
+		for id := range a.servers {
+			ids[id] = true
 		}
 		a.mu.Unlock()
-		for _, id := range ids {
+		for _, st := range serverStates(t, a.cfg.StateDir) {
+			ids[st.VolumeID] = true
+		}
+		for id := range ids {
 			if err := a.Detach(context.Background(), id); err != nil {
 				t.Errorf("cleanup: detach %s: %v", id, err)
 			}
 		}
+		for _, st := range serverStates(t, a.cfg.StateDir) {
+			if procAlive(st.Pid, st.StartTime) {
+				t.Errorf("cleanup: killing the server process %d of volume %s", st.Pid, st.VolumeID)
+				killProc(st.Pid, st.StartTime)
+			}
+		}
 	})
 	return a
+}
+
+// serverStates returns the state files in a state directory.
+func serverStates(t testing.TB, dir string) []*serverState {
+	t.Helper()
+	names, _ := filepath.Glob(filepath.Join(dir, "*.json"))
+	var out []*serverState
+	for _, n := range names {
+		if st, err := readState(n); err == nil {
+			out = append(out, st)
+		}
+	}
+	return out
+}
+
+// serverPid returns the pid of the volume's server process, from its
+// state file.
+func serverPid(t testing.TB, a *Attacher, volumeID string) int {
+	t.Helper()
+	st, err := readState(a.statePath(volumeID))
+	if err != nil {
+		t.Fatalf("state of volume %s: %v", volumeID, err)
+	}
+	if !st.Ready || st.Pid <= 0 {
+		t.Fatalf("state of volume %s: %+v", volumeID, st)
+	}
+	return st.Pid
+}
+
+// liveServers lists the server processes of this test binary that run
+// (zombies aside).
+func liveServers(t testing.TB) []int {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	var out []int
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(filepath.Base(d))
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		if l, err := os.Readlink(filepath.Join(d, "exe")); err != nil || l != exe {
+			continue
+		}
+		cmd, err := os.ReadFile(filepath.Join(d, "cmdline"))
+		if err != nil || !bytes.Contains(cmd, []byte("\x00"+ServeArg+"\x00")) {
+			continue
+		}
+		if procAlive(pid, 0) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// waitGone waits for process pid to stop running.
+func waitGone(t testing.TB, pid int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for procAlive(pid, 0) {
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d still runs", pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // mountsUnder lists the mount points at or below dir.
@@ -187,6 +270,24 @@ func assertNothingLeft(t testing.TB, a *Attacher, volumeID string, ts *testServe
 	}
 	if _, err := a.Health(volumeID); err == nil {
 		t.Errorf("Health of a detached volume succeeds")
+	}
+	name := volumeName(volumeID)
+	for _, p := range []string{a.lockPath(volumeID), a.statePath(volumeID), a.sockPath(volumeID)} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left behind (%v)", p, err)
+		}
+	}
+	if left, _ := filepath.Glob(filepath.Join(a.stateDir(), name+".*")); len(left) != 0 {
+		t.Errorf("files of the volume left behind: %v", left)
+	}
+	if pids := liveServers(t); len(pids) != 0 {
+		t.Errorf("server processes left: %v", pids)
+	}
+	a.mu.Lock()
+	_, known := a.servers[volumeID]
+	a.mu.Unlock()
+	if known {
+		t.Errorf("the attacher still knows a server of volume %s", volumeID)
 	}
 }
 

@@ -24,12 +24,14 @@ import (
 )
 
 // fourPaths builds the 4-path topology, serves a memory export of size
-// bytes from the server namespace and returns an attacher that dials from
-// the client namespace. Only the sockets live in the namespaces: the FUSE
-// mount and the loop device are the host's.
+// bytes from the server namespace and returns an attacher whose server
+// processes run in the client's network namespace (nsenter --net, which
+// leaves the mount namespace alone). Only the sockets live in the
+// namespaces: the FUSE mount and the loop device are the host's.
 func fourPaths(t testing.TB, prefix string, size int64) (*topo.Topology, *testServer, *Attacher) {
 	t.Helper()
 	requireFUSE(t)
+	requireTool(t, "nsenter")
 	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName(prefix)))
 	if err := mptcp.Available(); err != nil {
 		t.Skipf("skipping: MPTCP unavailable: %v", err)
@@ -44,7 +46,11 @@ func fourPaths(t testing.TB, prefix string, size int64) (*topo.Topology, *testSe
 		t.Fatal(err)
 	}
 	ts := serveMem(t, l, size)
-	a := newAttacher(t, Config{Dial: inClient(tp)})
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := newAttacher(t, Config{ServeCommand: []string{"nsenter", "--net=/run/netns/" + tp.ClientNS, "--", exe, ServeArg}})
 	return tp, ts, a
 }
 

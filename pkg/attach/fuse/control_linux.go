@@ -1,0 +1,192 @@
+package fuse
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// The control socket of a server process carries one JSON request and one
+// JSON response per connection.
+
+// Operations of the control socket.
+const (
+	opStatus = "status" // the attachment, for adoption and readiness
+	opHealth = "health"
+	opResize = "resize"
+	opDetach = "detach" // tear down, then exit
+)
+
+type ctlRequest struct {
+	Op string `json:"op"`
+	// Size is, for resize, the size the export must have at least.
+	Size uint64 `json:"size,omitempty"`
+	// UnmountTimeout is, for detach, Config.UnmountTimeout of the
+	// detaching Attacher.
+	UnmountTimeout time.Duration `json:"unmount_timeout,omitempty"`
+}
+
+type ctlResponse struct {
+	Pid        int                `json:"pid"`
+	StartTime  uint64             `json:"start_time"`
+	Attachment *attach.Attachment `json:"attachment,omitempty"`
+	Health     *attach.Health     `json:"health,omitempty"`
+	Size       uint64             `json:"size,omitempty"`
+	Error      *wireError         `json:"error,omitempty"`
+}
+
+// wireError carries an error across the socket: its text, and which of
+// the sentinel errors callers test for it wraps.
+type wireError struct {
+	Message string   `json:"message"`
+	Kinds   []string `json:"kinds,omitempty"`
+}
+
+var errorKinds = []struct {
+	name string
+	err  error
+}{
+	{"invalid", attach.ErrInvalid},
+	{"not-attached", attach.ErrNotAttached},
+	{"unsupported", attach.ErrUnsupported},
+	{"wrong-volume", attach.ErrWrongVolume},
+	{"server-refused", attach.ErrServerRefused},
+	{"unknown-export", nbd.ErrUnknownExport},
+	{"access-denied", nbd.ErrAccessDenied},
+	{"loop-busy", blockdev.ErrLoopBusy},
+	{"no-free-loop", blockdev.ErrNoFreeLoop},
+	{"deadline", context.DeadlineExceeded},
+	{"canceled", context.Canceled},
+}
+
+func encodeError(err error) *wireError {
+	if err == nil {
+		return nil
+	}
+	w := &wireError{Message: err.Error()}
+	for _, k := range errorKinds {
+		if errors.Is(err, k.err) {
+			w.Kinds = append(w.Kinds, k.name)
+		}
+	}
+	return w
+}
+
+// serverError is an error a server process reported.
+type serverError struct {
+	msg  string
+	errs []error
+}
+
+func (e *serverError) Error() string   { return e.msg }
+func (e *serverError) Unwrap() []error { return e.errs }
+
+func (w *wireError) err() error {
+	if w == nil {
+		return nil
+	}
+	e := &serverError{msg: w.Message}
+	for _, name := range w.Kinds {
+		for _, k := range errorKinds {
+			if k.name == name {
+				e.errs = append(e.errs, k.err)
+			}
+		}
+	}
+	return e
+}
+
+// callServer sends one request to the control socket at sock and reads
+// the response. The error is about the exchange; what the server reports
+// is in the response's Error. timeout, if positive, bounds the exchange
+// besides ctx.
+func callServer(ctx context.Context, sock string, req ctlRequest, timeout time.Duration) (*ctlResponse, error) {
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", sock)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if err := json.NewEncoder(c).Encode(req); err != nil {
+		return nil, ctxError(ctx, err)
+	}
+	var resp ctlResponse
+	if err := json.NewDecoder(c).Decode(&resp); err != nil {
+		return nil, ctxError(ctx, err)
+	}
+	return &resp, nil
+}
+
+// ctxError prefers the context's error to the I/O error it caused.
+func ctxError(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%w (%v)", cerr, err)
+	}
+	return err
+}
+
+// listenControl listens on the control socket at path, mode 0600. A file
+// left there by a dead server is removed first: the caller holds the
+// volume's lock, so no live server owns it.
+func listenControl(path string) (*net.UnixListener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	ln.SetUnlinkOnClose(false)
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		os.Remove(path)
+		return nil, err
+	}
+	return ln, nil
+}
+
+// checkPeer accepts root and this process's own user on the other end.
+func checkPeer(c net.Conn) error {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return errors.New("not a unix socket")
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return cerr
+	}
+	if cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("peer uid %d (pid %d) is neither root nor %d", cred.Uid, cred.Pid, os.Geteuid())
+	}
+	return nil
+}

@@ -1,0 +1,67 @@
+package fuse
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"testing"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// The test binary is also the server process (the default ServeCommand
+// runs the executable again with ServeEnv set) and, with attachHelperEnv
+// set, an attaching process that tests kill.
+func TestMain(m *testing.M) {
+	if ServeRequested() {
+		os.Exit(ServeMain())
+	}
+	if spec := os.Getenv(attachHelperEnv); spec != "" {
+		os.Exit(attachHelper(spec))
+	}
+	// Under the race detector every process sleeps a second before it
+	// exits, which each detach would wait for.
+	if os.Getenv("GORACE") == "" {
+		os.Setenv("GORACE", "atexit_sleep_ms=0")
+	}
+	os.Exit(m.Run())
+}
+
+const attachHelperEnv = "MPNBD_FUSE_TEST_ATTACH"
+
+// attachHelperSpec is what the attaching helper attaches.
+type attachHelperSpec struct {
+	StateDir string
+	Target   attach.Target
+}
+
+// attachHelperResult is what it prints on standard output.
+type attachHelperResult struct {
+	Attachment *attach.Attachment
+	Err        string
+}
+
+// attachHelper attaches a volume with a fresh Attacher, prints the
+// outcome as JSON and waits for standard input to close (or to be
+// killed), without detaching.
+func attachHelper(spec string) int {
+	var sp attachHelperSpec
+	if err := json.Unmarshal([]byte(spec), &sp); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	a := New(Config{StateDir: sp.StateDir})
+	var res attachHelperResult
+	att, err := a.Attach(context.Background(), sp.Target, attach.Options{})
+	if err != nil {
+		res.Err = err.Error()
+	}
+	res.Attachment = att
+	if err := json.NewEncoder(os.Stdout).Encode(res); err != nil {
+		return 2
+	}
+	io.Copy(io.Discard, os.Stdin)
+	return 0
+}

@@ -1,0 +1,721 @@
+package fuse
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Timeouts of the exchanges with server processes.
+const (
+	// ctlTimeout bounds a status or health request.
+	ctlTimeout = 5 * time.Second
+	// opTimeout bounds a detach or resize request when the caller's
+	// context has no deadline.
+	opTimeout = 2 * time.Minute
+	// hungTimeout is how long a server that holds its volume's lock may
+	// leave the socket unanswered before it counts as hung.
+	hungTimeout = 10 * time.Second
+	// exitTimeout is how long a server may take to exit once told to (or
+	// killed).
+	exitTimeout = 10 * time.Second
+	// startTimeout bounds a server's start when Attach's context has no
+	// deadline.
+	startTimeout = 2 * time.Minute
+)
+
+// serverProc is a volume's server process, started by this Attacher or
+// found in the state directory.
+type serverProc struct {
+	id    string
+	sock  string
+	pid   int
+	start uint64 // the process's start time, /proc/PID/stat field 22
+	// exited is closed once the process, a child of this one, has been
+	// waited for; nil for a process another one started.
+	exited <-chan struct{}
+	att    attach.Attachment
+}
+
+// serverState is the state file of a server process, <StateDir>/V.json.
+// It is written when the process starts and again once it is ready.
+type serverState struct {
+	VolumeID  string `json:"volume_id"`
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"start_time"`
+	Socket    string `json:"socket"`
+	Ready     bool   `json:"ready"`
+	Device    string `json:"device,omitempty"`
+	// StartDeadline is when a server not yet ready gives up.
+	StartDeadline time.Time `json:"start_deadline,omitzero"`
+}
+
+// serveSpec is what an Attacher hands its server process on standard
+// input.
+type serveSpec struct {
+	Target         attach.Target  `json:"target"`
+	Options        attach.Options `json:"options"`
+	StateDir       string         `json:"state_dir"`
+	Conns          int            `json:"conns"`
+	MaxWrite       int            `json:"max_write"`
+	MaxBackground  int            `json:"max_background"`
+	UnmountTimeout time.Duration  `json:"unmount_timeout"`
+	Deadline       time.Time      `json:"deadline"`
+	BufferedLoop   bool           `json:"buffered_loop,omitempty"`
+	CachedFile     bool           `json:"cached_file,omitempty"`
+	SyncDIO        bool           `json:"sync_dio,omitempty"`
+}
+
+// readyMsg is what a server process writes on descriptor 3 once it is
+// ready or has given up.
+type readyMsg struct {
+	Pid        int                `json:"pid"`
+	StartTime  uint64             `json:"start_time"`
+	Attachment *attach.Attachment `json:"attachment,omitempty"`
+	Error      *wireError         `json:"error,omitempty"`
+}
+
+// The files of volume V next to its mount point: V.lock, V.json, V.sock.
+
+func lockPathIn(stateDir, volumeID string) string {
+	return filepath.Join(stateDir, volumeName(volumeID)+".lock")
+}
+
+func statePathIn(stateDir, volumeID string) string {
+	return filepath.Join(stateDir, volumeName(volumeID)+".json")
+}
+
+// maxSockPath is the room in sockaddr_un for a socket's path.
+const maxSockPath = 107
+
+// sockPathIn is the control socket's path; where <StateDir>/V.sock is too
+// long for a socket address, a shorter hidden name stands in.
+func sockPathIn(stateDir, volumeID string) string {
+	p := filepath.Join(stateDir, volumeName(volumeID)+".sock")
+	if len(p) <= maxSockPath {
+		return p
+	}
+	sum := sha256.Sum256([]byte(volumeID))
+	return filepath.Join(stateDir, "."+hex.EncodeToString(sum[:8])+".sock")
+}
+
+func (a *Attacher) lockPath(id string) string  { return lockPathIn(a.stateDir(), id) }
+func (a *Attacher) statePath(id string) string { return statePathIn(a.stateDir(), id) }
+func (a *Attacher) sockPath(id string) string  { return sockPathIn(a.stateDir(), id) }
+
+// lockFile takes the lock file at path without waiting. It returns a nil
+// file, and no error, when another open file holds the lock: a live
+// server process (or an attach in progress) has the volume.
+func lockFile(path string) (*os.File, error) {
+	for {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			f.Close()
+			if errors.Is(err, unix.EWOULDBLOCK) {
+				return nil, nil
+			}
+			return nil, err
+		}
+		// A detach removes the file under the lock; one opened before
+		// that locks nothing anymore.
+		var held, now unix.Stat_t
+		if unix.Fstat(int(f.Fd()), &held) == nil && unix.Stat(path, &now) == nil &&
+			held.Dev == now.Dev && held.Ino == now.Ino {
+			return f, nil
+		}
+		f.Close()
+	}
+}
+
+// dropLock removes the volume's lock file, held in lf, and lets go of it.
+func (a *Attacher) dropLock(id string, lf *os.File) {
+	if err := os.Remove(a.lockPath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		a.cfg.Logger.Warn("fuse: removing a lock file", "volume", id, "err", err)
+	}
+	lf.Close()
+}
+
+func readState(path string) (*serverState, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var st serverState
+	if err := json.Unmarshal(b, &st); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &st, nil
+}
+
+func writeState(path string, st serverState) error {
+	b, err := json.Marshal(st)
+	if err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+func (a *Attacher) setServer(id string, p *serverProc) {
+	a.mu.Lock()
+	a.servers[id] = p
+	a.mu.Unlock()
+}
+
+func (a *Attacher) forgetServer(id string) {
+	a.mu.Lock()
+	delete(a.servers, id)
+	a.mu.Unlock()
+}
+
+// procFromState returns the server process a state file describes.
+func (a *Attacher) procFromState(st *serverState) *serverProc {
+	p := &serverProc{id: st.VolumeID, sock: st.Socket, pid: st.Pid, start: st.StartTime}
+	if p.sock == "" {
+		p.sock = a.sockPath(st.VolumeID)
+	}
+	a.mu.Lock()
+	if q := a.servers[st.VolumeID]; q != nil && q.pid == p.pid && q.start == p.start {
+		p.exited = q.exited
+	}
+	a.mu.Unlock()
+	return p
+}
+
+// findServer returns the server process the volume's state file
+// describes, if it is ready; nil if there is none.
+func (a *Attacher) findServer(id string) *serverProc {
+	st, err := readState(a.statePath(id))
+	if err != nil || !st.Ready || st.VolumeID != id {
+		return nil
+	}
+	p := a.procFromState(st)
+	p.att = attach.Attachment{VolumeID: id, Transport: attach.FUSE, Device: st.Device}
+	a.mu.Lock()
+	if q := a.servers[id]; q != nil && q.pid == p.pid {
+		p.att = q.att
+	}
+	a.mu.Unlock()
+	return p
+}
+
+// call sends a request to the server; see callServer.
+func (p *serverProc) call(ctx context.Context, req ctlRequest, timeout time.Duration) (*ctlResponse, error) {
+	resp, err := callServer(ctx, p.sock, req, timeout)
+	if err != nil {
+		return nil, err
+	}
+	if resp.Pid != p.pid {
+		return nil, fmt.Errorf("%s is answered by pid %d, not %d", p.sock, resp.Pid, p.pid)
+	}
+	return resp, nil
+}
+
+// refresh asks the server for its attachment.
+func (p *serverProc) refresh(ctx context.Context) error {
+	resp, err := p.call(ctx, ctlRequest{Op: opStatus}, ctlTimeout)
+	if err != nil {
+		return err
+	}
+	if resp.Error != nil {
+		return resp.Error.err()
+	}
+	if resp.Attachment == nil || resp.Attachment.VolumeID != p.id {
+		return fmt.Errorf("%s: status without the attachment of volume %s", p.sock, p.id)
+	}
+	p.att = *resp.Attachment
+	if p.start == 0 {
+		p.start = resp.StartTime
+	}
+	return nil
+}
+
+// claim finds the volume's server process, waiting for one that is
+// starting up. If there is none it takes the volume's lock and removes
+// what an earlier attach left behind: exactly one of the results is
+// non-nil on success. A server that holds the lock but does not answer
+// is an error, or, with kill, is killed and cleaned up after.
+func (a *Attacher) claim(ctx context.Context, id string, kill bool, log *slog.Logger) (*serverProc, *os.File, error) {
+	var (
+		waitUntil time.Time
+		killed    bool
+	)
+	for {
+		lf, err := lockFile(a.lockPath(id))
+		if err != nil {
+			return nil, nil, fmt.Errorf("fuse: lock volume %s: %w", id, err)
+		}
+		if lf != nil {
+			if err := a.cleanupStale(id, log); err != nil {
+				lf.Close()
+				return nil, nil, fmt.Errorf("fuse: stale attachment of volume %s: %w", id, err)
+			}
+			return nil, lf, nil
+		}
+		st, _ := readState(a.statePath(id))
+		if st != nil && st.VolumeID != id {
+			return nil, nil, fmt.Errorf("%w: %s describes volume %s, not %s", attach.ErrWrongVolume, a.statePath(id), st.VolumeID, id)
+		}
+		if st != nil && st.Ready {
+			p := a.procFromState(st)
+			err := p.refresh(ctx)
+			if err == nil {
+				return p, nil, nil
+			}
+			if ctx.Err() != nil {
+				return nil, nil, fmt.Errorf("fuse: volume %s: asking its server process: %w", id, err)
+			}
+		}
+		now := time.Now()
+		if waitUntil.IsZero() {
+			waitUntil = now.Add(hungTimeout)
+			if st != nil && !st.Ready && st.StartDeadline.After(now) {
+				waitUntil = st.StartDeadline.Add(exitTimeout)
+			}
+		}
+		if now.After(waitUntil) {
+			if !kill || st == nil || killed {
+				return nil, nil, fmt.Errorf("fuse: volume %s: its server process holds %s but does not answer on %s", id, a.lockPath(id), a.sockPath(id))
+			}
+			log.Warn("fuse: killing the volume's server process, which does not answer", "pid", st.Pid)
+			if err := killProc(st.Pid, st.StartTime); err != nil {
+				return nil, nil, fmt.Errorf("fuse: volume %s: kill its server process %d: %w", id, st.Pid, err)
+			}
+			killed = true
+			waitUntil = now.Add(exitTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, nil, fmt.Errorf("fuse: volume %s: waiting for its server process: %w", id, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// cleanupStale removes what a dead server (or an earlier process serving
+// in process) left of the volume. The caller holds the volume's lock.
+func (a *Attacher) cleanupStale(id string, log *slog.Logger) error {
+	for _, p := range []string{a.sockPath(id), a.statePath(id), a.statePath(id) + ".tmp"} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	dir, file := a.paths(id)
+	return cleanup(dir, file, log)
+}
+
+// scrub cleans up after a server process that failed to start, once it
+// has let go of the volume's lock.
+func (a *Attacher) scrub(id string, log *slog.Logger) {
+	deadline := time.Now().Add(exitTimeout)
+	for {
+		lf, err := lockFile(a.lockPath(id))
+		if err != nil {
+			log.Error("fuse: cleaning up after a failed attach", "err", err)
+			return
+		}
+		if lf != nil {
+			if err := a.cleanupStale(id, log); err != nil {
+				log.Error("fuse: cleaning up after a failed attach", "err", err)
+			}
+			a.dropLock(id, lf)
+			return
+		}
+		if time.Now().After(deadline) {
+			log.Error("fuse: cleaning up after a failed attach: the volume is still locked", "lock", a.lockPath(id))
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// spawn starts the volume's server process, handing it the volume's lock
+// lf, and waits until it serves the volume.
+func (a *Attacher) spawn(ctx context.Context, t attach.Target, o attach.Options, lf *os.File, log *slog.Logger) (*attach.Attachment, error) {
+	id := t.VolumeID
+	argv := a.cfg.ServeCommand
+	if len(argv) == 0 {
+		exe, err := os.Executable()
+		if err != nil {
+			a.dropLock(id, lf)
+			return nil, fmt.Errorf("fuse: the server command: %w", err)
+		}
+		argv = []string{exe, ServeArg}
+	}
+	deadline := time.Now().Add(startTimeout)
+	if d, ok := ctx.Deadline(); ok {
+		deadline = d
+	}
+	spec, err := json.Marshal(serveSpec{
+		Target:         t,
+		Options:        o,
+		StateDir:       a.stateDir(),
+		Conns:          a.cfg.Conns,
+		MaxWrite:       a.cfg.MaxWrite,
+		MaxBackground:  a.cfg.MaxBackground,
+		UnmountTimeout: a.cfg.UnmountTimeout,
+		Deadline:       deadline,
+		BufferedLoop:   a.cfg.bufferedLoop,
+		CachedFile:     a.cfg.cachedFile,
+		SyncDIO:        a.cfg.syncDIO,
+	})
+	if err != nil {
+		a.dropLock(id, lf)
+		return nil, err
+	}
+	specR, specW, err := os.Pipe()
+	if err != nil {
+		a.dropLock(id, lf)
+		return nil, err
+	}
+	readyR, readyW, err := os.Pipe()
+	if err != nil {
+		specR.Close()
+		specW.Close()
+		a.dropLock(id, lf)
+		return nil, err
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(os.Environ(), ServeEnv+"=1")
+	cmd.Dir = "/"
+	cmd.Stdin = specR
+	// Logs go where ours go, straight to the file: nothing of this
+	// process sits in between.
+	cmd.Stderr = os.Stderr
+	cmd.ExtraFiles = []*os.File{readyW, lf}
+	// A session of its own: the process outlives ours and does not get
+	// the signals of our process group or terminal.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	err = cmd.Start()
+	specR.Close()
+	readyW.Close()
+	if err != nil {
+		specW.Close()
+		readyR.Close()
+		a.dropLock(id, lf)
+		return nil, fmt.Errorf("fuse: start the server process of volume %s: %w", id, err)
+	}
+	lf.Close() // the server holds the lock now
+	exited := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(exited)
+	}()
+	// os.Process signals through a pidfd: this cannot hit another
+	// process, even after ours is gone.
+	kill := func() { cmd.Process.Kill() }
+	p := &serverProc{id: id, sock: a.sockPath(id), pid: cmd.Process.Pid, exited: exited}
+	log = log.With("pid", p.pid)
+	// A server that dies unread makes the write fail rather than block.
+	_, werr := specW.Write(spec)
+	specW.Close()
+	if werr != nil {
+		log.Debug("fuse: writing the server's spec", "err", werr)
+	}
+
+	type result struct {
+		msg readyMsg
+		err error
+	}
+	rc := make(chan result, 1)
+	go func() {
+		var r result
+		r.err = json.NewDecoder(readyR).Decode(&r.msg)
+		readyR.Close()
+		rc <- r
+	}()
+	// fail waits for the process to exit, killing it if it does not, and
+	// cleans up after it.
+	fail := func(err func() error) (*attach.Attachment, error) {
+		select {
+		case <-exited:
+		case <-time.After(exitTimeout):
+			kill()
+			<-exited
+		}
+		a.scrub(id, log)
+		return nil, err()
+	}
+	var r result
+	select {
+	case r = <-rc:
+	case <-ctx.Done():
+		kill()
+		return fail(func() error { return fmt.Errorf("fuse: attach volume %s: %w", id, ctx.Err()) })
+	}
+	if r.err != nil {
+		return fail(func() error {
+			return fmt.Errorf("fuse: the server process of volume %s ended before it was ready (%v)", id, cmd.ProcessState)
+		})
+	}
+	if r.msg.Error != nil {
+		return fail(r.msg.Error.err)
+	}
+	p.start = r.msg.StartTime
+	// Ready is what the server says on its socket.
+	if err := p.refresh(ctx); err != nil {
+		kill()
+		return fail(func() error {
+			return fmt.Errorf("fuse: the server process of volume %s does not answer on %s: %w", id, p.sock, err)
+		})
+	}
+	a.setServer(id, p)
+	log.Info("fuse: attached through a server process", "device", p.att.Device, "size", p.att.Size, "mptcp", p.att.MPTCP)
+	att := p.att
+	return &att, nil
+}
+
+// detachServer detaches a volume this Attacher does not serve itself:
+// through its server process if it has a live one, else by cleaning up
+// what is left.
+func (a *Attacher) detachServer(ctx context.Context, id string, log *slog.Logger) error {
+	if _, err := os.Stat(a.cfg.StateDir); errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	for attempt := 0; ; attempt++ {
+		p, lf, err := a.claim(ctx, id, true, log)
+		if err != nil {
+			return err
+		}
+		if lf != nil {
+			a.dropLock(id, lf)
+			a.forgetServer(id)
+			return nil
+		}
+		octx, cancel := opContext(ctx)
+		resp, err := p.call(octx, ctlRequest{Op: opDetach, UnmountTimeout: a.cfg.UnmountTimeout}, 0)
+		cancel()
+		if err != nil {
+			if attempt == 0 && !procAlive(p.pid, p.start) {
+				continue // it died meanwhile: clean up after it
+			}
+			return fmt.Errorf("fuse: detach volume %s: %w", id, err)
+		}
+		if resp.Error != nil {
+			return fmt.Errorf("fuse: detach volume %s: %w", id, resp.Error.err())
+		}
+		if err := a.awaitExit(ctx, p, log); err != nil {
+			return fmt.Errorf("fuse: detach volume %s: %w", id, err)
+		}
+		log.Info("fuse: detached", "device", p.att.Device, "pid", p.pid)
+		return nil
+	}
+}
+
+// awaitExit waits for a server that detached its volume to exit, then
+// removes the volume's lock file.
+func (a *Attacher) awaitExit(ctx context.Context, p *serverProc, log *slog.Logger) error {
+	deadline := time.Now().Add(exitTimeout)
+	killed := false
+	for {
+		lf, err := lockFile(a.lockPath(p.id))
+		if err != nil {
+			return err
+		}
+		if lf != nil {
+			err := a.cleanupStale(p.id, log)
+			a.dropLock(p.id, lf)
+			if p.exited != nil {
+				select {
+				case <-p.exited:
+				case <-time.After(exitTimeout):
+				}
+			}
+			a.forgetServer(p.id)
+			return err
+		}
+		if time.Now().After(deadline) {
+			if killed {
+				return fmt.Errorf("server process %d does not exit", p.pid)
+			}
+			log.Warn("fuse: the server process does not exit after the detach; killing it", "pid", p.pid)
+			killProc(p.pid, p.start)
+			killed = true
+			deadline = time.Now().Add(exitTimeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// opContext bounds a long request when ctx does not.
+func opContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, opTimeout)
+}
+
+// serverHealth is Health of a volume served by a server process.
+func (a *Attacher) serverHealth(id string) (attach.Health, error) {
+	p := a.findServer(id)
+	if p == nil {
+		return attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, id)
+	}
+	resp, err := p.call(context.Background(), ctlRequest{Op: opHealth}, ctlTimeout)
+	if err != nil {
+		h := attach.Health{MPTCP: p.att.MPTCP}
+		if procAlive(p.pid, p.start) {
+			h.Message = fmt.Sprintf("the FUSE server process (pid %d) does not answer: %v", p.pid, err)
+		} else {
+			h.Message = fmt.Sprintf("the FUSE server process (pid %d) is gone: I/O to %s fails until the volume is detached and attached again", p.pid, p.att.Device)
+		}
+		return h, nil
+	}
+	if resp.Error != nil {
+		return attach.Health{}, resp.Error.err()
+	}
+	if resp.Health == nil {
+		return attach.Health{}, fmt.Errorf("fuse: volume %s: health without an answer", id)
+	}
+	return *resp.Health, nil
+}
+
+// serverResize is Resize of a volume served by a server process.
+func (a *Attacher) serverResize(ctx context.Context, id string, newSize uint64) (uint64, error) {
+	p := a.findServer(id)
+	if p == nil {
+		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, id)
+	}
+	octx, cancel := opContext(ctx)
+	defer cancel()
+	resp, err := p.call(octx, ctlRequest{Op: opResize, Size: newSize}, 0)
+	if err != nil {
+		return 0, fmt.Errorf("fuse: resize volume %s: %w", id, err)
+	}
+	if resp.Error != nil {
+		return 0, resp.Error.err()
+	}
+	a.mu.Lock()
+	if q := a.servers[id]; q != nil && q.pid == p.pid {
+		q.att.Size = resp.Size
+	}
+	a.mu.Unlock()
+	return resp.Size, nil
+}
+
+// Adopt finds the server processes in the state directory, for a process
+// that starts while volumes are attached, and returns their attachments,
+// sorted by volume ID. Attach, Health, Resize and Detach find them by
+// themselves; Adopt lists them. Volumes whose server is gone are not
+// listed: their next Attach or Detach cleans up after it.
+func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) {
+	entries, err := os.ReadDir(a.stateDir())
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("fuse: state directory: %w", err)
+	}
+	var out []attach.Attachment
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".json") || !e.Type().IsRegular() {
+			continue
+		}
+		st, err := readState(filepath.Join(a.stateDir(), e.Name()))
+		if err != nil || !st.Ready || volumeName(st.VolumeID)+".json" != e.Name() {
+			continue
+		}
+		unlock := a.lock(st.VolumeID)
+		p := a.procFromState(st)
+		if err := p.refresh(ctx); err == nil {
+			a.setServer(st.VolumeID, p)
+			out = append(out, p.att)
+		} else {
+			a.cfg.Logger.Warn("fuse: a volume's server process does not answer", "volume", st.VolumeID, "pid", st.Pid, "err", err)
+		}
+		unlock()
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].VolumeID < out[j].VolumeID })
+	return out, nil
+}
+
+// procStat returns a process's state letter and start time.
+func procStat(pid int) (state byte, start uint64, err error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	// The command name, in parentheses, may hold anything.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 || i+2 > len(s) {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	f := strings.Fields(s[i+2:])
+	if len(f) < 20 || f[0] == "" {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	start, err = strconv.ParseUint(f[19], 10, 64)
+	if err != nil {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+	}
+	return f[0][0], start, nil
+}
+
+// procAlive reports whether process pid runs (a zombie does not) and, if
+// start is not 0, is the one that started then.
+func procAlive(pid int, start uint64) bool {
+	if pid <= 0 {
+		return false
+	}
+	state, s, err := procStat(pid)
+	if err != nil || state == 'Z' || state == 'X' {
+		return false
+	}
+	return start == 0 || s == start
+}
+
+// killProc sends SIGKILL to process pid if it is the one that started at
+// start (any, if start is 0). A process that is gone is no error.
+func killProc(pid int, start uint64) error {
+	if pid <= 0 {
+		return nil
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	// The descriptor pins the process: checked now, it cannot be another
+	// one by the time the signal goes.
+	if !procAlive(pid, start) {
+		return nil
+	}
+	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
+		return err
+	}
+	return nil
+}
