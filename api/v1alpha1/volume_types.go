@@ -1,0 +1,190 @@
+package v1alpha1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// VolumePhase is where a volume is in its life.
+type VolumePhase string
+
+const (
+	// VolumePending: accepted, not yet created on its storage node.
+	VolumePending VolumePhase = "Pending"
+	// VolumeAvailable: the backing store exists and the export is open.
+	VolumeAvailable VolumePhase = "Available"
+	// VolumeFailed: the storage agent could not create or serve it; see
+	// Status.Code and Status.Message.
+	VolumeFailed VolumePhase = "Failed"
+	// VolumeDeleting: deletion requested; the agent drains and removes it.
+	VolumeDeleting VolumePhase = "Deleting"
+)
+
+// AccessType is how the volume is consumed.
+type AccessType string
+
+const (
+	AccessFilesystem AccessType = "Filesystem"
+	AccessBlock      AccessType = "Block"
+)
+
+// ContentSource is what a new volume is filled from.
+type ContentSource struct {
+	// Volume is the name of an existing NBDVolume to clone.
+	// +optional
+	Volume string `json:"volume,omitempty"`
+	// Snapshot is the name of a snapshot to restore.
+	// +optional
+	Snapshot string `json:"snapshot,omitempty"`
+}
+
+// Publication grants one node access to the volume's export.
+type Publication struct {
+	// NodeID is the CSI node ID (the Kubernetes node name).
+	NodeID string `json:"nodeID"`
+	// SecretRef names the Secret holding the per-(volume, node) token that
+	// the node presents in the export name. The token itself never appears
+	// in this resource.
+	SecretRef string `json:"secretRef"`
+	// Addresses are the node's storage addresses; connections from other
+	// addresses are refused.
+	// +optional
+	Addresses []string `json:"addresses,omitempty"`
+	// ReadOnly publishes the volume read-only to this node.
+	// +optional
+	ReadOnly bool `json:"readOnly,omitempty"`
+}
+
+// NBDVolumeSpec is the desired state of a volume.
+type NBDVolumeSpec struct {
+	// SizeBytes is the requested size. Growing it expands the volume.
+	// +kubebuilder:validation:Minimum=1
+	SizeBytes int64 `json:"sizeBytes"`
+	// StorageNode is the node whose storage agent holds the volume.
+	StorageNode string `json:"storageNode"`
+	// AccessType is Filesystem or Block.
+	// +kubebuilder:validation:Enum=Filesystem;Block
+	AccessType AccessType `json:"accessType"`
+	// MultiNode allows publishing to more than one node at once.
+	// +optional
+	MultiNode bool `json:"multiNode,omitempty"`
+	// Parameters are the StorageClass parameters the volume was made with
+	// (validated), kept so CreateVolume is idempotent by name.
+	// +optional
+	Parameters map[string]string `json:"parameters,omitempty"`
+	// ContentSource fills a new volume from a volume or snapshot.
+	// +optional
+	ContentSource *ContentSource `json:"contentSource,omitempty"`
+	// Publications lists the nodes allowed to open the export.
+	// +optional
+	// +listType=map
+	// +listMapKey=nodeID
+	Publications []Publication `json:"publications,omitempty"`
+}
+
+// Export is where and how the volume is served.
+type Export struct {
+	// Name is the export's base name; a node adds its token.
+	Name string `json:"name"`
+	// Port is the server's NBD port.
+	Port int32 `json:"port"`
+	// Addresses are the storage node's storage addresses; the first is
+	// dialled, the others join as MPTCP subflows.
+	Addresses []string `json:"addresses"`
+}
+
+// NBDVolumeStatus is what the storage agent reports.
+type NBDVolumeStatus struct {
+	// +optional
+	Phase VolumePhase `json:"phase,omitempty"`
+	// CapacityBytes is the size of the backing store.
+	// +optional
+	CapacityBytes int64 `json:"capacityBytes,omitempty"`
+	// +optional
+	Export *Export `json:"export,omitempty"`
+	// Code is a gRPC code name (e.g. ResourceExhausted) when the agent
+	// failed, so the controller returns the right code.
+	// +optional
+	Code string `json:"code,omitempty"`
+	// +optional
+	Message string `json:"message,omitempty"`
+	// ObservedGeneration is the spec generation the status describes.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// NBDVolume is one CSI volume: a backing store on a storage node served as
+// an NBD export over MPTCP.
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:scope=Cluster,shortName=nbdvol
+// +kubebuilder:subresource:status
+// +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.storageNode`
+// +kubebuilder:printcolumn:name="Size",type=integer,JSONPath=`.spec.sizeBytes`
+// +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Published",type=string,JSONPath=`.spec.publications[*].nodeID`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+type NBDVolume struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	Spec   NBDVolumeSpec   `json:"spec"`
+	Status NBDVolumeStatus `json:"status,omitempty"`
+}
+
+// NBDVolumeList is a list of NBDVolume.
+// +kubebuilder:object:root=true
+type NBDVolumeList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []NBDVolume `json:"items"`
+}
+
+// NBDStorageNodeStatus is what a storage agent reports about its node.
+type NBDStorageNodeStatus struct {
+	// CapacityBytes is the size of the data directory's filesystem.
+	CapacityBytes int64 `json:"capacityBytes"`
+	// AvailableBytes is what new volumes may still take.
+	AvailableBytes int64 `json:"availableBytes"`
+	// Addresses are the node's storage addresses (MPTCP signal endpoints).
+	// +optional
+	Addresses []string `json:"addresses,omitempty"`
+	// Port is the NBD server's port.
+	Port int32 `json:"port"`
+	// Topology are the node's topology labels, for accessibility.
+	// +optional
+	Topology map[string]string `json:"topology,omitempty"`
+	// Heartbeat is when the agent last reported.
+	Heartbeat metav1.Time `json:"heartbeat"`
+	// Orphans are backing files with no NBDVolume (reported, never deleted).
+	// +optional
+	Orphans []string `json:"orphans,omitempty"`
+}
+
+// NBDStorageNode is one storage agent's report, named after its node.
+// +kubebuilder:object:root=true
+// +kubebuilder:resource:scope=Cluster,shortName=nbdnode
+// +kubebuilder:subresource:status
+// +kubebuilder:printcolumn:name="Available",type=integer,JSONPath=`.status.availableBytes`
+// +kubebuilder:printcolumn:name="Capacity",type=integer,JSONPath=`.status.capacityBytes`
+// +kubebuilder:printcolumn:name="Heartbeat",type=date,JSONPath=`.status.heartbeat`
+type NBDStorageNode struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	Status NBDStorageNodeStatus `json:"status,omitempty"`
+}
+
+// NBDStorageNodeList is a list of NBDStorageNode.
+// +kubebuilder:object:root=true
+type NBDStorageNodeList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []NBDStorageNode `json:"items"`
+}
+
+func init() {
+	SchemeBuilder.Register(&NBDVolume{}, &NBDVolumeList{}, &NBDStorageNode{}, &NBDStorageNodeList{})
+}

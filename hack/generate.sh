@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Regenerates deepcopy code and the CRD manifests (the one source of truth
+# for the chart and the kustomize tree) from api/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONTROLLER_GEN=${CONTROLLER_GEN:-sigs.k8s.io/controller-tools/cmd/controller-gen@v0.20.1}
+go run "$CONTROLLER_GEN" object paths=./api/...
+go run "$CONTROLLER_GEN" crd paths=./api/... output:crd:dir=deploy/crds
