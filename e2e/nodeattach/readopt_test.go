@@ -91,6 +91,10 @@ func dialTCPFile(t *testing.T, tp *topo.Topology, st *storage) (*os.File, error)
 type childSpec struct {
 	ClientNS string
 	Target   attach.Target
+	StateDir string
+	// Adopt makes the child find the volume from the state directory and
+	// sysfs (as a restarted node plugin does) instead of attaching it.
+	Adopt bool
 }
 
 // TestHelperAttachProcess is not a test: it is the attaching process that
@@ -110,7 +114,7 @@ func TestHelperAttachProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	a, err := nbddev.New(nbddev.Config{
-		Mode: attach.Relay, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t),
+		Mode: attach.Relay, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
 		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
 			err = topo.InNetns(cs.ClientNS, func() error {
 				c, err = d.DialContext(ctx, network, addr)
@@ -122,8 +126,14 @@ func TestHelperAttachProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	att, err := a.Attach(context.Background(), cs.Target, attach.Options{})
-	if err != nil {
+	var att *attach.Attachment
+	if cs.Adopt {
+		atts, err := a.Adopt(context.Background())
+		if err != nil || len(atts) != 1 {
+			t.Fatalf("adopt: %v %v", atts, err)
+		}
+		att = atts[0]
+	} else if att, err = a.Attach(context.Background(), cs.Target, attach.Options{}); err != nil {
 		t.Fatal(err)
 	}
 	os.Stdout.WriteString("ATTACHED " + att.Device + "\n")
@@ -174,7 +184,7 @@ func TestReadoptAfterKill(t *testing.T) {
 	requireGuest(t)
 	tp := guestTopology(t)
 	st := newStorage(t, tp, volSize, true)
-	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t))}
+	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: t.TempDir()}
 	t0 := time.Now()
 	first, dev := startChild(t, cs)
 	t.Logf("%v: attached %s", time.Since(t0).Round(time.Millisecond), dev)
@@ -188,6 +198,7 @@ func TestReadoptAfterKill(t *testing.T) {
 	first.Wait()
 	time.Sleep(500 * time.Millisecond)
 	t.Logf("%v: first attaching process killed", time.Since(t0).Round(time.Millisecond))
+	cs.Adopt = true
 	_, dev2 := startChild(t, cs)
 	t.Logf("%v: re-adopted %s", time.Since(t0).Round(time.Millisecond), dev2)
 	if dev2 != dev {

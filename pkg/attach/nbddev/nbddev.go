@@ -49,6 +49,9 @@ type Config struct {
 	// DialContext dials with d; nil means d.DialContext. Tests use it to
 	// dial from another network namespace.
 	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
+	// StateDir, when set, keeps a small record per attached volume so that
+	// Adopt in a fresh process can re-adopt the devices.
+	StateDir string
 }
 
 // Attacher attaches volumes with one transport.
@@ -247,6 +250,9 @@ func (a *Attacher) register(v *volume) {
 	a.vols[v.target.VolumeID] = v
 	a.byIndex[v.index] = v
 	a.mu.Unlock()
+	if err := a.saveState(v); err != nil {
+		a.log.Error("save state: the volume will not be re-adopted after a restart", "volume_id", v.target.VolumeID, "error", err)
+	}
 }
 
 func (v *volume) attachment() *attach.Attachment {
@@ -401,6 +407,7 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	v.shutdown()
 	a.mu.Lock()
 	delete(a.vols, volumeID)
+	a.dropState(volumeID)
 	delete(a.byIndex, v.index)
 	a.mu.Unlock()
 	a.log.Info("volume detached", "volume_id", volumeID, "nbd_index", v.index)

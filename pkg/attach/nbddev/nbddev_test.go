@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -266,5 +267,51 @@ func TestDetachUnknown(t *testing.T) {
 func TestNewRejectsOtherModes(t *testing.T) {
 	if _, err := New(Config{Mode: attach.FUSE, Kernel: newFakeKernel(), Devices: &fakeDevices{}}); !errors.Is(err, attach.ErrInvalid) {
 		t.Fatalf("err = %v", err)
+	}
+}
+
+func TestStateAndAdopt(t *testing.T) {
+	_, addr := startServer(t)
+	dir := t.TempDir()
+	k := newFakeKernel()
+	d := &fakeDevices{backends: map[string]uint32{}}
+	a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg := attach.Target{VolumeID: "pvc-9", Export: "vol", Addrs: []string{addr}}
+	if _, err := a.Attach(context.Background(), tg, attach.Options{DeadConnTimeout: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := os.Stat(dir + "/pvc-9.json")
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("state file: %v %v", st, err)
+	}
+	a.Close()
+
+	// A fresh process: the device still exists under its identifier.
+	d.backends["pvc-9"] = 0
+	d.backends["other"] = 1
+	os.WriteFile(dir+"/gone.json", []byte(`{"mode":"tcp","target":{"VolumeID":"gone","Export":"vol","Addrs":["x"]}}`), 0o600)
+	b, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	atts, err := b.Adopt(context.Background())
+	if err != nil || len(atts) != 1 || atts[0].Device != "/dev/nbd0" {
+		t.Fatalf("adopt: %+v %v", atts, err)
+	}
+	if len(k.reconfigs) != 1 || k.reconfigs[0].BackendID != "pvc-9" {
+		t.Fatalf("reconfigures: %+v", k.reconfigs)
+	}
+	if _, err := os.Stat(dir + "/gone.json"); !os.IsNotExist(err) {
+		t.Fatalf("state of a vanished device kept: %v", err)
+	}
+	if err := b.Detach(context.Background(), "pvc-9"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(dir + "/pvc-9.json"); !os.IsNotExist(err) {
+		t.Fatalf("state file kept after detach: %v", err)
 	}
 }
