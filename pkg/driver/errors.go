@@ -1,0 +1,64 @@
+// Package driver implements the CSI Identity, Controller and Node services.
+package driver
+
+import (
+	"context"
+	"errors"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Sentinel errors of the driver. Lower layers wrap them (or their own
+// sentinels, mapped below); toStatus turns them into gRPC codes in this
+// one place, so no handler returns Unknown by accident.
+var (
+	ErrInvalidArgument  = errors.New("invalid argument")
+	ErrNotFound         = errors.New("not found")
+	ErrAlreadyExists    = errors.New("already exists")
+	ErrExhausted        = errors.New("resource exhausted")
+	ErrPrecondition     = errors.New("failed precondition")
+	ErrAborted          = errors.New("operation in progress")
+	ErrOutOfRange       = errors.New("out of range")
+	ErrUnavailable      = errors.New("unavailable")
+	ErrUnimplementedErr = errors.New("unimplemented")
+)
+
+// toStatus maps an error to a gRPC status error. Errors that already are
+// status errors pass through.
+func toStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	code := codes.Internal
+	switch {
+	case errors.Is(err, ErrInvalidArgument), errors.Is(err, attach.ErrInvalid):
+		code = codes.InvalidArgument
+	case errors.Is(err, ErrNotFound), errors.Is(err, attach.ErrNotAttached):
+		code = codes.NotFound
+	case errors.Is(err, ErrAlreadyExists):
+		code = codes.AlreadyExists
+	case errors.Is(err, ErrExhausted):
+		code = codes.ResourceExhausted
+	case errors.Is(err, ErrPrecondition), errors.Is(err, attach.ErrWrongVolume), errors.Is(err, attach.ErrServerRefused):
+		code = codes.FailedPrecondition
+	case errors.Is(err, ErrAborted):
+		code = codes.Aborted
+	case errors.Is(err, ErrOutOfRange):
+		code = codes.OutOfRange
+	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported):
+		code = codes.Unavailable
+	case errors.Is(err, ErrUnimplementedErr):
+		code = codes.Unimplemented
+	case errors.Is(err, context.DeadlineExceeded):
+		code = codes.DeadlineExceeded
+	case errors.Is(err, context.Canceled):
+		code = codes.Canceled
+	}
+	return status.Error(code, err.Error())
+}

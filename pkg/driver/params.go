@@ -1,0 +1,112 @@
+package driver
+
+import (
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// StorageClass parameter keys.
+const (
+	ParamFSType          = "fsType"
+	ParamTransport       = "transport"
+	ParamStorageNode     = "storageNode"
+	ParamNodeSelector    = "storageNodeSelector"
+	ParamDeadConnTimeout = "deadConnTimeout"
+	ParamRequestTimeout  = "requestTimeout"
+	ParamBlockSize       = "blockSize"
+
+	// reservedPrefix marks keys the Kubernetes sidecars add or reserve.
+	reservedPrefix = "csi.storage.k8s.io/"
+)
+
+// Params are validated StorageClass parameters.
+type Params struct {
+	FSType          string
+	Transport       attach.Transport
+	StorageNode     string
+	NodeSelector    map[string]string
+	DeadConnTimeout time.Duration
+	RequestTimeout  time.Duration
+	BlockSize       uint64
+}
+
+// ParseParams validates StorageClass parameters. Every unknown or invalid
+// key is an InvalidArgument error that names it.
+func ParseParams(in map[string]string) (Params, error) {
+	p := Params{FSType: "ext4", Transport: attach.Auto}
+	keys := make([]string, 0, len(in))
+	for k := range in {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		v := in[k]
+		bad := func(why string) (Params, error) {
+			return Params{}, fmt.Errorf("%w: StorageClass parameter %s=%q: %s", ErrInvalidArgument, k, v, why)
+		}
+		switch k {
+		case ParamFSType:
+			if v != "ext4" && v != "xfs" {
+				return bad("want ext4 or xfs")
+			}
+			p.FSType = v
+		case ParamTransport:
+			t, err := attach.ParseTransport(v)
+			if err != nil {
+				return bad("want one of auto, kernel, relay, multiconn, tcp, fuse")
+			}
+			p.Transport = t
+		case ParamStorageNode:
+			if v == "" || strings.ContainsAny(v, " /,") {
+				return bad("want a node name")
+			}
+			p.StorageNode = v
+		case ParamNodeSelector:
+			sel, err := parseSelector(v)
+			if err != nil {
+				return bad(err.Error())
+			}
+			p.NodeSelector = sel
+		case ParamDeadConnTimeout, ParamRequestTimeout:
+			d, err := time.ParseDuration(v)
+			if err != nil || d < 0 || d > 24*time.Hour {
+				return bad("want a duration between 0s and 24h, e.g. 120s")
+			}
+			if k == ParamDeadConnTimeout {
+				p.DeadConnTimeout = d
+			} else {
+				p.RequestTimeout = d
+			}
+		case ParamBlockSize:
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil || (n != 512 && n != 1024 && n != 2048 && n != 4096) {
+				return bad("want 512, 1024, 2048 or 4096")
+			}
+			p.BlockSize = n
+		default:
+			if strings.HasPrefix(k, reservedPrefix) {
+				continue
+			}
+			return bad("unknown parameter")
+		}
+	}
+	return p, nil
+}
+
+// parseSelector parses "k1=v1,k2=v2".
+func parseSelector(s string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, part := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(part), "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("want key=value[,key=value]")
+		}
+		out[k] = v
+	}
+	return out, nil
+}

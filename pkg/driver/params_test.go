@@ -1,0 +1,73 @@
+package driver
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+func TestParseParams(t *testing.T) {
+	p, err := ParseParams(map[string]string{
+		"fsType": "xfs", "transport": "relay", "storageNode": "node-a", "storageNodeSelector": "zone=a, rack=3",
+		"deadConnTimeout": "90s", "requestTimeout": "10s", "blockSize": "512",
+		"csi.storage.k8s.io/pvc/name": "data",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.FSType != "xfs" || p.Transport != attach.Relay || p.StorageNode != "node-a" || p.NodeSelector["rack"] != "3" ||
+		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.BlockSize != 512 {
+		t.Fatalf("%+v", p)
+	}
+	def, err := ParseParams(nil)
+	if err != nil || def.FSType != "ext4" || def.Transport != attach.Auto {
+		t.Fatalf("defaults: %+v %v", def, err)
+	}
+}
+
+func TestParseParamsErrorsNameTheKey(t *testing.T) {
+	for key, val := range map[string]string{
+		"fsType": "btrfs", "transport": "iscsi", "storageNode": "a b", "storageNodeSelector": "novalue",
+		"deadConnTimeout": "forever", "requestTimeout": "-1s", "blockSize": "8192", "replicas": "3",
+	} {
+		_, err := ParseParams(map[string]string{key: val})
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), key) {
+			t.Errorf("%s=%s: %v", key, val, err)
+		}
+		if st, _ := status.FromError(toStatus(err)); st.Code() != codes.InvalidArgument {
+			t.Errorf("%s: code %v", key, st.Code())
+		}
+	}
+}
+
+func TestToStatus(t *testing.T) {
+	cases := map[error]codes.Code{
+		ErrNotFound:                codes.NotFound,
+		ErrAlreadyExists:           codes.AlreadyExists,
+		ErrExhausted:               codes.ResourceExhausted,
+		ErrPrecondition:            codes.FailedPrecondition,
+		ErrAborted:                 codes.Aborted,
+		attach.ErrServerRefused:    codes.FailedPrecondition,
+		attach.ErrUnsupported:      codes.Unavailable,
+		errors.New("disk on fire"): codes.Internal,
+	}
+	for err, want := range cases {
+		st, _ := status.FromError(toStatus(err))
+		if st.Code() != want {
+			t.Errorf("%v: %v, want %v", err, st.Code(), want)
+		}
+	}
+	if toStatus(nil) != nil {
+		t.Error("nil error mapped to a status")
+	}
+	pre := status.Error(codes.OutOfRange, "x")
+	if toStatus(pre) != pre {
+		t.Error("status errors must pass through")
+	}
+}
