@@ -23,6 +23,13 @@ const maxLowat = 256 << 10
 
 func newLowatConn(c net.Conn) *lowatConn {
 	l := &lowatConn{Conn: c, cur: 1}
+	if IsMultipathTCP(c) {
+		// MPTCP accepts the option, but its receive window does not grow
+		// to cover the mark the way TCP's does: a reader can wait for
+		// bytes the sender is not allowed to send (seen with qemu-img).
+		l.broken = true
+		return l
+	}
 	if sc, ok := c.(syscall.Conn); ok {
 		if rc, err := sc.SyscallConn(); err == nil {
 			l.rc = rc
