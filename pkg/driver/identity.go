@@ -1,0 +1,56 @@
+package driver
+
+import (
+	"context"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// DriverName is the CSI driver name.
+const DriverName = "nbd.mptcp.mpnbd.io"
+
+// Version is the driver version, set at build time.
+var Version = "dev"
+
+// Identity serves the CSI Identity service for both the controller and the
+// node plugin.
+type Identity struct {
+	csi.UnimplementedIdentityServer
+	// Controller reports the controller capabilities (the node plugin
+	// leaves it false).
+	Controller bool
+	// Ready reports readiness (nil: always ready).
+	Ready func(context.Context) error
+}
+
+func (i *Identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: DriverName, VendorVersion: Version}, nil
+}
+
+func (i *Identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	var caps []*csi.PluginCapability
+	if i.Controller {
+		caps = append(caps,
+			svcCap(csi.PluginCapability_Service_CONTROLLER_SERVICE),
+			svcCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
+			&csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
+				VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE},
+			}},
+		)
+	}
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func svcCap(t csi.PluginCapability_Service_Type) *csi.PluginCapability {
+	return &csi.PluginCapability{Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{Type: t}}}
+}
+
+func (i *Identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	if i.Ready != nil {
+		if err := i.Ready(ctx); err != nil {
+			return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+		}
+	}
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}
