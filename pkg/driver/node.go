@@ -1,0 +1,601 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Attacher is the part of *attach.Manager the node service uses.
+type Attacher interface {
+	Attach(ctx context.Context, tr attach.Transport, t attach.Target, o attach.Options) (*attach.Attachment, error)
+	Detach(ctx context.Context, volumeID string) error
+	Health(volumeID string) (attach.Transport, attach.Health, error)
+}
+
+var _ Attacher = (*attach.Manager)(nil)
+
+// FSStats is the usage of a mounted file system.
+type FSStats struct {
+	TotalBytes, AvailableBytes, UsedBytes int64
+	TotalInodes, FreeInodes, UsedInodes   int64
+}
+
+// Mounter is every mount and file-system effect of the node service.
+// NewMounter returns the real one.
+type Mounter interface {
+	// FormatAndMount formats source with fstype unless it already holds
+	// a file system, then mounts it at target.
+	FormatAndMount(source, target, fstype string, options []string) error
+	// Mount mounts source at target; with the "bind" option a bind mount.
+	Mount(source, target, fstype string, options []string) error
+	Unmount(target string) error
+	// IsMountPoint reports whether path is a mount point (bind mounts of
+	// files included); it returns an fs.ErrNotExist error when path is
+	// missing.
+	IsMountPoint(path string) (bool, error)
+	PathExists(path string) (bool, error)
+	// MakeDir creates a directory and its parents.
+	MakeDir(path string) error
+	// MakeFile creates an empty file unless it exists.
+	MakeFile(path string) error
+	// IsBlockDevice reports whether path is a block device node.
+	IsBlockDevice(path string) (bool, error)
+	// GetDeviceSize returns the size of a block device in bytes.
+	GetDeviceSize(path string) (uint64, error)
+	// DeviceFromMount returns the device mounted at mountPath.
+	DeviceFromMount(mountPath string) (string, error)
+	// Resize grows the file system on devicePath, mounted at mountPath,
+	// to the size of the device.
+	Resize(devicePath, mountPath string) (bool, error)
+	// Statfs reports the usage of the file system holding path.
+	Statfs(path string) (FSStats, error)
+}
+
+// NodeConfig configures a Node.
+type NodeConfig struct {
+	NodeID string
+	// Topology is the node's accessible topology segments.
+	Topology map[string]string
+	// MaxVolumes is the most volumes the node takes (0: no limit).
+	MaxVolumes int64
+	Attacher   Attacher
+	Mounter    Mounter
+	Logger     *slog.Logger
+}
+
+// Node serves the CSI Node service.
+type Node struct {
+	csi.UnimplementedNodeServer
+
+	cfg NodeConfig
+	log *slog.Logger
+
+	// inFlight holds the keys of running mutating calls (volume IDs, or
+	// volume ID and target path for publish), for the per-volume
+	// try-lock.
+	inFlight sync.Map
+	// addrs remembers, per staged volume, how many storage addresses it
+	// was published with: the MPTCP subflows a healthy volume has. It is
+	// lost with the process, after which only connectivity is checked.
+	addrs sync.Map
+}
+
+// deviceFile is the file in a Block volume's staging directory naming
+// its device, for NodePublishVolume.
+const deviceFile = "device"
+
+// NewNode returns a node service.
+func NewNode(c NodeConfig) (*Node, error) {
+	if c.NodeID == "" {
+		return nil, fmt.Errorf("%w: node ID is required", ErrInvalidArgument)
+	}
+	if c.Attacher == nil || c.Mounter == nil {
+		return nil, fmt.Errorf("%w: attacher and mounter are required", ErrInvalidArgument)
+	}
+	log := c.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Node{cfg: c, log: log}, nil
+}
+
+var _ csi.NodeServer = (*Node)(nil)
+
+// lock takes the try-lock of key; ok is false when a call holds it.
+func (n *Node) lock(key string) (unlock func(), ok bool) {
+	if _, busy := n.inFlight.LoadOrStore(key, struct{}{}); busy {
+		return nil, false
+	}
+	return func() { n.inFlight.Delete(key) }, true
+}
+
+func aborted(what, id string) error {
+	return toStatus(fmt.Errorf("%w: %s of volume %s", ErrAborted, what, id))
+}
+
+func invalid(format string, args ...any) error {
+	return toStatus(fmt.Errorf("%w: "+format, append([]any{ErrInvalidArgument}, args...)...))
+}
+
+// checkCapability validates a volume capability for this node.
+func checkCapability(c *csi.VolumeCapability) error {
+	if c == nil {
+		return invalid("volume_capability is required")
+	}
+	block := c.GetBlock() != nil
+	if !block && c.GetMount() == nil {
+		return invalid("volume_capability needs an access type (block or mount)")
+	}
+	if c.GetAccessMode() == nil {
+		return invalid("volume_capability needs an access mode")
+	}
+	switch m := c.GetAccessMode().GetMode(); m {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:
+	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
+		if !block {
+			return invalid("access mode %s needs a block volume", m)
+		}
+	default:
+		return invalid("access mode %s is not supported", m)
+	}
+	if t := c.GetMount().GetFsType(); t != "" && t != "ext4" && t != "xfs" {
+		return invalid("fs_type %q is not supported (want ext4 or xfs)", t)
+	}
+	return nil
+}
+
+func readOnlyMode(c *csi.VolumeCapability) bool {
+	return c.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+}
+
+func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if staging == "" {
+		return nil, invalid("staging_target_path is required")
+	}
+	capability := req.GetVolumeCapability()
+	if err := checkCapability(capability); err != nil {
+		return nil, err
+	}
+	spec, err := parseAttachSpec(id, req.GetPublishContext(), req.GetVolumeContext())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	spec.Options.ReadOnly = readOnlyMode(capability)
+	unlock, ok := n.lock(id)
+	if !ok {
+		return nil, aborted("stage", id)
+	}
+	defer unlock()
+
+	if err := n.stage(ctx, id, staging, capability, spec); err != nil {
+		return nil, toStatus(err)
+	}
+	n.addrs.Store(id, len(spec.Target.Addrs))
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+func (n *Node) stage(ctx context.Context, id, staging string, c *csi.VolumeCapability, spec attachSpec) error {
+	log := n.log.With("volume_id", id, "staging_target_path", staging)
+	att, err := n.cfg.Attacher.Attach(ctx, spec.Transport, spec.Target, spec.Options)
+	if err != nil {
+		return fmt.Errorf("attach volume %s: %w", id, err)
+	}
+	log = log.With("device", att.Device, "transport", string(att.Transport))
+	// undo detaches after a failed stage, so that no attach is left
+	// without a staging path that kubelet would unstage.
+	undo := func(cause error) error {
+		if derr := n.cfg.Attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
+			log.Error("detach after failed stage", "err", derr)
+			return errors.Join(cause, fmt.Errorf("detach: %w", derr))
+		}
+		return cause
+	}
+	if err := n.cfg.Mounter.MakeDir(staging); err != nil {
+		return undo(fmt.Errorf("create staging path: %w", err))
+	}
+	if c.GetBlock() != nil {
+		if err := writeFileAtomic(filepath.Join(staging, deviceFile), []byte(att.Device+"\n")); err != nil {
+			return undo(fmt.Errorf("record device: %w", err))
+		}
+		log.Info("block volume staged")
+		return nil
+	}
+	mounted, err := n.cfg.Mounter.IsMountPoint(staging)
+	if err != nil {
+		return undo(fmt.Errorf("check staging path: %w", err))
+	}
+	if mounted {
+		return nil
+	}
+	fsType := spec.FSType
+	if t := c.GetMount().GetFsType(); t != "" {
+		fsType = t
+	}
+	opts := slices.Clone(c.GetMount().GetMountFlags())
+	if spec.Options.ReadOnly {
+		opts = append(opts, "ro")
+	}
+	if err := n.cfg.Mounter.FormatAndMount(att.Device, staging, fsType, opts); err != nil {
+		return undo(fmt.Errorf("format and mount %s (%s) at %s: %w", att.Device, fsType, staging, err))
+	}
+	log.Info("volume staged", "fs_type", fsType)
+	return nil
+}
+
+// writeFileAtomic writes a small file by rename, so a reader sees all of
+// it or nothing.
+func writeFileAtomic(path string, data []byte) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+func (n *Node) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if staging == "" {
+		return nil, invalid("staging_target_path is required")
+	}
+	unlock, ok := n.lock(id)
+	if !ok {
+		return nil, aborted("unstage", id)
+	}
+	defer unlock()
+
+	if err := n.unmountIfMounted(staging); err != nil {
+		return nil, toStatus(fmt.Errorf("unstage volume %s: %w", id, err))
+	}
+	if err := os.Remove(filepath.Join(staging, deviceFile)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, toStatus(fmt.Errorf("unstage volume %s: %w", id, err))
+	}
+	if err := n.cfg.Attacher.Detach(ctx, id); err != nil {
+		return nil, toStatus(fmt.Errorf("detach volume %s: %w", id, err))
+	}
+	n.addrs.Delete(id)
+	n.log.Info("volume unstaged", "volume_id", id, "staging_target_path", staging)
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// unmountIfMounted unmounts path when it is a mount point; a missing path
+// is not an error.
+func (n *Node) unmountIfMounted(path string) error {
+	mounted, err := n.cfg.Mounter.IsMountPoint(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("check %s: %w", path, err)
+	}
+	if !mounted {
+		return nil
+	}
+	if err := n.cfg.Mounter.Unmount(path); err != nil {
+		return fmt.Errorf("unmount %s: %w", path, err)
+	}
+	return nil
+}
+
+func (n *Node) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	id, target, staging := req.GetVolumeId(), req.GetTargetPath(), req.GetStagingTargetPath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if staging == "" {
+		return nil, invalid("staging_target_path is required")
+	}
+	if target == "" {
+		return nil, invalid("target_path is required")
+	}
+	capability := req.GetVolumeCapability()
+	if err := checkCapability(capability); err != nil {
+		return nil, err
+	}
+	// Publishes of one volume to different targets do not conflict.
+	unlock, ok := n.lock(id + "\x00" + target)
+	if !ok {
+		return nil, aborted("publish", id)
+	}
+	defer unlock()
+
+	opts := []string{"bind"}
+	if req.GetReadonly() || readOnlyMode(capability) {
+		opts = append(opts, "ro")
+	}
+	var err error
+	if capability.GetBlock() != nil {
+		err = n.publishBlock(id, staging, target, opts)
+	} else {
+		err = n.publishMount(id, staging, target, append(opts, capability.GetMount().GetMountFlags()...))
+	}
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+func (n *Node) publishMount(id, staging, target string, opts []string) error {
+	m := n.cfg.Mounter
+	staged, err := m.IsMountPoint(staging)
+	if errors.Is(err, fs.ErrNotExist) || (err == nil && !staged) {
+		return fmt.Errorf("%w: volume %s is not staged at %s", ErrPrecondition, id, staging)
+	}
+	if err != nil {
+		return fmt.Errorf("check staging path: %w", err)
+	}
+	if err := m.MakeDir(target); err != nil {
+		return fmt.Errorf("create target path: %w", err)
+	}
+	mounted, err := m.IsMountPoint(target)
+	if err != nil {
+		return fmt.Errorf("check target path: %w", err)
+	}
+	if mounted {
+		return nil
+	}
+	if err := m.Mount(staging, target, "", opts); err != nil {
+		return fmt.Errorf("bind mount %s at %s: %w", staging, target, err)
+	}
+	n.log.Info("volume published", "volume_id", id, "target_path", target)
+	return nil
+}
+
+func (n *Node) publishBlock(id, staging, target string, opts []string) error {
+	m := n.cfg.Mounter
+	dev, err := stagedDevice(staging)
+	if err != nil {
+		return fmt.Errorf("volume %s: %w", id, err)
+	}
+	if err := m.MakeDir(filepath.Dir(target)); err != nil {
+		return fmt.Errorf("create target directory: %w", err)
+	}
+	if err := m.MakeFile(target); err != nil {
+		return fmt.Errorf("create target file: %w", err)
+	}
+	mounted, err := m.IsMountPoint(target)
+	if err != nil {
+		return fmt.Errorf("check target path: %w", err)
+	}
+	if mounted {
+		return nil
+	}
+	if err := m.Mount(dev, target, "", opts); err != nil {
+		return fmt.Errorf("bind mount %s at %s: %w", dev, target, err)
+	}
+	n.log.Info("block volume published", "volume_id", id, "target_path", target, "device", dev)
+	return nil
+}
+
+// stagedDevice reads the device of a staged Block volume.
+func stagedDevice(staging string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(staging, deviceFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("%w: not staged at %s", ErrPrecondition, staging)
+	}
+	if err != nil {
+		return "", err
+	}
+	dev := strings.TrimSpace(string(b))
+	if !strings.HasPrefix(dev, "/dev/") {
+		return "", fmt.Errorf("%w: bad device %q recorded at %s", ErrPrecondition, dev, staging)
+	}
+	return dev, nil
+}
+
+func (n *Node) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	id, target := req.GetVolumeId(), req.GetTargetPath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if target == "" {
+		return nil, invalid("target_path is required")
+	}
+	unlock, ok := n.lock(id + "\x00" + target)
+	if !ok {
+		return nil, aborted("unpublish", id)
+	}
+	defer unlock()
+
+	if err := n.unmountIfMounted(target); err != nil {
+		return nil, toStatus(fmt.Errorf("unpublish volume %s: %w", id, err))
+	}
+	if err := os.Remove(target); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, toStatus(fmt.Errorf("unpublish volume %s: remove target: %w", id, err))
+	}
+	n.log.Info("volume unpublished", "volume_id", id, "target_path", target)
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+func (n *Node) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if path == "" {
+		return nil, invalid("volume_path is required")
+	}
+	m := n.cfg.Mounter
+	exists, err := m.PathExists(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
+	}
+	if !exists {
+		return nil, toStatus(fmt.Errorf("%w: volume path %s", ErrNotFound, path))
+	}
+	block, err := m.IsBlockDevice(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
+	}
+	resp := &csi.NodeGetVolumeStatsResponse{VolumeCondition: n.condition(id)}
+	if block {
+		size, err := m.GetDeviceSize(path)
+		if err != nil {
+			return nil, toStatus(fmt.Errorf("device size of %s: %w", path, err))
+		}
+		resp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: int64(size)}}
+		return resp, nil
+	}
+	// statfs of a path with nothing mounted would report the host's
+	// file system.
+	mounted, err := m.IsMountPoint(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
+	}
+	if !mounted {
+		return nil, toStatus(fmt.Errorf("%w: no volume mounted at %s", ErrNotFound, path))
+	}
+	st, err := m.Statfs(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("statfs %s: %w", path, err))
+	}
+	resp.Usage = []*csi.VolumeUsage{
+		{Unit: csi.VolumeUsage_BYTES, Total: st.TotalBytes, Available: st.AvailableBytes, Used: st.UsedBytes},
+		{Unit: csi.VolumeUsage_INODES, Total: st.TotalInodes, Available: st.FreeInodes, Used: st.UsedInodes},
+	}
+	return resp, nil
+}
+
+// condition reports the data path of a volume: abnormal when it is not
+// attached, not connected, or runs over MPTCP with fewer subflows than
+// the storage node has addresses.
+func (n *Node) condition(id string) *csi.VolumeCondition {
+	tr, h, err := n.cfg.Attacher.Health(id)
+	if err != nil {
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("data path unknown: %v", err)}
+	}
+	if !h.Connected {
+		msg := "disconnected from the storage node"
+		if h.Message != "" {
+			msg += ": " + h.Message
+		}
+		return &csi.VolumeCondition{Abnormal: true, Message: msg}
+	}
+	if want, ok := n.addrs.Load(id); ok && h.MPTCP {
+		for i, got := range h.Subflows {
+			if got < want.(int) {
+				return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf(
+					"connection %d has %d MPTCP subflows, want %d (one per storage address)", i, got, want)}
+			}
+		}
+	}
+	msg := fmt.Sprintf("connected via %s", tr)
+	if h.MPTCP {
+		msg += fmt.Sprintf(", MPTCP subflows %v", h.Subflows)
+	} else {
+		msg += ", without MPTCP"
+	}
+	if h.Reconnects > 0 {
+		msg += fmt.Sprintf(", %d reconnects", h.Reconnects)
+	}
+	return &csi.VolumeCondition{Message: msg}
+}
+
+func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	id, path := req.GetVolumeId(), req.GetVolumePath()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if path == "" {
+		return nil, invalid("volume_path is required")
+	}
+	if c := req.GetVolumeCapability(); c != nil {
+		if err := checkCapability(c); err != nil {
+			return nil, err
+		}
+	}
+	m := n.cfg.Mounter
+	exists, err := m.PathExists(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
+	}
+	if !exists {
+		return nil, toStatus(fmt.Errorf("%w: volume path %s", ErrNotFound, path))
+	}
+	unlock, ok := n.lock(id)
+	if !ok {
+		return nil, aborted("expand", id)
+	}
+	defer unlock()
+
+	block, err := m.IsBlockDevice(path)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
+	}
+	block = block || req.GetVolumeCapability().GetBlock() != nil
+	dev, mountPath := path, path
+	if !block {
+		if s := req.GetStagingTargetPath(); s != "" {
+			mountPath = s
+		}
+		if dev, err = m.DeviceFromMount(mountPath); err != nil {
+			return nil, toStatus(fmt.Errorf("device of %s: %w", mountPath, err))
+		}
+	}
+	size, err := m.GetDeviceSize(dev)
+	if err != nil {
+		return nil, toStatus(fmt.Errorf("device size of %s: %w", dev, err))
+	}
+	if want := req.GetCapacityRange().GetRequiredBytes(); want > 0 && uint64(want) > size {
+		// The storage node grows the export; the device follows. Until
+		// it has, the kubelet retries.
+		return nil, toStatus(fmt.Errorf("%w: device %s has %d bytes, %d requested", ErrUnavailable, dev, size, want))
+	}
+	if !block {
+		if _, err := m.Resize(dev, mountPath); err != nil {
+			return nil, toStatus(fmt.Errorf("resize file system on %s: %w", dev, err))
+		}
+		n.log.Info("file system resized", "volume_id", id, "device", dev, "bytes", size)
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: int64(size)}, nil
+}
+
+func (n *Node) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, t := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
+			Rpc: &csi.NodeServiceCapability_RPC{Type: t},
+		}})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (n *Node) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	resp := &csi.NodeGetInfoResponse{NodeId: n.cfg.NodeID, MaxVolumesPerNode: n.cfg.MaxVolumes}
+	if len(n.cfg.Topology) > 0 {
+		resp.AccessibleTopology = &csi.Topology{Segments: maps.Clone(n.cfg.Topology)}
+	}
+	return resp, nil
+}

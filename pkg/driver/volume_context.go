@@ -1,0 +1,86 @@
+package driver
+
+import (
+	"fmt"
+	"net"
+	"strings"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Publish context keys, set by ControllerPublishVolume and read by the
+// node plugin.
+const (
+	// PublishContextExport is the NBD export name, including the
+	// per-(volume, node) token.
+	PublishContextExport = "export"
+	// PublishContextAddresses lists the storage node's addresses
+	// (host:port, comma-separated); the first is the primary one.
+	PublishContextAddresses = "addresses"
+)
+
+// nodeParamKeys are the StorageClass parameters (copied into the volume
+// context) that matter on the node. Everything else in the volume context
+// (the provisioner's identity, pod info, controller-only parameters) is
+// ignored here: the controller validated it when the volume was created.
+var nodeParamKeys = []string{ParamFSType, ParamTransport, ParamDeadConnTimeout, ParamRequestTimeout, ParamBlockSize}
+
+// attachSpec is what the node needs to attach a volume.
+type attachSpec struct {
+	Transport attach.Transport
+	Target    attach.Target
+	Options   attach.Options
+	// FSType is the StorageClass's fsType (ext4 unless set).
+	FSType string
+}
+
+// parseAttachSpec builds the attach target of a volume from the publish
+// and volume contexts. A missing or malformed key is an InvalidArgument
+// error that names it.
+func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string) (attachSpec, error) {
+	export := strings.TrimSpace(publishCtx[PublishContextExport])
+	if export == "" {
+		return attachSpec{}, fmt.Errorf("%w: publish context %q is missing", ErrInvalidArgument, PublishContextExport)
+	}
+	addrs, err := parseAddresses(publishCtx[PublishContextAddresses])
+	if err != nil {
+		return attachSpec{}, err
+	}
+	params := map[string]string{}
+	for _, k := range nodeParamKeys {
+		if v, ok := volumeCtx[k]; ok {
+			params[k] = v
+		}
+	}
+	p, err := ParseParams(params)
+	if err != nil {
+		return attachSpec{}, fmt.Errorf("volume context: %w", err)
+	}
+	return attachSpec{
+		Transport: p.Transport,
+		Target:    attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs},
+		Options: attach.Options{
+			DeadConnTimeout: p.DeadConnTimeout,
+			RequestTimeout:  p.RequestTimeout,
+			BlockSize:       p.BlockSize,
+		},
+		FSType: p.FSType,
+	}, nil
+}
+
+// parseAddresses splits and checks the comma-separated host:port list.
+func parseAddresses(s string) ([]string, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, fmt.Errorf("%w: publish context %q is missing", ErrInvalidArgument, PublishContextAddresses)
+	}
+	var out []string
+	for _, a := range strings.Split(s, ",") {
+		a = strings.TrimSpace(a)
+		host, port, err := net.SplitHostPort(a)
+		if err != nil || host == "" || port == "" {
+			return nil, fmt.Errorf("%w: publish context %q: %q is not host:port", ErrInvalidArgument, PublishContextAddresses, a)
+		}
+		out = append(out, a)
+	}
+	return out, nil
+}
