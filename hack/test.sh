@@ -14,6 +14,12 @@ fi
 echo "== go vet"
 go vet ./...
 
+if [ "$(id -u)" = 0 ]; then
+  echo "== test API server (etcd + kube-apiserver, cached)"
+  bash hack/test-apiserver.sh
+  export MPNBD_APISERVER_REQUIRE=${MPNBD_APISERVER_REQUIRE:-1}
+fi
+
 echo "== go test -race"
 [ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
 MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)} go test -race -count=1 -timeout 20m ./...

@@ -1,0 +1,166 @@
+// Package apiserver runs a real kube-apiserver (with etcd) for tests, via
+// controller-runtime's envtest, with the project's CRDs installed.
+//
+// The binaries come from hack/test-apiserver.sh (etcd from Debian,
+// kube-apiserver built and cached by hack/kube-binaries.sh). When they
+// cannot be had, or the test is not running as root on Linux, Start skips
+// the test, unless MPNBD_APISERVER_REQUIRE=1, in which case it fails it.
+package apiserver
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiruntime "k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+)
+
+// RequireEnv makes an unavailable API server a failure instead of a skip.
+const RequireEnv = "MPNBD_APISERVER_REQUIRE"
+
+var (
+	assetsOnce sync.Once
+	assetsDir  string
+	assetsErr  error
+)
+
+// Scheme returns a scheme with the built-in types, CustomResourceDefinition
+// and api/v1alpha1.
+func Scheme() (*apiruntime.Scheme, error) {
+	s := apiruntime.NewScheme()
+	if err := clientgoscheme.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := apiextensionsv1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	if err := v1alpha1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// unavailable skips t, or fails it when RequireEnv is set.
+func unavailable(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if os.Getenv(RequireEnv) == "1" {
+		t.Fatalf("API server required (%s=1) but unavailable: %s", RequireEnv, msg)
+	}
+	fmt.Fprintf(os.Stderr, "apiserver: skipping: %s\n", msg)
+	t.Skip(msg)
+}
+
+// RepoRoot returns the module's root directory (where go.mod is).
+func RepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil &&
+			bytes.Contains(b, []byte("module github.com/mpnbd/mpnbd\n")) {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("cannot find the mpnbd module root above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// assets runs hack/test-apiserver.sh once per process and returns the
+// KUBEBUILDER_ASSETS directory it prints.
+func assets(root string) (string, error) {
+	assetsOnce.Do(func() {
+		cmd := exec.Command(filepath.Join(root, "hack", "test-apiserver.sh"))
+		cmd.Dir = root
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout = &stdout
+		cmd.Stderr = &stderr
+		if err := cmd.Run(); err != nil {
+			assetsErr = fmt.Errorf("hack/test-apiserver.sh: %w: %s", err, strings.TrimSpace(stderr.String()))
+			return
+		}
+		sc := bufio.NewScanner(&stdout)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "KUBEBUILDER_ASSETS="); ok {
+				assetsDir = v
+			}
+		}
+		if assetsDir == "" {
+			assetsErr = fmt.Errorf("hack/test-apiserver.sh printed no KUBEBUILDER_ASSETS: %q", stdout.String())
+		}
+	})
+	return assetsDir, assetsErr
+}
+
+// Start runs etcd and kube-apiserver with the CRDs of deploy/crds installed
+// and returns a config and a client (whose scheme knows api/v1alpha1) for
+// it. Both are stopped when t's cleanup runs.
+func Start(t testing.TB) (*rest.Config, client.Client) {
+	t.Helper()
+	if runtime.GOOS != "linux" {
+		unavailable(t, "needs linux, running on %s", runtime.GOOS)
+	}
+	if os.Geteuid() != 0 {
+		unavailable(t, "needs root (to install etcd and use the shared binary cache)")
+	}
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := assets(root)
+	if err != nil {
+		unavailable(t, "%v", err)
+	}
+	for _, b := range []string{"etcd", "kube-apiserver"} {
+		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
+			unavailable(t, "%v", err)
+		}
+	}
+	scheme, err := Scheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := &envtest.Environment{
+		BinaryAssetsDirectory: dir,
+		CRDDirectoryPaths:     []string{filepath.Join(root, "deploy", "crds")},
+		ErrorIfCRDPathMissing: true,
+		Scheme:                scheme,
+	}
+	cfg, err := env.Start()
+	if err != nil {
+		// The binaries are there; a failure to start is a real failure.
+		t.Fatalf("starting the test API server: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := env.Stop(); err != nil {
+			t.Errorf("stopping the test API server: %v", err)
+		}
+	})
+	if len(env.CRDs) != 2 {
+		t.Fatalf("installed %d CRDs from deploy/crds, want 2", len(env.CRDs))
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg, c
+}
