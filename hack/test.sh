@@ -11,6 +11,12 @@ if [ -n "$unformatted" ]; then
   echo "gofmt needed:"; echo "$unformatted"; exit 1
 fi
 
+echo "== generated code is up to date"
+bash hack/generate.sh
+if ! git diff --quiet -- api deploy/crds 2>/dev/null; then
+  echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds; exit 1
+fi
+
 echo "== go vet"
 go vet ./...
 

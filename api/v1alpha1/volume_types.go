@@ -40,10 +40,12 @@ type ContentSource struct {
 // Publication grants one node access to the volume's export.
 type Publication struct {
 	// NodeID is the CSI node ID (the Kubernetes node name).
+	// +kubebuilder:validation:MinLength=1
 	NodeID string `json:"nodeID"`
 	// SecretRef names the Secret holding the per-(volume, node) token that
 	// the node presents in the export name. The token itself never appears
 	// in this resource.
+	// +kubebuilder:validation:MinLength=1
 	SecretRef string `json:"secretRef"`
 	// Addresses are the node's storage addresses; connections from other
 	// addresses are refused.
@@ -60,6 +62,7 @@ type NBDVolumeSpec struct {
 	// +kubebuilder:validation:Minimum=1
 	SizeBytes int64 `json:"sizeBytes"`
 	// StorageNode is the node whose storage agent holds the volume.
+	// +kubebuilder:validation:MinLength=1
 	StorageNode string `json:"storageNode"`
 	// AccessType is Filesystem or Block.
 	// +kubebuilder:validation:Enum=Filesystem;Block
@@ -120,6 +123,7 @@ type NBDVolumeStatus struct {
 // an NBD export over MPTCP.
 // +kubebuilder:object:root=true
 // +kubebuilder:resource:scope=Cluster,shortName=nbdvol
+// +kubebuilder:selectablefield:JSONPath=`.spec.storageNode`
 // +kubebuilder:subresource:status
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.storageNode`
 // +kubebuilder:printcolumn:name="Size",type=integer,JSONPath=`.spec.sizeBytes`

@@ -149,20 +149,21 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 				t.Logf("%s rejected: %v", name, err)
 			}
 		}
-		// The schema has no minLength: empty required strings pass the API
-		// server and must be caught by the controller.
-		v := validVolume("empty-strings")
-		v.Spec.StorageNode = ""
-		v.Spec.Publications[0].NodeID = ""
-		v.Spec.Publications[0].SecretRef = ""
-		if err := c.Create(ctx, v); err != nil {
-			t.Logf("empty required strings rejected: %v", err)
-		} else {
-			t.Log("empty storageNode/nodeID/secretRef accepted by the API server")
+		// Required names may not be empty.
+		for name, mutate := range map[string]func(*v1alpha1.NBDVolume){
+			"empty storageNode": func(v *v1alpha1.NBDVolume) { v.Spec.StorageNode = "" },
+			"empty nodeID":      func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].NodeID = "" },
+			"empty secretRef":   func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].SecretRef = "" },
+		} {
+			v := validVolume("pvc-empty")
+			mutate(v)
+			if err := c.Create(ctx, v); !apierrors.IsInvalid(err) {
+				t.Errorf("%s: got %v, want an Invalid error", name, err)
+			}
 		}
 
 		// An invalid value is rejected on update too.
-		v = validVolume("pvc-update-invalid")
+		v := validVolume("pvc-update-invalid")
 		if err := c.Create(ctx, v); err != nil {
 			t.Fatal(err)
 		}
@@ -200,12 +201,18 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 		if len(all.Items) != 2 {
 			t.Errorf("set-based selector returned %d items, want 2", len(all.Items))
 		}
-		// Fields the CRD does not declare selectable are refused.
-		var bad v1alpha1.NBDVolumeList
-		if err := c.List(ctx, &bad, client.MatchingFields{"spec.storageNode": "node-a"}); err == nil {
-			t.Log("spec.storageNode field selector accepted")
-		} else {
-			t.Logf("spec.storageNode field selector refused: %v", err)
+		// spec.storageNode is a selectable field, so an agent can watch
+		// only the volumes of its node.
+		var onNode v1alpha1.NBDVolumeList
+		if err := c.List(ctx, &onNode, client.MatchingFields{"spec.storageNode": "node-a"}); err != nil {
+			t.Fatalf("spec.storageNode field selector: %v", err)
+		}
+		var elsewhere v1alpha1.NBDVolumeList
+		if err := c.List(ctx, &elsewhere, client.MatchingFields{"spec.storageNode": "no-such-node"}); err != nil {
+			t.Fatal(err)
+		}
+		if len(onNode.Items) < 2 || len(elsewhere.Items) != 0 {
+			t.Errorf("field selector on spec.storageNode: %d on node-a, %d on no-such-node", len(onNode.Items), len(elsewhere.Items))
 		}
 	})
 
