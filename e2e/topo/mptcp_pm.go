@@ -1,6 +1,11 @@
 package topo
 
-import "strconv"
+import (
+	"fmt"
+	"net"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
 
 // configureMPTCP sets up the in-kernel MPTCP path manager of both
 // namespaces so that one connection from the client to the server's
@@ -17,39 +22,65 @@ import "strconv"
 //     announced address, with the source address chosen by routing,
 //     i.e. the client address of the same path.
 //
-// This is the only place that knows how MPTCP is configured, so that the
-// iproute2 commands can be replaced by a netlink client.
+// This is the only place that knows how MPTCP is configured; it speaks
+// to the kernel through pkg/mptcp's mptcp_pm netlink client from inside
+// each namespace.
 func configureMPTCP(t *Topology) error {
 	for _, ns := range []string{t.ClientNS, t.ServerNS} {
 		if err := writeSysctl(ns, "net.mptcp.enabled", "1"); err != nil {
 			return err
 		}
 	}
-	extra := strconv.Itoa(len(t.Paths) - 1)
-	cmds := [][]string{
-		{"ip", "-n", t.ServerNS, "mptcp", "endpoint", "flush"},
-		{"ip", "-n", t.ClientNS, "mptcp", "endpoint", "flush"},
-		{"ip", "-n", t.ServerNS, "mptcp", "limits", "set", "subflows", extra, "add_addr_accepted", "0"},
-		{"ip", "-n", t.ClientNS, "mptcp", "limits", "set", "subflows", extra, "add_addr_accepted", extra},
-	}
-	for i, p := range t.Paths {
-		if i == 0 {
-			continue // the address the client connects to
-		}
-		cmd := []string{"ip", "-n", t.ServerNS, "mptcp", "endpoint", "add", p.ServerAddr.String(),
-			"dev", p.ServerIf, "id", strconv.Itoa(i + 1), "signal"}
-		if t.JoinPort != 0 {
-			cmd = append(cmd, "port", strconv.Itoa(t.JoinPort))
-		}
-		if p.Backup {
-			cmd = append(cmd, "backup")
-		}
-		cmds = append(cmds, cmd)
-	}
-	for _, c := range cmds {
-		if err := run(c[0], c[1:]...); err != nil {
+	extra := uint32(len(t.Paths) - 1)
+	err := InNetns(t.ClientNS, func() error {
+		pm, err := mptcp.DialPM()
+		if err != nil {
 			return err
 		}
+		defer pm.Close()
+		if err := pm.Flush(); err != nil {
+			return err
+		}
+		return pm.SetLimits(mptcp.Limits{Subflows: extra, AddAddrAccepted: extra})
+	})
+	if err != nil {
+		return fmt.Errorf("client MPTCP: %w", err)
+	}
+	err = InNetns(t.ServerNS, func() error {
+		pm, err := mptcp.DialPM()
+		if err != nil {
+			return err
+		}
+		defer pm.Close()
+		if err := pm.Flush(); err != nil {
+			return err
+		}
+		if err := pm.SetLimits(mptcp.Limits{Subflows: extra}); err != nil {
+			return err
+		}
+		for i, p := range t.Paths {
+			if i == 0 {
+				continue // the address the client connects to
+			}
+			ifi, err := net.InterfaceByName(p.ServerIf)
+			if err != nil {
+				return err
+			}
+			e := mptcp.Endpoint{ID: uint8(i + 1), Addr: p.ServerAddr, Flags: mptcp.Signal, IfIndex: int32(ifi.Index)}
+			if t.JoinPort > 0 {
+				e.Port = uint16(t.JoinPort)
+			}
+			if p.Backup {
+				e.Flags |= mptcp.Backup
+			}
+			if err := pm.AddEndpoint(e); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("server MPTCP: %w", err)
 	}
 	return nil
 }
