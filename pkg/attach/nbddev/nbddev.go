@@ -215,19 +215,9 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 // adopt takes over a device an earlier process connected: it hands the
 // kernel fresh sockets for the dead slots and restarts what runs in
 // userspace (the relay).
-func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (_ *attach.Attachment, err error) {
-	v := &volume{target: t, opts: o, index: idx}
-	socks, err := a.dialAll(ctx, v)
+func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (*attach.Attachment, error) {
+	v, err := a.handOver(ctx, t, o, idx)
 	if err != nil {
-		return nil, err
-	}
-	defer closeFiles(socks)
-	defer func() {
-		if err != nil {
-			v.shutdown()
-		}
-	}()
-	if err := a.cfg.Kernel.Reconfigure(idx, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: t.VolumeID}); err != nil {
 		if errors.Is(err, nbdnl.ErrBackendMismatch) {
 			return nil, fmt.Errorf("%w: nbd%d: %v", attach.ErrWrongVolume, idx, err)
 		}
@@ -236,6 +226,23 @@ func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options,
 	a.register(v)
 	a.log.Info("volume re-adopted", "volume_id", t.VolumeID, "nbd_index", idx)
 	return v.attachment(), nil
+}
+
+// handOver dials fresh connections for t and gives them to device idx
+// with RECONFIGURE and the same backend identifier. On failure everything
+// it opened is closed again.
+func (a *Attacher) handOver(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (*volume, error) {
+	v := &volume{target: t, opts: o, index: idx}
+	socks, err := a.dialAll(ctx, v)
+	if err != nil {
+		return nil, err
+	}
+	defer closeFiles(socks)
+	if err := a.cfg.Kernel.Reconfigure(idx, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: t.VolumeID}); err != nil {
+		v.shutdown()
+		return nil, err
+	}
+	return v, nil
 }
 
 func (a *Attacher) register(v *volume) {
@@ -480,28 +487,22 @@ func (a *Attacher) reconnect(v *volume) {
 	deadline := time.Now().Add(v.opts.DeadConnTimeout)
 	for time.Now().Before(deadline) {
 		ctx, cancel := context.WithTimeout(context.Background(), a.cfg.DialTimeout)
-		nv := &volume{target: v.target, opts: v.opts}
-		socks, err := a.dialAll(ctx, nv)
+		nv, err := a.handOver(ctx, v.target, v.opts, v.index)
 		cancel()
 		if err == nil {
-			err = a.cfg.Kernel.Reconfigure(v.index, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: v.target.VolumeID})
-			closeFiles(socks)
-			if err == nil {
-				v.mu.Lock()
-				old := v.conns
-				v.conns = nv.conns
-				v.reconnects++
-				if nv.relay != nil {
-					v.relay, v.stopRelay, v.relayDone = nv.relay, nv.stopRelay, nv.relayDone
-				}
-				v.mu.Unlock()
-				for _, c := range old {
-					c.Close()
-				}
-				log.Info("nbd connection replaced")
-				return
+			v.mu.Lock()
+			old := v.conns
+			v.conns = nv.conns
+			v.reconnects++
+			if nv.relay != nil {
+				v.relay, v.stopRelay, v.relayDone = nv.relay, nv.stopRelay, nv.relayDone
 			}
-			nv.shutdown()
+			v.mu.Unlock()
+			for _, c := range old {
+				c.Close()
+			}
+			log.Info("nbd connection replaced")
+			return
 		}
 		log.Warn("reconnect failed", "error", err, "retry_in", backoff)
 		time.Sleep(backoff)
