@@ -353,17 +353,26 @@ func (n *Node) publishMount(id, staging, target string, opts []string) error {
 	if err := m.MakeDir(target); err != nil {
 		return fmt.Errorf("create target path: %w", err)
 	}
-	mounted, err := m.IsMountPoint(target)
+	if err := n.bindOnce(staging, target, opts); err != nil {
+		return err
+	}
+	n.log.Info("volume published", "volume_id", id, "target_path", target)
+	return nil
+}
+
+// bindOnce bind-mounts src at target unless target already is a mount
+// point (publish is idempotent).
+func (n *Node) bindOnce(src, target string, opts []string) error {
+	mounted, err := n.cfg.Mounter.IsMountPoint(target)
 	if err != nil {
 		return fmt.Errorf("check target path: %w", err)
 	}
 	if mounted {
 		return nil
 	}
-	if err := m.Mount(staging, target, "", opts); err != nil {
-		return fmt.Errorf("bind mount %s at %s: %w", staging, target, err)
+	if err := n.cfg.Mounter.Mount(src, target, "", opts); err != nil {
+		return fmt.Errorf("bind mount %s at %s: %w", src, target, err)
 	}
-	n.log.Info("volume published", "volume_id", id, "target_path", target)
 	return nil
 }
 
@@ -379,15 +388,8 @@ func (n *Node) publishBlock(id, staging, target string, opts []string) error {
 	if err := m.MakeFile(target); err != nil {
 		return fmt.Errorf("create target file: %w", err)
 	}
-	mounted, err := m.IsMountPoint(target)
-	if err != nil {
-		return fmt.Errorf("check target path: %w", err)
-	}
-	if mounted {
-		return nil
-	}
-	if err := m.Mount(dev, target, "", opts); err != nil {
-		return fmt.Errorf("bind mount %s at %s: %w", dev, target, err)
+	if err := n.bindOnce(dev, target, opts); err != nil {
+		return err
 	}
 	n.log.Info("block volume published", "volume_id", id, "target_path", target, "device", dev)
 	return nil
