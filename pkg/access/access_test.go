@@ -1,0 +1,56 @@
+package access
+
+import (
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+)
+
+func TestTokenRoundTrip(t *testing.T) {
+	tok, err := NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, _ := NewToken()
+	if tok == other {
+		t.Fatalf("two tokens are equal: %s", tok)
+	}
+	if !ValidToken(tok) {
+		t.Fatalf("NewToken made an invalid token %q", tok)
+	}
+	name := NodeExport("pvc-1", tok)
+	vol, got, ok := SplitExport(name)
+	if !ok || vol != "pvc-1" || got != tok {
+		t.Fatalf("SplitExport(%q) = %q, %q, %v", name, vol, got, ok)
+	}
+	if !TokenEqual(got, tok) || TokenEqual(got, other) {
+		t.Fatal("TokenEqual is wrong")
+	}
+}
+
+func TestSplitExportRejects(t *testing.T) {
+	tok, _ := NewToken()
+	for _, name := range []string{
+		"", "pvc-1", "pvc-1/", "/" + tok, "pvc-1/" + tok[:31], "pvc-1/" + tok + "0",
+		"pvc-1/" + strings.ToUpper(tok[:31]) + "g", "pvc-1/" + tok + "/x",
+	} {
+		if v, tk, ok := SplitExport(name); ok {
+			t.Errorf("SplitExport(%q) = %q, %q, true; want refusal", name, v, tk)
+		}
+	}
+}
+
+func TestSecretName(t *testing.T) {
+	a := SecretName("pvc-1", "node-a")
+	b := SecretName("pvc-1", "node-b")
+	c := SecretName("pvc-1node-a", "")
+	if a == b || a == c || a != SecretName("pvc-1", "node-a") {
+		t.Fatalf("secret names not distinct or not stable: %s %s %s", a, b, c)
+	}
+	for _, n := range []string{a, SecretName(strings.Repeat("x", 300), "Node_With.Odd/Chars")} {
+		if errs := validation.IsDNS1123Subdomain(n); len(errs) > 0 {
+			t.Errorf("%q is not a valid object name: %v", n, errs)
+		}
+	}
+}
