@@ -24,8 +24,14 @@ type Export struct {
 
 // Flags returns the transmission flags announced for the export.
 func (e *Export) Flags() uint16 {
+	return e.flags(false)
+}
+
+// flags returns the transmission flags for a connection; readOnly makes
+// that connection read-only even on a writable export.
+func (e *Export) flags(readOnly bool) uint16 {
 	f := FlagHasFlags | FlagSendFlush | FlagSendFUA | FlagCanMultiConn
-	if e.ReadOnly {
+	if e.ReadOnly || readOnly {
 		return f | FlagReadOnly
 	}
 	return f | FlagSendTrim | FlagSendWriteZeroes
@@ -36,6 +42,23 @@ type ConnInfo struct {
 	Conn       net.Conn
 	RemoteAddr net.Addr
 	LocalAddr  net.Addr
+	// Requested is the export name the client asked for (set once
+	// negotiation chose an export).
+	Requested string
+	// Tag is the Grant's tag when Server.Resolve chose the export, so that
+	// CloseConns can select, e.g., the connections of one node.
+	Tag string
+}
+
+// Grant is what Server.Resolve decides for one connection.
+type Grant struct {
+	// Export is the name of the served export to open.
+	Export string
+	// ReadOnly makes this connection read-only: FlagReadOnly is announced
+	// and writes, trims and write-zeroes fail with EPERM.
+	ReadOnly bool
+	// Tag is recorded in the connection's ConnInfo.
+	Tag string
 }
 
 // Observer receives events for metrics. Calls are made from the serving
@@ -54,6 +77,13 @@ type Server struct {
 	// Authorize decides whether a connection may open an export. Nil allows
 	// everything. An error refuses the export (ERR_POLICY during GO/INFO).
 	Authorize func(c ConnInfo, export string) error
+	// Resolve, when set, is consulted instead of the exports map and
+	// Authorize: it maps the name a client asked for to the export to serve
+	// and says whether this connection may only read. Its error refuses
+	// the export with ERR_POLICY (or ERR_UNKNOWN if it wraps
+	// ErrUnknownExport). Export names may then differ from the names
+	// clients use, e.g. carry a per-client token.
+	Resolve func(c ConnInfo, name string) (Grant, error)
 	// DisableList refuses NBD_OPT_LIST (export names may carry secrets).
 	DisableList bool
 	// DefaultExport is served to clients that ask for the empty name.
@@ -283,13 +313,17 @@ func (s *Server) ServeConn(c net.Conn) {
 		return
 	}
 	defer exp.detach(sc)
+	if !s.stillGranted(sc, exp) {
+		log.Info("access revoked during negotiation", "export", exp.Name, "tag", sc.info.Tag)
+		return
+	}
 	sc.export = exp
 	sc.log = log.With("export", exp.Name)
 	if o := s.Observer; o != nil {
 		o.ConnOpened(sc.info, exp.Name)
 		defer o.ConnClosed(sc.info, exp.Name)
 	}
-	sc.log.Debug("transmission started", "flags", exp.Flags())
+	sc.log.Debug("transmission started", "flags", exp.flags(sc.readOnly))
 	sc.transmit()
 }
 
@@ -334,10 +368,46 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	return err
 }
 
-func (s *Server) lookup(c ConnInfo, name string) (*Export, uint32, error) {
+// stillGranted asks Resolve again once a connection is attached to its
+// export. A revocation (Resolve refusing from now on, then CloseConns)
+// that happened between the first answer and the attach would otherwise
+// miss the connection: CloseConns only sees attached ones.
+func (s *Server) stillGranted(sc *serverConn, e *Export) bool {
+	if s.Resolve == nil {
+		return true
+	}
+	g, err := s.Resolve(sc.info, sc.info.Requested)
+	return err == nil && g.Export == e.Name && (e.ReadOnly || g.ReadOnly) == sc.readOnly && g.Tag == sc.info.Tag
+}
+
+// lookup finds the export a client asked for and whether the connection
+// is read-only, with the option error code to answer when it fails.
+func (s *Server) lookup(c ConnInfo, name string) (*Export, Grant, uint32, error) {
 	if name == "" {
 		name = s.DefaultExport
 	}
+	if s.Resolve != nil {
+		g, err := s.Resolve(c, name)
+		if err != nil {
+			if errors.Is(err, ErrUnknownExport) {
+				return nil, Grant{}, RepErrUnknown, fmt.Errorf("export %q: %w", name, err)
+			}
+			return nil, Grant{}, RepErrPolicy, fmt.Errorf("export %q: %w: %v", name, ErrAccessDenied, err)
+		}
+		e, ok := s.Export(g.Export)
+		if !ok {
+			return nil, Grant{}, RepErrUnknown, fmt.Errorf("export %q (for %q): %w", g.Export, name, ErrUnknownExport)
+		}
+		return e, g, 0, nil
+	}
+	e, rep, err := s.lookupPlain(c, name)
+	if err != nil {
+		return nil, Grant{}, rep, err
+	}
+	return e, Grant{Export: e.Name}, 0, nil
+}
+
+func (s *Server) lookupPlain(c ConnInfo, name string) (*Export, uint32, error) {
 	s.mu.Lock()
 	e, ok := s.exports[name]
 	s.mu.Unlock()

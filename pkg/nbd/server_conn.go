@@ -23,6 +23,7 @@ type serverConn struct {
 	info     ConnInfo
 	done     chan struct{}
 	export   *Export
+	readOnly bool // the export is, or this connection was granted, read-only
 	log      *slog.Logger
 	hsReader *bufio.Reader
 
@@ -100,7 +101,7 @@ func (c *serverConn) transmit() {
 	defer func() {
 		close(queue)
 		c.inflight.Wait()
-		if !e.ReadOnly {
+		if !c.readOnly {
 			if err := e.Backend.Sync(); err != nil {
 				c.log.Error("flush on disconnect failed", "error", err)
 			}
@@ -215,7 +216,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		return 0, data
 
 	case CmdWrite:
-		if e.ReadOnly {
+		if c.readOnly {
 			return EPERM, nil
 		}
 		if !inRange {
@@ -231,7 +232,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		return c.maybeSync(true), nil
 
 	case CmdTrim, CmdWriteZeroes:
-		if e.ReadOnly {
+		if c.readOnly {
 			return EPERM, nil
 		}
 		if !inRange {
@@ -253,7 +254,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 }
 
 func (c *serverConn) maybeSync(sync bool) uint32 {
-	if !sync || c.export.ReadOnly {
+	if !sync || c.readOnly {
 		return 0
 	}
 	if err := c.export.Backend.Sync(); err != nil {

@@ -85,14 +85,15 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			if len(o.Data) > maxNameLen {
 				return nil, fmt.Errorf("%w: export name of %d bytes", ErrProtocol, len(o.Data))
 			}
-			e, _, err := s.lookup(sc.info, string(o.Data))
+			e, g, _, err := s.lookup(sc.info, string(o.Data))
 			if err != nil {
 				// EXPORT_NAME has no error reply: the only answer is to hang up.
 				return nil, err
 			}
+			sc.chose(e, g, string(o.Data))
 			b := make([]byte, 10, 10+124)
 			be.PutUint64(b[0:], uint64(e.Backend.Size()))
-			be.PutUint16(b[8:], e.Flags())
+			be.PutUint16(b[8:], e.flags(sc.readOnly))
 			if !noZeroes {
 				b = b[:10+124]
 			}
@@ -121,7 +122,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				continue
 			}
 			for _, name := range s.Exports() {
-				if s.Authorize != nil && s.Authorize(sc.info, name) != nil {
+				if _, _, _, err := s.lookup(sc.info, name); err != nil {
 					continue
 				}
 				if err := reply(o.Code, RepServer, encodeServerReply(name)); err != nil {
@@ -140,7 +141,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				}
 				continue
 			}
-			e, rep, err := s.lookup(sc.info, q.Name)
+			e, g, rep, err := s.lookup(sc.info, q.Name)
 			if err != nil {
 				msg := "unknown export"
 				if rep == RepErrPolicy {
@@ -151,7 +152,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				}
 				continue
 			}
-			if err := reply(o.Code, RepInfo, encodeInfoExport(uint64(e.Backend.Size()), e.Flags())); err != nil {
+			if err := reply(o.Code, RepInfo, encodeInfoExport(uint64(e.Backend.Size()), e.flags(g.ReadOnly))); err != nil {
 				return nil, err
 			}
 			for _, t := range q.Infos {
@@ -176,6 +177,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				return nil, err
 			}
 			if o.Code == OptGo {
+				sc.chose(e, g, q.Name)
 				return e, nil
 			}
 
@@ -187,4 +189,12 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			}
 		}
 	}
+}
+
+// chose records the export a connection negotiated: the name asked for,
+// the grant's tag and whether the connection is read-only.
+func (sc *serverConn) chose(e *Export, g Grant, requested string) {
+	sc.readOnly = e.ReadOnly || g.ReadOnly
+	sc.info.Requested = requested
+	sc.info.Tag = g.Tag
 }
