@@ -1,0 +1,1039 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
+)
+
+// Controller defaults.
+const (
+	DefaultWaitTimeout  = 60 * time.Second
+	DefaultStaleAfter   = 2 * time.Minute
+	DefaultVolumeSize   = int64(1) << 30
+	DefaultPollInterval = 200 * time.Millisecond
+)
+
+// ControllerConfig configures a Controller.
+type ControllerConfig struct {
+	// Client reads and writes NBDVolumes, NBDStorageNodes, publication
+	// Secrets and (read only) Nodes.
+	Client client.Client
+	// Namespace is where publication Secrets live.
+	Namespace string
+	Logger    *slog.Logger
+	// WaitTimeout bounds how long a call waits for the storage agent
+	// (default 60s); the request's deadline bounds it too.
+	WaitTimeout time.Duration
+	// StaleAfter: a storage node whose heartbeat is older is not picked
+	// for new volumes nor counted by GetCapacity (default 2m).
+	StaleAfter time.Duration
+	// DefaultSizeBytes is the size of a volume whose capacity range sets
+	// neither bound (default 1 GiB).
+	DefaultSizeBytes int64
+	// PollInterval is how often a wait re-reads the volume (default 200ms).
+	PollInterval time.Duration
+}
+
+// Controller serves the CSI Controller service. It never touches data:
+// every RPC becomes a change of an NBDVolume (or of a publication
+// Secret) and a wait until the volume's storage agent reports the change
+// in effect (status.observedGeneration).
+type Controller struct {
+	csi.UnimplementedControllerServer
+
+	cfg ControllerConfig
+	c   client.Client
+	log *slog.Logger
+
+	// inFlight holds the volume IDs of running calls, for the per-volume
+	// try-lock.
+	inFlight sync.Map
+}
+
+var _ csi.ControllerServer = (*Controller)(nil)
+
+// NewController returns a controller service.
+func NewController(cfg ControllerConfig) (*Controller, error) {
+	if cfg.Client == nil {
+		return nil, fmt.Errorf("%w: controller: a Kubernetes client is required", ErrInvalidArgument)
+	}
+	if cfg.Namespace == "" {
+		return nil, fmt.Errorf("%w: controller: the namespace of publication Secrets is required", ErrInvalidArgument)
+	}
+	if cfg.WaitTimeout < 0 || cfg.StaleAfter < 0 || cfg.DefaultSizeBytes < 0 || cfg.PollInterval < 0 {
+		return nil, fmt.Errorf("%w: controller: negative timeout, interval or size", ErrInvalidArgument)
+	}
+	if cfg.WaitTimeout == 0 {
+		cfg.WaitTimeout = DefaultWaitTimeout
+	}
+	if cfg.StaleAfter == 0 {
+		cfg.StaleAfter = DefaultStaleAfter
+	}
+	if cfg.DefaultSizeBytes == 0 {
+		cfg.DefaultSizeBytes = DefaultVolumeSize
+	}
+	if cfg.PollInterval == 0 {
+		cfg.PollInterval = DefaultPollInterval
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Controller{cfg: cfg, c: cfg.Client, log: log}, nil
+}
+
+// lock takes the try-lock of a volume; ok is false when a call holds it.
+func (c *Controller) lock(id string) (unlock func(), ok bool) {
+	if _, busy := c.inFlight.LoadOrStore(id, struct{}{}); busy {
+		return nil, false
+	}
+	return func() { c.inFlight.Delete(id) }, true
+}
+
+func (c *Controller) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, t := range []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+		csi.ControllerServiceCapability_RPC_GET_CAPACITY,
+		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+		csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
+		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+	} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
+			Rpc: &csi.ControllerServiceCapability_RPC{Type: t},
+		}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (c *Controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	v, err := c.createVolume(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.CreateVolumeResponse{Volume: v}, nil
+}
+
+func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.Volume, error) {
+	name := req.GetName()
+	if name == "" {
+		return nil, invalid("name is required")
+	}
+	accessType, multiNode, err := capabilitiesAccess(req.GetVolumeCapabilities())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetVolumeContentSource() != nil {
+		return nil, invalid("volume_content_source is not supported (no snapshots or clones)")
+	}
+	p, err := ParseParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	size, err := volumeSize(req.GetCapacityRange(), c.cfg.DefaultSizeBytes, sizeUnit(p))
+	if err != nil {
+		return nil, err
+	}
+	params := storedParams(req.GetParameters())
+	id := VolumeIDForName(name)
+
+	unlock, ok := c.lock(id)
+	if !ok {
+		return nil, aborted("CreateVolume", id)
+	}
+	defer unlock()
+
+	var v v1alpha1.NBDVolume
+	err = c.c.Get(ctx, client.ObjectKey{Name: id}, &v)
+	switch {
+	case err == nil:
+		if err := sameVolume(&v, name, req.GetCapacityRange(), accessType, multiNode, params); err != nil {
+			return nil, err
+		}
+	case apierrors.IsNotFound(err):
+		node, err := c.pickStorageNode(ctx, p, req.GetAccessibilityRequirements(), size)
+		if err != nil {
+			return nil, err
+		}
+		v = v1alpha1.NBDVolume{
+			ObjectMeta: metav1.ObjectMeta{
+				Name:        id,
+				Finalizers:  []string{v1alpha1.Finalizer},
+				Annotations: map[string]string{access.AnnotationCSIName: name},
+			},
+			Spec: v1alpha1.NBDVolumeSpec{
+				SizeBytes:   size,
+				StorageNode: node.Name,
+				AccessType:  accessType,
+				MultiNode:   multiNode,
+				Parameters:  params,
+			},
+		}
+		if err := c.c.Create(ctx, &v); err != nil {
+			return nil, kubeErr(err, "creating NBDVolume "+id)
+		}
+		c.log.Info("volume created", "volume_id", id, "csi_name", name, "storage_node", node.Name,
+			"size_bytes", size, "access_type", accessType, "multi_node", multiNode)
+	default:
+		return nil, kubeErr(err, "reading NBDVolume "+id)
+	}
+
+	w, err := c.waitVolume(ctx, id, "create it", func(v *v1alpha1.NBDVolume) (bool, error) {
+		if v == nil || v.DeletionTimestamp != nil {
+			return false, fmt.Errorf("%w: volume %s was deleted while being created; retry", ErrAborted, id)
+		}
+		if v.Status.Phase == v1alpha1.VolumeFailed {
+			return false, errAgentFailed
+		}
+		return applied(v, v.Generation), nil
+	})
+	if errors.Is(err, errAgentFailed) {
+		// Delete the failed volume so that a retry may pick another
+		// storage node; the finalizer keeps it until its agent cleaned up.
+		return nil, c.dropFailed(ctx, w)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return c.csiVolume(ctx, w, nil), nil
+}
+
+// dropFailed deletes a volume its agent could not create and returns the
+// agent's error.
+func (c *Controller) dropFailed(ctx context.Context, v *v1alpha1.NBDVolume) error {
+	failure := agentError(v)
+	c.log.Warn("storage agent failed to create the volume; deleting it", "volume_id", v.Name,
+		"storage_node", v.Spec.StorageNode, "code", v.Status.Code, "message", v.Status.Message)
+	if err := c.c.Delete(ctx, v, client.Preconditions{UID: &v.UID}); err != nil && !apierrors.IsNotFound(err) {
+		c.log.Error("deleting a failed volume", "volume_id", v.Name, "error", err)
+	}
+	return failure
+}
+
+// sameVolume checks that an existing volume is what a repeated
+// CreateVolume asks for.
+func sameVolume(v *v1alpha1.NBDVolume, name string, r *csi.CapacityRange, accessType v1alpha1.AccessType, multiNode bool, params map[string]string) error {
+	id := v.Name
+	if got := v.Annotations[access.AnnotationCSIName]; got != name {
+		return fmt.Errorf("%w: volume ID %s belongs to CSI name %q, not %q", ErrAlreadyExists, id, got, name)
+	}
+	if v.DeletionTimestamp != nil {
+		return fmt.Errorf("%w: volume %s is being deleted; retry once it is gone", ErrAborted, id)
+	}
+	size := max(v.Spec.SizeBytes, v.Status.CapacityBytes)
+	if size < r.GetRequiredBytes() || (r.GetLimitBytes() > 0 && size > r.GetLimitBytes()) {
+		return fmt.Errorf("%w: volume %s exists with %d bytes, outside the requested range (required %d, limit %d)",
+			ErrAlreadyExists, id, size, r.GetRequiredBytes(), r.GetLimitBytes())
+	}
+	if v.Spec.AccessType != accessType {
+		return fmt.Errorf("%w: volume %s exists with access type %s, not %s", ErrAlreadyExists, id, v.Spec.AccessType, accessType)
+	}
+	if v.Spec.MultiNode != multiNode {
+		return fmt.Errorf("%w: volume %s exists with multi-node access %t, not %t", ErrAlreadyExists, id, v.Spec.MultiNode, multiNode)
+	}
+	if !maps.Equal(v.Spec.Parameters, params) {
+		return fmt.Errorf("%w: volume %s exists with other parameters (%s)", ErrAlreadyExists, id, formatParams(v.Spec.Parameters))
+	}
+	return nil
+}
+
+func (c *Controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	if err := c.deleteVolume(ctx, req.GetVolumeId()); err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+// deleteVolume deletes a volume and waits until its storage agent removed
+// the backing store (the finalizer). When the agent does not finish in
+// time the call fails with DeadlineExceeded, so the CO retries; a retry
+// after the volume is gone succeeds.
+func (c *Controller) deleteVolume(ctx context.Context, id string) error {
+	if id == "" {
+		return invalid("volume_id is required")
+	}
+	if !validVolumeID(id) {
+		return nil // no volume can have this ID
+	}
+	unlock, ok := c.lock(id)
+	if !ok {
+		return aborted("DeleteVolume", id)
+	}
+	defer unlock()
+
+	var v v1alpha1.NBDVolume
+	if err := c.c.Get(ctx, client.ObjectKey{Name: id}, &v); err != nil {
+		if apierrors.IsNotFound(err) {
+			return c.deleteSecrets(ctx, id, "")
+		}
+		return kubeErr(err, "reading NBDVolume "+id)
+	}
+	if v.DeletionTimestamp == nil {
+		if nodes := publishedNodes(&v); len(nodes) > 0 {
+			return fmt.Errorf("%w: volume %s is still published to %s", ErrPrecondition, id, strings.Join(nodes, ", "))
+		}
+		if err := c.c.Delete(ctx, &v, client.Preconditions{UID: &v.UID}); err != nil && !apierrors.IsNotFound(err) {
+			return kubeErr(err, "deleting NBDVolume "+id)
+		}
+		c.log.Info("volume deleted", "volume_id", id, "storage_node", v.Spec.StorageNode)
+	}
+	if err := c.deleteSecrets(ctx, id, ""); err != nil {
+		return err
+	}
+	_, err := c.waitVolume(ctx, id, "remove its backing store", func(v *v1alpha1.NBDVolume) (bool, error) {
+		return v == nil, nil
+	})
+	return err
+}
+
+func (c *Controller) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	pc, err := c.publish(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
+}
+
+func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (map[string]string, error) {
+	id, nodeID, vc := req.GetVolumeId(), req.GetNodeId(), req.GetVolumeCapability()
+	switch {
+	case id == "":
+		return nil, invalid("volume_id is required")
+	case nodeID == "":
+		return nil, invalid("node_id is required")
+	}
+	if err := checkCapability(vc); err != nil {
+		return nil, err
+	}
+	if !validVolumeID(id) {
+		return nil, fmt.Errorf("%w: volume %q does not exist", ErrNotFound, id)
+	}
+	unlock, ok := c.lock(id)
+	if !ok {
+		return nil, aborted("ControllerPublishVolume", id)
+	}
+	defer unlock()
+
+	v, err := c.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if why := capabilityMismatch(v, vc); why != "" {
+		return nil, fmt.Errorf("%w: %s", ErrInvalidArgument, why)
+	}
+	var node corev1.Node
+	if err := c.c.Get(ctx, client.ObjectKey{Name: nodeID}, &node); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("%w: node %q does not exist", ErrNotFound, nodeID)
+		}
+		return nil, kubeErr(err, "reading Node "+nodeID)
+	}
+	readOnly := req.GetReadonly() || readOnlyMode(vc)
+
+	// check decides, on a fresh copy of the volume, whether the
+	// publication is new (add is true) or already there.
+	check := func(v *v1alpha1.NBDVolume) (add bool, err error) {
+		if v.DeletionTimestamp != nil {
+			return false, fmt.Errorf("%w: volume %s is being deleted", ErrNotFound, id)
+		}
+		for _, p := range v.Spec.Publications {
+			if p.NodeID == nodeID {
+				if p.ReadOnly != readOnly {
+					return false, fmt.Errorf("%w: volume %s is already published to node %s with readonly=%t",
+						ErrAlreadyExists, id, nodeID, p.ReadOnly)
+				}
+				return false, nil
+			}
+		}
+		if !v.Spec.MultiNode && len(v.Spec.Publications) > 0 {
+			return false, fmt.Errorf("%w: volume %s is published to node %s and is single-node",
+				ErrPrecondition, id, v.Spec.Publications[0].NodeID)
+		}
+		if v.Status.Phase != v1alpha1.VolumeAvailable {
+			return false, fmt.Errorf("%w: volume %s is %s, not %s%s", ErrUnavailable, id,
+				phaseOf(v), v1alpha1.VolumeAvailable, failureSuffix(v))
+		}
+		return true, nil
+	}
+	add, err := check(v)
+	if err != nil {
+		return nil, err
+	}
+	// The Secret comes first: a publication always names a Secret that
+	// exists.
+	token, err := c.ensureSecret(ctx, v, nodeID)
+	if err != nil {
+		return nil, err
+	}
+	if add {
+		pub := v1alpha1.Publication{
+			NodeID:    nodeID,
+			SecretRef: access.SecretName(id, nodeID),
+			Addresses: storageAddresses(&node),
+			ReadOnly:  readOnly,
+		}
+		v, err = c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
+			add, err := check(v)
+			if add {
+				v.Spec.Publications = append(v.Spec.Publications, pub)
+			}
+			return add, err
+		})
+		if err != nil {
+			return nil, err
+		}
+		c.log.Info("volume published", "volume_id", id, "node_id", nodeID, "read_only", readOnly,
+			"node_addresses", strings.Join(pub.Addresses, ","))
+	}
+	w, err := c.waitApplied(ctx, v, "grant node "+nodeID+" access")
+	if err != nil {
+		return nil, err
+	}
+	return c.publishContext(ctx, w, token)
+}
+
+func (c *Controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	if err := c.unpublish(ctx, req.GetVolumeId(), req.GetNodeId()); err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// unpublish removes the publication of a volume to nodeID (to every node
+// when nodeID is empty), waits until the storage agent closed the node's
+// connections, then deletes the publication's Secret.
+func (c *Controller) unpublish(ctx context.Context, id, nodeID string) error {
+	if id == "" {
+		return invalid("volume_id is required")
+	}
+	if !validVolumeID(id) {
+		return nil
+	}
+	unlock, ok := c.lock(id)
+	if !ok {
+		return aborted("ControllerUnpublishVolume", id)
+	}
+	defer unlock()
+
+	var v v1alpha1.NBDVolume
+	if err := c.c.Get(ctx, client.ObjectKey{Name: id}, &v); err != nil {
+		if apierrors.IsNotFound(err) {
+			return c.deleteSecrets(ctx, id, nodeID)
+		}
+		return kubeErr(err, "reading NBDVolume "+id)
+	}
+	if v.DeletionTimestamp == nil {
+		var removed []string
+		w, err := c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
+			removed = removed[:0]
+			v.Spec.Publications = slices.DeleteFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool {
+				if nodeID == "" || p.NodeID == nodeID {
+					removed = append(removed, p.NodeID)
+					return true
+				}
+				return false
+			})
+			return len(removed) > 0, nil
+		})
+		if err != nil {
+			return err
+		}
+		if len(removed) > 0 {
+			c.log.Info("volume unpublished", "volume_id", id, "node_ids", strings.Join(removed, ","))
+		}
+		// Wait even when nothing was removed: an earlier call may have
+		// removed the publication and timed out before the agent closed
+		// the node's connections.
+		if _, err := c.waitVolume(ctx, id, "revoke access", func(v *v1alpha1.NBDVolume) (bool, error) {
+			return v == nil || v.DeletionTimestamp != nil || v.Status.ObservedGeneration >= w.Generation, nil
+		}); err != nil {
+			return err
+		}
+	}
+	return c.deleteSecrets(ctx, id, nodeID)
+}
+
+func (c *Controller) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	resp, err := c.validate(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return resp, nil
+}
+
+// validate takes no lock: it only reads.
+func (c *Controller) validate(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalid("volume_id is required")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, invalid("volume_capabilities are required")
+	}
+	if !validVolumeID(id) {
+		return nil, fmt.Errorf("%w: volume %q does not exist", ErrNotFound, id)
+	}
+	v, err := c.getVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	unconfirmed := func(msg string) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: msg}, nil
+	}
+	for _, vc := range req.GetVolumeCapabilities() {
+		if err := checkCapability(vc); err != nil {
+			return unconfirmed(status.Convert(err).Message())
+		}
+		if why := capabilityMismatch(v, vc); why != "" {
+			return unconfirmed(why)
+		}
+	}
+	if len(req.GetParameters()) > 0 {
+		if _, err := ParseParams(req.GetParameters()); err != nil {
+			return unconfirmed(err.Error())
+		}
+		if !maps.Equal(storedParams(req.GetParameters()), v.Spec.Parameters) {
+			return unconfirmed(fmt.Sprintf("volume %s was created with other parameters (%s)", id, formatParams(v.Spec.Parameters)))
+		}
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext:      req.GetVolumeContext(),
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters:         req.GetParameters(),
+	}}, nil
+}
+
+// listTokenPrefix starts every ListVolumes token; what follows is the ID
+// of the first volume of the next page. A token stays good when that
+// volume is deleted: the next page starts at the first ID after it.
+const listTokenPrefix = "after:"
+
+func (c *Controller) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	resp, err := c.listVolumes(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return resp, nil
+}
+
+// listVolumes takes no lock: it only reads. Volumes being deleted are
+// left out.
+func (c *Controller) listVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	if req.GetMaxEntries() < 0 {
+		return nil, invalid("max_entries must not be negative")
+	}
+	start := ""
+	if tok := req.GetStartingToken(); tok != "" {
+		id, ok := strings.CutPrefix(tok, listTokenPrefix)
+		if !ok || !validVolumeID(id) {
+			return nil, fmt.Errorf("%w: starting_token %q was not returned by ListVolumes", ErrAborted, tok)
+		}
+		start = id
+	}
+	var list v1alpha1.NBDVolumeList
+	if err := c.c.List(ctx, &list); err != nil {
+		return nil, kubeErr(err, "listing NBDVolumes")
+	}
+	vols := slices.DeleteFunc(list.Items, func(v v1alpha1.NBDVolume) bool {
+		return v.DeletionTimestamp != nil || v.Name < start
+	})
+	slices.SortFunc(vols, func(a, b v1alpha1.NBDVolume) int { return strings.Compare(a.Name, b.Name) })
+	topo, err := c.topologies(ctx)
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.ListVolumesResponse{}
+	for i := range vols {
+		if max := int(req.GetMaxEntries()); max > 0 && i == max {
+			resp.NextToken = listTokenPrefix + vols[i].Name
+			break
+		}
+		v := &vols[i]
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: c.csiVolume(ctx, v, topo),
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(v)},
+		})
+	}
+	return resp, nil
+}
+
+func (c *Controller) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	resp, err := c.getCapacity(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return resp, nil
+}
+
+// getCapacity sums what the fresh storage nodes matching the parameters
+// and the topology may still take.
+func (c *Controller) getCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	for _, vc := range req.GetVolumeCapabilities() {
+		if err := checkCapability(vc); err != nil {
+			return nil, err
+		}
+	}
+	p, err := ParseParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	nodes, err := c.storageNodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var total, largest int64
+	for i := range nodes {
+		n := &nodes[i]
+		if !paramsMatch(n, p) || !c.fresh(n) {
+			continue
+		}
+		if t := req.GetAccessibleTopology(); t != nil && !topologyMatches(n.Status.Topology, t.GetSegments()) {
+			continue
+		}
+		a := max(n.Status.AvailableBytes, 0)
+		total += a
+		largest = max(largest, a)
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: total, MaximumVolumeSize: wrapperspb.Int64(largest)}, nil
+}
+
+func (c *Controller) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	size, err := c.expand(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size, NodeExpansionRequired: true}, nil
+}
+
+// expand grows spec.sizeBytes and waits until the agent grew the backing
+// store. The node still has to resize its device (and file system).
+func (c *Controller) expand(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (int64, error) {
+	id, r := req.GetVolumeId(), req.GetCapacityRange()
+	if id == "" {
+		return 0, invalid("volume_id is required")
+	}
+	if r == nil {
+		return 0, invalid("capacity_range is required")
+	}
+	if req.GetVolumeCapability() != nil {
+		if err := checkCapability(req.GetVolumeCapability()); err != nil {
+			return 0, err
+		}
+	}
+	if !validVolumeID(id) {
+		return 0, fmt.Errorf("%w: volume %q does not exist", ErrNotFound, id)
+	}
+	unlock, ok := c.lock(id)
+	if !ok {
+		return 0, aborted("ControllerExpandVolume", id)
+	}
+	defer unlock()
+
+	v, err := c.getVolume(ctx, id)
+	if err != nil {
+		return 0, err
+	}
+	if v.DeletionTimestamp != nil {
+		return 0, fmt.Errorf("%w: volume %s is being deleted", ErrNotFound, id)
+	}
+	p, err := ParseParams(v.Spec.Parameters)
+	if err != nil {
+		p = Params{} // validated when created; fall back on the default unit
+	}
+	want, err := expandSize(r, sizeUnit(p))
+	if err != nil {
+		return 0, err
+	}
+	if want > v.Spec.SizeBytes {
+		v, err = c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
+			if v.DeletionTimestamp != nil {
+				return false, fmt.Errorf("%w: volume %s is being deleted", ErrNotFound, id)
+			}
+			if want <= v.Spec.SizeBytes {
+				return false, nil
+			}
+			v.Spec.SizeBytes = want
+			return true, nil
+		})
+		if err != nil {
+			return 0, err
+		}
+		c.log.Info("volume expanding", "volume_id", id, "size_bytes", want)
+	}
+	w, err := c.waitApplied(ctx, v, "grow it to "+strconv.FormatInt(v.Spec.SizeBytes, 10)+" bytes")
+	if err != nil {
+		return 0, err
+	}
+	return w.Status.CapacityBytes, nil
+}
+
+// errAgentFailed marks a wait that ended because the volume's phase is
+// Failed; the caller turns the volume's status into the error.
+var errAgentFailed = errors.New("storage agent reports the volume failed")
+
+// waitApplied waits until the agent put the spec of v (its generation or
+// a later one) in effect and the volume is Available. A Failed phase ends
+// the wait with the agent's code and message.
+func (c *Controller) waitApplied(ctx context.Context, v *v1alpha1.NBDVolume, what string) (*v1alpha1.NBDVolume, error) {
+	gen := v.Generation
+	w, err := c.waitVolume(ctx, v.Name, what, func(v *v1alpha1.NBDVolume) (bool, error) {
+		if v == nil {
+			return false, fmt.Errorf("%w: volume deleted while waiting for it", ErrNotFound)
+		}
+		if v.Status.Phase == v1alpha1.VolumeFailed {
+			return false, errAgentFailed
+		}
+		return applied(v, gen), nil
+	})
+	if errors.Is(err, errAgentFailed) {
+		return nil, agentError(w)
+	}
+	return w, err
+}
+
+// applied reports whether the agent put generation gen in effect.
+func applied(v *v1alpha1.NBDVolume, gen int64) bool {
+	return v.Status.ObservedGeneration >= gen && v.Status.Phase == v1alpha1.VolumeAvailable
+}
+
+// waitVolume reads volume id every PollInterval until done reports true
+// (done gets nil once the volume is gone) or an error, for at most
+// WaitTimeout. On errAgentFailed it returns the volume with the error.
+func (c *Controller) waitVolume(ctx context.Context, id, what string, done func(*v1alpha1.NBDVolume) (bool, error)) (*v1alpha1.NBDVolume, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
+	defer cancel()
+	tick := time.NewTicker(c.cfg.PollInterval)
+	defer tick.Stop()
+	var last *v1alpha1.NBDVolume
+	var lastErr error
+	for {
+		v := &v1alpha1.NBDVolume{}
+		err := c.c.Get(ctx, client.ObjectKey{Name: id}, v)
+		if err == nil || apierrors.IsNotFound(err) {
+			if err != nil {
+				v = nil
+			}
+			ok, err := done(v)
+			if errors.Is(err, errAgentFailed) {
+				return v, err
+			}
+			if err != nil {
+				return nil, err
+			}
+			if ok {
+				return v, nil
+			}
+			last, lastErr = v, nil
+		} else if ctx.Err() == nil {
+			// A transient API error: try again until the deadline.
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			state := "gone"
+			if last != nil {
+				state = fmt.Sprintf("phase %s, observed generation %d of %d%s", phaseOf(last),
+					last.Status.ObservedGeneration, last.Generation, failureSuffix(last))
+			}
+			if lastErr != nil {
+				state += "; last API error: " + lastErr.Error()
+			}
+			return nil, fmt.Errorf("volume %s: the storage agent did not %s in time (%s): %w", id, what, state, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// updateVolume applies mutate to the newest copy of a volume and writes
+// it when mutate reports a change, retrying on conflicts (the agent
+// writes the status concurrently). It returns the volume as written, or
+// as read when nothing changed.
+func (c *Controller) updateVolume(ctx context.Context, id string, mutate func(*v1alpha1.NBDVolume) (bool, error)) (*v1alpha1.NBDVolume, error) {
+	var out *v1alpha1.NBDVolume
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := &v1alpha1.NBDVolume{}
+		if err := c.c.Get(ctx, client.ObjectKey{Name: id}, v); err != nil {
+			return err
+		}
+		changed, err := mutate(v)
+		if err != nil {
+			return err
+		}
+		if changed {
+			if err := c.c.Update(ctx, v); err != nil {
+				return err
+			}
+		}
+		out = v
+		return nil
+	})
+	if err != nil {
+		if isAPIStatus(err) {
+			return nil, kubeErr(err, "updating NBDVolume "+id)
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+func isAPIStatus(err error) bool {
+	var s apierrors.APIStatus
+	return errors.As(err, &s)
+}
+
+// getVolume reads a volume; a missing one is ErrNotFound.
+func (c *Controller) getVolume(ctx context.Context, id string) (*v1alpha1.NBDVolume, error) {
+	v := &v1alpha1.NBDVolume{}
+	if err := c.c.Get(ctx, client.ObjectKey{Name: id}, v); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("%w: volume %q does not exist", ErrNotFound, id)
+		}
+		return nil, kubeErr(err, "reading NBDVolume "+id)
+	}
+	return v, nil
+}
+
+// ensureSecret returns the token of the publication Secret of volume v
+// and nodeID, creating the Secret (or renewing a stale one) as needed.
+func (c *Controller) ensureSecret(ctx context.Context, v *v1alpha1.NBDVolume, nodeID string) (string, error) {
+	name := access.SecretName(v.Name, nodeID)
+	owner := metav1.OwnerReference{
+		APIVersion: v1alpha1.GroupVersion.String(),
+		Kind:       "NBDVolume",
+		Name:       v.Name,
+		UID:        v.UID,
+	}
+	labels := map[string]string{access.LabelVolume: v.Name}
+	// Node names may be longer than a label value may be; such a
+	// Secret is found by its name only.
+	if isLabelValue(nodeID) {
+		labels[access.LabelNode] = nodeID
+	}
+	var s corev1.Secret
+	err := c.c.Get(ctx, client.ObjectKey{Namespace: c.cfg.Namespace, Name: name}, &s)
+	if err == nil {
+		tok := string(s.Data[access.SecretKeyToken])
+		if access.ValidToken(tok) && slices.ContainsFunc(s.OwnerReferences, func(o metav1.OwnerReference) bool { return o.UID == v.UID }) {
+			return tok, nil
+		}
+		// Left over from an earlier volume of the same ID, or damaged:
+		// give it a fresh token and the current owner.
+		if tok, err = access.NewToken(); err != nil {
+			return "", err
+		}
+		s.Labels, s.OwnerReferences = labels, []metav1.OwnerReference{owner}
+		s.Data = map[string][]byte{access.SecretKeyToken: []byte(tok)}
+		if err := c.c.Update(ctx, &s); err != nil {
+			return "", kubeErr(err, "renewing Secret "+name)
+		}
+		return tok, nil
+	}
+	if !apierrors.IsNotFound(err) {
+		return "", kubeErr(err, "reading Secret "+name)
+	}
+	tok, err := access.NewToken()
+	if err != nil {
+		return "", err
+	}
+	s = corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:            name,
+			Namespace:       c.cfg.Namespace,
+			Labels:          labels,
+			OwnerReferences: []metav1.OwnerReference{owner},
+		},
+		Type: corev1.SecretTypeOpaque,
+		Data: map[string][]byte{access.SecretKeyToken: []byte(tok)},
+	}
+	if err := c.c.Create(ctx, &s); err != nil {
+		return "", kubeErr(err, "creating Secret "+name)
+	}
+	return tok, nil
+}
+
+// deleteSecrets deletes the publication Secret of a volume and nodeID, or
+// every publication Secret of the volume when nodeID is empty.
+func (c *Controller) deleteSecrets(ctx context.Context, id, nodeID string) error {
+	if nodeID != "" {
+		s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: c.cfg.Namespace, Name: access.SecretName(id, nodeID)}}
+		if err := c.c.Delete(ctx, s); err != nil && !apierrors.IsNotFound(err) {
+			return kubeErr(err, "deleting Secret "+s.Name)
+		}
+		return nil
+	}
+	err := c.c.DeleteAllOf(ctx, &corev1.Secret{}, client.InNamespace(c.cfg.Namespace),
+		client.MatchingLabels{access.LabelVolume: id})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return kubeErr(err, "deleting the Secrets of volume "+id)
+	}
+	return nil
+}
+
+// publishContext is what the node plugin needs to open the export: the
+// export name with the node's token, and the storage node's addresses.
+func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, token string) (map[string]string, error) {
+	exportName := v.Name
+	var addrs []string
+	var port int32
+	if e := v.Status.Export; e != nil {
+		if e.Name != "" {
+			exportName = e.Name
+		}
+		addrs, port = e.Addresses, e.Port
+	}
+	if len(addrs) == 0 || port == 0 {
+		// The agent did not say where it serves the export: take what
+		// its node reports.
+		var n v1alpha1.NBDStorageNode
+		if err := c.c.Get(ctx, client.ObjectKey{Name: v.Spec.StorageNode}, &n); err == nil {
+			if len(addrs) == 0 {
+				addrs = n.Status.Addresses
+			}
+			if port == 0 {
+				port = n.Status.Port
+			}
+		}
+	}
+	if len(addrs) == 0 || port == 0 {
+		return nil, fmt.Errorf("%w: storage node %s reports no storage address or port for volume %s",
+			ErrUnavailable, v.Spec.StorageNode, v.Name)
+	}
+	hostports := make([]string, len(addrs))
+	for i, a := range addrs {
+		hostports[i] = net.JoinHostPort(a, strconv.Itoa(int(port)))
+	}
+	return map[string]string{
+		PublishContextExport:    access.NodeExport(exportName, token),
+		PublishContextAddresses: strings.Join(hostports, ","),
+	}, nil
+}
+
+// csiVolume describes a volume for CreateVolume and ListVolumes. topo maps
+// storage nodes to their topology; nil reads the volume's node.
+func (c *Controller) csiVolume(ctx context.Context, v *v1alpha1.NBDVolume, topo map[string]map[string]string) *csi.Volume {
+	out := &csi.Volume{
+		VolumeId:      v.Name,
+		CapacityBytes: v.Status.CapacityBytes,
+		VolumeContext: maps.Clone(v.Spec.Parameters),
+	}
+	if out.CapacityBytes == 0 {
+		out.CapacityBytes = v.Spec.SizeBytes
+	}
+	var t map[string]string
+	if topo != nil {
+		t = topo[v.Spec.StorageNode]
+	} else {
+		var n v1alpha1.NBDStorageNode
+		if err := c.c.Get(ctx, client.ObjectKey{Name: v.Spec.StorageNode}, &n); err == nil {
+			t = n.Status.Topology
+		}
+	}
+	if len(t) > 0 {
+		out.AccessibleTopology = []*csi.Topology{{Segments: maps.Clone(t)}}
+	}
+	return out
+}
+
+// agentError turns the status of a Failed volume into a gRPC error with
+// the agent's code.
+func agentError(v *v1alpha1.NBDVolume) error {
+	code, ok := codeByName(v.Status.Code)
+	if !ok || code == codes.OK {
+		code = codes.Internal
+	}
+	msg := v.Status.Message
+	if msg == "" {
+		msg = "no message"
+	}
+	return status.Errorf(code, "storage agent on %s failed volume %s: %s", v.Spec.StorageNode, v.Name, msg)
+}
+
+// codeByName parses a gRPC code name, as codes.Code.String spells it
+// (ResourceExhausted) or in the upper-case form (RESOURCE_EXHAUSTED).
+func codeByName(name string) (codes.Code, bool) {
+	if name == "" {
+		return 0, false
+	}
+	for c := codes.OK; c <= codes.Unauthenticated; c++ {
+		if c.String() == name {
+			return c, true
+		}
+	}
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(strconv.Quote(name))); err == nil {
+		return c, true
+	}
+	return 0, false
+}
+
+func phaseOf(v *v1alpha1.NBDVolume) v1alpha1.VolumePhase {
+	if v.Status.Phase == "" {
+		return v1alpha1.VolumePending
+	}
+	return v.Status.Phase
+}
+
+func failureSuffix(v *v1alpha1.NBDVolume) string {
+	if v.Status.Phase != v1alpha1.VolumeFailed {
+		return ""
+	}
+	return fmt.Sprintf(" (%s: %s)", v.Status.Code, v.Status.Message)
+}
+
+// kubeErr wraps an API error with the driver sentinel that fits it.
+func kubeErr(err error, what string) error {
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Errorf("%w: %s: %v", ErrNotFound, what, err)
+	case apierrors.IsConflict(err), apierrors.IsAlreadyExists(err):
+		return fmt.Errorf("%w: %s: changed concurrently, retry: %v", ErrAborted, what, err)
+	case apierrors.IsServerTimeout(err), apierrors.IsTimeout(err), apierrors.IsTooManyRequests(err),
+		apierrors.IsServiceUnavailable(err):
+		return fmt.Errorf("%w: %s: %v", ErrUnavailable, what, err)
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+func publishedNodes(v *v1alpha1.NBDVolume) []string {
+	var out []string
+	for _, p := range v.Spec.Publications {
+		out = append(out, p.NodeID)
+	}
+	return out
+}
+
+// storageAddresses are the IPs a node announces for storage traffic.
+func storageAddresses(n *corev1.Node) []string {
+	var out []string
+	for _, a := range strings.Split(n.Annotations[access.AnnotationStorageAddresses], ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			out = append(out, a)
+		}
+	}
+	return out
+}
