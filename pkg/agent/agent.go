@@ -1,0 +1,290 @@
+// Package agent is the storage agent's side of the cluster: it keeps the
+// backing stores and exports of the NBDVolumes placed on its node in step
+// with their specs, enforces the publications (access.NodeExport names,
+// per-node tokens, source addresses, read-only) on the NBD server, and
+// reports the node's capacity in an NBDStorageNode.
+//
+// The controller talks to it only through the API objects: it creates an
+// NBDVolume, grows spec.sizeBytes, edits spec.publications or deletes the
+// object, then waits for status.observedGeneration to reach the object's
+// generation. The agent reports a generation only once everything in that
+// spec is in effect.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"k8s.io/apimachinery/pkg/fields"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// Defaults for Config fields left zero.
+const (
+	DefaultHeartbeatInterval = 10 * time.Second
+	DefaultDrainTimeout      = 30 * time.Second
+)
+
+// ConditionReady is the NBDVolume condition the agent keeps.
+const ConditionReady = "Ready"
+
+// storageNodeField is the NBDVolume field the agent's cache selects on
+// (declared selectable in the CRD).
+const storageNodeField = "spec.storageNode"
+
+// ExportObserver is told when exports come and go (metrics).
+type ExportObserver interface {
+	ExportAdded(name string)
+	ExportRemoved(name string)
+}
+
+// Config configures an Agent.
+type Config struct {
+	// NodeName is this storage node; only NBDVolumes whose
+	// spec.storageNode equals it are served.
+	NodeName string
+	// DataDir holds one sparse file <volume>.img per volume.
+	DataDir string
+	// Namespace holds the publication Secrets.
+	Namespace string
+	// Addresses are the node's storage IP addresses, reported in the
+	// volumes' status.export and in the NBDStorageNode.
+	Addresses []string
+	// Port is the NBD server's port.
+	Port int32
+	// Topology labels are reported in the NBDStorageNode.
+	Topology map[string]string
+	// HeartbeatInterval is how often the NBDStorageNode is refreshed;
+	// zero means DefaultHeartbeatInterval.
+	HeartbeatInterval time.Duration
+	// DrainTimeout bounds draining a removed export or revoked connections;
+	// zero means DefaultDrainTimeout.
+	DrainTimeout time.Duration
+	// SignalNICs, when not empty, are the storage NICs (interface names or
+	// CIDRs) that get MPTCP "signal" endpoints, kept while the agent runs.
+	// Empty leaves the host's endpoints alone.
+	SignalNICs []mptcp.NICSpec
+	// Exports, when set, is told about added and removed exports.
+	Exports ExportObserver
+	// Logger receives structured logs; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Agent reconciles the NBDVolumes of one storage node onto an nbd.Server.
+type Agent struct {
+	cfg    Config
+	log    *slog.Logger
+	srv    *nbd.Server
+	client client.Client
+	// reader reads Secrets uncached: the agent may get them, not list or
+	// watch them.
+	reader client.Reader
+
+	mu   sync.RWMutex
+	vols map[string]*volume
+
+	// capacityKick asks the heartbeat for a report now.
+	capacityKick chan struct{}
+	// mgrCache is waited for before the first capacity report.
+	mgrCache cache.Cache
+	started  atomic.Bool
+}
+
+// volume is what the agent holds for one NBDVolume.
+type volume struct {
+	name    string
+	backend *nbd.FileBackend // nil until the file is open
+	// grants by node ID: who may open the export, as last applied.
+	grants map[string]grant
+}
+
+// grant is one applied publication.
+type grant struct {
+	nodeID   string
+	token    string
+	addrs    []netip.Addr
+	limited  bool // the publication lists addresses (maybe none valid)
+	readOnly bool
+}
+
+func (g grant) equal(o grant) bool {
+	return g.nodeID == o.nodeID && access.TokenEqual(g.token, o.token) && g.limited == o.limited &&
+		g.readOnly == o.readOnly && slices.Equal(g.addrs, o.addrs)
+}
+
+// New returns an agent serving on srv. It installs srv.Resolve (only
+// access.NodeExport names of current publications are served) and sets
+// srv.DisableList. k8sClient should be the manager's (cached) client;
+// apiReader an uncached reader (mgr.GetAPIReader()) for Secrets.
+func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Reader) (*Agent, error) {
+	switch {
+	case c.NodeName == "":
+		return nil, errors.New("agent: no node name")
+	case c.DataDir == "":
+		return nil, errors.New("agent: no data directory")
+	case c.Namespace == "":
+		return nil, errors.New("agent: no namespace for publication secrets")
+	case len(c.Addresses) == 0:
+		return nil, errors.New("agent: no storage addresses")
+	case c.Port <= 0 || c.Port > 65535:
+		return nil, fmt.Errorf("agent: invalid port %d", c.Port)
+	case srv == nil || k8sClient == nil || apiReader == nil:
+		return nil, errors.New("agent: a server, a client and an API reader are needed")
+	}
+	for _, a := range c.Addresses {
+		if _, err := netip.ParseAddr(a); err != nil {
+			return nil, fmt.Errorf("agent: storage address %q: %w", a, err)
+		}
+	}
+	if c.HeartbeatInterval <= 0 {
+		c.HeartbeatInterval = DefaultHeartbeatInterval
+	}
+	if c.DrainTimeout <= 0 {
+		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if err := os.MkdirAll(c.DataDir, 0o700); err != nil {
+		return nil, fmt.Errorf("agent: data directory: %w", err)
+	}
+	a := &Agent{
+		cfg:          c,
+		log:          c.Logger.With("node", c.NodeName),
+		srv:          srv,
+		client:       k8sClient,
+		reader:       apiReader,
+		vols:         make(map[string]*volume),
+		capacityKick: make(chan struct{}, 1),
+	}
+	srv.Resolve = a.resolve
+	srv.DisableList = true
+	return a, nil
+}
+
+// CacheOptions returns the manager cache options the agent needs: only the
+// NBDVolumes of node are cached and watched.
+func CacheOptions(node string) cache.Options {
+	return cache.Options{
+		ByObject: map[client.Object]cache.ByObject{
+			&v1alpha1.NBDVolume{}: {Field: fields.OneTermEqualSelector(storageNodeField, node)},
+		},
+	}
+}
+
+// Started reports whether the manager's cache synced and the agent made
+// its first capacity report attempt (for readiness).
+func (a *Agent) Started() bool { return a.started.Load() }
+
+// errUnpublished is what a refused connection is told in the logs; the
+// client only sees ERR_POLICY.
+var errUnpublished = errors.New("no current publication with this token")
+
+// resolve is the nbd.Server's Resolve hook: it serves NodeExport(volume,
+// token) to a connection when token is that of a current publication of
+// the volume and the connection comes from one of its addresses (if it
+// lists any). Everything else is refused.
+func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
+	vol, token, ok := access.SplitExport(name)
+	if !ok {
+		return nbd.Grant{}, fmt.Errorf("export name is not <volume>/<token>")
+	}
+	a.mu.RLock()
+	defer a.mu.RUnlock()
+	v, ok := a.vols[vol]
+	if !ok || v.backend == nil {
+		return nbd.Grant{}, fmt.Errorf("volume %q: %w", vol, nbd.ErrUnknownExport)
+	}
+	for _, g := range v.grants {
+		if !access.TokenEqual(g.token, token) {
+			continue
+		}
+		if g.limited && !slices.Contains(g.addrs, remoteIP(c)) {
+			return nbd.Grant{}, fmt.Errorf("node %s: connection from %v, not one of its storage addresses", g.nodeID, c.RemoteAddr)
+		}
+		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID}, nil
+	}
+	return nbd.Grant{}, errUnpublished
+}
+
+// remoteIP is the connection's peer address, or the zero Addr.
+func remoteIP(c nbd.ConnInfo) netip.Addr {
+	if c.RemoteAddr == nil {
+		return netip.Addr{}
+	}
+	ap, err := netip.ParseAddrPort(c.RemoteAddr.String())
+	if err != nil {
+		return netip.Addr{}
+	}
+	return ap.Addr().Unmap()
+}
+
+// kickCapacity asks for a capacity report soon (never blocks).
+func (a *Agent) kickCapacity() {
+	select {
+	case a.capacityKick <- struct{}{}:
+	default:
+	}
+}
+
+// Close stops serving every volume: exports are drained (up to the drain
+// timeout) and removed, and backing files flushed and closed. The files
+// and the API objects stay, for the next start.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	vols := make([]*volume, 0, len(a.vols))
+	for _, v := range a.vols {
+		vols = append(vols, v)
+	}
+	a.vols = make(map[string]*volume)
+	a.mu.Unlock()
+	var errs []error
+	for _, v := range vols {
+		errs = append(errs, a.closeVolume(v))
+	}
+	return errors.Join(errs...)
+}
+
+// closeVolume removes v's export and closes its backend.
+func (a *Agent) closeVolume(v *volume) error {
+	if v.backend == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), a.cfg.DrainTimeout)
+	defer cancel()
+	var err error
+	switch rerr := a.srv.RemoveExport(ctx, v.name); {
+	case errors.Is(rerr, nbd.ErrUnknownExport):
+	case rerr != nil:
+		// The server closed the connections hard and waited for their
+		// handlers: the backend is no longer in use.
+		a.log.Warn("export connections did not drain in time and were closed", "volume", v.name, "error", rerr)
+		fallthrough
+	default:
+		if a.cfg.Exports != nil {
+			a.cfg.Exports.ExportRemoved(v.name)
+		}
+	}
+	if serr := v.backend.Sync(); serr != nil {
+		err = errors.Join(err, fmt.Errorf("volume %s: flush: %w", v.name, serr))
+	}
+	if cerr := v.backend.Close(); cerr != nil {
+		err = errors.Join(err, fmt.Errorf("volume %s: close: %w", v.name, cerr))
+	}
+	v.backend = nil
+	return err
+}

@@ -1,0 +1,636 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/util/retry"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+const (
+	testNode      = "storage-1"
+	testNamespace = "mpnbd"
+	// deadline bounds every wait for the agent to converge.
+	deadline = 30 * time.Second
+)
+
+func testLogger(t *testing.T) *slog.Logger {
+	if testing.Verbose() {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// running is one agent process: an NBD server on an MPTCP listener and a
+// manager running the agent.
+type running struct {
+	agent *Agent
+	srv   *nbd.Server
+	addr  string
+	stop  func()
+}
+
+func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
+	t.Helper()
+	log := testLogger(t)
+	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
+	l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &nbd.Server{Logger: log}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		srv.Serve(l)
+	}()
+	scheme, err := apiserver.Scheme()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+		Scheme:  scheme,
+		Cache:   CacheOptions(testNode),
+		Metrics: metricsserver.Options{BindAddress: "0"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(Config{
+		NodeName:          testNode,
+		DataDir:           dir,
+		Namespace:         testNamespace,
+		Addresses:         []string{"127.0.0.1"},
+		Port:              int32(l.Addr().(*net.TCPAddr).Port),
+		Topology:          map[string]string{"topology.mpnbd.io/node": testNode},
+		HeartbeatInterval: 500 * time.Millisecond,
+		DrainTimeout:      5 * time.Second,
+		Logger:            log,
+	}, srv, mgr.GetClient(), mgr.GetAPIReader())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !srv.DisableList || srv.Resolve == nil {
+		t.Fatal("New did not install Resolve and DisableList")
+	}
+	if err := a.SetupWithManager(mgr); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- mgr.Start(ctx) }()
+	r := &running{agent: a, srv: srv, addr: l.Addr().String()}
+	stopped := false
+	r.stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("manager: %v", err)
+		}
+		sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer scancel()
+		srv.Shutdown(sctx)
+		<-served
+		if err := a.Close(); err != nil {
+			t.Errorf("closing the agent: %v", err)
+		}
+	}
+	t.Cleanup(r.stop)
+	return r
+}
+
+// eventually polls cond until it returns "" or the deadline passes.
+func eventually(t *testing.T, what string, cond func() string) {
+	t.Helper()
+	end := time.Now().Add(deadline)
+	last := ""
+	for time.Now().Before(end) {
+		if last = cond(); last == "" {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("%s: still not done after %s: %s", what, deadline, last)
+}
+
+func newVolume(name string, size int64) *v1alpha1.NBDVolume {
+	return &v1alpha1.NBDVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: []string{v1alpha1.Finalizer}},
+		Spec: v1alpha1.NBDVolumeSpec{
+			SizeBytes:   size,
+			StorageNode: testNode,
+			AccessType:  v1alpha1.AccessBlock,
+		},
+	}
+}
+
+func getVolume(t *testing.T, c client.Client, name string) *v1alpha1.NBDVolume {
+	t.Helper()
+	var v v1alpha1.NBDVolume
+	if err := c.Get(context.Background(), types.NamespacedName{Name: name}, &v); err != nil {
+		t.Fatal(err)
+	}
+	return &v
+}
+
+// waitObserved waits until the agent reports the volume's current
+// generation and returns the volume.
+func waitObserved(t *testing.T, c client.Client, name string) *v1alpha1.NBDVolume {
+	t.Helper()
+	var v *v1alpha1.NBDVolume
+	eventually(t, "volume "+name+" observed", func() string {
+		v = getVolume(t, c, name)
+		if v.Status.ObservedGeneration != v.Generation {
+			return fmt.Sprintf("observedGeneration %d, generation %d, phase %q", v.Status.ObservedGeneration, v.Generation, v.Status.Phase)
+		}
+		return ""
+	})
+	return v
+}
+
+// editVolume changes a volume's spec (retrying conflicts) and waits until
+// the agent reports the new generation.
+func editVolume(t *testing.T, c client.Client, name string, edit func(*v1alpha1.NBDVolume)) *v1alpha1.NBDVolume {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := getVolume(t, c, name)
+		edit(v)
+		return c.Update(context.Background(), v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return waitObserved(t, c, name)
+}
+
+// makeSecret stores a fresh token for (volume, node) and returns the
+// Secret's name and the token.
+func makeSecret(t *testing.T, c client.Client, volume, node string) (string, string) {
+	t.Helper()
+	tok, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := access.SecretName(volume, node)
+	s := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: testNamespace,
+			Labels: map[string]string{access.LabelVolume: volume, access.LabelNode: node}},
+		Data: map[string][]byte{access.SecretKeyToken: []byte(tok)},
+	}
+	if err := c.Create(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	return name, tok
+}
+
+// publish grants node access to volume and returns its token.
+func publish(t *testing.T, c client.Client, volume, node string, readOnly bool, addrs ...string) string {
+	t.Helper()
+	secret, tok := makeSecret(t, c, volume, node)
+	editVolume(t, c, volume, func(v *v1alpha1.NBDVolume) {
+		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
+			NodeID: node, SecretRef: secret, Addresses: addrs, ReadOnly: readOnly,
+		})
+	})
+	return tok
+}
+
+func unpublish(t *testing.T, c client.Client, volume, node string) {
+	t.Helper()
+	editVolume(t, c, volume, func(v *v1alpha1.NBDVolume) {
+		v.Spec.Publications = slices.DeleteFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool { return p.NodeID == node })
+	})
+}
+
+func dial(t *testing.T, r *running, export string) (*nbd.Client, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: r.addr, Export: export, MPTCP: true, Logger: testLogger(t)})
+	if err == nil {
+		t.Cleanup(func() { cl.Close() })
+	}
+	return cl, err
+}
+
+func mustDial(t *testing.T, r *running, export string) *nbd.Client {
+	t.Helper()
+	cl, err := dial(t, r, export)
+	if err != nil {
+		t.Fatalf("open %q: %v", export, err)
+	}
+	return cl
+}
+
+func refused(t *testing.T, r *running, what, export string) {
+	t.Helper()
+	cl, err := dial(t, r, export)
+	if err == nil {
+		cl.Close()
+		t.Fatalf("%s: open %q succeeded", what, export)
+	}
+	if !errors.Is(err, nbd.ErrAccessDenied) && !errors.Is(err, nbd.ErrUnknownExport) {
+		t.Fatalf("%s: open %q: %v, want a refusal", what, export, err)
+	}
+}
+
+func storageNode(t *testing.T, c client.Client) *v1alpha1.NBDStorageNode {
+	t.Helper()
+	var n v1alpha1.NBDStorageNode
+	err := c.Get(context.Background(), types.NamespacedName{Name: testNode}, &n)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &n
+}
+
+func fileSize(t *testing.T, path string) int64 {
+	t.Helper()
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Size()
+}
+
+// TestAgent runs the agent against a real API server and serves its
+// volumes to the real NBD client over MPTCP on loopback.
+func TestAgent(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	r := startAgent(t, cfg, dir)
+	const size = 16 << 20
+
+	// A volume of another node is left alone.
+	other := newVolume("elsewhere", 1<<20)
+	other.Spec.StorageNode = "storage-2"
+	if err := c.Create(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+
+	t.Run("create", func(t *testing.T) {
+		if err := c.Create(ctx, newVolume("vol-a", size)); err != nil {
+			t.Fatal(err)
+		}
+		v := waitObserved(t, c, "vol-a")
+		st := v.Status
+		if st.Phase != v1alpha1.VolumeAvailable || st.CapacityBytes != size || st.Code != "" || st.Message != "" {
+			t.Fatalf("status = %+v", st)
+		}
+		wantExport := v1alpha1.Export{Name: "vol-a", Port: r.agent.cfg.Port, Addresses: []string{"127.0.0.1"}}
+		if st.Export == nil || st.Export.Name != wantExport.Name || st.Export.Port != wantExport.Port || !slices.Equal(st.Export.Addresses, wantExport.Addresses) {
+			t.Fatalf("status.export = %+v, want %+v", st.Export, wantExport)
+		}
+		if cond := meta.FindStatusCondition(st.Conditions, ConditionReady); cond == nil || cond.Status != metav1.ConditionTrue {
+			t.Fatalf("Ready condition = %+v", cond)
+		}
+		if got := fileSize(t, filepath.Join(dir, "vol-a.img")); got != size {
+			t.Fatalf("backing file has %d bytes, want %d", got, size)
+		}
+		if _, ok := r.srv.Export("vol-a"); !ok {
+			t.Fatal("no export vol-a on the server")
+		}
+	})
+
+	t.Run("finalizer added when missing", func(t *testing.T) {
+		v := newVolume("vol-b", size)
+		v.Finalizers = nil
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		v = waitObserved(t, c, "vol-b")
+		if !controllerutil.ContainsFinalizer(v, v1alpha1.Finalizer) || v.Status.Phase != v1alpha1.VolumeAvailable {
+			t.Fatalf("finalizers %v, phase %q", v.Finalizers, v.Status.Phase)
+		}
+	})
+
+	tokA := publish(t, c, "vol-a", "node-1", false)
+	data := bytes.Repeat([]byte("mpnbd-agent!"), 4096/12+1)[:4096]
+	var cl1 *nbd.Client
+	outer := t // cl1 lives across subtests
+	t.Run("publish", func(t *testing.T) {
+		cl1 = mustDial(outer, r, access.NodeExport("vol-a", tokA))
+		if cl1.Size() != size || cl1.Info().Flags&nbd.FlagReadOnly != 0 {
+			t.Fatalf("export info %+v", cl1.Info())
+		}
+		if _, err := cl1.WriteAt(data, 8192); err != nil {
+			t.Fatal(err)
+		}
+		if err := cl1.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(data))
+		if _, err := cl1.ReadAt(got, 8192); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("read back: %v (equal %v)", err, bytes.Equal(got, data))
+		}
+	})
+
+	t.Run("refused names", func(t *testing.T) {
+		wrong, _ := access.NewToken()
+		refused(t, r, "wrong token", access.NodeExport("vol-a", wrong))
+		// A Secret exists for node-2, but the volume is not published to it.
+		_, tok2 := makeSecret(t, c, "vol-a", "node-2")
+		refused(t, r, "unpublished node", access.NodeExport("vol-a", tok2))
+		refused(t, r, "plain volume name", "vol-a")
+		refused(t, r, "malformed token", "vol-a/"+tokA[:10])
+		refused(t, r, "token of another volume", access.NodeExport("vol-b", tokA))
+		refused(t, r, "unknown volume", access.NodeExport("nope", tokA))
+		refused(t, r, "volume of another node", access.NodeExport("elsewhere", tokA))
+		refused(t, r, "empty name", "")
+	})
+
+	t.Run("addresses", func(t *testing.T) {
+		tok3 := publish(t, c, "vol-a", "node-3", false, "10.99.0.1", "fd00::1")
+		refused(t, r, "connection from an address not published", access.NodeExport("vol-a", tok3))
+		tok4 := publish(t, c, "vol-a", "node-4", false, "10.99.0.2", "127.0.0.1")
+		mustDial(t, r, access.NodeExport("vol-a", tok4))
+	})
+
+	t.Run("secret not there yet", func(t *testing.T) {
+		secret := access.SecretName("vol-a", "node-6")
+		var gen int64
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vol-a")
+			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-6", SecretRef: secret})
+			if err := c.Update(ctx, v); err != nil {
+				return err
+			}
+			gen = v.Generation
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Long enough for many reconciles: none may report the generation.
+		time.Sleep(time.Second)
+		if v := getVolume(t, c, "vol-a"); v.Status.ObservedGeneration >= gen {
+			t.Fatalf("generation %d reported without the publication's secret", gen)
+		}
+		tok := must(t, access.NewToken)
+		s := &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Name: secret, Namespace: testNamespace},
+			Data:       map[string][]byte{access.SecretKeyToken: []byte(tok)},
+		}
+		if err := c.Create(ctx, s); err != nil {
+			t.Fatal(err)
+		}
+		waitObserved(t, c, "vol-a")
+		mustDial(t, r, access.NodeExport("vol-a", tok))
+		unpublish(t, c, "vol-a", "node-6")
+	})
+
+	t.Run("read-only", func(t *testing.T) {
+		tok5 := publish(t, c, "vol-a", "node-5", true)
+		cl := mustDial(t, r, access.NodeExport("vol-a", tok5))
+		if cl.Info().Flags&nbd.FlagReadOnly == 0 {
+			t.Fatalf("read-only publication announced flags %#x", cl.Info().Flags)
+		}
+		var nerr *nbd.Error
+		if _, err := cl.WriteAt(make([]byte, 4096), 8192); !errors.As(err, &nerr) || nerr.Errno != nbd.EPERM {
+			t.Fatalf("write on a read-only publication: %v, want EPERM", err)
+		}
+		got := make([]byte, len(data))
+		if _, err := cl.ReadAt(got, 8192); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("read: %v (equal %v)", err, bytes.Equal(got, data))
+		}
+	})
+
+	t.Run("unpublish closes connections", func(t *testing.T) {
+		buf := make([]byte, 4096)
+		if _, err := cl1.ReadAt(buf, 0); err != nil {
+			t.Fatalf("before unpublishing: %v", err)
+		}
+		unpublish(t, c, "vol-a", "node-1")
+		if _, err := cl1.ReadAt(buf, 0); err == nil {
+			t.Fatal("I/O on the connection of an unpublished node succeeded")
+		}
+		refused(t, r, "token of an unpublished node", access.NodeExport("vol-a", tokA))
+	})
+
+	t.Run("grow", func(t *testing.T) {
+		const bigger = 3 * size
+		v := editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = bigger })
+		if v.Status.CapacityBytes != bigger || v.Status.Phase != v1alpha1.VolumeAvailable {
+			t.Fatalf("status after growing: %+v", v.Status)
+		}
+		if got := fileSize(t, filepath.Join(dir, "vol-a.img")); got != bigger {
+			t.Fatalf("backing file has %d bytes, want %d", got, bigger)
+		}
+		tok7 := publish(t, c, "vol-a", "node-7", false)
+		cl := mustDial(t, r, access.NodeExport("vol-a", tok7))
+		if cl.Size() != bigger {
+			t.Fatalf("a new connection sees %d bytes, want %d", cl.Size(), bigger)
+		}
+		if _, err := cl.WriteAt(data, bigger-4096); err != nil {
+			t.Fatalf("write at the new end: %v", err)
+		}
+		// Asking for less never shrinks.
+		v = editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = size })
+		if v.Status.CapacityBytes != bigger || fileSize(t, filepath.Join(dir, "vol-a.img")) != bigger {
+			t.Fatalf("a smaller request shrank the volume: %+v", v.Status)
+		}
+	})
+
+	t.Run("too big", func(t *testing.T) {
+		if err := c.Create(ctx, newVolume("vol-huge", 1<<60)); err != nil {
+			t.Fatal(err)
+		}
+		v := waitObserved(t, c, "vol-huge")
+		st := v.Status
+		if st.Phase != v1alpha1.VolumeFailed || st.Code != "ResourceExhausted" || !strings.Contains(st.Message, fmt.Sprint(int64(1)<<60)) {
+			t.Fatalf("status = %+v", st)
+		}
+		if cond := meta.FindStatusCondition(st.Conditions, ConditionReady); cond == nil || cond.Status != metav1.ConditionFalse {
+			t.Fatalf("Ready condition = %+v", cond)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "vol-huge.img")); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("backing file of a refused volume: %v", err)
+		}
+	})
+
+	t.Run("storage node", func(t *testing.T) {
+		var before *v1alpha1.NBDStorageNode
+		eventually(t, "storage node reported", func() string {
+			if before = storageNode(t, c); before == nil {
+				return "no NBDStorageNode"
+			}
+			return ""
+		})
+		st := before.Status
+		if st.CapacityBytes <= 0 || st.AvailableBytes <= 0 || st.AvailableBytes > st.CapacityBytes ||
+			st.Port != r.agent.cfg.Port || !slices.Equal(st.Addresses, []string{"127.0.0.1"}) ||
+			st.Topology["topology.mpnbd.io/node"] != testNode || st.Heartbeat.IsZero() {
+			t.Fatalf("storage node status = %+v", st)
+		}
+		// A sparse volume takes its whole size from what is available.
+		volSize := min(st.AvailableBytes/4, 8<<30) &^ 4095
+		const slack = 512 << 20 // other writers on the same filesystem
+		if volSize < 4*slack {
+			t.Skipf("only %d bytes available on the test filesystem", st.AvailableBytes)
+		}
+		if err := c.Create(ctx, newVolume("vol-c", volSize)); err != nil {
+			t.Fatal(err)
+		}
+		waitObserved(t, c, "vol-c")
+		eventually(t, "available space drops by the volume size", func() string {
+			now := storageNode(t, c).Status
+			drop := st.AvailableBytes - now.AvailableBytes
+			if drop < volSize-slack || drop > volSize+slack {
+				return fmt.Sprintf("available %d -> %d (drop %d), volume %d", st.AvailableBytes, now.AvailableBytes, drop, volSize)
+			}
+			return ""
+		})
+		if err := c.Delete(ctx, getVolume(t, c, "vol-c")); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("orphans", func(t *testing.T) {
+		orphan := filepath.Join(dir, "left-behind.img")
+		if err := os.WriteFile(orphan, []byte("keep me"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "orphan reported", func() string {
+			n := storageNode(t, c)
+			if !slices.Equal(n.Status.Orphans, []string{"left-behind"}) {
+				return fmt.Sprintf("orphans %v", n.Status.Orphans)
+			}
+			return ""
+		})
+		if b, err := os.ReadFile(orphan); err != nil || string(b) != "keep me" {
+			t.Fatalf("orphan file: %q, %v", b, err)
+		}
+	})
+
+	t.Run("delete", func(t *testing.T) {
+		tok8 := publish(t, c, "vol-a", "node-8", false)
+		cl := mustDial(t, r, access.NodeExport("vol-a", tok8))
+		if err := c.Delete(ctx, getVolume(t, c, "vol-a")); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "vol-a gone", func() string {
+			var v v1alpha1.NBDVolume
+			err := c.Get(ctx, types.NamespacedName{Name: "vol-a"}, &v)
+			if apierrors.IsNotFound(err) {
+				return ""
+			}
+			return fmt.Sprintf("finalizers %v, err %v", v.Finalizers, err)
+		})
+		if _, err := os.Stat(filepath.Join(dir, "vol-a.img")); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("backing file after delete: %v", err)
+		}
+		if _, ok := r.srv.Export("vol-a"); ok {
+			t.Fatal("export vol-a still served")
+		}
+		if _, err := cl.ReadAt(make([]byte, 4096), 0); err == nil {
+			t.Fatal("I/O on a deleted volume succeeded")
+		}
+		refused(t, r, "deleted volume", access.NodeExport("vol-a", tok8))
+
+		// A volume whose file was never made just loses its finalizer.
+		if err := c.Delete(ctx, getVolume(t, c, "vol-huge")); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "vol-huge gone", func() string {
+			err := c.Get(ctx, types.NamespacedName{Name: "vol-huge"}, &v1alpha1.NBDVolume{})
+			if apierrors.IsNotFound(err) {
+				return ""
+			}
+			return fmt.Sprint(err)
+		})
+	})
+
+	t.Run("restart", func(t *testing.T) {
+		tokB := publish(t, c, "vol-b", "node-1", false)
+		cl := mustDial(t, r, access.NodeExport("vol-b", tokB))
+		if _, err := cl.WriteAt(data, 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := cl.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		cl.Close()
+		r.stop()
+
+		r2 := startAgent(t, cfg, dir)
+		var cl2 *nbd.Client
+		eventually(t, "vol-b served after a restart", func() string {
+			var err error
+			if cl2, err = dial(t, r2, access.NodeExport("vol-b", tokB)); err != nil {
+				return err.Error()
+			}
+			return ""
+		})
+		got := make([]byte, len(data))
+		if _, err := cl2.ReadAt(got, 0); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("data after a restart: %v (equal %v)", err, bytes.Equal(got, data))
+		}
+		if cl2.Size() != size {
+			t.Fatalf("size after a restart: %d", cl2.Size())
+		}
+		// The orphan is still reported, and still there.
+		eventually(t, "orphan reported after a restart", func() string {
+			n := storageNode(t, c)
+			if !slices.Equal(n.Status.Orphans, []string{"left-behind"}) {
+				return fmt.Sprintf("orphans %v", n.Status.Orphans)
+			}
+			return ""
+		})
+		if _, err := os.Stat(filepath.Join(dir, "left-behind.img")); err != nil {
+			t.Fatal(err)
+		}
+		if v := getVolume(t, c, "elsewhere"); len(v.Status.Phase) > 0 || len(v.Finalizers) != 1 {
+			t.Fatalf("a volume of another node was touched: %+v", v)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "elsewhere.img")); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("a volume of another node got a file: %v", err)
+		}
+	})
+}
+
+func must[T any](t *testing.T, f func() (T, error)) T {
+	t.Helper()
+	v, err := f()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}

@@ -1,0 +1,143 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+)
+
+// usage is the data directory's filesystem and its volume files.
+type usage struct {
+	capacity int64 // filesystem size
+	free     int64 // bytes an unprivileged writer may still allocate
+	// reserved is what the volume files may still allocate: for each, its
+	// size minus its allocated bytes.
+	reserved int64
+	files    []string // volume names of the *.img files
+}
+
+// available is what new volumes may take if every volume filled up.
+func (u usage) available() int64 {
+	return max(0, u.free-u.reserved)
+}
+
+// diskUsage measures dir: statfs of its filesystem and every *.img file.
+func diskUsage(dir string) (usage, error) {
+	var u usage
+	var err error
+	if u.capacity, u.free, err = fsSpace(dir); err != nil {
+		return u, err
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return u, err
+	}
+	for _, e := range entries {
+		name, ok := strings.CutSuffix(e.Name(), fileSuffix)
+		if !ok || name == "" || !e.Type().IsRegular() {
+			continue
+		}
+		fi, err := e.Info()
+		if err != nil {
+			continue // removed meanwhile
+		}
+		u.files = append(u.files, name)
+		u.reserved += max(0, fi.Size()-allocated(fi))
+	}
+	return u, nil
+}
+
+// runHeartbeat reports the NBDStorageNode at start, every heartbeat
+// interval and soon after a volume is created, grown or deleted.
+func (a *Agent) runHeartbeat(ctx context.Context) error {
+	if a.mgrCache != nil && !a.mgrCache.WaitForCacheSync(ctx) {
+		return nil
+	}
+	t := time.NewTicker(a.cfg.HeartbeatInterval)
+	defer t.Stop()
+	var lastOrphans []string
+	for {
+		orphans, err := a.reportNode(ctx)
+		a.started.Store(true)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			a.log.Warn("storage node report failed", "error", err)
+		} else if !slices.Equal(orphans, lastOrphans) {
+			if len(orphans) > 0 {
+				a.log.Warn("backing files without an NBDVolume (kept, not deleted)", "data_dir", a.cfg.DataDir, "orphans", orphans)
+			}
+			lastOrphans = orphans
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		case <-a.capacityKick:
+		}
+	}
+}
+
+// reportNode writes the NBDStorageNode status (creating the object if
+// missing) and returns the orphan files it reported.
+func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
+	u, err := diskUsage(a.cfg.DataDir)
+	if err != nil {
+		return nil, fmt.Errorf("measuring %s: %w", a.cfg.DataDir, err)
+	}
+	var vols v1alpha1.NBDVolumeList
+	if err := a.client.List(ctx, &vols); err != nil {
+		return nil, fmt.Errorf("listing volumes: %w", err)
+	}
+	known := make(map[string]bool, len(vols.Items))
+	for _, v := range vols.Items {
+		if v.Spec.StorageNode == a.cfg.NodeName {
+			known[v.Name] = true
+		}
+	}
+	var orphans []string
+	for _, f := range u.files {
+		if !known[f] {
+			orphans = append(orphans, f)
+		}
+	}
+	slices.Sort(orphans)
+
+	// Read uncached: the agent needs only its own NBDStorageNode.
+	var node v1alpha1.NBDStorageNode
+	err = a.reader.Get(ctx, types.NamespacedName{Name: a.cfg.NodeName}, &node)
+	if apierrors.IsNotFound(err) {
+		node = v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: a.cfg.NodeName}}
+		if err = a.client.Create(ctx, &node); err == nil {
+			a.log.Info("storage node created")
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("storage node %s: %w", a.cfg.NodeName, err)
+	}
+	orig := node.DeepCopy()
+	node.Status = v1alpha1.NBDStorageNodeStatus{
+		CapacityBytes:  u.capacity,
+		AvailableBytes: u.available(),
+		Addresses:      append([]string(nil), a.cfg.Addresses...),
+		Port:           a.cfg.Port,
+		Topology:       a.cfg.Topology,
+		Heartbeat:      metav1.Now(),
+		Orphans:        orphans,
+	}
+	if err := a.client.Status().Patch(ctx, &node, client.MergeFrom(orig)); err != nil {
+		return nil, fmt.Errorf("storage node %s status: %w", a.cfg.NodeName, err)
+	}
+	return orphans, nil
+}

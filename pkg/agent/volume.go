@@ -1,0 +1,402 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/utils/ptr"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+const (
+	// fileSuffix ends every backing file's name.
+	fileSuffix = ".img"
+	// secretRetry is how soon a publication whose Secret is not there
+	// yet is tried again (the agent may not watch Secrets).
+	secretRetry = 200 * time.Millisecond
+	// exhaustedRetry and internalRetry are how soon a failed volume is
+	// tried again without a change to it.
+	exhaustedRetry = time.Minute
+	internalRetry  = 10 * time.Second
+)
+
+// failure is why a volume cannot be served; Code is a gRPC code name.
+type failure struct {
+	code    string
+	message string
+	retry   time.Duration
+}
+
+func internal(format string, args ...any) *failure {
+	return &failure{code: "Internal", message: fmt.Sprintf(format, args...), retry: internalRetry}
+}
+
+// SetupWithManager registers the NBDVolume reconciler and the capacity
+// heartbeat (and, with Config.SignalNICs, the MPTCP endpoint keeper) with
+// mgr. The manager's cache should come from CacheOptions; volumes of other
+// nodes are ignored either way.
+func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
+	a.mgrCache = mgr.GetCache()
+	ours := predicate.NewPredicateFuncs(func(o client.Object) bool {
+		v, ok := o.(*v1alpha1.NBDVolume)
+		return ok && v.Spec.StorageNode == a.cfg.NodeName
+	})
+	err := ctrl.NewControllerManagedBy(mgr).
+		Named("nbdvolume").
+		For(&v1alpha1.NBDVolume{}, builder.WithPredicates(ours)).
+		WithOptions(controller.Options{
+			// One worker: capacity checks of concurrent creations must
+			// not both count the same free space.
+			MaxConcurrentReconciles: 1,
+			// A restarted agent in the same process registers again.
+			SkipNameValidation: ptr.To(true),
+		}).
+		Complete(a)
+	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	if err := mgr.Add(runnable(a.runHeartbeat)); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	if len(a.cfg.SignalNICs) > 0 {
+		if err := mgr.Add(runnable(a.runEndpoints)); err != nil {
+			return fmt.Errorf("agent: %w", err)
+		}
+	}
+	return nil
+}
+
+// runnable is a manager Runnable that runs on every agent, leader or not.
+type runnable func(context.Context) error
+
+func (r runnable) Start(ctx context.Context) error { return r(ctx) }
+func (r runnable) NeedLeaderElection() bool        { return false }
+
+// path is the backing file of a volume.
+func (a *Agent) path(name string) string {
+	return filepath.Join(a.cfg.DataDir, name+fileSuffix)
+}
+
+// Reconcile makes one NBDVolume's backing store, export and publications
+// match its spec, or removes them when it is being deleted.
+func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	log := a.log.With("volume", req.Name)
+	var vol v1alpha1.NBDVolume
+	if err := a.client.Get(ctx, req.NamespacedName, &vol); err != nil {
+		if apierrors.IsNotFound(err) {
+			a.forget(log, req.Name)
+			return ctrl.Result{}, nil
+		}
+		return ctrl.Result{}, err
+	}
+	if vol.Spec.StorageNode != a.cfg.NodeName {
+		return ctrl.Result{}, nil
+	}
+	if !vol.DeletionTimestamp.IsZero() {
+		return ctrl.Result{}, a.remove(ctx, log, &vol)
+	}
+	if !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) {
+		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		controllerutil.AddFinalizer(&vol, v1alpha1.Finalizer)
+		if err := a.client.Patch(ctx, &vol, patch); err != nil {
+			return ctrl.Result{}, fmt.Errorf("adding the finalizer: %w", err)
+		}
+		log.Info("finalizer added")
+	}
+	v, f := a.ensureStore(log, &vol)
+	if f != nil {
+		return a.reportFailure(ctx, log, &vol, f)
+	}
+	waiting, err := a.applyPublications(ctx, log, &vol, v)
+	if err != nil {
+		return ctrl.Result{}, err
+	}
+	if waiting != "" {
+		log.Debug("waiting for a publication secret", "reason", waiting)
+		return ctrl.Result{RequeueAfter: secretRetry}, nil
+	}
+	return ctrl.Result{}, a.reportAvailable(ctx, &vol, v)
+}
+
+// ensureStore opens (or creates, or grows) the backing file and exports
+// it.
+func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
+	name := vol.Name
+	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 || strings.Contains(name, "/") {
+		return nil, &failure{code: "InvalidArgument", message: fmt.Sprintf("volume name %q: %s", name, strings.Join(errs, "; ")), retry: exhaustedRetry}
+	}
+	a.mu.Lock()
+	v := a.vols[name]
+	if v == nil {
+		v = &volume{name: name, grants: map[string]grant{}}
+		a.vols[name] = v
+	}
+	a.mu.Unlock()
+
+	want := vol.Spec.SizeBytes
+	changed := false
+	if v.backend == nil {
+		path := a.path(name)
+		var b *nbd.FileBackend
+		_, err := os.Stat(path)
+		switch {
+		case err == nil:
+			// A restart: the file is the volume; never recreate it.
+			if b, err = nbd.OpenFile(path, 0, false, false); err != nil {
+				return nil, internal("opening %s: %v", path, err)
+			}
+			log.Info("backing file reopened", "path", path, "size", b.Size())
+		case errors.Is(err, fs.ErrNotExist):
+			if f := a.checkRoom(want, fmt.Sprintf("creating %d bytes", want)); f != nil {
+				return nil, f
+			}
+			if b, err = nbd.OpenFile(path, want, true, false); err != nil {
+				os.Remove(path)
+				return nil, internal("creating %s with %d bytes: %v", path, want, err)
+			}
+			changed = true
+			log.Info("backing file created", "path", path, "size", want)
+		default:
+			return nil, internal("%v", err)
+		}
+		a.mu.Lock()
+		v.backend = b
+		a.mu.Unlock()
+	}
+	if size := v.backend.Size(); size < want {
+		if f := a.checkRoom(want-size, fmt.Sprintf("growing from %d to %d bytes", size, want)); f != nil {
+			return nil, f
+		}
+		if err := v.backend.Resize(want); err != nil {
+			return nil, internal("growing %s from %d to %d bytes: %v", a.path(name), size, want, err)
+		}
+		changed = true
+		log.Info("backing file grown", "from", size, "to", want)
+	}
+	if changed {
+		a.kickCapacity()
+	}
+	if _, ok := a.srv.Export(name); !ok {
+		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: v.backend})
+		if err != nil {
+			return nil, internal("exporting: %v", err)
+		}
+		if a.cfg.Exports != nil {
+			a.cfg.Exports.ExportAdded(name)
+		}
+	}
+	return v, nil
+}
+
+// checkRoom fails with ResourceExhausted when need bytes more would not fit
+// if every volume filled up (thick accounting).
+func (a *Agent) checkRoom(need int64, what string) *failure {
+	u, err := diskUsage(a.cfg.DataDir)
+	if err != nil {
+		return internal("measuring %s: %v", a.cfg.DataDir, err)
+	}
+	if avail := u.available(); need > avail {
+		return &failure{
+			code:    "ResourceExhausted",
+			message: fmt.Sprintf("%s needs %d bytes, but node %s has only %d bytes available", what, need, a.cfg.NodeName, avail),
+			retry:   exhaustedRetry,
+		}
+	}
+	return nil
+}
+
+// applyPublications makes the volume's grants those of spec.publications
+// and closes the connections no longer allowed. It returns a reason when a
+// publication's Secret is not usable yet (nothing is changed then).
+func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (string, error) {
+	next := make(map[string]grant, len(vol.Spec.Publications))
+	for _, p := range vol.Spec.Publications {
+		var sec corev1.Secret
+		key := types.NamespacedName{Namespace: a.cfg.Namespace, Name: p.SecretRef}
+		if err := a.reader.Get(ctx, key, &sec); err != nil {
+			if apierrors.IsNotFound(err) {
+				return fmt.Sprintf("secret %s of node %s not found", key, p.NodeID), nil
+			}
+			return "", fmt.Errorf("reading secret %s: %w", key, err)
+		}
+		token := string(sec.Data[access.SecretKeyToken])
+		if !access.ValidToken(token) {
+			return fmt.Sprintf("secret %s of node %s has no valid %q", key, p.NodeID, access.SecretKeyToken), nil
+		}
+		g := grant{nodeID: p.NodeID, token: token, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0}
+		for _, s := range p.Addresses {
+			ip, err := netip.ParseAddr(strings.TrimSpace(s))
+			if err != nil {
+				// It matches no connection; the others still may.
+				log.Warn("ignoring an invalid publication address", "node_id", p.NodeID, "address", s)
+				continue
+			}
+			g.addrs = append(g.addrs, ip.Unmap())
+		}
+		next[p.NodeID] = g
+	}
+
+	a.mu.Lock()
+	prev := v.grants
+	v.grants = next
+	a.mu.Unlock()
+
+	// Nodes still published but with other terms (read-only now, other
+	// addresses) lose their connections too; they reconnect under the
+	// new terms.
+	changed := map[string]bool{}
+	for id, og := range prev {
+		if ng, ok := next[id]; !ok || !ng.equal(og) {
+			changed[id] = true
+		}
+	}
+	for id := range next {
+		if _, ok := prev[id]; !ok {
+			log.Info("published", "node_id", id, "read_only", next[id].readOnly)
+		}
+	}
+	dctx, cancel := context.WithTimeout(ctx, a.cfg.DrainTimeout)
+	defer cancel()
+	n, err := a.srv.CloseConns(dctx, v.name, func(c nbd.ConnInfo) bool {
+		if changed[c.Tag] {
+			return true
+		}
+		_, err := a.resolve(c, c.Requested)
+		return err != nil
+	})
+	if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		return "", fmt.Errorf("closing revoked connections: %w", err)
+	}
+	if n > 0 || len(changed) > 0 {
+		log.Info("publications changed; connections closed", "nodes", len(changed), "connections_closed", n, "drain_error", err)
+	}
+	return "", nil
+}
+
+// reportAvailable writes the Available status for vol's generation.
+func (a *Agent) reportAvailable(ctx context.Context, vol *v1alpha1.NBDVolume, v *volume) error {
+	orig := vol.DeepCopy()
+	st := &vol.Status
+	st.Phase = v1alpha1.VolumeAvailable
+	st.CapacityBytes = v.backend.Size()
+	st.Export = &v1alpha1.Export{Name: vol.Name, Port: a.cfg.Port, Addresses: append([]string(nil), a.cfg.Addresses...)}
+	st.Code, st.Message = "", ""
+	st.ObservedGeneration = vol.Generation
+	meta.SetStatusCondition(&st.Conditions, metav1.Condition{
+		Type:               ConditionReady,
+		Status:             metav1.ConditionTrue,
+		Reason:             "Available",
+		Message:            fmt.Sprintf("exported with %d bytes, published to %d node(s)", st.CapacityBytes, len(vol.Spec.Publications)),
+		ObservedGeneration: vol.Generation,
+	})
+	if equality.Semantic.DeepEqual(orig.Status, vol.Status) {
+		return nil
+	}
+	if err := a.client.Status().Patch(ctx, vol, client.MergeFrom(orig)); err != nil {
+		return fmt.Errorf("writing status: %w", err)
+	}
+	return nil
+}
+
+// reportFailure writes a Failed status for vol's generation: the
+// controller, waiting for that generation, gets the code and message.
+func (a *Agent) reportFailure(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, f *failure) (ctrl.Result, error) {
+	log.Warn("volume failed", "code", f.code, "message", f.message)
+	orig := vol.DeepCopy()
+	st := &vol.Status
+	st.Phase = v1alpha1.VolumeFailed
+	st.Code, st.Message = f.code, f.message
+	st.ObservedGeneration = vol.Generation
+	a.mu.RLock()
+	if v := a.vols[vol.Name]; v != nil && v.backend != nil {
+		st.CapacityBytes = v.backend.Size()
+	}
+	a.mu.RUnlock()
+	meta.SetStatusCondition(&st.Conditions, metav1.Condition{
+		Type:               ConditionReady,
+		Status:             metav1.ConditionFalse,
+		Reason:             f.code,
+		Message:            f.message,
+		ObservedGeneration: vol.Generation,
+	})
+	if !equality.Semantic.DeepEqual(orig.Status, vol.Status) {
+		if err := a.client.Status().Patch(ctx, vol, client.MergeFrom(orig)); err != nil {
+			return ctrl.Result{}, fmt.Errorf("writing status: %w", err)
+		}
+	}
+	return ctrl.Result{RequeueAfter: f.retry}, nil
+}
+
+// remove tears a deleted volume down: export drained and removed, file
+// closed and deleted, then the finalizer released.
+func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) error {
+	if !controllerutil.ContainsFinalizer(vol, v1alpha1.Finalizer) {
+		a.forget(log, vol.Name)
+		return nil
+	}
+	a.mu.Lock()
+	v := a.vols[vol.Name]
+	delete(a.vols, vol.Name)
+	a.mu.Unlock()
+	if v != nil {
+		if err := a.closeVolume(v); err != nil {
+			log.Warn("closing the backing file", "error", err)
+		}
+	}
+	path := a.path(vol.Name)
+	switch err := os.Remove(path); {
+	case err == nil:
+		log.Info("backing file removed", "path", path)
+		a.kickCapacity()
+	case !errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("removing %s: %w", path, err)
+	}
+	patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
+	controllerutil.RemoveFinalizer(vol, v1alpha1.Finalizer)
+	if err := a.client.Patch(ctx, vol, patch); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("removing the finalizer: %w", err)
+	}
+	log.Info("volume deleted")
+	return nil
+}
+
+// forget stops serving a volume whose object is gone without the agent's
+// finalizer (removed by hand): the file stays and is reported an orphan.
+func (a *Agent) forget(log *slog.Logger, name string) {
+	a.mu.Lock()
+	v := a.vols[name]
+	delete(a.vols, name)
+	a.mu.Unlock()
+	if v == nil {
+		return
+	}
+	log.Warn("volume object gone without its finalizer; export closed, backing file kept")
+	if err := a.closeVolume(v); err != nil {
+		log.Warn("closing the backing file", "error", err)
+	}
+	a.kickCapacity()
+}
