@@ -60,6 +60,14 @@ type ControllerConfig struct {
 // every RPC becomes a change of an NBDVolume (or of a publication
 // Secret) and a wait until the volume's storage agent reports the change
 // in effect (status.observedGeneration).
+//
+// Its RBAC: nbdvolumes get, list, create, update, delete; nbdstoragenodes
+// get, list; nodes get; secrets in Namespace get, create, update, delete,
+// deletecollection.
+//
+// A wait for the agent that runs out (WaitTimeout or the request's
+// deadline) is DeadlineExceeded: the change stays requested and a retry of
+// the same call picks it up.
 type Controller struct {
 	csi.UnimplementedControllerServer
 
@@ -569,7 +577,7 @@ func (c *Controller) listVolumes(ctx context.Context, req *csi.ListVolumesReques
 	}
 	resp := &csi.ListVolumesResponse{}
 	for i := range vols {
-		if max := int(req.GetMaxEntries()); max > 0 && i == max {
+		if limit := int(req.GetMaxEntries()); limit > 0 && i == limit {
 			resp.NextToken = listTokenPrefix + vols[i].Name
 			break
 		}
