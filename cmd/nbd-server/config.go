@@ -30,9 +30,17 @@ const (
 )
 
 const usageText = `Usage: nbd-server [flags] --export NAME=PATH[,OPTIONS] ...
+       nbd-server --cluster --storage-address IP[,IP...] [flags]
 
 Serves files and block devices as NBD exports (fixed newstyle protocol),
 over Multipath TCP unless --tcp is given.
+
+With --cluster it is the storage agent of a Kubernetes node instead: it
+serves the NBDVolumes whose spec.storageNode is --node-name, each from a
+sparse file <volume>.img in --data-dir, only to the nodes they are
+published to (export name <volume>/<token>, token from the publication's
+Secret in --namespace), and reports the node's capacity in an
+NBDStorageNode. --export and --config do not apply then.
 
 Flags:
 %s
@@ -78,7 +86,17 @@ Signals:
                    removed or changed export are drained first. Other
                    settings need a restart.
 
-Endpoints on --metrics-addr: /metrics (Prometheus) and /healthz.
+Cluster mode (--cluster):
+  --node-name defaults to $NODE_NAME and --namespace to $POD_NAMESPACE;
+  both are required. --storage-address (the node's storage IPs, repeatable
+  or comma-separated) is required. --signal-nic keeps MPTCP "signal"
+  endpoints on those NICs (interface names or CIDRs); without it the host's
+  endpoints are left alone. The cluster is reached with --kubeconfig, else
+  $KUBECONFIG, else the in-cluster service account. Files never backed by an
+  NBDVolume are reported as orphans, never deleted.
+
+Endpoints on --metrics-addr: /metrics (Prometheus), /healthz and /readyz
+(ready once serving; in cluster mode once the agent has synced).
 
 Exit status: 0 after a clean stop, 1 on a runtime error (a file or address
 that cannot be used), 2 on a usage or config file error.
@@ -137,6 +155,8 @@ type options struct {
 	logFormat       string
 	noList          bool
 	shutdownTimeout time.Duration
+	// cluster, when not nil, runs the storage agent instead of --export.
+	cluster *clusterOptions
 }
 
 // usage returns the --help text.
@@ -144,8 +164,15 @@ func usage(fs *flag.FlagSet) string {
 	var b strings.Builder
 	fs.VisitAll(func(f *flag.Flag) {
 		arg, text := flag.UnquoteUsage(f)
-		if f.Name == "export" {
+		switch f.Name {
+		case "export":
 			arg = "NAME=PATH[,OPTIONS]"
+		case "storage-address":
+			arg = "IP[,IP...]"
+		case "signal-nic":
+			arg = "NIC[,NIC...]"
+		case "topology":
+			arg = "KEY=VALUE[,KEY=VALUE...]"
 		}
 		fmt.Fprintf(&b, "  --%s", f.Name)
 		if arg != "" {
@@ -179,6 +206,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.BoolVar(&v.noList, "no-list", false, "refuse to list exports to clients (NBD_OPT_LIST)")
 	fs.DurationVar(&v.shutdownTimeout, "shutdown-timeout", defaultShutdownTimeout,
 		"drain connections for up to `DURATION` on shutdown or export removal, then close them")
+	addClusterFlags(fs, &v.cluster)
 	return fs, v
 }
 
@@ -191,6 +219,7 @@ type flagValues struct {
 	logFormat       string
 	noList          bool
 	shutdownTimeout time.Duration
+	cluster         clusterFlags
 }
 
 var singleDash = regexp.MustCompile(`(^|\s)-([a-z][a-z-]*)`)
@@ -215,6 +244,9 @@ func parseArgs(args []string) (*options, error) {
 	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if err := checkModeFlags(v, set); err != nil {
+		return nil, err
+	}
 
 	fc := &fileConfig{}
 	if v.config != "" {
@@ -279,8 +311,15 @@ func parseArgs(args []string) (*options, error) {
 	if o.exports, err = mergeExports(fc.Exports, o.flagExports); err != nil {
 		return nil, err
 	}
+	if v.cluster.enabled {
+		if o.cluster, err = v.cluster.resolve(set); err != nil {
+			return nil, err
+		}
+		o.noList = true
+		return o, nil
+	}
 	if len(o.exports) == 0 && o.configPath == "" {
-		return nil, errors.New("no exports: give at least one --export NAME=PATH or a --config file")
+		return nil, errors.New("no exports: give at least one --export NAME=PATH or a --config file (or run with --cluster)")
 	}
 	return o, nil
 }

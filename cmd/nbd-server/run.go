@@ -111,7 +111,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			return exitFailure
 		}
 	}
-	if len(opts.exports) == 0 {
+	if len(opts.exports) == 0 && opts.cluster == nil {
 		log.Warn("no exports yet; add some to the config file and send SIGHUP", "config", opts.configPath)
 	}
 
@@ -135,8 +135,22 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		d.logListener(l, addr)
 	}
 
+	var ca *clusterAgent
+	if opts.cluster != nil {
+		ca, err = d.startAgent(ctx, listenerPort(listeners[0]))
+		if err != nil {
+			log.Error("cannot start the storage agent", "error", err)
+			closeListeners()
+			return exitFailure
+		}
+	}
+
 	var healthy atomic.Bool
 	healthy.Store(true)
+	ready := healthy.Load
+	if ca != nil {
+		ready = func() bool { return healthy.Load() && ca.agent.Started() }
+	}
 	var metricsSrv *http.Server
 	metricsAddr := ""
 	if opts.metricsAddr != "" {
@@ -144,11 +158,16 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		if err != nil {
 			log.Error("cannot listen for metrics", "addr", opts.metricsAddr, "error", err)
 			closeListeners()
+			if ca != nil {
+				ca.stop()
+				<-ca.done
+				ca.agent.Close()
+			}
 			d.closeBackends()
 			return exitFailure
 		}
 		metricsAddr = ml.Addr().String()
-		metricsSrv = newMetricsServer(reg, &healthy, log)
+		metricsSrv = newMetricsServer(reg, &healthy, ready, log)
 		go func() {
 			if err := metricsSrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				log.Error("metrics server failed", "error", err)
@@ -167,24 +186,56 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 	}
 	log.Info("ready", "listen", bound, "metrics_addr", metricsAddr, "exports", len(d.exports))
 
+	code := exitOK
+	var agentDone <-chan error
+	if ca != nil {
+		agentDone = ca.done
+	}
+	reason := ""
 	for done := false; !done; {
 		select {
 		case <-ctx.Done():
 			done = true
+			reason = context.Cause(ctx).Error()
+		case err := <-agentDone:
+			// The manager stopped on its own: it cannot go on.
+			log.Error("storage agent stopped", "error", err)
+			agentDone, done, code = nil, true, exitFailure
+			reason = "storage agent stopped"
 		case sig := <-reload:
+			if ca != nil {
+				log.Info("SIGHUP ignored in cluster mode", "signal", sig.String())
+				continue
+			}
 			d.reload(sig)
 		}
 	}
 
-	code := exitOK
 	healthy.Store(false)
-	log.Info("shutting down", "reason", context.Cause(ctx).Error(), "timeout", opts.shutdownTimeout.String())
+	log.Info("shutting down", "reason", reason, "timeout", opts.shutdownTimeout.String())
+	if ca != nil {
+		// Stop reconciling first, so no export comes or goes while the
+		// server drains.
+		ca.stop()
+		if agentDone != nil {
+			if err := <-agentDone; err != nil {
+				log.Error("storage agent", "error", err)
+				code = exitFailure
+			}
+		}
+	}
 	sctx, cancel := context.WithTimeout(context.Background(), opts.shutdownTimeout)
 	if err := d.srv.Shutdown(sctx); err != nil {
 		log.Warn("connections did not drain in time and were closed", "error", err)
 	}
 	cancel()
 	serving.Wait()
+	if ca != nil {
+		if err := ca.agent.Close(); err != nil {
+			log.Error("closing volumes failed", "error", err)
+			code = exitFailure
+		}
+	}
 	if !d.closeBackends() {
 		code = exitFailure
 	}
@@ -223,7 +274,7 @@ func (d *daemon) logListener(l net.Listener, requested string) {
 	}
 }
 
-func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, log *slog.Logger) *http.Server {
+func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, ready func() bool, log *slog.Logger) *http.Server {
 	errLog := slog.NewLogLogger(log.Handler(), slog.LevelError)
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
@@ -235,6 +286,15 @@ func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, log *slog.
 		if !healthy.Load() {
 			w.WriteHeader(http.StatusServiceUnavailable)
 			io.WriteString(w, "shutting down\n")
+			return
+		}
+		io.WriteString(w, "ok\n")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if !ready() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, "not ready\n")
 			return
 		}
 		io.WriteString(w, "ok\n")

@@ -1,0 +1,98 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+
+	"github.com/go-logr/logr"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	ctrl "sigs.k8s.io/controller-runtime"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/agent"
+)
+
+// clusterAgent is the storage agent of a --cluster run.
+type clusterAgent struct {
+	agent *agent.Agent
+	// done receives the manager's result once it stopped.
+	done chan error
+	stop context.CancelFunc
+}
+
+// restConfig loads the cluster's client config: --kubeconfig, else
+// controller-runtime's lookup ($KUBECONFIG, in-cluster, ~/.kube/config).
+func restConfig(path string) (*rest.Config, error) {
+	if path != "" {
+		return clientcmd.BuildConfigFromFlags("", path)
+	}
+	return ctrl.GetConfig()
+}
+
+// startAgent builds the manager and the agent serving on d.srv, whose
+// listener has the given port, and starts them.
+func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error) {
+	co := d.opts.cluster
+	ctrl.SetLogger(logr.FromSlogHandler(d.log.Handler()))
+	cfg, err := restConfig(co.kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+		Scheme: scheme,
+		Cache:  agent.CacheOptions(co.nodeName),
+		// One agent per node: no leader election. Metrics are served on
+		// --metrics-addr with the server's own registry.
+		LeaderElection:         false,
+		Metrics:                metricsserver.Options{BindAddress: "0"},
+		HealthProbeBindAddress: "0",
+	})
+	if err != nil {
+		return nil, fmt.Errorf("controller manager: %w", err)
+	}
+	a, err := agent.New(agent.Config{
+		NodeName:          co.nodeName,
+		DataDir:           co.dataDir,
+		Namespace:         co.namespace,
+		Addresses:         co.addresses,
+		Port:              int32(port),
+		Topology:          co.topology,
+		HeartbeatInterval: co.heartbeat,
+		DrainTimeout:      d.opts.shutdownTimeout,
+		SignalNICs:        co.signalNICs,
+		Exports:           d.metrics,
+		Logger:            d.log,
+	}, d.srv, mgr.GetClient(), mgr.GetAPIReader())
+	if err != nil {
+		return nil, err
+	}
+	if err := a.SetupWithManager(mgr); err != nil {
+		return nil, err
+	}
+	mctx, cancel := context.WithCancel(ctx)
+	ca := &clusterAgent{agent: a, done: make(chan error, 1), stop: cancel}
+	go func() { ca.done <- mgr.Start(mctx) }()
+	d.log.Info("storage agent started", "node", co.nodeName, "data_dir", co.dataDir, "namespace", co.namespace,
+		"storage_addresses", co.addresses, "port", port, "signal_nics", co.signalNICs)
+	return ca, nil
+}
+
+// listenerPort is the TCP port l is bound to.
+func listenerPort(l net.Listener) int {
+	if a, ok := l.Addr().(*net.TCPAddr); ok {
+		return a.Port
+	}
+	return 0
+}

@@ -1,0 +1,166 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
+
+// Cluster mode defaults.
+const (
+	defaultDataDir   = "/var/lib/mpnbd/volumes"
+	defaultHeartbeat = 10 * time.Second
+)
+
+// clusterFlags are the flags of --cluster mode as given.
+type clusterFlags struct {
+	enabled          bool
+	nodeName         string
+	dataDir          string
+	namespace        string
+	storageAddresses listFlag
+	signalNICs       listFlag
+	topology         string
+	heartbeat        time.Duration
+	kubeconfig       string
+}
+
+// clusterOnly are the flags that mean something only with --cluster.
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "topology", "heartbeat", "kubeconfig"}
+
+// clusterOptions is the resolved configuration of the storage agent.
+type clusterOptions struct {
+	nodeName   string
+	dataDir    string
+	namespace  string
+	addresses  []string
+	signalNICs []mptcp.NICSpec
+	topology   map[string]string
+	heartbeat  time.Duration
+	kubeconfig string
+}
+
+func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
+	fs.BoolVar(&c.enabled, "cluster", false, "run as the storage agent of a Kubernetes node (see Cluster mode); not with --export or --config")
+	fs.StringVar(&c.nodeName, "node-name", "", "cluster mode: this storage node's `NAME` (default $NODE_NAME)")
+	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir, "cluster mode: `DIR` holding the volumes' backing files")
+	fs.StringVar(&c.namespace, "namespace", "", "cluster mode: `NAMESPACE` of the publication Secrets (default $POD_NAMESPACE)")
+	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage IP addresses, reported to clients; repeatable or comma-separated; required")
+	fs.Var(&c.signalNICs, "signal-nic", "cluster mode: keep MPTCP signal endpoints on these storage NICs (interface names or CIDRs); repeatable or comma-separated")
+	fs.StringVar(&c.topology, "topology", "", "cluster mode: topology labels reported for the node")
+	fs.DurationVar(&c.heartbeat, "heartbeat", defaultHeartbeat, "cluster mode: report the node's capacity every `DURATION`")
+	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
+}
+
+// checkModeFlags refuses flags of the other mode.
+func checkModeFlags(v *flagValues, set map[string]bool) error {
+	if v.cluster.enabled {
+		for _, f := range []string{"export", "config"} {
+			if set[f] {
+				return fmt.Errorf("--%s cannot be combined with --cluster (cluster mode serves the node's NBDVolumes)", f)
+			}
+		}
+		return nil
+	}
+	for _, f := range clusterOnly {
+		if set[f] {
+			return fmt.Errorf("--%s needs --cluster", f)
+		}
+	}
+	return nil
+}
+
+// splitList splits repeatable, comma-separated flag values.
+func splitList(vals []string) []string {
+	var out []string
+	for _, v := range vals {
+		for _, s := range strings.Split(v, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				out = append(out, s)
+			}
+		}
+	}
+	return out
+}
+
+// resolve checks the cluster flags and fills in environment defaults.
+func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
+	o := &clusterOptions{
+		nodeName:   c.nodeName,
+		dataDir:    c.dataDir,
+		namespace:  c.namespace,
+		heartbeat:  c.heartbeat,
+		kubeconfig: c.kubeconfig,
+	}
+	if !set["node-name"] {
+		o.nodeName = os.Getenv("NODE_NAME")
+	}
+	if !set["namespace"] {
+		o.namespace = os.Getenv("POD_NAMESPACE")
+	}
+	switch {
+	case o.nodeName == "":
+		return nil, errors.New("cluster mode needs a node name: give --node-name or set $NODE_NAME")
+	case len(validation.IsDNS1123Subdomain(o.nodeName)) > 0:
+		return nil, fmt.Errorf("invalid --node-name %q: %s", o.nodeName, strings.Join(validation.IsDNS1123Subdomain(o.nodeName), "; "))
+	case o.namespace == "":
+		return nil, errors.New("cluster mode needs the namespace of the publication secrets: give --namespace or set $POD_NAMESPACE")
+	case len(validation.IsDNS1123Label(o.namespace)) > 0:
+		return nil, fmt.Errorf("invalid --namespace %q: %s", o.namespace, strings.Join(validation.IsDNS1123Label(o.namespace), "; "))
+	case o.dataDir == "":
+		return nil, errors.New("--data-dir is empty")
+	case o.heartbeat <= 0:
+		return nil, fmt.Errorf("invalid --heartbeat %s: must be positive", o.heartbeat)
+	}
+	for _, a := range splitList(c.storageAddresses) {
+		ip, err := netip.ParseAddr(a)
+		if err != nil || ip.Zone() != "" {
+			return nil, fmt.Errorf("invalid --storage-address %q: want an IP address without a port", a)
+		}
+		s := ip.Unmap().String()
+		if slices.Contains(o.addresses, s) {
+			return nil, fmt.Errorf("--storage-address %s is given twice", s)
+		}
+		o.addresses = append(o.addresses, s)
+	}
+	if len(o.addresses) == 0 {
+		return nil, errors.New("cluster mode needs at least one --storage-address (the node's storage IPs)")
+	}
+	for _, n := range splitList(c.signalNICs) {
+		if strings.Contains(n, "/") {
+			if _, err := netip.ParsePrefix(n); err != nil {
+				return nil, fmt.Errorf("invalid --signal-nic %q: neither an interface name nor a CIDR", n)
+			}
+		}
+		o.signalNICs = append(o.signalNICs, mptcp.NICSpec(n))
+	}
+	if c.topology != "" {
+		o.topology = map[string]string{}
+		for _, kv := range splitList([]string{c.topology}) {
+			k, v, ok := strings.Cut(kv, "=")
+			if !ok || k == "" {
+				return nil, fmt.Errorf("invalid --topology %q: want KEY=VALUE[,KEY=VALUE...]", kv)
+			}
+			if errs := validation.IsQualifiedName(k); len(errs) > 0 {
+				return nil, fmt.Errorf("invalid --topology key %q: %s", k, strings.Join(errs, "; "))
+			}
+			if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
+				return nil, fmt.Errorf("invalid --topology value %q: %s", v, strings.Join(errs, "; "))
+			}
+			if _, dup := o.topology[k]; dup {
+				return nil, fmt.Errorf("--topology key %q is given twice", k)
+			}
+			o.topology[k] = v
+		}
+	}
+	return o, nil
+}

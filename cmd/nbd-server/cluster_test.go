@@ -1,0 +1,124 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
+
+func TestParseArgsCluster(t *testing.T) {
+	t.Setenv("NODE_NAME", "node-from-env")
+	t.Setenv("POD_NAMESPACE", "ns-from-env")
+	o, err := parseArgs([]string{"--cluster", "--storage-address", "10.0.0.1,10.0.1.1", "--storage-address", "fd00::1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &clusterOptions{
+		nodeName:  "node-from-env",
+		dataDir:   defaultDataDir,
+		namespace: "ns-from-env",
+		addresses: []string{"10.0.0.1", "10.0.1.1", "fd00::1"},
+		heartbeat: defaultHeartbeat,
+	}
+	if !reflect.DeepEqual(o.cluster, want) {
+		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
+	}
+	if !o.noList || len(o.exports) != 0 || !reflect.DeepEqual(o.listen, []string{defaultListen}) {
+		t.Fatalf("options = %+v", o)
+	}
+
+	o, err = parseArgs([]string{"--cluster", "--node-name", "n1", "--namespace", "mpnbd",
+		"--storage-address", "192.168.1.5", "--data-dir", "/srv/vols", "--signal-nic", "eth1,10.7.0.0/16",
+		"--signal-nic", "eth2", "--topology", "topology.kubernetes.io/zone=a,rack=r1", "--heartbeat", "3s",
+		"--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = &clusterOptions{
+		nodeName:   "n1",
+		dataDir:    "/srv/vols",
+		namespace:  "mpnbd",
+		addresses:  []string{"192.168.1.5"},
+		signalNICs: []mptcp.NICSpec{"eth1", "10.7.0.0/16", "eth2"},
+		topology:   map[string]string{"topology.kubernetes.io/zone": "a", "rack": "r1"},
+		heartbeat:  3 * time.Second,
+		kubeconfig: "/etc/kube.conf",
+	}
+	if !reflect.DeepEqual(o.cluster, want) {
+		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
+	}
+	if !o.tcp || !reflect.DeepEqual(o.listen, []string{":10810"}) {
+		t.Fatalf("options = %+v", o)
+	}
+
+	// Standalone runs stay as they were.
+	if o, err := parseArgs([]string{"--export", "d=/x"}); err != nil || o.cluster != nil {
+		t.Fatalf("standalone: %+v, %v", o, err)
+	}
+}
+
+func TestParseArgsClusterErrors(t *testing.T) {
+	t.Setenv("NODE_NAME", "")
+	t.Setenv("POD_NAMESPACE", "")
+	cfg := writeFile(t, "c.json", `{"exports": []}`)
+	ok := []string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--storage-address", "10.0.0.1"}
+	with := func(extra ...string) []string { return append(append([]string(nil), ok...), extra...) }
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"no node name", []string{"--cluster", "--namespace", "ns", "--storage-address", "10.0.0.1"}, "--node-name"},
+		{"no namespace", []string{"--cluster", "--node-name", "n1", "--storage-address", "10.0.0.1"}, "--namespace"},
+		{"no storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns"}, "--storage-address"},
+		{"empty storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--storage-address", ","}, "--storage-address"},
+		{"storage address with port", with("--storage-address", "10.0.0.2:10809"), `invalid --storage-address "10.0.0.2:10809"`},
+		{"storage address twice", with("--storage-address", "10.0.0.1"), "--storage-address 10.0.0.1 is given twice"},
+		{"bad node name", with("--node-name", "Node_1"), `invalid --node-name "Node_1"`},
+		{"bad signal nic", with("--signal-nic", "10.0.0.0/99"), `invalid --signal-nic "10.0.0.0/99"`},
+		{"bad topology", with("--topology", "zone"), `invalid --topology "zone"`},
+		{"bad topology value", with("--topology", "zone=a b"), `invalid --topology value "a b"`},
+		{"bad heartbeat", with("--heartbeat", "0s"), "invalid --heartbeat 0s"},
+		{"export in cluster mode", with("--export", "a=/a"), "--export cannot be combined with --cluster"},
+		{"config in cluster mode", with("--config", cfg), "--config cannot be combined with --cluster"},
+		{"cluster flag without cluster", []string{"--export", "a=/a", "--node-name", "n1"}, "--node-name needs --cluster"},
+		{"address without cluster", []string{"--export", "a=/a", "--storage-address", "10.0.0.1"}, "--storage-address needs --cluster"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := parseArgs(tc.args)
+			if err == nil {
+				t.Fatalf("parsed as %+v (cluster %+v), want an error", o, o.cluster)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %q, want it to contain %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestRunClusterUsage(t *testing.T) {
+	t.Setenv("NODE_NAME", "")
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"--help"}, &stdout, &stderr); code != 0 {
+		t.Fatalf("--help: exit %d", code)
+	}
+	for _, want := range []string{"--cluster", "--node-name NAME", "--storage-address IP[,IP...]", "--signal-nic NIC[,NIC...]",
+		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--kubeconfig FILE", "--data-dir DIR",
+		defaultDataDir, "$NODE_NAME", "$POD_NAMESPACE", "/readyz"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("help text lacks %q", want)
+		}
+	}
+	stdout.Reset()
+	if code := run(context.Background(), []string{"--cluster", "--storage-address", "10.0.0.1"}, &stdout, &stderr); code != exitUsage {
+		t.Fatalf("missing node name: exit %d, want %d", code, exitUsage)
+	}
+	if !strings.Contains(stderr.String(), "--node-name") {
+		t.Fatalf("stderr %q does not name --node-name", stderr.String())
+	}
+}
