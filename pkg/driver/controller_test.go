@@ -1086,3 +1086,44 @@ func TestCodeByName(t *testing.T) {
 		}
 	}
 }
+
+func TestControllerAPIErrors(t *testing.T) {
+	ctx := context.Background()
+	gr := v1alpha1.GroupVersion.WithResource("nbdvolumes").GroupResource()
+	var getErr, updateErr error
+	c := fake.NewClientBuilder().
+		WithScheme(testScheme(t)).
+		WithStatusSubresource(&v1alpha1.NBDVolume{}, &v1alpha1.NBDStorageNode{}).
+		WithObjects(&v1alpha1.NBDVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: "vol", Finalizers: []string{v1alpha1.Finalizer}},
+			Spec:       v1alpha1.NBDVolumeSpec{SizeBytes: gib, StorageNode: "big", AccessType: v1alpha1.AccessFilesystem},
+		}).
+		WithInterceptorFuncs(interceptor.Funcs{
+			Get: func(ctx context.Context, cl client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+				if _, ok := obj.(*v1alpha1.NBDVolume); ok && getErr != nil {
+					return getErr
+				}
+				return cl.Get(ctx, key, obj, opts...)
+			},
+			Update: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.UpdateOption) error {
+				if updateErr != nil {
+					return updateErr
+				}
+				return cl.Update(ctx, obj, opts...)
+			},
+		}).
+		Build()
+	ctl := newTestController(t, c)
+	expand := func() error {
+		_, err := ctl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+			VolumeId: "vol", CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * gib}})
+		return err
+	}
+	getErr = apierrors.NewServiceUnavailable("etcd is down")
+	wantStatus(t, expand(), codes.Unavailable, "etcd is down")
+	getErr = apierrors.NewForbidden(gr, "vol", nil)
+	wantStatus(t, expand(), codes.Internal, "forbidden")
+	getErr = nil
+	updateErr = apierrors.NewConflict(gr, "vol", nil)
+	wantStatus(t, expand(), codes.Aborted, "concurrently")
+}
