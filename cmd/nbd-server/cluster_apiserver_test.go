@@ -1,0 +1,161 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
+)
+
+// writeKubeconfig stores cfg (a client-certificate config) as a kubeconfig.
+func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
+	t.Helper()
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
+	kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{
+		ClientCertificateData: cfg.CertData, ClientKeyData: cfg.KeyData, Token: cfg.BearerToken,
+	}
+	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
+	kc.CurrentContext = "test"
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// waitUntil polls cond until it returns "" (30 s at most).
+func waitUntil(t *testing.T, what string, cond func() string) {
+	t.Helper()
+	end := time.Now().Add(30 * time.Second)
+	for {
+		msg := cond()
+		if msg == "" {
+			return
+		}
+		if time.Now().After(end) {
+			t.Fatalf("%s: %s", what, msg)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestRunCluster runs the command in cluster mode against a real API
+// server: a volume gets a file and an export, a published node reads and
+// writes it, and a stop keeps the file.
+func TestRunCluster(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mpnbd"}}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	r := start(t, "--cluster", "--node-name", "n1", "--namespace", "mpnbd", "--storage-address", "127.0.0.1",
+		"--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--data-dir", dir,
+		"--kubeconfig", writeKubeconfig(t, cfg), "--heartbeat", "1s", "--log-format", "json")
+
+	waitUntil(t, "/readyz", func() string {
+		resp, err := http.Get("http://" + r.metricsAddr + "/readyz")
+		if err != nil {
+			return err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Sprintf("%s %q", resp.Status, body)
+		}
+		return ""
+	})
+
+	vol := &v1alpha1.NBDVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", Finalizers: []string{v1alpha1.Finalizer}},
+		Spec:       v1alpha1.NBDVolumeSpec{SizeBytes: 4 << 20, StorageNode: "n1", AccessType: v1alpha1.AccessFilesystem},
+	}
+	if err := c.Create(ctx, vol); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: access.SecretName("pvc-1", "w1"), Namespace: "mpnbd"},
+		Data:       map[string][]byte{access.SecretKeyToken: []byte(tok)},
+	}
+	if err := c.Create(ctx, secret); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
+		t.Fatal(err)
+	}
+	vol.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", SecretRef: secret.Name, Addresses: []string{"127.0.0.1"}}}
+	if err := c.Update(ctx, vol); err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(r.addr)
+	waitUntil(t, "volume available", func() string {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
+			return err.Error()
+		}
+		st := vol.Status
+		if st.ObservedGeneration != vol.Generation || st.Phase != v1alpha1.VolumeAvailable {
+			return fmt.Sprintf("generation %d, status %+v", vol.Generation, st)
+		}
+		if st.Export == nil || strconv.Itoa(int(st.Export.Port)) != port {
+			return fmt.Sprintf("export %+v, want port %s", st.Export, port)
+		}
+		return ""
+	})
+
+	cl, err := dial(t, r.addr, access.NodeExport("pvc-1", tok), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte{0x5a}, 4096)
+	if _, err := cl.WriteAt(data, 0); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4096)
+	if _, err := cl.ReadAt(got, 0); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back: %v", err)
+	}
+	if _, err := dial(t, r.addr, "pvc-1", true); err == nil {
+		t.Fatal("the plain volume name was served")
+	}
+	waitUntil(t, "storage node reported", func() string {
+		var n v1alpha1.NBDStorageNode
+		if err := c.Get(ctx, types.NamespacedName{Name: "n1"}, &n); err != nil {
+			return err.Error()
+		}
+		if n.Status.CapacityBytes <= 0 || strconv.Itoa(int(n.Status.Port)) != port {
+			return fmt.Sprintf("status %+v", n.Status)
+		}
+		return ""
+	})
+
+	if code := r.stop(t); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	if st, err := os.Stat(filepath.Join(dir, "pvc-1.img")); err != nil || st.Size() != 4<<20 {
+		t.Fatalf("backing file after stop: %v, %v", st, err)
+	}
+}
