@@ -1,0 +1,374 @@
+package driver
+
+// The Controller's dealings with the API server: waiting for the storage
+// agent, optimistic updates, publication Secrets and error mapping.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
+)
+
+// errAgentFailed marks a wait that ended because the volume's phase is
+// Failed; the caller turns the volume's status into the error.
+var errAgentFailed = errors.New("storage agent reports the volume failed")
+
+// waitApplied waits until the agent put the spec of v (its generation or
+// a later one) in effect and the volume is Available. A Failed phase ends
+// the wait with the agent's code and message.
+func (c *Controller) waitApplied(ctx context.Context, v *v1alpha1.NBDVolume, what string) (*v1alpha1.NBDVolume, error) {
+	gen := v.Generation
+	w, err := c.waitVolume(ctx, v.Name, what, func(v *v1alpha1.NBDVolume) (bool, error) {
+		if v == nil {
+			return false, fmt.Errorf("%w: volume deleted while waiting for it", ErrNotFound)
+		}
+		if v.Status.Phase == v1alpha1.VolumeFailed {
+			return false, errAgentFailed
+		}
+		return applied(v, gen), nil
+	})
+	if errors.Is(err, errAgentFailed) {
+		return nil, agentError(w)
+	}
+	return w, err
+}
+
+// applied reports whether the agent put generation gen in effect.
+func applied(v *v1alpha1.NBDVolume, gen int64) bool {
+	return v.Status.ObservedGeneration >= gen && v.Status.Phase == v1alpha1.VolumeAvailable
+}
+
+// waitVolume reads volume id every PollInterval until done reports true
+// (done gets nil once the volume is gone) or an error, for at most
+// WaitTimeout. On errAgentFailed it returns the volume with the error.
+func (c *Controller) waitVolume(ctx context.Context, id, what string, done func(*v1alpha1.NBDVolume) (bool, error)) (*v1alpha1.NBDVolume, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
+	defer cancel()
+	tick := time.NewTicker(c.cfg.PollInterval)
+	defer tick.Stop()
+	var last *v1alpha1.NBDVolume
+	var lastErr error
+	for {
+		v := &v1alpha1.NBDVolume{}
+		err := c.c.Get(ctx, client.ObjectKey{Name: id}, v)
+		if err == nil || apierrors.IsNotFound(err) {
+			if err != nil {
+				v = nil
+			}
+			ok, err := done(v)
+			if errors.Is(err, errAgentFailed) {
+				return v, err
+			}
+			if err != nil {
+				return nil, err
+			}
+			if ok {
+				return v, nil
+			}
+			last, lastErr = v, nil
+		} else if ctx.Err() == nil {
+			// A transient API error: try again until the deadline.
+			lastErr = err
+		}
+		select {
+		case <-ctx.Done():
+			state := "gone"
+			if last != nil {
+				state = fmt.Sprintf("phase %s, observed generation %d of %d%s", phaseOf(last),
+					last.Status.ObservedGeneration, last.Generation, failureSuffix(last))
+			}
+			if lastErr != nil {
+				state += "; last API error: " + lastErr.Error()
+			}
+			return nil, fmt.Errorf("volume %s: the storage agent did not %s in time (%s): %w", id, what, state, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// updateVolume applies mutate to the newest copy of a volume and writes
+// it when mutate reports a change, retrying on conflicts (the agent
+// writes the status concurrently). It returns the volume as written, or
+// as read when nothing changed.
+func (c *Controller) updateVolume(ctx context.Context, id string, mutate func(*v1alpha1.NBDVolume) (bool, error)) (*v1alpha1.NBDVolume, error) {
+	var out *v1alpha1.NBDVolume
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := &v1alpha1.NBDVolume{}
+		if err := c.c.Get(ctx, client.ObjectKey{Name: id}, v); err != nil {
+			return err
+		}
+		changed, err := mutate(v)
+		if err != nil {
+			return err
+		}
+		if changed {
+			if err := c.c.Update(ctx, v); err != nil {
+				return err
+			}
+		}
+		out = v
+		return nil
+	})
+	if err != nil {
+		if isAPIStatus(err) {
+			return nil, kubeErr(err, "updating NBDVolume "+id)
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+func isAPIStatus(err error) bool {
+	var s apierrors.APIStatus
+	return errors.As(err, &s)
+}
+
+// getVolume reads a volume; a missing one is ErrNotFound.
+func (c *Controller) getVolume(ctx context.Context, id string) (*v1alpha1.NBDVolume, error) {
+	v := &v1alpha1.NBDVolume{}
+	if err := c.c.Get(ctx, client.ObjectKey{Name: id}, v); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("%w: volume %q does not exist", ErrNotFound, id)
+		}
+		return nil, kubeErr(err, "reading NBDVolume "+id)
+	}
+	return v, nil
+}
+
+// ensureSecret returns the token of the publication Secret of volume v
+// and nodeID, creating the Secret (or renewing a stale one) as needed.
+func (c *Controller) ensureSecret(ctx context.Context, v *v1alpha1.NBDVolume, nodeID string) (string, error) {
+	name := access.SecretName(v.Name, nodeID)
+	owner := metav1.OwnerReference{
+		APIVersion: v1alpha1.GroupVersion.String(),
+		Kind:       "NBDVolume",
+		Name:       v.Name,
+		UID:        v.UID,
+	}
+	labels := map[string]string{access.LabelVolume: v.Name}
+	// Node names may be longer than a label value may be; such a
+	// Secret is found by its name only.
+	if isLabelValue(nodeID) {
+		labels[access.LabelNode] = nodeID
+	}
+	var s corev1.Secret
+	err := c.c.Get(ctx, client.ObjectKey{Namespace: c.cfg.Namespace, Name: name}, &s)
+	if err == nil {
+		tok := string(s.Data[access.SecretKeyToken])
+		if access.ValidToken(tok) && slices.ContainsFunc(s.OwnerReferences, func(o metav1.OwnerReference) bool { return o.UID == v.UID }) {
+			return tok, nil
+		}
+		// Left over from an earlier volume of the same ID, or damaged:
+		// give it a fresh token and the current owner.
+		if tok, err = access.NewToken(); err != nil {
+			return "", err
+		}
+		s.Labels, s.OwnerReferences = labels, []metav1.OwnerReference{owner}
+		s.Data = map[string][]byte{access.SecretKeyToken: []byte(tok)}
+		if err := c.c.Update(ctx, &s); err != nil {
+			return "", kubeErr(err, "renewing Secret "+name)
+		}
+		return tok, nil
+	}
+	if !apierrors.IsNotFound(err) {
+		return "", kubeErr(err, "reading Secret "+name)
+	}
+	tok, err := access.NewToken()
+	if err != nil {
+		return "", err
+	}
+	s = corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:            name,
+			Namespace:       c.cfg.Namespace,
+			Labels:          labels,
+			OwnerReferences: []metav1.OwnerReference{owner},
+		},
+		Type: corev1.SecretTypeOpaque,
+		Data: map[string][]byte{access.SecretKeyToken: []byte(tok)},
+	}
+	if err := c.c.Create(ctx, &s); err != nil {
+		return "", kubeErr(err, "creating Secret "+name)
+	}
+	return tok, nil
+}
+
+// deleteSecrets deletes the publication Secret of a volume and nodeID, or
+// every publication Secret of the volume when nodeID is empty.
+func (c *Controller) deleteSecrets(ctx context.Context, id, nodeID string) error {
+	if nodeID != "" {
+		s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: c.cfg.Namespace, Name: access.SecretName(id, nodeID)}}
+		if err := c.c.Delete(ctx, s); err != nil && !apierrors.IsNotFound(err) {
+			return kubeErr(err, "deleting Secret "+s.Name)
+		}
+		return nil
+	}
+	err := c.c.DeleteAllOf(ctx, &corev1.Secret{}, client.InNamespace(c.cfg.Namespace),
+		client.MatchingLabels{access.LabelVolume: id})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return kubeErr(err, "deleting the Secrets of volume "+id)
+	}
+	return nil
+}
+
+// publishContext is what the node plugin needs to open the export: the
+// export name with the node's token, and the storage node's addresses.
+func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, token string) (map[string]string, error) {
+	exportName := v.Name
+	var addrs []string
+	var port int32
+	if e := v.Status.Export; e != nil {
+		if e.Name != "" {
+			exportName = e.Name
+		}
+		addrs, port = e.Addresses, e.Port
+	}
+	if len(addrs) == 0 || port == 0 {
+		// The agent did not say where it serves the export: take what
+		// its node reports.
+		var n v1alpha1.NBDStorageNode
+		if err := c.c.Get(ctx, client.ObjectKey{Name: v.Spec.StorageNode}, &n); err == nil {
+			if len(addrs) == 0 {
+				addrs = n.Status.Addresses
+			}
+			if port == 0 {
+				port = n.Status.Port
+			}
+		}
+	}
+	if len(addrs) == 0 || port == 0 {
+		return nil, fmt.Errorf("%w: storage node %s reports no storage address or port for volume %s",
+			ErrUnavailable, v.Spec.StorageNode, v.Name)
+	}
+	hostports := make([]string, len(addrs))
+	for i, a := range addrs {
+		hostports[i] = net.JoinHostPort(a, strconv.Itoa(int(port)))
+	}
+	return map[string]string{
+		PublishContextExport:    access.NodeExport(exportName, token),
+		PublishContextAddresses: strings.Join(hostports, ","),
+	}, nil
+}
+
+// csiVolume describes a volume for CreateVolume and ListVolumes. topo maps
+// storage nodes to their topology; nil reads the volume's node.
+func (c *Controller) csiVolume(ctx context.Context, v *v1alpha1.NBDVolume, topo map[string]map[string]string) *csi.Volume {
+	out := &csi.Volume{
+		VolumeId:      v.Name,
+		CapacityBytes: v.Status.CapacityBytes,
+		VolumeContext: maps.Clone(v.Spec.Parameters),
+	}
+	if out.CapacityBytes == 0 {
+		out.CapacityBytes = v.Spec.SizeBytes
+	}
+	var t map[string]string
+	if topo != nil {
+		t = topo[v.Spec.StorageNode]
+	} else {
+		var n v1alpha1.NBDStorageNode
+		if err := c.c.Get(ctx, client.ObjectKey{Name: v.Spec.StorageNode}, &n); err == nil {
+			t = n.Status.Topology
+		}
+	}
+	if len(t) > 0 {
+		out.AccessibleTopology = []*csi.Topology{{Segments: maps.Clone(t)}}
+	}
+	return out
+}
+
+// agentError turns the status of a Failed volume into a gRPC error with
+// the agent's code.
+func agentError(v *v1alpha1.NBDVolume) error {
+	code, ok := codeByName(v.Status.Code)
+	if !ok || code == codes.OK {
+		code = codes.Internal
+	}
+	msg := v.Status.Message
+	if msg == "" {
+		msg = "no message"
+	}
+	return status.Errorf(code, "storage agent on %s failed volume %s: %s", v.Spec.StorageNode, v.Name, msg)
+}
+
+// codeByName parses a gRPC code name, as codes.Code.String spells it
+// (ResourceExhausted) or in the upper-case form (RESOURCE_EXHAUSTED).
+func codeByName(name string) (codes.Code, bool) {
+	if name == "" {
+		return 0, false
+	}
+	for c := codes.OK; c <= codes.Unauthenticated; c++ {
+		if c.String() == name {
+			return c, true
+		}
+	}
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(strconv.Quote(name))); err == nil {
+		return c, true
+	}
+	return 0, false
+}
+
+func phaseOf(v *v1alpha1.NBDVolume) v1alpha1.VolumePhase {
+	if v.Status.Phase == "" {
+		return v1alpha1.VolumePending
+	}
+	return v.Status.Phase
+}
+
+func failureSuffix(v *v1alpha1.NBDVolume) string {
+	if v.Status.Phase != v1alpha1.VolumeFailed {
+		return ""
+	}
+	return fmt.Sprintf(" (%s: %s)", v.Status.Code, v.Status.Message)
+}
+
+// kubeErr wraps an API error with the driver sentinel that fits it.
+func kubeErr(err error, what string) error {
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Errorf("%w: %s: %v", ErrNotFound, what, err)
+	case apierrors.IsConflict(err), apierrors.IsAlreadyExists(err):
+		return fmt.Errorf("%w: %s: changed concurrently, retry: %v", ErrAborted, what, err)
+	case apierrors.IsServerTimeout(err), apierrors.IsTimeout(err), apierrors.IsTooManyRequests(err),
+		apierrors.IsServiceUnavailable(err):
+		return fmt.Errorf("%w: %s: %v", ErrUnavailable, what, err)
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+func publishedNodes(v *v1alpha1.NBDVolume) []string {
+	var out []string
+	for _, p := range v.Spec.Publications {
+		out = append(out, p.NodeID)
+	}
+	return out
+}
+
+// storageAddresses are the IPs a node announces for storage traffic.
+func storageAddresses(n *corev1.Node) []string {
+	var out []string
+	for _, a := range strings.Split(n.Annotations[access.AnnotationStorageAddresses], ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			out = append(out, a)
+		}
+	}
+	return out
+}
