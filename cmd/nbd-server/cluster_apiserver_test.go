@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -104,11 +105,15 @@ func TestRunCluster(t *testing.T) {
 	if err := c.Create(ctx, secret); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
-		t.Fatal(err)
-	}
-	vol.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", SecretRef: secret.Name, Addresses: []string{"127.0.0.1"}}}
-	if err := c.Update(ctx, vol); err != nil {
+	// The agent writes the status meanwhile: retry conflicts.
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
+			return err
+		}
+		vol.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", SecretRef: secret.Name, Addresses: []string{"127.0.0.1"}}}
+		return c.Update(ctx, vol)
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 	_, port, _ := net.SplitHostPort(r.addr)
