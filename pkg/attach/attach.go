@@ -117,6 +117,16 @@ type Attacher interface {
 	Detach(ctx context.Context, volumeID string) error
 	// Health reports the data path of an attached volume.
 	Health(volumeID string) (Health, error)
+	// Resize picks up a grown export: it asks the server for the
+	// export's size on a fresh connection, which must be at least
+	// newSize, resizes the device to it and returns the device's size.
+	Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error)
+}
+
+// Adopter is a transport that can take over, in a new process, the
+// volumes an earlier process attached.
+type Adopter interface {
+	Adopt(ctx context.Context) ([]*Attachment, error)
 }
 
 // Sentinel errors, mapped to gRPC codes at the CSI boundary.
@@ -126,4 +136,7 @@ var (
 	ErrUnsupported   = errors.New("attach: transport not supported on this node")
 	ErrWrongVolume   = errors.New("attach: device belongs to another volume")
 	ErrServerRefused = errors.New("attach: server refused the export")
+	// ErrTooSmall: Resize found the export smaller than requested (the
+	// storage node has not grown it yet).
+	ErrTooSmall = errors.New("attach: export smaller than requested")
 )

@@ -175,3 +175,50 @@ func (m *Manager) KernelRefused() bool {
 	defer m.mu.Unlock()
 	return m.kernelRefused
 }
+
+// Resize grows the device of an attached volume to its export's size,
+// which must be at least newSize. A volume this process did not attach is
+// looked for in every transport.
+func (m *Manager) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
+	m.mu.Lock()
+	tr, ok := m.chosen[volumeID]
+	m.mu.Unlock()
+	if ok {
+		return m.attachers[tr].Resize(ctx, volumeID, newSize)
+	}
+	for _, t := range m.Available() {
+		n, err := m.attachers[t].Resize(ctx, volumeID, newSize)
+		if !errors.Is(err, ErrNotAttached) {
+			return n, err
+		}
+	}
+	return 0, fmt.Errorf("%w: %s", ErrNotAttached, volumeID)
+}
+
+// Adopt lets every transport that can take over the volumes an earlier
+// process attached, and remembers which transport has each. Errors of one
+// transport do not stop the others.
+func (m *Manager) Adopt(ctx context.Context) ([]*Attachment, error) {
+	var out []*Attachment
+	var errs []error
+	for _, t := range m.Available() {
+		ad, ok := m.attachers[t].(Adopter)
+		if !ok {
+			continue
+		}
+		atts, err := ad.Adopt(ctx)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", t, err))
+		}
+		m.mu.Lock()
+		for _, a := range atts {
+			m.chosen[a.VolumeID] = t
+		}
+		m.mu.Unlock()
+		for _, a := range atts {
+			m.log.Info("volume adopted", "volume_id", a.VolumeID, "transport", string(t), "device", a.Device)
+		}
+		out = append(out, atts...)
+	}
+	return out, errors.Join(errs...)
+}

@@ -14,6 +14,8 @@ type fakeAttacher struct {
 	attached map[string]bool
 	calls    int
 	detaches int
+	// adoptable are volumes Adopt finds.
+	adoptable []string
 }
 
 func (f *fakeAttacher) Attach(_ context.Context, t Target, _ Options) (*Attachment, error) {
@@ -39,6 +41,26 @@ func (f *fakeAttacher) Health(id string) (Health, error) {
 		return Health{}, ErrNotAttached
 	}
 	return Health{Connected: true}, nil
+}
+
+func (f *fakeAttacher) Resize(_ context.Context, id string, n uint64) (uint64, error) {
+	if !f.attached[id] {
+		return 0, ErrNotAttached
+	}
+	return n, nil
+}
+
+// Adopt reports every volume in adoptable as attached by an earlier process.
+func (f *fakeAttacher) Adopt(context.Context) ([]*Attachment, error) {
+	var out []*Attachment
+	for _, id := range f.adoptable {
+		if f.attached == nil {
+			f.attached = map[string]bool{}
+		}
+		f.attached[id] = true
+		out = append(out, &Attachment{VolumeID: id, Transport: f.name})
+	}
+	return out, nil
 }
 
 func newTestManager(ts map[Transport]*fakeAttacher) *Manager {
@@ -158,5 +180,31 @@ func TestParseTransport(t *testing.T) {
 	}
 	if _, err := ParseTransport("iscsi"); !errors.Is(err, ErrInvalid) {
 		t.Errorf("iscsi: %v", err)
+	}
+}
+
+func TestManagerResizeAndAdopt(t *testing.T) {
+	relay := &fakeAttacher{adoptable: []string{"pv-old"}}
+	fuse := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Relay: relay, FUSE: fuse})
+	ctx := context.Background()
+	if _, err := m.Resize(ctx, "pv-old", 10); !errors.Is(err, ErrNotAttached) {
+		t.Fatalf("Resize of an unknown volume: %v, want ErrNotAttached", err)
+	}
+	atts, err := m.Adopt(ctx)
+	if err != nil || len(atts) != 1 || atts[0].VolumeID != "pv-old" {
+		t.Fatalf("Adopt = %v, %v", atts, err)
+	}
+	if tr, ok := m.Chosen("pv-old"); !ok || tr != Relay {
+		t.Fatalf("adopted volume's transport = %v, %v; want relay", tr, ok)
+	}
+	if n, err := m.Resize(ctx, "pv-old", 10); err != nil || n != 10 {
+		t.Fatalf("Resize after Adopt = %d, %v", n, err)
+	}
+	if _, err := m.Attach(ctx, FUSE, Target{VolumeID: "pv-new"}, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := m.Resize(ctx, "pv-new", 20); err != nil || n != 20 {
+		t.Fatalf("Resize of a fuse volume = %d, %v", n, err)
 	}
 }

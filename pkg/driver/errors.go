@@ -51,7 +51,7 @@ func toStatus(err error) error {
 		code = codes.Aborted
 	case errors.Is(err, ErrOutOfRange):
 		code = codes.OutOfRange
-	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported):
+	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported), errors.Is(err, attach.ErrTooSmall):
 		code = codes.Unavailable
 	case errors.Is(err, ErrUnimplementedErr):
 		code = codes.Unimplemented

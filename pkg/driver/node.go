@@ -23,6 +23,7 @@ type Attacher interface {
 	Attach(ctx context.Context, tr attach.Transport, t attach.Target, o attach.Options) (*attach.Attachment, error)
 	Detach(ctx context.Context, volumeID string) error
 	Health(volumeID string) (attach.Transport, attach.Health, error)
+	Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error)
 }
 
 var _ Attacher = (*attach.Manager)(nil)
@@ -546,6 +547,15 @@ func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRe
 	}
 	defer unlock()
 
+	// The storage node has grown the export (ControllerExpandVolume waits
+	// for that); the device learns the new size from a fresh handshake.
+	want := req.GetCapacityRange().GetRequiredBytes()
+	if _, err := n.cfg.Attacher.Resize(ctx, id, uint64(max(want, 0))); err != nil {
+		if !errors.Is(err, attach.ErrNotAttached) {
+			return nil, toStatus(fmt.Errorf("resize the device of %s: %w", id, err))
+		}
+		n.log.Warn("expand: volume not attached by this process; checking the device as it is", "volume_id", id)
+	}
 	block, err := m.IsBlockDevice(path)
 	if err != nil {
 		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
@@ -564,9 +574,8 @@ func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRe
 	if err != nil {
 		return nil, toStatus(fmt.Errorf("device size of %s: %w", dev, err))
 	}
-	if want := req.GetCapacityRange().GetRequiredBytes(); want > 0 && uint64(want) > size {
-		// The storage node grows the export; the device follows. Until
-		// it has, the kubelet retries.
+	if want > 0 && uint64(want) > size {
+		// Until the device has grown, the kubelet retries.
 		return nil, toStatus(fmt.Errorf("%w: device %s has %d bytes, %d requested", ErrUnavailable, dev, size, want))
 	}
 	if !block {

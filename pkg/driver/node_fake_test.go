@@ -22,6 +22,10 @@ type fakeAttacher struct {
 	detachErr error
 	attaches  int
 	detaches  []string
+	// exportSize, when set for a volume, is what Resize finds on the
+	// server; resized records Resize calls.
+	exportSize map[string]uint64
+	resized    []string
 
 	// When gate is set, Attach signals entered and waits for gate.
 	gate    chan struct{}
@@ -74,6 +78,25 @@ func (f *fakeAttacher) Health(volumeID string) (attach.Transport, attach.Health,
 		h = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}}
 	}
 	return attach.FUSE, h, nil
+}
+
+func (f *fakeAttacher) Resize(ctx context.Context, volumeID string, n uint64) (uint64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	a, ok := f.attached[volumeID]
+	if !ok {
+		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	size, ok := f.exportSize[volumeID]
+	if !ok {
+		size = max(a.Size, n)
+	}
+	if size < n {
+		return 0, fmt.Errorf("%w: %d < %d", attach.ErrTooSmall, size, n)
+	}
+	a.Size = size
+	f.resized = append(f.resized, volumeID)
+	return size, nil
 }
 
 func (f *fakeAttacher) isAttached(id string) bool {

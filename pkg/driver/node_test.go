@@ -521,6 +521,7 @@ func TestNodeExpandVolume(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.mnt.blockDevs[blockPath] = 3 << 30
+	f.att.exportSize = map[string]uint64{"pv-1": 3 << 30}
 
 	tests := []struct {
 		name       string
@@ -535,7 +536,8 @@ func TestNodeExpandVolume(t *testing.T) {
 		{"missing path", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: filepath.Join(f.dir, "missing")}, codes.NotFound, 0, false},
 		{"block", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: blockPath, VolumeCapability: blockCap(rwo)}, codes.OK, 3 << 30, false},
 		{"filesystem", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: stage.StagingTargetPath, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}}, codes.OK, 2 << 30, true},
-		{"device not grown yet", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: stage.StagingTargetPath, CapacityRange: &csi.CapacityRange{RequiredBytes: 4 << 30}}, codes.Unavailable, 0, false},
+		{"export not grown yet", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: stage.StagingTargetPath, CapacityRange: &csi.CapacityRange{RequiredBytes: 4 << 30}}, codes.Unavailable, 0, false},
+		{"device not grown", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: stage.StagingTargetPath, CapacityRange: &csi.CapacityRange{RequiredBytes: 3 << 30}}, codes.Unavailable, 0, false},
 		{"not mounted", &csi.NodeExpandVolumeRequest{VolumeId: "pv-1", VolumePath: f.dir}, codes.NotFound, 0, false},
 	}
 	for _, tt := range tests {

@@ -159,7 +159,7 @@ func testAttachLocal(t *testing.T, cfg Config) {
 	if err := ts.backend.Resize(size * 2); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := a.Resize(ctx, "pv-local", size*4); err == nil {
+	if _, err := a.Resize(ctx, "pv-local", size*4); !errors.Is(err, attach.ErrTooSmall) {
 		t.Error("Resize past the export's size succeeds")
 	}
 	n, err := a.Resize(ctx, "pv-local", size*2)

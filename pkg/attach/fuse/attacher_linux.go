@@ -668,7 +668,7 @@ func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64
 	size := cl.Info().Size
 	cl.Close()
 	if size < newSize {
-		return 0, fmt.Errorf("fuse: resize volume %s: the export has %d bytes, less than %d", volumeID, size, newSize)
+		return 0, fmt.Errorf("fuse: resize volume %s: %w: the export has %d bytes, less than %d", volumeID, attach.ErrTooSmall, size, newSize)
 	}
 	if size != v.node.size.Load() {
 		v.node.size.Store(size)

@@ -45,7 +45,7 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 }
 
 // Adopt finds nothing here.
-func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) { return nil, nil }
+func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) { return nil, nil }
 
 // ServeMain is only implemented on Linux: it reports that and returns 2.
 func ServeMain() int {

@@ -61,6 +61,7 @@ var errorKinds = []struct {
 	{"unsupported", attach.ErrUnsupported},
 	{"wrong-volume", attach.ErrWrongVolume},
 	{"server-refused", attach.ErrServerRefused},
+	{"too-small", attach.ErrTooSmall},
 	{"unknown-export", nbd.ErrUnknownExport},
 	{"access-denied", nbd.ErrAccessDenied},
 	{"loop-busy", blockdev.ErrLoopBusy},

@@ -628,7 +628,7 @@ func (a *Attacher) serverResize(ctx context.Context, id string, newSize uint64) 
 // sorted by volume ID. Attach, Health, Resize and Detach find them by
 // themselves; Adopt lists them. Volumes whose server is gone are not
 // listed: their next Attach or Detach cleans up after it.
-func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) {
+func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
 	entries, err := os.ReadDir(a.stateDir())
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -636,7 +636,7 @@ func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fuse: state directory: %w", err)
 	}
-	var out []attach.Attachment
+	var out []*attach.Attachment
 	for _, e := range entries {
 		if !strings.HasSuffix(e.Name(), ".json") || !e.Type().IsRegular() {
 			continue
@@ -649,7 +649,8 @@ func (a *Attacher) Adopt(ctx context.Context) ([]attach.Attachment, error) {
 		p := a.procFromState(st)
 		if err := p.refresh(ctx); err == nil {
 			a.setServer(st.VolumeID, p)
-			out = append(out, p.att)
+			att := p.att
+			out = append(out, &att)
 		} else {
 			a.cfg.Logger.Warn("fuse: a volume's server process does not answer", "volume", st.VolumeID, "pid", st.Pid, "err", err)
 		}

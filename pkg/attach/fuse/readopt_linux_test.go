@@ -246,7 +246,7 @@ func TestReadoptAfterAttacherKilled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(adopted) != 1 || adopted[0] != att {
+	if len(adopted) != 1 || *adopted[0] != att {
 		t.Fatalf("adopted %+v, want [%+v]", adopted, att)
 	}
 	h, err := fresh.Health(vol)
@@ -304,8 +304,8 @@ func TestReadoptFreshAttacher(t *testing.T) {
 	if err != nil || n != 2*size {
 		t.Fatalf("resize from a new attacher: %d, %v", n, err)
 	}
-	if _, err := fresh.Resize(ctx, vol, 4*size); err == nil {
-		t.Error("resize past the export's size succeeds")
+	if _, err := fresh.Resize(ctx, vol, 4*size); !errors.Is(err, attach.ErrTooSmall) {
+		t.Errorf("resize past the export's size: %v, want ErrTooSmall", err)
 	}
 	if n, err := blockdev.DeviceSize(att.Device); err != nil || n != 2*size {
 		t.Fatalf("device size after the resize: %d, %v", n, err)

@@ -154,8 +154,8 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	o = withDefaults(o)
 	a.mu.Lock()
 	if v, ok := a.vols[t.VolumeID]; ok {
-		a.mu.Unlock()
 		att := v.att
+		a.mu.Unlock()
 		return &att, nil
 	}
 	a.mu.Unlock()
@@ -534,4 +534,43 @@ func closeFiles(fs []*os.File) {
 	for _, f := range fs {
 		f.Close()
 	}
+}
+
+// Resize picks up a grown export: a fresh connection learns the export's
+// size, which must be at least newSize; RECONFIGURE gives it to the device.
+func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
+	a.mu.Lock()
+	v, ok := a.vols[volumeID]
+	a.mu.Unlock()
+	if !ok {
+		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	c, info, err := a.dial(ctx, v.target, v.target.Addrs[0], "", a.usesMPTCP())
+	if err != nil {
+		return 0, fmt.Errorf("resize %s: %w", volumeID, err)
+	}
+	c.Close()
+	if info.Size < newSize {
+		return 0, fmt.Errorf("resize %s: %w: the export has %d bytes, less than %d", volumeID, attach.ErrTooSmall, info.Size, newSize)
+	}
+	a.mu.Lock()
+	cur := v.att.Size
+	a.mu.Unlock()
+	if info.Size != cur {
+		if err := a.cfg.Kernel.Reconfigure(v.index, nbdnl.ReconfigureOptions{Size: info.Size, BackendID: volumeID}); err != nil {
+			return 0, fmt.Errorf("resize nbd%d to %d bytes: %w", v.index, info.Size, err)
+		}
+		if err := a.cfg.Devices.WaitReady(ctx, v.index, info.Size); err != nil {
+			return 0, fmt.Errorf("resize nbd%d: %w", v.index, err)
+		}
+		a.mu.Lock()
+		v.att.Size = info.Size
+		v.info.Size = info.Size
+		a.mu.Unlock()
+		if err := a.saveState(v); err != nil {
+			a.log.Warn("save state after resize", "volume_id", volumeID, "error", err)
+		}
+		a.log.Info("volume resized", "volume_id", volumeID, "nbd_index", v.index, "size", info.Size)
+	}
+	return info.Size, nil
 }

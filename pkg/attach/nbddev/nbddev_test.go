@@ -315,3 +315,42 @@ func TestStateAndAdopt(t *testing.T) {
 		t.Fatalf("state file kept after detach: %v", err)
 	}
 }
+
+func TestResize(t *testing.T) {
+	a, k, _, s, target := newTest(t, attach.TCP)
+	ctx := context.Background()
+	if _, err := a.Resize(ctx, target.VolumeID, 1<<20); !errors.Is(err, attach.ErrNotAttached) {
+		t.Fatalf("Resize before Attach: %v, want ErrNotAttached", err)
+	}
+	if _, err := a.Attach(ctx, target, attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	e, _ := s.Export("vol")
+	if _, err := a.Resize(ctx, target.VolumeID, 2<<20); !errors.Is(err, attach.ErrTooSmall) {
+		t.Fatalf("Resize past the export's size: %v, want ErrTooSmall", err)
+	}
+	if err := e.Backend.(*nbd.MemBackend).Resize(2 << 20); err != nil {
+		t.Fatal(err)
+	}
+	n, err := a.Resize(ctx, target.VolumeID, 2<<20)
+	if err != nil || n != 2<<20 {
+		t.Fatalf("Resize = %d, %v; want %d", n, err, 2<<20)
+	}
+	k.mu.Lock()
+	last := k.reconfigs[len(k.reconfigs)-1]
+	k.mu.Unlock()
+	if last.Size != 2<<20 || last.BackendID != target.VolumeID || len(last.Sockets) != 0 {
+		t.Fatalf("RECONFIGURE %+v; want only size %d with the backend identifier", last, 2<<20)
+	}
+	att, err := a.Attach(ctx, target, attach.Options{})
+	if err != nil || att.Size != 2<<20 {
+		t.Fatalf("attachment after Resize: %+v, %v", att, err)
+	}
+	before := len(k.reconfigs)
+	if n, err := a.Resize(ctx, target.VolumeID, 1<<20); err != nil || n != 2<<20 {
+		t.Fatalf("Resize to a smaller size = %d, %v; want the export's %d", n, err, 2<<20)
+	}
+	if len(k.reconfigs) != before {
+		t.Fatal("Resize with an unchanged size reconfigured the device")
+	}
+}
