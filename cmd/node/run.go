@@ -1,0 +1,343 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
+	"github.com/mpnbd/mpnbd/pkg/relay"
+)
+
+type options struct {
+	endpoint     string
+	nodeID       string
+	topology     map[string]string
+	maxVolumes   int64
+	stateDir     string
+	transports   []attach.Transport
+	storageNICs  []mptcp.NICSpec
+	backupNICs   []mptcp.NICSpec
+	storageAddrs []string
+	kubeconfig   string
+	logLevel     slog.Level
+	logFormat    string
+}
+
+func newFlagSet(o *options) *flag.FlagSet {
+	fs := flag.NewFlagSet("node", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&o.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint: unix:///path or tcp://host:port")
+	fs.StringVar(&o.nodeID, "node-id", os.Getenv("NODE_NAME"), "this node's ID, the Kubernetes node name (default $NODE_NAME)")
+	fs.Func("topology", "accessible topology segments, key=value[,key=value]", func(s string) error {
+		m, err := parseKV(s)
+		o.topology = m
+		return err
+	})
+	fs.Int64Var(&o.maxVolumes, "max-volumes", 0, "most volumes this node takes (0: no limit)")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/mpnbd/node", "where attach state is kept across restarts")
+	fs.Func("transports", "transports this node may use, comma-separated (default: every one it supports)", func(s string) error {
+		for _, name := range splitList(s) {
+			t, err := attach.ParseTransport(name)
+			if err != nil || t == attach.Auto {
+				return fmt.Errorf("unknown transport %q (want kernel, relay, multiconn, tcp or fuse)", name)
+			}
+			o.transports = append(o.transports, t)
+		}
+		return nil
+	})
+	fs.Func("storage-nic", "storage NIC (interface name or CIDR) that gets an MPTCP subflow endpoint; repeatable or comma-separated", func(s string) error {
+		for _, n := range splitList(s) {
+			o.storageNICs = append(o.storageNICs, mptcp.NICSpec(n))
+		}
+		return nil
+	})
+	fs.Func("backup-nic", "storage NIC whose endpoint gets the backup flag (used only when the others fail); repeatable", func(s string) error {
+		for _, n := range splitList(s) {
+			o.backupNICs = append(o.backupNICs, mptcp.NICSpec(n))
+		}
+		return nil
+	})
+	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them; repeatable or comma-separated", func(s string) error {
+		for _, a := range splitList(s) {
+			if _, err := netip.ParseAddr(a); err != nil {
+				return fmt.Errorf("storage address %q is not an IP address", a)
+			}
+			o.storageAddrs = append(o.storageAddrs, a)
+		}
+		return nil
+	})
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing --storage-address (default: in-cluster, then $KUBECONFIG)")
+	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
+		return o.logLevel.UnmarshalText([]byte(s))
+	})
+	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	return fs
+}
+
+func parseArgs(args []string) (*options, error) {
+	o := &options{}
+	fs := newFlagSet(o)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	if o.nodeID == "" {
+		return nil, errors.New("--node-id is required (or set $NODE_NAME)")
+	}
+	if o.logFormat != "text" && o.logFormat != "json" {
+		return nil, fmt.Errorf("--log-format %q (want text or json)", o.logFormat)
+	}
+	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
+		return nil, fmt.Errorf("--endpoint: %v", err)
+	}
+	return o, nil
+}
+
+func usage() string {
+	var b strings.Builder
+	b.WriteString("Usage: node [flags]\n\nThe CSI node plugin of " + driver.DriverName + ".\n\nFlags:\n")
+	fs := newFlagSet(&options{})
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	return b.String()
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func parseKV(s string) (map[string]string, error) {
+	m := map[string]string{}
+	for _, p := range splitList(s) {
+		k, v, ok := strings.Cut(p, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("%q is not key=value", p)
+		}
+		m[k] = v
+	}
+	return m, nil
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, err := parseArgs(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(stdout, usage())
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "node: %v\nRun 'node --help' for usage.\n", err)
+		return 2
+	}
+	ho := &slog.HandlerOptions{Level: o.logLevel}
+	var log *slog.Logger
+	if o.logFormat == "json" {
+		log = slog.New(slog.NewJSONHandler(stderr, ho))
+	} else {
+		log = slog.New(slog.NewTextHandler(stderr, ho))
+	}
+	if err := serve(ctx, o, log); err != nil {
+		log.Error("node plugin failed", "error", err)
+		return 1
+	}
+	return 0
+}
+
+func serve(ctx context.Context, o *options, log *slog.Logger) error {
+	if err := relay.GuardAgainstReclaim(); err != nil {
+		log.Warn("cannot guard against memory reclaim; relays may stall under memory pressure", "error", err)
+	}
+	mgr, closeAll, err := newManager(o, log)
+	if err != nil {
+		return err
+	}
+	defer closeAll()
+	if atts, err := mgr.Adopt(ctx); err != nil {
+		log.Error("some volumes of an earlier run were not re-adopted", "error", err)
+	} else if len(atts) > 0 {
+		log.Info("re-adopted volumes of an earlier run", "count", len(atts))
+	}
+
+	if len(o.storageNICs) > 0 {
+		go keepEndpoints(ctx, o, log)
+	}
+	if len(o.storageAddrs) > 0 {
+		go publishAddresses(ctx, o, log)
+	}
+
+	node, err := driver.NewNode(driver.NodeConfig{
+		NodeID:     o.nodeID,
+		Topology:   o.topology,
+		MaxVolumes: o.maxVolumes,
+		Attacher:   mgr,
+		Mounter:    driver.NewMounter(),
+		Logger:     log,
+	})
+	if err != nil {
+		return err
+	}
+	l, err := driver.Listen(o.endpoint)
+	if err != nil {
+		return err
+	}
+	s := driver.NewGRPCServer(log)
+	csi.RegisterIdentityServer(s, &driver.Identity{})
+	csi.RegisterNodeServer(s, node)
+	log.Info("node plugin serving", "endpoint", o.endpoint, "node_id", o.nodeID,
+		"transports", mgr.Available(), "version", driver.Version)
+	return driver.Serve(ctx, s, l, 30*time.Second)
+}
+
+// newManager builds the transports this node supports (restricted to
+// o.transports when set) and a manager over them.
+func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
+	want := func(t attach.Transport) bool {
+		if len(o.transports) == 0 {
+			return true
+		}
+		for _, w := range o.transports {
+			if w == t {
+				return true
+			}
+		}
+		return false
+	}
+	attachers := map[attach.Transport]attach.Attacher{}
+	var closers []func()
+	closeAll := func() {
+		for _, c := range closers {
+			c()
+		}
+	}
+	var netlinkModes []attach.Transport
+	for _, t := range []attach.Transport{attach.Kernel, attach.Relay, attach.MultiConn, attach.TCP} {
+		if want(t) {
+			netlinkModes = append(netlinkModes, t)
+		}
+	}
+	if len(netlinkModes) > 0 {
+		nl, err := nbdnl.Dial()
+		switch {
+		case errors.Is(err, nbdnl.ErrFamilyNotFound):
+			log.Warn("the kernel's nbd driver is not available; nbd transports disabled", "reason", err)
+		case err != nil:
+			return nil, closeAll, fmt.Errorf("nbd netlink: %w", err)
+		default:
+			closers = append(closers, func() { nl.Close() })
+			for _, t := range netlinkModes {
+				a, err := nbddev.New(nbddev.Config{
+					Mode:     t,
+					Kernel:   nl,
+					Devices:  nbdnl.Sysfs{},
+					Logger:   log,
+					StateDir: filepath.Join(o.stateDir, "nbd"),
+				})
+				if err != nil {
+					closeAll()
+					return nil, nil, fmt.Errorf("transport %s: %w", t, err)
+				}
+				closers = append(closers, a.Close)
+				attachers[t] = a
+			}
+		}
+	}
+	if want(attach.FUSE) {
+		if _, err := os.Stat("/dev/fuse"); err != nil {
+			log.Warn("/dev/fuse is missing; fuse transport disabled", "error", err)
+		} else {
+			attachers[attach.FUSE] = fuse.New(fuse.Config{StateDir: filepath.Join(o.stateDir, "fuse"), Logger: log})
+		}
+	}
+	if len(attachers) == 0 {
+		closeAll()
+		return nil, nil, errors.New("no transport is available on this node (no nbd driver, no /dev/fuse)")
+	}
+	return attach.NewManager(attachers, log), closeAll, nil
+}
+
+// keepEndpoints keeps an MPTCP subflow endpoint on each storage NIC until
+// ctx ends.
+func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
+	pm, err := mptcp.DialPM()
+	if err != nil {
+		log.Error("MPTCP path manager unavailable; storage NICs not configured", "error", err)
+		return
+	}
+	defer pm.Close()
+	addrs, err := mptcp.DialAddrs()
+	if err != nil {
+		log.Error("address watch unavailable; storage NICs not configured", "error", err)
+		return
+	}
+	defer addrs.Close()
+	changes, err := mptcp.AddrChanges(ctx)
+	if err != nil {
+		log.Warn("address changes not watched; endpoints re-checked periodically only", "error", err)
+	}
+	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient}
+	err = mptcp.Watch(ctx, pm, addrs, d, mptcp.WatchOptions{
+		Changes: changes,
+		OnResult: func(r mptcp.Result, err error) {
+			if err != nil {
+				log.Error("MPTCP endpoints", "error", err)
+			} else if r.Changed() {
+				log.Info("MPTCP endpoints updated", "result", fmt.Sprintf("%+v", r))
+			}
+		},
+	})
+	if err != nil && ctx.Err() == nil {
+		log.Error("MPTCP endpoint watch stopped", "error", err)
+	}
+}
+
+// publishAddresses annotates this node's Node object with its storage
+// addresses, retrying until it works or ctx ends.
+func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
+	cfg, err := driver.KubeConfig(o.kubeconfig)
+	if err != nil {
+		log.Error("storage addresses not published: no API server access", "error", err)
+		return
+	}
+	c, err := client.New(cfg, client.Options{})
+	if err != nil {
+		log.Error("storage addresses not published", "error", err)
+		return
+	}
+	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
+		err := driver.PublishStorageAddresses(ctx, c, o.nodeID, o.storageAddrs)
+		if err == nil {
+			log.Info("storage addresses published", "addresses", o.storageAddrs)
+			return
+		}
+		log.Warn("publishing storage addresses failed; retrying", "error", err, "retry_in", delay)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+}
