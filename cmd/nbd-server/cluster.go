@@ -8,13 +8,12 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	ctrl "sigs.k8s.io/controller-runtime"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/agent"
+	"github.com/mpnbd/mpnbd/pkg/driver"
 )
 
 // clusterAgent is the storage agent of a --cluster run.
@@ -25,21 +24,12 @@ type clusterAgent struct {
 	stop context.CancelFunc
 }
 
-// restConfig loads the cluster's client config: --kubeconfig, else
-// controller-runtime's lookup ($KUBECONFIG, in-cluster, ~/.kube/config).
-func restConfig(path string) (*rest.Config, error) {
-	if path != "" {
-		return clientcmd.BuildConfigFromFlags("", path)
-	}
-	return ctrl.GetConfig()
-}
-
 // startAgent builds the manager and the agent serving on d.srv, whose
 // listener has the given port, and starts them.
 func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error) {
 	co := d.opts.cluster
 	ctrl.SetLogger(logr.FromSlogHandler(d.log.Handler()))
-	cfg, err := restConfig(co.kubeconfig)
+	cfg, err := driver.KubeConfig(co.kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client config: %w", err)
 	}

@@ -16,9 +16,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
-	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -26,23 +23,6 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/access"
 )
-
-// writeKubeconfig stores cfg (a client-certificate config) as a kubeconfig.
-func writeKubeconfig(t *testing.T, cfg *rest.Config) string {
-	t.Helper()
-	kc := clientcmdapi.NewConfig()
-	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
-	kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{
-		ClientCertificateData: cfg.CertData, ClientKeyData: cfg.KeyData, Token: cfg.BearerToken,
-	}
-	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
-	kc.CurrentContext = "test"
-	path := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := clientcmd.WriteToFile(*kc, path); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
 
 // waitUntil polls cond until it returns "" (30 s at most).
 func waitUntil(t *testing.T, what string, cond func() string) {
@@ -72,7 +52,7 @@ func TestRunCluster(t *testing.T) {
 	dir := t.TempDir()
 	r := start(t, "--cluster", "--node-name", "n1", "--namespace", "mpnbd", "--storage-address", "127.0.0.1",
 		"--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--data-dir", dir,
-		"--kubeconfig", writeKubeconfig(t, cfg), "--heartbeat", "1s", "--log-format", "json")
+		"--kubeconfig", apiserver.WriteKubeconfig(t, cfg), "--heartbeat", "1s", "--log-format", "json")
 
 	waitUntil(t, "/readyz", func() string {
 		resp, err := http.Get("http://" + r.metricsAddr + "/readyz")

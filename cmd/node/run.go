@@ -153,13 +153,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "node: %v\nRun 'node --help' for usage.\n", err)
 		return 2
 	}
-	ho := &slog.HandlerOptions{Level: o.logLevel}
-	var log *slog.Logger
-	if o.logFormat == "json" {
-		log = slog.New(slog.NewJSONHandler(stderr, ho))
-	} else {
-		log = slog.New(slog.NewTextHandler(stderr, ho))
-	}
+	log := driver.NewLogger(stderr, o.logLevel, o.logFormat)
 	if err := serve(ctx, o, log); err != nil {
 		log.Error("node plugin failed", "error", err)
 		return 1

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -12,21 +11,17 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/client/config"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
 )
 
 // KubeConfig loads the API server configuration: from path when set,
-// else in-cluster, else from $KUBECONFIG.
+// else by controller-runtime's lookup ($KUBECONFIG, in-cluster,
+// ~/.kube/config).
 func KubeConfig(path string) (*rest.Config, error) {
 	if path == "" {
-		if c, err := rest.InClusterConfig(); err == nil {
-			return c, nil
-		}
-		path = os.Getenv("KUBECONFIG")
-		if path == "" {
-			return nil, fmt.Errorf("not running in a cluster; pass --kubeconfig or set $KUBECONFIG")
-		}
+		return ctrlconfig.GetConfig()
 	}
 	c, err := clientcmd.BuildConfigFromFlags("", path)
 	if err != nil {

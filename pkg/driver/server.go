@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -96,4 +97,13 @@ func Serve(ctx context.Context, s *grpc.Server, l net.Listener, grace time.Durat
 	}
 	<-errc
 	return nil
+}
+
+// NewLogger returns a text or JSON (format "json") logger at level.
+func NewLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
+	ho := &slog.HandlerOptions{Level: level}
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(w, ho))
+	}
+	return slog.New(slog.NewTextHandler(w, ho))
 }

@@ -1,0 +1,41 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestParseArgs(t *testing.T) {
+	o, err := parseArgs([]string{"--namespace", "mpnbd", "--endpoint", "tcp://127.0.0.1:0"})
+	if err != nil || o.namespace != "mpnbd" || o.waitTimeout <= 0 {
+		t.Fatalf("parseArgs = %+v, %v", o, err)
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{}, "--namespace"},
+		{[]string{"--namespace", "x", "--endpoint", "csi.sock"}, "--endpoint"},
+		{[]string{"--namespace", "x", "--log-format", "xml"}, "--log-format"},
+		{[]string{"--namespace", "x", "--wait-timeout", "0s"}, "--wait-timeout"},
+		{[]string{"--namespace", "x", "extra"}, "extra"},
+	} {
+		t.Setenv("POD_NAMESPACE", "")
+		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("parseArgs(%q) = %v, want an error naming %s", c.args, err, c.want)
+		}
+	}
+}
+
+func TestRunUsage(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"--help"}, &out, &errb); code != 0 || !strings.Contains(out.String(), "-wait-timeout") {
+		t.Fatalf("--help: code %d, output %q", code, out.String())
+	}
+	t.Setenv("POD_NAMESPACE", "")
+	if code := run(context.Background(), nil, &out, &errb); code != 2 || !strings.Contains(errb.String(), "--namespace") {
+		t.Fatalf("no namespace: code %d, stderr %q", code, errb.String())
+	}
+}
