@@ -456,7 +456,7 @@ func (n *Node) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeSta
 	if err != nil {
 		return nil, toStatus(fmt.Errorf("check volume path: %w", err))
 	}
-	resp := &csi.NodeGetVolumeStatsResponse{VolumeCondition: n.condition(id)}
+	resp := &csi.NodeGetVolumeStatsResponse{}
 	if block {
 		size, err := m.GetDeviceSize(path)
 		if err != nil {
@@ -485,39 +485,64 @@ func (n *Node) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeSta
 	return resp, nil
 }
 
-// condition reports the data path of a volume: abnormal when it is not
-// attached, not connected, or runs over MPTCP with fewer subflows than
-// the storage node has addresses.
-func (n *Node) condition(id string) *csi.VolumeCondition {
+// Health reasons reported by NodeGetVolumeHealth.
+const (
+	HealthNotAttached     = "NotAttached"
+	HealthDisconnected    = "Disconnected"
+	HealthMissingSubflows = "MissingSubflows"
+)
+
+// health reports the data path of a volume: inaccessible when it is not
+// attached here or not connected, degraded when it runs over MPTCP with
+// fewer subflows than the storage node has addresses; no entry when it
+// is healthy.
+func (n *Node) health(id string) *csi.VolumeHealth {
+	vh := &csi.VolumeHealth{VolumeId: id}
+	add := func(st csi.VolumeHealthErrorType, reason, msg string) *csi.VolumeHealth {
+		vh.HealthStatuses = append(vh.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{Status: st, Reason: reason, Message: msg})
+		return vh
+	}
 	tr, h, err := n.cfg.Attacher.Health(id)
 	if err != nil {
-		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("data path unknown: %v", err)}
+		return add(csi.VolumeHealthErrorType_INACCESSIBLE, HealthNotAttached, fmt.Sprintf("data path unknown: %v", err))
 	}
 	if !h.Connected {
-		msg := "disconnected from the storage node"
+		msg := fmt.Sprintf("%s: disconnected from the storage node", tr)
 		if h.Message != "" {
 			msg += ": " + h.Message
 		}
-		return &csi.VolumeCondition{Abnormal: true, Message: msg}
+		return add(csi.VolumeHealthErrorType_INACCESSIBLE, HealthDisconnected, msg)
 	}
 	if want, ok := n.addrs.Load(id); ok && h.MPTCP {
 		for i, got := range h.Subflows {
 			if got < want.(int) {
-				return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf(
-					"connection %d has %d MPTCP subflows, want %d (one per storage address)", i, got, want)}
+				add(csi.VolumeHealthErrorType_DEGRADED, HealthMissingSubflows, fmt.Sprintf(
+					"%s: connection %d has %d MPTCP subflows, want %d (one per storage address)", tr, i, got, want))
+				break
 			}
 		}
 	}
-	msg := fmt.Sprintf("connected via %s", tr)
-	if h.MPTCP {
-		msg += fmt.Sprintf(", MPTCP subflows %v", h.Subflows)
-	} else {
-		msg += ", without MPTCP"
+	return vh
+}
+
+func (n *Node) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, invalid("volume_id is required")
 	}
-	if h.Reconnects > 0 {
-		msg += fmt.Sprintf(", %d reconnects", h.Reconnects)
+	for _, p := range []string{req.GetVolumePublishPath(), req.GetStagingTargetPath()} {
+		if p == "" {
+			continue
+		}
+		exists, err := n.cfg.Mounter.PathExists(p)
+		if err != nil {
+			return nil, toStatus(fmt.Errorf("check %s: %w", p, err))
+		}
+		if !exists {
+			return nil, toStatus(fmt.Errorf("%w: path %s", ErrNotFound, p))
+		}
 	}
-	return &csi.VolumeCondition{Message: msg}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: n.health(id)}, nil
 }
 
 func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
@@ -593,7 +618,7 @@ func (n *Node) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequ
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
-		csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{

@@ -187,8 +187,9 @@ func TestNodeFUSEFilesystem(t *testing.T) {
 	if len(u) != 2 || u[0].Used < int64(len(data)) || u[0].Total < fuseExportSize/2 || u[1].Used == 0 {
 		t.Errorf("usage %v", u)
 	}
-	if c := stats.GetVolumeCondition(); c.GetAbnormal() {
-		t.Errorf("condition %v", c)
+	h, err := f.node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: stage.VolumeId, VolumePublishPath: pub.TargetPath})
+	if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
+		t.Errorf("health %v, %v; want healthy", h, err)
 	}
 	exp, err := f.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: stage.VolumeId, VolumePath: pub.TargetPath, StagingTargetPath: stage.StagingTargetPath})
 	if err != nil {

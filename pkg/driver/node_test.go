@@ -462,9 +462,6 @@ func TestNodeGetVolumeStats(t *testing.T) {
 			u[1].Unit != csi.VolumeUsage_INODES || u[1].Used != 3 || u[1].Available != 7 {
 			t.Errorf("usage %v", u)
 		}
-		if resp.GetVolumeCondition().GetAbnormal() {
-			t.Errorf("condition %v", resp.GetVolumeCondition())
-		}
 	})
 	t.Run("block", func(t *testing.T) {
 		resp, err := f.node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "pv-1", VolumePath: blockPath})
@@ -477,17 +474,18 @@ func TestNodeGetVolumeStats(t *testing.T) {
 	})
 
 	conditions := []struct {
-		name     string
-		id       string
-		health   *attach.Health
-		abnormal bool
-		msg      string
+		name   string
+		id     string
+		health *attach.Health
+		status csi.VolumeHealthErrorType // UNKNOWN: healthy, no entry
+		reason string
+		msg    string
 	}{
-		{"healthy", "pv-1", &attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}}, false, "subflows"},
-		{"disconnected", "pv-1", &attach.Health{Connected: false, Message: "connection reset"}, true, "connection reset"},
-		{"too few subflows", "pv-1", &attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}}, true, "1 MPTCP subflows, want 2"},
-		{"plain TCP", "pv-1", &attach.Health{Connected: true, Subflows: []int{1}}, false, "without MPTCP"},
-		{"not attached", "pv-other", nil, true, "not attached"},
+		{"healthy", "pv-1", &attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}}, 0, "", ""},
+		{"disconnected", "pv-1", &attach.Health{Connected: false, Message: "connection reset"}, csi.VolumeHealthErrorType_INACCESSIBLE, HealthDisconnected, "connection reset"},
+		{"too few subflows", "pv-1", &attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}}, csi.VolumeHealthErrorType_DEGRADED, HealthMissingSubflows, "1 MPTCP subflows, want 2"},
+		{"plain TCP", "pv-1", &attach.Health{Connected: true, Subflows: []int{1}}, 0, "", ""},
+		{"not attached", "pv-other", nil, csi.VolumeHealthErrorType_INACCESSIBLE, HealthNotAttached, "not attached"},
 	}
 	for _, c := range conditions {
 		t.Run("condition "+c.name, func(t *testing.T) {
@@ -496,13 +494,23 @@ func TestNodeGetVolumeStats(t *testing.T) {
 				f.att.health[c.id] = *c.health
 				f.att.mu.Unlock()
 			}
-			resp, err := f.node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: c.id, VolumePath: stage.StagingTargetPath})
+			resp, err := f.node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: c.id, StagingTargetPath: stage.StagingTargetPath})
 			if err != nil {
 				t.Fatal(err)
 			}
-			cond := resp.GetVolumeCondition()
-			if cond.GetAbnormal() != c.abnormal || !strings.Contains(cond.GetMessage(), c.msg) {
-				t.Errorf("condition %v, want abnormal %v with %q", cond, c.abnormal, c.msg)
+			vh := resp.GetVolumeHealth()
+			if vh.GetVolumeId() != c.id {
+				t.Errorf("health of %q, want %q", vh.GetVolumeId(), c.id)
+			}
+			entries := vh.GetHealthStatuses()
+			if c.status == 0 {
+				if len(entries) != 0 {
+					t.Errorf("health %v, want none", entries)
+				}
+				return
+			}
+			if len(entries) != 1 || entries[0].Status != c.status || entries[0].Reason != c.reason || !strings.Contains(entries[0].Message, c.msg) {
+				t.Errorf("health %v, want %s %s with %q", entries, c.status, c.reason, c.msg)
 			}
 		})
 	}
@@ -576,7 +584,7 @@ func TestNodeGetInfoAndCapabilities(t *testing.T) {
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
-		csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		if !slices.Contains(got, want) {
@@ -592,4 +600,12 @@ func TestNewNode(t *testing.T) {
 	if _, err := NewNode(NodeConfig{NodeID: "n"}); !errors.Is(err, ErrInvalidArgument) {
 		t.Errorf("no attacher: %v", err)
 	}
+}
+
+func TestNodeGetVolumeHealthArguments(t *testing.T) {
+	f := newNodeFixture(t)
+	_, err := f.node.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{})
+	wantCode(t, err, codes.InvalidArgument)
+	_, err = f.node.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{VolumeId: "pv-1", VolumePublishPath: filepath.Join(f.dir, "missing")})
+	wantCode(t, err, codes.NotFound)
 }
