@@ -143,7 +143,6 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	}
 	s := driver.NewGRPCServer(log)
 	csi.RegisterIdentityServer(s, &driver.Identity{
-		Controller: true,
 		// Ready while the API server answers and our resources exist.
 		Ready: func(ctx context.Context) error {
 			return c.List(ctx, &v1alpha1.NBDStorageNodeList{}, client.Limit(1))

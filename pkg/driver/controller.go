@@ -389,6 +389,11 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 	if err != nil {
 		return nil, err
 	}
+	if add {
+		if err := c.checkAttachLimit(ctx, nodeID); err != nil {
+			return nil, err
+		}
+	}
 	// The Secret comes first: a publication always names a Secret that
 	// exists.
 	token, err := c.ensureSecret(ctx, v, nodeID)

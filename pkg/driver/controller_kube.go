@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
@@ -371,4 +372,43 @@ func storageAddresses(n *corev1.Node) []string {
 		}
 	}
 	return out
+}
+
+// checkAttachLimit refuses a new publication to a node that already has
+// as many volumes of this driver as its CSINode allows (the count the
+// node plugin's NodeGetInfo reported to the kubelet). A node without a
+// CSINode entry or a count has no limit.
+func (c *Controller) checkAttachLimit(ctx context.Context, nodeID string) error {
+	var cn storagev1.CSINode
+	if err := c.c.Get(ctx, client.ObjectKey{Name: nodeID}, &cn); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return kubeErr(err, "reading CSINode "+nodeID)
+	}
+	limit := int32(-1)
+	for _, d := range cn.Spec.Drivers {
+		if d.Name == DriverName && d.Allocatable != nil && d.Allocatable.Count != nil {
+			limit = *d.Allocatable.Count
+		}
+	}
+	if limit < 0 {
+		return nil
+	}
+	var vols v1alpha1.NBDVolumeList
+	if err := c.c.List(ctx, &vols); err != nil {
+		return kubeErr(err, "listing volumes")
+	}
+	n := int32(0)
+	for _, v := range vols.Items {
+		for _, p := range v.Spec.Publications {
+			if p.NodeID == nodeID {
+				n++
+			}
+		}
+	}
+	if n >= limit {
+		return fmt.Errorf("%w: node %s has %d volumes of %s published, its limit", ErrExhausted, nodeID, n, DriverName)
+	}
+	return nil
 }

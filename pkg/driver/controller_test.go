@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -1126,4 +1127,43 @@ func TestControllerAPIErrors(t *testing.T) {
 	getErr = nil
 	updateErr = apierrors.NewConflict(gr, "vol", nil)
 	wantStatus(t, expand(), codes.Aborted, "concurrently")
+}
+
+func TestPublishAttachLimit(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t)
+	count := int32(1)
+	cn := &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: "worker-1"},
+		Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{
+			{Name: "other.csi.example.com", NodeID: "worker-1"},
+			{Name: DriverName, NodeID: "worker-1", Allocatable: &storagev1.VolumeNodeResources{Count: &count}},
+		}},
+	}
+	if err := c.Create(ctx, cn); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"first", "second"} {
+		if _, err := ctl.CreateVolume(ctx, createReq(id, gib, nil)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := ctl.ControllerPublishVolume(ctx, publishReq("first", "worker-1", fsCap(rwo), false)); err != nil {
+		t.Fatal(err)
+	}
+	// Publishing the same volume again is not a new attachment.
+	if _, err := ctl.ControllerPublishVolume(ctx, publishReq("first", "worker-1", fsCap(rwo), false)); err != nil {
+		t.Fatalf("repeated publish at the limit: %v", err)
+	}
+	_, err := ctl.ControllerPublishVolume(ctx, publishReq("second", "worker-1", fsCap(rwo), false))
+	wantStatus(t, err, codes.ResourceExhausted, "worker-1", "limit")
+	if _, ok := getSecret(t, c, "second", "worker-1"); ok {
+		t.Error("a refused publication left a Secret")
+	}
+	if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "first", NodeId: "worker-1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ctl.ControllerPublishVolume(ctx, publishReq("second", "worker-1", fsCap(rwo), false)); err != nil {
+		t.Fatalf("publish after making room: %v", err)
+	}
 }

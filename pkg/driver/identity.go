@@ -14,12 +14,11 @@ const DriverName = "nbd.mptcp.mpnbd.io"
 var Version = "dev"
 
 // Identity serves the CSI Identity service for both the controller and the
-// node plugin.
+// node plugin. Both report the plugin's capabilities (a Controller
+// service exists, topology, online expansion): they describe the plugin as
+// a whole, whichever of its parts answers.
 type Identity struct {
 	csi.UnimplementedIdentityServer
-	// Controller reports the controller capabilities (the node plugin
-	// leaves it false).
-	Controller bool
 	// Ready reports readiness (nil: always ready).
 	Ready func(context.Context) error
 }
@@ -29,15 +28,12 @@ func (i *Identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*c
 }
 
 func (i *Identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
-	var caps []*csi.PluginCapability
-	if i.Controller {
-		caps = append(caps,
-			svcCap(csi.PluginCapability_Service_CONTROLLER_SERVICE),
-			svcCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
-			&csi.PluginCapability{Type: &csi.PluginCapability_VolumeExpansion_{
-				VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE},
-			}},
-		)
+	caps := []*csi.PluginCapability{
+		svcCap(csi.PluginCapability_Service_CONTROLLER_SERVICE),
+		svcCap(csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS),
+		{Type: &csi.PluginCapability_VolumeExpansion_{
+			VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: csi.PluginCapability_VolumeExpansion_ONLINE},
+		}},
 	}
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }

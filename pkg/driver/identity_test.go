@@ -10,17 +10,12 @@ import (
 
 func TestIdentity(t *testing.T) {
 	ctx := context.Background()
-	node := &Identity{}
-	info, err := node.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+	ctrl := &Identity{}
+	info, err := ctrl.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
 	if err != nil || info.Name != DriverName || info.VendorVersion == "" {
 		t.Fatalf("plugin info %+v %v", info, err)
 	}
-	caps, _ := node.GetPluginCapabilities(ctx, nil)
-	if len(caps.Capabilities) != 0 {
-		t.Fatalf("node plugin claims %v", caps.Capabilities)
-	}
-	ctrl := &Identity{Controller: true}
-	caps, _ = ctrl.GetPluginCapabilities(ctx, nil)
+	caps, _ := ctrl.GetPluginCapabilities(ctx, nil)
 	var hasCtrl, hasTopo, hasExpand bool
 	for _, c := range caps.Capabilities {
 		switch {
