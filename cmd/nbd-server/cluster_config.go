@@ -12,6 +12,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
@@ -143,24 +144,10 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		}
 		o.signalNICs = append(o.signalNICs, mptcp.NICSpec(n))
 	}
-	if c.topology != "" {
-		o.topology = map[string]string{}
-		for _, kv := range splitList([]string{c.topology}) {
-			k, v, ok := strings.Cut(kv, "=")
-			if !ok || k == "" {
-				return nil, fmt.Errorf("invalid --topology %q: want KEY=VALUE[,KEY=VALUE...]", kv)
-			}
-			if errs := validation.IsQualifiedName(k); len(errs) > 0 {
-				return nil, fmt.Errorf("invalid --topology key %q: %s", k, strings.Join(errs, "; "))
-			}
-			if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
-				return nil, fmt.Errorf("invalid --topology value %q: %s", v, strings.Join(errs, "; "))
-			}
-			if _, dup := o.topology[k]; dup {
-				return nil, fmt.Errorf("--topology key %q is given twice", k)
-			}
-			o.topology[k] = v
-		}
+	topo, err := access.ParseTopology(c.topology)
+	if err != nil {
+		return nil, fmt.Errorf("invalid --topology: %v", err)
 	}
+	o.topology = topo
 	return o, nil
 }

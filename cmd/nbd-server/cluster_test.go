@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
+
+	"github.com/mpnbd/mpnbd/pkg/access"
 )
 
 func TestParseArgsCluster(t *testing.T) {
@@ -23,6 +25,7 @@ func TestParseArgsCluster(t *testing.T) {
 		dataDir:   defaultDataDir,
 		namespace: "ns-from-env",
 		addresses: []string{"10.0.0.1", "10.0.1.1", "fd00::1"},
+		topology:  map[string]string{access.TopologyKey: access.DefaultTopology},
 		heartbeat: defaultHeartbeat,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
@@ -81,8 +84,8 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		{"storage address twice", with("--storage-address", "10.0.0.1"), "--storage-address 10.0.0.1 is given twice"},
 		{"bad node name", with("--node-name", "Node_1"), `invalid --node-name "Node_1"`},
 		{"bad signal nic", with("--signal-nic", "10.0.0.0/99"), `invalid --signal-nic "10.0.0.0/99"`},
-		{"bad topology", with("--topology", "zone"), `invalid --topology "zone"`},
-		{"bad topology value", with("--topology", "zone=a b"), `invalid --topology value "a b"`},
+		{"bad topology", with("--topology", "zone"), `topology "zone"`},
+		{"bad topology value", with("--topology", "zone=a b"), `topology value "a b"`},
 		{"bad heartbeat", with("--heartbeat", "0s"), "invalid --heartbeat 0s"},
 		{"export in cluster mode", with("--export", "a=/a"), "--export cannot be combined with --cluster"},
 		{"config in cluster mode", with("--config", cfg), "--config cannot be combined with --cluster"},

@@ -16,6 +16,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
@@ -45,8 +46,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.SetOutput(io.Discard)
 	fs.StringVar(&o.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint: unix:///path or tcp://host:port")
 	fs.StringVar(&o.nodeID, "node-id", os.Getenv("NODE_NAME"), "this node's ID, the Kubernetes node name (default $NODE_NAME)")
-	fs.Func("topology", "accessible topology segments, key=value[,key=value]", func(s string) error {
-		m, err := parseKV(s)
+	fs.Func("topology", "accessible topology segments, key=value[,key=value] (default "+access.TopologyKey+"="+access.DefaultTopology+"; storage agents must report the same)", func(s string) error {
+		m, err := access.ParseTopology(s)
 		o.topology = m
 		return err
 	})
@@ -93,6 +94,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 
 func parseArgs(args []string) (*options, error) {
 	o := &options{}
+	o.topology, _ = access.ParseTopology("")
 	fs := newFlagSet(o)
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -129,18 +131,6 @@ func splitList(s string) []string {
 		}
 	}
 	return out
-}
-
-func parseKV(s string) (map[string]string, error) {
-	m := map[string]string{}
-	for _, p := range splitList(s) {
-		k, v, ok := strings.Cut(p, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("%q is not key=value", p)
-		}
-		m[k] = v
-	}
-	return m, nil
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {

@@ -54,3 +54,19 @@ func TestSecretName(t *testing.T) {
 		}
 	}
 }
+
+func TestParseTopology(t *testing.T) {
+	m, err := ParseTopology("")
+	if err != nil || len(m) != 1 || m[TopologyKey] != DefaultTopology {
+		t.Fatalf("default topology = %v, %v", m, err)
+	}
+	m, err = ParseTopology("topology.mpnbd.io/zone=a, rack=r1")
+	if err != nil || len(m) != 2 || m["topology.mpnbd.io/zone"] != "a" || m["rack"] != "r1" {
+		t.Fatalf("ParseTopology = %v, %v", m, err)
+	}
+	for _, bad := range []string{"zone", "=a", "zone=a,zone=b", "bad key=a", "zone=not a value", "zone=" + strings.Repeat("x", 64)} {
+		if _, err := ParseTopology(bad); err == nil {
+			t.Errorf("ParseTopology(%q) succeeds", bad)
+		}
+	}
+}

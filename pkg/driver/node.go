@@ -88,6 +88,10 @@ type Node struct {
 	// volume ID and target path for publish), for the per-volume
 	// try-lock.
 	inFlight sync.Map
+	// pubMu guards pubs: per volume, the target paths this process
+	// published it to, for the single-writer check.
+	pubMu sync.Mutex
+	pubs  map[string]map[string]bool
 	// addrs remembers, per staged volume, how many storage addresses it
 	// was published with: the MPTCP subflows a healthy volume has. It is
 	// lost with the process, after which only connectivity is checked.
@@ -110,7 +114,7 @@ func NewNode(c NodeConfig) (*Node, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Node{cfg: c, log: log}, nil
+	return &Node{cfg: c, log: log, pubs: make(map[string]map[string]bool)}, nil
 }
 
 var _ csi.NodeServer = (*Node)(nil)
@@ -330,6 +334,13 @@ func (n *Node) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolume
 	if req.GetReadonly() || readOnlyMode(capability) {
 		opts = append(opts, "ro")
 	}
+	n.pubMu.Lock()
+	defer n.pubMu.Unlock()
+	if capability.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		if other := n.otherTarget(id, target); other != "" {
+			return nil, toStatus(fmt.Errorf("%w: volume %s is single-writer and already published at %s", ErrPrecondition, id, other))
+		}
+	}
 	var err error
 	if capability.GetBlock() != nil {
 		err = n.publishBlock(id, staging, target, opts)
@@ -339,7 +350,27 @@ func (n *Node) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolume
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	if n.pubs[id] == nil {
+		n.pubs[id] = map[string]bool{}
+	}
+	n.pubs[id][target] = true
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// otherTarget returns a target path other than target where this process
+// published volume id and that is still mounted; "" if none. The caller
+// holds pubMu.
+func (n *Node) otherTarget(id, target string) string {
+	for t := range n.pubs[id] {
+		if t == target {
+			continue
+		}
+		if mounted, err := n.cfg.Mounter.IsMountPoint(t); err == nil && mounted {
+			return t
+		}
+		delete(n.pubs[id], t)
+	}
+	return ""
 }
 
 func (n *Node) publishMount(id, staging, target string, opts []string) error {
@@ -432,6 +463,12 @@ func (n *Node) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVo
 	if err := os.Remove(target); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, toStatus(fmt.Errorf("unpublish volume %s: remove target: %w", id, err))
 	}
+	n.pubMu.Lock()
+	delete(n.pubs[id], target)
+	if len(n.pubs[id]) == 0 {
+		delete(n.pubs, id)
+	}
+	n.pubMu.Unlock()
 	n.log.Info("volume unpublished", "volume_id", id, "target_path", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

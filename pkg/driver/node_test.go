@@ -609,3 +609,44 @@ func TestNodeGetVolumeHealthArguments(t *testing.T) {
 	_, err = f.node.NodeGetVolumeHealth(context.Background(), &csi.NodeGetVolumeHealthRequest{VolumeId: "pv-1", VolumePublishPath: filepath.Join(f.dir, "missing")})
 	wantCode(t, err, codes.NotFound)
 }
+
+func TestNodePublishSingleWriter(t *testing.T) {
+	ctx := context.Background()
+	f := newNodeFixture(t)
+	snsw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, "")
+	stage := f.stageReq("pv-1", snsw)
+	if _, err := f.node.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatal(err)
+	}
+	first := f.publishReq(stage, "pod-a/vol")
+	if _, err := f.node.NodePublishVolume(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.node.NodePublishVolume(ctx, first); err != nil {
+		t.Fatalf("repeated publish to the same target: %v", err)
+	}
+	second := f.publishReq(stage, "pod-b/vol")
+	_, err := f.node.NodePublishVolume(ctx, second)
+	wantCode(t, err, codes.FailedPrecondition)
+	if _, ok := f.mnt.mount(second.TargetPath); ok {
+		t.Error("the refused target is mounted")
+	}
+	// A single-node multi-writer volume may be published twice.
+	snmw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, "")
+	stage2 := f.stageReq("pv-2", snmw)
+	if _, err := f.node.NodeStageVolume(ctx, stage2); err != nil {
+		t.Fatal(err)
+	}
+	for _, target := range []string{"pod-c/vol", "pod-d/vol"} {
+		if _, err := f.node.NodePublishVolume(ctx, f.publishReq(stage2, target)); err != nil {
+			t.Fatalf("multi-writer publish to %s: %v", target, err)
+		}
+	}
+	// Once the first target is gone, the single writer may move.
+	if _, err := f.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "pv-1", TargetPath: first.TargetPath}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.node.NodePublishVolume(ctx, second); err != nil {
+		t.Fatalf("publish after the other target was unpublished: %v", err)
+	}
+}
