@@ -8,9 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/pkg/mptcp"
-
 	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
 func TestParseArgsCluster(t *testing.T) {
