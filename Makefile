@@ -1,6 +1,6 @@
 GO      ?= go
 BIN     := bin
-CMDS    := nbd-server
+CMDS    := nbd-server controller node
 
 .PHONY: all build test bench demo deps clean
 
