@@ -1,0 +1,196 @@
+package sanity
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// otherNode is a second worker whose storage address is 127.0.0.2.
+const otherNode = "worker-2"
+
+func blockCap(m csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: m},
+	}
+}
+
+// open dials the export of a publish context from source address src
+// with MPTCP, as a node would.
+func open(ctx context.Context, pc map[string]string, src string) (*nbd.Client, error) {
+	addr, _, _ := strings.Cut(pc[driver.PublishContextAddresses], ",")
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}}
+	return nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: pc[driver.PublishContextExport], MPTCP: true, Dialer: d})
+}
+
+func wantRefused(t *testing.T, what string, c *nbd.Client, err error) {
+	t.Helper()
+	if err == nil {
+		c.Close()
+		t.Errorf("%s: the export opened", what)
+		return
+	}
+	if !errors.Is(err, nbd.ErrAccessDenied) && !errors.Is(err, nbd.ErrUnknownExport) {
+		t.Errorf("%s: %v; want the server to refuse the export", what, err)
+	}
+}
+
+func wantCode(t *testing.T, what string, err error, code codes.Code) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("%s: %v; want %s", what, err, code)
+	}
+}
+
+// TestAccessControl checks, with the real controller, storage agent and
+// MPTCP server, that an export opens only for a node it is published to,
+// with that node's token, from that node's storage address; that a
+// single-node volume cannot be published to a second node; and that
+// unpublishing closes the node's connection and refuses it afterwards.
+func TestAccessControl(t *testing.T) {
+	cl := startCluster(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	other := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: otherNode,
+		Annotations: map[string]string{access.AnnotationStorageAddresses: "127.0.0.2"}}}
+	if err := cl.client.Create(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient("unix://"+cl.controllerSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() }) // after the volumes' cleanups
+	ctl := csi.NewControllerClient(conn)
+	create := func(name string, m csi.VolumeCapability_AccessMode_Mode) string {
+		resp, err := ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+			VolumeCapabilities: []*csi.VolumeCapability{blockCap(m)},
+		})
+		if err != nil {
+			t.Fatalf("create %s: %v", name, err)
+		}
+		id := resp.GetVolume().GetVolumeId()
+		t.Cleanup(func() {
+			ctl.ControllerUnpublishVolume(context.Background(), &csi.ControllerUnpublishVolumeRequest{VolumeId: id})
+			if _, err := ctl.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+				t.Errorf("delete %s: %v", id, err)
+			}
+		})
+		return id
+	}
+	publish := func(id, node string, m csi.VolumeCapability_AccessMode_Mode) (map[string]string, error) {
+		resp, err := ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: id, NodeId: node, VolumeCapability: blockCap(m)})
+		return resp.GetPublishContext(), err
+	}
+
+	rwo := csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
+	id := create("access-rwo", rwo)
+	pc, err := publish(id, nodeID, rwo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte("mpnbd"), 4096/5+1)[:4096]
+
+	// The published node, with its token, from its storage address.
+	c, err := open(ctx, pc, "127.0.0.1")
+	if err != nil {
+		t.Fatalf("the published node cannot open its export: %v", err)
+	}
+	defer c.Close()
+	if _, err := c.WriteAt(data, 0); err != nil {
+		t.Fatal(err)
+	}
+
+	// Everyone else is refused.
+	exportName := pc[driver.PublishContextExport]
+	vol, _, _ := access.SplitExport(exportName)
+	forged, _ := access.NewToken()
+	for _, tc := range []struct{ what, export, src string }{
+		{"the right token from another address", exportName, "127.0.0.2"},
+		{"the bare volume name", vol, "127.0.0.1"},
+		{"a forged token", access.NodeExport(vol, forged), "127.0.0.1"},
+		{"another volume's name with this token", access.NodeExport("other-volume", strings.TrimPrefix(exportName, vol+"/")), "127.0.0.1"},
+	} {
+		forgedPC := map[string]string{driver.PublishContextExport: tc.export, driver.PublishContextAddresses: pc[driver.PublishContextAddresses]}
+		c2, err := open(ctx, forgedPC, tc.src)
+		wantRefused(t, tc.what, c2, err)
+	}
+
+	// The fence: a single-node volume cannot go to a second node, so
+	// the second node never gets a token.
+	_, err = publish(id, otherNode, rwo)
+	wantCode(t, "publish a single-node volume to a second node", err, codes.FailedPrecondition)
+
+	// A multi-node reader-only volume is published to both; each token
+	// works only from its node's address, read-only.
+	rox := csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+	shared := create("access-rox", rox)
+	pc1, err := publish(shared, nodeID, rox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc2, err := publish(shared, otherNode, rox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pc1[driver.PublishContextExport] == pc2[driver.PublishContextExport] {
+		t.Fatal("two nodes got the same token")
+	}
+	c2, err := open(ctx, pc2, "127.0.0.1")
+	wantRefused(t, "worker-2's token from worker-1's address", c2, err)
+	c2, err = open(ctx, pc2, "127.0.0.2")
+	if err != nil {
+		t.Fatalf("worker-2 cannot open the shared volume: %v", err)
+	}
+	if _, err := c2.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Errorf("read-only read: %v", err)
+	}
+	if _, err := c2.WriteAt(data, 0); err == nil {
+		t.Error("a reader-only publication could write")
+	}
+	c2.Close()
+
+	// Unpublishing closes the node's open connection and refuses it.
+	if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: nodeID}); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096)
+	if _, err := c.ReadAt(buf, 0); err == nil {
+		t.Error("the connection of an unpublished node still serves I/O")
+	}
+	c3, err := open(ctx, pc, "127.0.0.1")
+	wantRefused(t, "the old token after unpublish", c3, err)
+
+	// Now the second node may have it, and sees the first node's data.
+	pcOther, err := publish(id, otherNode, rwo)
+	if err != nil {
+		t.Fatalf("publish to the second node after unpublish: %v", err)
+	}
+	c4, err := open(ctx, pcOther, "127.0.0.2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c4.Close()
+	if _, err := c4.ReadAt(buf, 0); err != nil || !bytes.Equal(buf, data) {
+		t.Fatalf("second node reads %q..., %v; want the first node's data", buf[:10], err)
+	}
+}
