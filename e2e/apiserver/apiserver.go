@@ -113,33 +113,39 @@ func assets(root string) (string, error) {
 	return assetsDir, assetsErr
 }
 
-// Start runs etcd and kube-apiserver with the CRDs of deploy/crds installed
-// and returns a config and a client (whose scheme knows api/v1alpha1) for
-// it. Both are stopped when t's cleanup runs.
-func Start(t testing.TB) (*rest.Config, client.Client) {
-	t.Helper()
+// ErrUnavailable marks a StartEnv failure that means the API server
+// cannot be had on this machine (wrong OS, not root, binaries missing),
+// as opposed to one that failed to start.
+var ErrUnavailable = errors.New("test API server unavailable")
+
+// StartEnv runs etcd and kube-apiserver with the CRDs of deploy/crds
+// installed and returns a config and a client (whose scheme knows
+// api/v1alpha1) for it, and stop, which stops both. It is for commands;
+// tests use Start. Errors wrapping ErrUnavailable mean the machine cannot
+// run it.
+func StartEnv() (cfg *rest.Config, c client.Client, stop func() error, err error) {
 	if runtime.GOOS != "linux" {
-		unavailable(t, "needs linux, running on %s", runtime.GOOS)
+		return nil, nil, nil, fmt.Errorf("%w: needs linux, running on %s", ErrUnavailable, runtime.GOOS)
 	}
 	if os.Geteuid() != 0 {
-		unavailable(t, "needs root (to install etcd and use the shared binary cache)")
+		return nil, nil, nil, fmt.Errorf("%w: needs root (to install etcd and use the shared binary cache)", ErrUnavailable)
 	}
 	root, err := RepoRoot()
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, nil, err
 	}
 	dir, err := assets(root)
 	if err != nil {
-		unavailable(t, "%v", err)
+		return nil, nil, nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	for _, b := range []string{"etcd", "kube-apiserver"} {
 		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
-			unavailable(t, "%v", err)
+			return nil, nil, nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
 		}
 	}
 	scheme, err := Scheme()
 	if err != nil {
-		t.Fatal(err)
+		return nil, nil, nil, err
 	}
 	env := &envtest.Environment{
 		BinaryAssetsDirectory: dir,
@@ -147,23 +153,47 @@ func Start(t testing.TB) (*rest.Config, client.Client) {
 		ErrorIfCRDPathMissing: true,
 		Scheme:                scheme,
 	}
-	cfg, err := env.Start()
+	cfg, err = env.Start()
 	if err != nil {
 		// The binaries are there; a failure to start is a real failure.
-		t.Fatalf("starting the test API server: %v", err)
+		return nil, nil, nil, fmt.Errorf("starting the test API server: %w", err)
 	}
-	t.Cleanup(func() {
+	stop = func() error {
 		if err := env.Stop(); err != nil {
-			t.Errorf("stopping the test API server: %v", err)
+			return fmt.Errorf("stopping the test API server: %w", err)
 		}
-	})
-	if len(env.CRDs) != 2 {
-		t.Fatalf("installed %d CRDs from deploy/crds, want 2", len(env.CRDs))
+		return nil
 	}
-	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	fail := func(err error) (*rest.Config, client.Client, func() error, error) {
+		return nil, nil, nil, errors.Join(err, stop())
+	}
+	if len(env.CRDs) != 2 {
+		return fail(fmt.Errorf("installed %d CRDs from deploy/crds, want 2", len(env.CRDs)))
+	}
+	c, err = client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return fail(err)
+	}
+	return cfg, c, stop, nil
+}
+
+// Start runs etcd and kube-apiserver with the CRDs of deploy/crds installed
+// and returns a config and a client (whose scheme knows api/v1alpha1) for
+// it. Both are stopped when t's cleanup runs.
+func Start(t testing.TB) (*rest.Config, client.Client) {
+	t.Helper()
+	cfg, c, stop, err := StartEnv()
+	if errors.Is(err, ErrUnavailable) {
+		unavailable(t, "%s", strings.TrimPrefix(err.Error(), ErrUnavailable.Error()+": "))
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() {
+		if err := stop(); err != nil {
+			t.Error(err)
+		}
+	})
 	return cfg, c
 }
 
@@ -171,6 +201,16 @@ func Start(t testing.TB) (*rest.Config, client.Client) {
 // Start returns) as a kubeconfig file in a temporary directory of t.
 func WriteKubeconfig(t testing.TB, cfg *rest.Config) string {
 	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := WriteKubeconfigFile(path, cfg); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// WriteKubeconfigFile stores cfg (a client-certificate or token config, as
+// StartEnv returns) as a kubeconfig file at path.
+func WriteKubeconfigFile(path string, cfg *rest.Config) error {
 	kc := clientcmdapi.NewConfig()
 	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
 	kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{
@@ -178,9 +218,5 @@ func WriteKubeconfig(t testing.TB, cfg *rest.Config) string {
 	}
 	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
 	kc.CurrentContext = "test"
-	path := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := clientcmd.WriteToFile(*kc, path); err != nil {
-		t.Fatal(err)
-	}
-	return path
+	return clientcmd.WriteToFile(*kc, path)
 }
