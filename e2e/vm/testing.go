@@ -48,8 +48,9 @@ var moduleParams = map[string]string{
 
 // defaultTools are copied into the guest by Default when the host has
 // them: iproute2 (busybox's ip lacks netns, mptcp and tc options the e2e
-// topology uses) and e2fsprogs.
-var defaultTools = []string{"ip", "tc", "ss", "mkfs.ext4", "e2fsck"}
+// topology uses), e2fsprogs, and the fsck and blkid of util-linux that
+// mount-utils runs when it formats, checks and mounts.
+var defaultTools = []string{"ip", "tc", "ss", "mkfs.ext4", "e2fsck", "fsck", "fsck.ext4", "blkid", "resize2fs"}
 
 // defaultFiles are host configuration files Default copies when present.
 var defaultFiles = []string{"/etc/mke2fs.conf", "/etc/iproute2"}

@@ -1,0 +1,140 @@
+package nodeattach
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+)
+
+// TestNodeServiceKernelTransports drives the real CSI Node service
+// (driver.Node with the real mounter and an attach.Manager over the nbd
+// transports) against the kernel's nbd driver: stage (format and mount
+// through mount-utils), publish, write, stats, health, online expansion
+// (the export grows, RECONFIGURE resizes /dev/nbdX, resize2fs grows the
+// mounted file system), unpublish, unstage; then the same for a Block
+// volume. Nothing is left connected afterwards.
+func TestNodeServiceKernelTransports(t *testing.T) {
+	requireGuest(t)
+	for _, mode := range []attach.Transport{attach.Relay, attach.MultiConn} {
+		t.Run(string(mode), func(t *testing.T) {
+			tp := guestTopology(t)
+			st := newStorage(t, tp, volSize/2, mode == attach.Relay)
+			a, nl := newAttacher(t, tp, mode)
+			mgr := attach.NewManager(map[attach.Transport]attach.Attacher{mode: a}, testLogger(t))
+			node, err := driver.NewNode(driver.NodeConfig{
+				NodeID: "vm-node", Attacher: mgr, Mounter: driver.NewMounter(), Logger: testLogger(t),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tg := st.target(volID(t))
+			ctx := context.Background()
+			dir := t.TempDir()
+			mountCap := &csi.VolumeCapability{
+				AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+				AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+			}
+			stage := &csi.NodeStageVolumeRequest{
+				VolumeId:          tg.VolumeID,
+				StagingTargetPath: filepath.Join(dir, "staging"),
+				VolumeCapability:  mountCap,
+				PublishContext: map[string]string{
+					driver.PublishContextExport:    tg.Export,
+					driver.PublishContextAddresses: strings.Join(tg.Addrs, ","),
+				},
+				VolumeContext: map[string]string{driver.ParamTransport: string(mode)},
+			}
+			if err := os.MkdirAll(stage.StagingTargetPath, 0o750); err != nil {
+				t.Fatal(err)
+			}
+			for range 2 { // idempotent
+				if _, err := node.NodeStageVolume(ctx, stage); err != nil {
+					t.Fatalf("stage: %v", err)
+				}
+			}
+			pub := &csi.NodePublishVolumeRequest{
+				VolumeId: tg.VolumeID, StagingTargetPath: stage.StagingTargetPath,
+				TargetPath: filepath.Join(dir, "target"), VolumeCapability: mountCap,
+				PublishContext: stage.PublishContext, VolumeContext: stage.VolumeContext,
+			}
+			if _, err := node.NodePublishVolume(ctx, pub); err != nil {
+				t.Fatalf("publish: %v", err)
+			}
+			sum := writeRandomFile(t, filepath.Join(pub.TargetPath, "data"), dataSize)
+			stats, err := node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: tg.VolumeID, VolumePath: pub.TargetPath})
+			if err != nil || len(stats.GetUsage()) != 2 || stats.Usage[0].Used < dataSize {
+				t.Fatalf("stats %v, %v", stats, err)
+			}
+			before := stats.Usage[0].Total
+			h, err := node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: tg.VolumeID, VolumePublishPath: pub.TargetPath})
+			if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
+				t.Fatalf("health %v, %v; want healthy (relay: one subflow per path)", h, err)
+			}
+
+			// Online expansion: the storage side grows, then the node.
+			if err := st.backend.Resize(2 * st.size); err != nil {
+				t.Fatal(err)
+			}
+			exp, err := node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{
+				VolumeId: tg.VolumeID, VolumePath: pub.TargetPath, StagingTargetPath: stage.StagingTargetPath,
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * st.size}, VolumeCapability: mountCap,
+			})
+			if err != nil || exp.GetCapacityBytes() != 2*st.size {
+				t.Fatalf("expand: %v, %v", exp, err)
+			}
+			stats, err = node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: tg.VolumeID, VolumePath: pub.TargetPath})
+			if err != nil || stats.Usage[0].Total < before*3/2 {
+				t.Fatalf("file system after expansion: %v, %v (was %d bytes)", stats, err, before)
+			}
+			if got := fileSum(t, filepath.Join(pub.TargetPath, "data")); got != sum {
+				t.Fatalf("data after expansion: sha256 %s, want %s", got, sum)
+			}
+
+			if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: tg.VolumeID, TargetPath: pub.TargetPath}); err != nil {
+				t.Fatal(err)
+			}
+			for range 2 {
+				if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: tg.VolumeID, StagingTargetPath: stage.StagingTargetPath}); err != nil {
+					t.Fatalf("unstage: %v", err)
+				}
+			}
+			waitGone(t, nl, st)
+
+			// Block: the device node is published as is.
+			blockCap := &csi.VolumeCapability{
+				AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+				AccessMode: mountCap.AccessMode,
+			}
+			stage.VolumeCapability, pub.VolumeCapability = blockCap, blockCap
+			pub.TargetPath = filepath.Join(dir, "block-target")
+			if _, err := node.NodeStageVolume(ctx, stage); err != nil {
+				t.Fatalf("stage block: %v", err)
+			}
+			if _, err := node.NodePublishVolume(ctx, pub); err != nil {
+				t.Fatalf("publish block: %v", err)
+			}
+			size, err := driver.NewMounter().GetDeviceSize(pub.TargetPath)
+			if err != nil || int64(size) != 2*st.size {
+				t.Fatalf("published block device: %d bytes, %v; want %d", size, err, 2*st.size)
+			}
+			// The file system written above is on it.
+			if got := mountAndSum(t, pub.TargetPath); got != sum {
+				t.Fatalf("block device content: sha256 %s, want %s", got, sum)
+			}
+			if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: tg.VolumeID, TargetPath: pub.TargetPath}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: tg.VolumeID, StagingTargetPath: stage.StagingTargetPath}); err != nil {
+				t.Fatal(err)
+			}
+			waitGone(t, nl, st)
+		})
+	}
+}
