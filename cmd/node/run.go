@@ -266,35 +266,9 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 // keepEndpoints keeps an MPTCP subflow endpoint on each storage NIC until
 // ctx ends.
 func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
-	pm, err := mptcp.DialPM()
-	if err != nil {
-		log.Error("MPTCP path manager unavailable; storage NICs not configured", "error", err)
-		return
-	}
-	defer pm.Close()
-	addrs, err := mptcp.DialAddrs()
-	if err != nil {
-		log.Error("address watch unavailable; storage NICs not configured", "error", err)
-		return
-	}
-	defer addrs.Close()
-	changes, err := mptcp.AddrChanges(ctx)
-	if err != nil {
-		log.Warn("address changes not watched; endpoints re-checked periodically only", "error", err)
-	}
 	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient}
-	err = mptcp.Watch(ctx, pm, addrs, d, mptcp.WatchOptions{
-		Changes: changes,
-		OnResult: func(r mptcp.Result, err error) {
-			if err != nil {
-				log.Error("MPTCP endpoints", "error", err)
-			} else if r.Changed() {
-				log.Info("MPTCP endpoints updated", "result", fmt.Sprintf("%+v", r))
-			}
-		},
-	})
-	if err != nil && ctx.Err() == nil {
-		log.Error("MPTCP endpoint watch stopped", "error", err)
+	if err := mptcp.Keep(ctx, d, log); err != nil {
+		log.Error("storage NICs not configured for MPTCP", "error", err)
 	}
 }
 

@@ -3,6 +3,7 @@ package mptcp_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/netip"
 	"slices"
 	"strings"
@@ -190,4 +191,44 @@ func TestWatchNetns(t *testing.T) {
 	if eps := ns.checkEndpoints(nil); len(eps) != 0 {
 		t.Fatalf("endpoints left: %v", eps)
 	}
+}
+
+// TestKeepNetns runs Keep in a namespace: it adds the endpoint of the
+// selected NIC, follows a new address on it, and leaves the endpoints in
+// place when it stops (a restarted keeper finds them as they were).
+func TestKeepNetns(t *testing.T) {
+	ns := newTestNS(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- topo.InNetns(ns.name, func() error {
+			return mptcp.Keep(ctx, mptcp.Desired{NICs: []mptcp.NICSpec{"b0"}, Role: mptcp.RoleClient}, slog.New(slog.DiscardHandler))
+		})
+	}()
+	waitEndpoints := func(what string, want ...string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			var got []string
+			for _, e := range ns.ipEndpoints() { // PM and ip may race while Keep runs
+				got = append(got, e.Addr.String())
+			}
+			slices.Sort(got)
+			if slices.Equal(got, want) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: endpoints %v, want %v", what, got, want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	waitEndpoints("start", "10.201.2.1")
+	ns.ip("addr", "add", "10.201.2.7/24", "dev", "b0")
+	waitEndpoints("new address", "10.201.2.1", "10.201.2.7")
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Keep: %v", err)
+	}
+	waitEndpoints("after stop", "10.201.2.1", "10.201.2.7")
 }
