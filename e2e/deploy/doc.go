@@ -1,0 +1,10 @@
+// Package deploy tests the driver's packaging: the Dockerfile, the
+// kustomize tree in deploy/ and the Helm chart in charts/mpnbd. The tests
+// render both (helm from hack/tools.sh, `kubectl kustomize`), compare
+// them, check every argument our commands get against the commands' own
+// flags, and apply everything with a server-side dry run against a real
+// API server (e2e/apiserver).
+//
+// Tools that cannot be had skip the tests, unless MPNBD_DEPLOY_REQUIRE=1
+// (hack/test.sh sets it as root), in which case they fail.
+package deploy
