@@ -1,0 +1,156 @@
+package cluster
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Down stops the cluster and leaves the host as it was: containers and
+// their shims, daemons (in reverse order of start), mounts under the
+// cluster's directory, the CNI network namespaces and bridge, the
+// kubelet's iptables chains and the sysctls it changed.
+func (c *Cluster) Down() error {
+	var errs []error
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// The kubelet first, so it stops restarting containers.
+	c.stop("kubelet")
+	if c.Containerd != "" {
+		if out, err := c.ctr(ctx, "tasks", "ls", "-q"); err == nil {
+			for _, id := range strings.Fields(out) {
+				c.ctr(ctx, "tasks", "kill", "-s", "SIGKILL", id)
+			}
+			time.Sleep(500 * time.Millisecond)
+			for _, id := range strings.Fields(out) {
+				c.ctr(ctx, "tasks", "rm", "-f", id)
+			}
+		}
+		if out, err := c.ctr(ctx, "containers", "ls", "-q"); err == nil {
+			for _, id := range strings.Fields(out) {
+				c.ctr(ctx, "containers", "rm", id)
+			}
+		}
+	}
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		c.stop(c.procs[i].name)
+	}
+	// Shims outlive containerd: kill those of our containerd.
+	killShims(c.Containerd)
+	if err := unmountUnder(c.cfg.Dir); err != nil {
+		errs = append(errs, err)
+	}
+	if out, err := exec.Command("ip", "-o", "netns", "list").Output(); err == nil {
+		for _, l := range strings.Split(string(out), "\n") {
+			if f := strings.Fields(l); len(f) > 0 && strings.HasPrefix(f[0], "cni-") {
+				exec.Command("ip", "netns", "del", f[0]).Run()
+			}
+		}
+	}
+	exec.Command("ip", "link", "del", "mpnbd-e2e0").Run()
+	cleanIPTables()
+	for k, v := range c.sysctls {
+		if err := os.WriteFile("/proc/sys/"+k, []byte(v), 0o644); err != nil {
+			errs = append(errs, fmt.Errorf("restore %s: %w", k, err))
+		}
+	}
+	for _, p := range c.procs {
+		p.log.Close()
+	}
+	return errors.Join(errs...)
+}
+
+// stop sends SIGTERM to a daemon's process group, then SIGKILL.
+func (c *Cluster) stop(name string) {
+	for _, p := range c.procs {
+		if p.name != name {
+			continue
+		}
+		select {
+		case <-p.done:
+			return
+		default:
+		}
+		syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(15 * time.Second):
+			syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+			<-p.done
+		}
+	}
+}
+
+// killShims kills the containerd-shim processes started for socket.
+func killShims(socket string) {
+	if socket == "" {
+		return
+	}
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid := e.Name()
+		cmdline, err := os.ReadFile("/proc/" + pid + "/cmdline")
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmdline), "\x00")
+		if len(args) > 0 && strings.Contains(args[0], "containerd-shim") && slices.Contains(args, socket) {
+			var n int
+			fmt.Sscan(pid, &n)
+			syscall.Kill(n, syscall.SIGKILL)
+		}
+	}
+}
+
+// unmountUnder lazily unmounts every mount below dir, deepest first.
+func unmountUnder(dir string) error {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	var mounts []string
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		fields := strings.Fields(s.Text())
+		if len(fields) > 4 {
+			mp := strings.ReplaceAll(fields[4], `\040`, " ")
+			if mp == dir || strings.HasPrefix(mp, dir+"/") {
+				mounts = append(mounts, mp)
+			}
+		}
+	}
+	slices.SortFunc(mounts, func(a, b string) int { return len(b) - len(a) })
+	var errs []error
+	for _, m := range mounts {
+		if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
+			errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cleanIPTables removes the chains the kubelet adds.
+func cleanIPTables() {
+	for _, bin := range []string{"iptables", "ip6tables"} {
+		for _, table := range []string{"filter", "nat", "mangle"} {
+			for _, jump := range []struct{ chain, target string }{
+				{"INPUT", "KUBE-FIREWALL"}, {"OUTPUT", "KUBE-FIREWALL"},
+			} {
+				for exec.Command(bin, "-t", table, "-D", jump.chain, "-j", jump.target).Run() == nil {
+				}
+			}
+			for _, chain := range []string{"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-NODE-PORT"} {
+				exec.Command(bin, "-t", table, "-F", chain).Run()
+				exec.Command(bin, "-t", table, "-X", chain).Run()
+			}
+		}
+	}
+}
