@@ -1,0 +1,112 @@
+package deploy
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+)
+
+// argsOf returns the args of a workload's container.
+func argsOf(t *testing.T, objs []*unstructured.Unstructured, kind, name, ctr string) []string {
+	t.Helper()
+	for _, c := range containers(t, []*unstructured.Unstructured{find(t, objs, kind, name)}) {
+		if c.name == ctr {
+			return c.args
+		}
+	}
+	t.Fatalf("%s %s has no container %s", kind, name, ctr)
+	return nil
+}
+
+// TestChartValues: non-default values reach the objects they configure.
+func TestChartValues(t *testing.T) {
+	objs := parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml"))
+	for _, o := range objs {
+		if ns := o.GetNamespace(); ns != "" && ns != "storage-mpnbd" {
+			t.Errorf("%s: namespace %q, want storage-mpnbd", objectKey(o), ns)
+		}
+	}
+	ns := find(t, objs, "Namespace", "storage-mpnbd")
+	if ns.GetLabels()["pod-security.kubernetes.io/enforce"] != "privileged" {
+		t.Errorf("namespace labels %v", ns.GetLabels())
+	}
+
+	has := func(what string, args []string, want ...string) {
+		t.Helper()
+		for _, w := range want {
+			if !slices.Contains(args, w) {
+				t.Errorf("%s args %q lack %q", what, args, w)
+			}
+		}
+	}
+	has("node", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node"),
+		"--storage-nic=eth1,eth2,10.10.3.0/24", "--backup-nic=eth0", "--storage-address=$(STORAGE_ADDRESS)",
+		"--storage-address=10.10.1.5", "--transports=relay,multiconn,fuse", "--max-volumes=32",
+		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json")
+	has("registrar", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node-driver-registrar"),
+		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
+	has("storage agent", argsOf(t, objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent"),
+		"--cluster", "--data-dir=/srv/mpnbd", "--listen=:10900", "--metrics-addr=:19810", "--signal-nic=eth1,eth2",
+		"--storage-address=10.10.1.1,10.10.2.1", "--shutdown-timeout=60s")
+	has("controller", argsOf(t, objs, "Deployment", "mpnbd-controller", "controller"),
+		"--wait-timeout=90s", "--stale-after=5m", "--log-format=json")
+	has("provisioner", argsOf(t, objs, "Deployment", "mpnbd-controller", "csi-provisioner"),
+		"--timeout=300s", "--default-fstype=xfs", "--enable-capacity", "--capacity-ownerref-level=2")
+
+	agent := find(t, objs, "DaemonSet", "mpnbd-storage-agent")
+	if sel, _, _ := unstructured.NestedStringMap(agent.Object, "spec", "template", "spec", "nodeSelector"); sel["storage.example.com/pool"] != "fast" || len(sel) != 1 {
+		t.Errorf("storage agent nodeSelector %v", sel)
+	}
+	ctl := find(t, objs, "Deployment", "mpnbd-controller")
+	if hn, _, _ := unstructured.NestedBool(ctl.Object, "spec", "template", "spec", "hostNetwork"); !hn {
+		t.Error("controller.hostNetwork=true not rendered")
+	}
+	for _, c := range containers(t, []*unstructured.Unstructured{ctl}) {
+		if c.name == "controller" && c.image != "registry.example.com/mpnbd/mpnbd:v0.2.0" {
+			t.Errorf("controller image %s", c.image)
+		}
+	}
+
+	sc := find(t, objs, "StorageClass", "fast-xfs")
+	params, _, _ := unstructured.NestedStringMap(sc.Object, "parameters")
+	if params["transport"] != "relay" || params["fsType"] != "xfs" || params["csi.storage.k8s.io/fstype"] != "xfs" ||
+		params["storageNodeSelector"] != "storage.example.com/pool=fast" {
+		t.Errorf("fast-xfs parameters %v", params)
+	}
+	if sc.GetAnnotations()["storageclass.kubernetes.io/is-default-class"] != "true" {
+		t.Errorf("fast-xfs annotations %v", sc.GetAnnotations())
+	}
+	raw := find(t, objs, "StorageClass", "raw-tcp")
+	if p, _, _ := unstructured.NestedStringMap(raw.Object, "parameters"); p["transport"] != "tcp" {
+		t.Errorf("raw-tcp parameters %v: its own transport must win over defaultTransport", p)
+	}
+	if exp, ok, _ := unstructured.NestedBool(raw.Object, "allowVolumeExpansion"); !ok || exp {
+		t.Errorf("raw-tcp allowVolumeExpansion %v (set: %v), want false", exp, ok)
+	}
+	if len(objs) == 0 || find(t, objs, "ServiceMonitor", "mpnbd-storage-agent") == nil {
+		t.Error("no ServiceMonitor")
+	}
+
+	// Defaults: no ServiceMonitor, no Service.
+	for _, o := range parseObjects(t, helmTemplate(t)) {
+		if o.GetKind() == "ServiceMonitor" || o.GetKind() == "Service" {
+			t.Errorf("default values render %s", objectKey(o))
+		}
+	}
+}
+
+// TestChartRefusesAgentWithoutAddresses: a storage agent needs the
+// addresses clients dial.
+func TestChartRefusesAgentWithoutAddresses(t *testing.T) {
+	_, err := tryRun(t, nil, helm(t), "template", "mpnbd", "charts/mpnbd", "--set", "storageAgent.storageAddressesFrom=")
+	if err == nil || !strings.Contains(err.Error(), "storageAddressesFrom") {
+		t.Errorf("helm template without storage addresses: %v", err)
+	}
+	// Without the agent the addresses do not matter.
+	if _, err := tryRun(t, nil, helm(t), "template", "mpnbd", "charts/mpnbd", "--set", "storageAgent.storageAddressesFrom=",
+		"--set", "storageAgent.enabled=false"); err != nil {
+		t.Error(err)
+	}
+}
