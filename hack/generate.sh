@@ -6,3 +6,6 @@ cd "$(dirname "$0")/.."
 CONTROLLER_GEN=${CONTROLLER_GEN:-sigs.k8s.io/controller-tools/cmd/controller-gen@v0.20.1}
 go run "$CONTROLLER_GEN" object paths=./api/...
 go run "$CONTROLLER_GEN" crd paths=./api/... output:crd:dir=deploy/crds
+# The Helm chart ships the same CRD files (e2e/deploy checks they match).
+rm -f charts/mpnbd/crds/*.yaml
+cp deploy/crds/*.yaml charts/mpnbd/crds/

@@ -13,8 +13,8 @@ fi
 
 echo "== generated code is up to date"
 bash hack/generate.sh
-if ! git diff --quiet -- api deploy/crds 2>/dev/null; then
-  echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds; exit 1
+if ! git diff --quiet -- api deploy/crds charts/mpnbd/crds 2>/dev/null; then
+  echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds charts/mpnbd/crds; exit 1
 fi
 
 echo "== go vet"
@@ -24,6 +24,9 @@ if [ "$(id -u)" = 0 ]; then
   echo "== test API server (etcd + kube-apiserver, cached)"
   bash hack/test-apiserver.sh
   export MPNBD_APISERVER_REQUIRE=${MPNBD_APISERVER_REQUIRE:-1}
+  echo "== packaging tools (helm, cached)"
+  bash hack/tools.sh
+  export MPNBD_DEPLOY_REQUIRE=${MPNBD_DEPLOY_REQUIRE:-1}
 fi
 
 echo "== go test -race"
