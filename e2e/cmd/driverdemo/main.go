@@ -35,6 +35,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/go-logr/logr"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
@@ -129,6 +132,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "driverdemo: needs root on Linux (network namespaces, mounts, loop devices, FUSE)")
 		return 1
 	}
+	// The API server helpers log through controller-runtime; the demo
+	// prints its own progress.
+	ctrllog.SetLogger(logr.Discard())
 	d := &demo{o: o, out: stdout, res: &Result{Transport: o.transport, FileBytes: o.fileSize}}
 	runErr := d.run(ctx)
 	cleanErr := d.cleanup()
@@ -181,6 +187,9 @@ func (d *demo) step(name string, fn func() error) error {
 	fmt.Fprintf(d.out, "\n[%2d] %s\n", d.nstep, name)
 	start := time.Now()
 	err := fn()
+	if err == nil {
+		err = failpoint(name)
+	}
 	el := time.Since(start)
 	s := Step{Name: name, Seconds: el.Seconds()}
 	if err != nil {
@@ -193,6 +202,9 @@ func (d *demo) step(name string, fn func() error) error {
 	d.res.Steps = append(d.res.Steps, s)
 	return err
 }
+
+// failpoint lets tests fail a step after it did its work.
+var failpoint = func(step string) error { return nil }
 
 // onCleanup pushes a teardown step; cleanup runs them last in, first out.
 func (d *demo) onCleanup(name string, fn func(ctx context.Context) error) {

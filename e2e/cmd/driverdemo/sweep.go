@@ -27,7 +27,13 @@ func mountsUnder(mountinfo, dir string) []string {
 			out = append(out, mp)
 		}
 	}
-	sort.SliceStable(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
+	// Longer paths first: a mount below another comes before it.
+	sort.Slice(out, func(i, j int) bool {
+		if len(out[i]) != len(out[j]) {
+			return len(out[i]) > len(out[j])
+		}
+		return out[i] < out[j]
+	})
 	return out
 }
 
