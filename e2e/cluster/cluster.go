@@ -32,6 +32,10 @@ const (
 	serviceCIDR   = "10.0.0.0/24"
 	serviceIP     = "10.0.0.1"
 	podCIDR       = "10.88.0.0/24"
+	// PodGateway is the host's address on the pod bridge. Pods reach the
+	// API server there (it listens on every address; there is no
+	// kube-proxy for the service IP): set KUBERNETES_SERVICE_HOST to it.
+	PodGateway = "10.88.0.1"
 	// PauseImage is the sandbox image Up imports.
 	PauseImage = "mpnbd.local/pause:1"
 )
@@ -212,7 +216,7 @@ func (c *Cluster) certificates() error {
 		orgs     []string
 		hosts    []string
 	}{
-		{"apiserver", "kube-apiserver", nil, []string{"127.0.0.1", serviceIP, "localhost", host,
+		{"apiserver", "kube-apiserver", nil, []string{"127.0.0.1", PodGateway, serviceIP, "localhost", host,
 			"kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"}},
 		{"admin", "admin", []string{"system:masters"}, nil},
 		{"controller-manager", "system:kube-controller-manager", nil, nil},
@@ -249,7 +253,7 @@ func (c *Cluster) controlPlane(ctx context.Context) error {
 	bin := func(n string) string { return filepath.Join(c.cfg.KubeBin, n) }
 	if err := c.start("kube-apiserver", bin("kube-apiserver"),
 		"--etcd-servers", etcdURL,
-		"--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+		"--bind-address", "0.0.0.0", "--advertise-address", "127.0.0.1",
 		"--secure-port", fmt.Sprint(APIServerPort),
 		"--endpoint-reconciler-type", "none",
 		"--kubelet-preferred-address-types", "Hostname,InternalIP",

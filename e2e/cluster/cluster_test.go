@@ -64,6 +64,14 @@ func TestClusterUpDown(t *testing.T) {
 			down()
 		}
 	}()
+	// Pods reach the API server at the pod bridge's gateway address.
+	hc, err := c.httpClient()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := hc.Get("https://" + PodGateway + ":6443/readyz"); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("API server at %s: %v %v", PodGateway, resp, err)
+	}
 	pod := `apiVersion: v1
 kind: Pod
 metadata: {name: smoke, namespace: default}

@@ -56,6 +56,17 @@ state = %q
 	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
 		return err
 	}
+	// The pod bridge exists before any pod, with the gateway address, so
+	// that host-network pods reach the API server at PodGateway too.
+	for _, args := range [][]string{
+		{"link", "add", "mpnbd-e2e0", "type", "bridge"},
+		{"addr", "add", PodGateway + "/24", "dev", "mpnbd-e2e0"},
+		{"link", "set", "mpnbd-e2e0", "up"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			return fmt.Errorf("ip %s: %w: %s", strings.Join(args, " "), err, out)
+		}
+	}
 	if err := c.start("containerd", "containerd", "--config", cfgPath); err != nil {
 		return err
 	}

@@ -59,7 +59,30 @@ func TestChartValues(t *testing.T) {
 	if sel, _, _ := unstructured.NestedStringMap(agent.Object, "spec", "template", "spec", "nodeSelector"); sel["storage.example.com/pool"] != "fast" || len(sel) != 1 {
 		t.Errorf("storage agent nodeSelector %v", sel)
 	}
+	if hn, _, _ := unstructured.NestedBool(agent.Object, "spec", "template", "spec", "hostNetwork"); hn {
+		t.Error("storageAgent.hostNetwork=false not rendered")
+	}
 	ctl := find(t, objs, "Deployment", "mpnbd-controller")
+	// apiServer reaches every container that talks to the API server.
+	for _, o := range []*unstructured.Unstructured{ctl, agent, find(t, objs, "DaemonSet", "mpnbd-node")} {
+		cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+		for _, c := range cs {
+			cm := c.(map[string]any)
+			name := cm["name"].(string)
+			if name == "liveness-probe" || name == "node-driver-registrar" { // CSI socket only
+				continue
+			}
+			env, _, _ := unstructured.NestedSlice(cm, "env")
+			got := map[string]any{}
+			for _, e := range env {
+				em := e.(map[string]any)
+				got[em["name"].(string)] = em["value"]
+			}
+			if got["KUBERNETES_SERVICE_HOST"] != "10.1.2.3" || got["KUBERNETES_SERVICE_PORT"] != "6443" {
+				t.Errorf("%s/%s: API server env %v", o.GetName(), name, got)
+			}
+		}
+	}
 	if hn, _, _ := unstructured.NestedBool(ctl.Object, "spec", "template", "spec", "hostNetwork"); !hn {
 		t.Error("controller.hostNetwork=true not rendered")
 	}

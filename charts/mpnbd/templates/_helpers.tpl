@@ -55,3 +55,16 @@ path, exposed as $(STORAGE_ADDRESS)) and "list" (literal addresses).
 - --storage-address={{ join "," . }}
 {{- end }}
 {{- end }}
+
+{{/*
+Environment entries pointing in-cluster clients at .Values.apiServer
+instead of the kubernetes Service; nothing when it is not set.
+*/}}
+{{- define "mpnbd.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | default "443" | quote }}
+{{- end }}
+{{- end }}
