@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# Demo: our NBD server and client over one connection, first plain TCP on
-# one 1 Gbit/s path, then MPTCP over four (seqread and seqwrite, 1 MiB
-# requests, 5 s each). Prints a table and writes out/demo.json and the
-# chart out/demo.svg. Needs root (network namespaces). Extra arguments go
-# to the benchmark (e.g. --duration 10s).
+# Demo, in two parts. Needs root (network namespaces, mounts, FUSE).
+#
+# 1. Our NBD server and client over one connection, first plain TCP on
+#    one 1 Gbit/s path, then MPTCP over four (seqread and seqwrite, 1 MiB
+#    requests, 5 s each). Prints a table and writes out/demo.json and the
+#    chart out/demo.svg. Extra arguments go to this benchmark (e.g.
+#    --duration 10s).
+# 2. The CSI driver end to end (bin/driverdemo): a real API server, the
+#    storage agent in the storage node's namespace, the controller, and
+#    the node plugin in the worker's namespace; through the CSI API a
+#    volume is created, published, staged and mounted, a 256 MiB file is
+#    written and read back across the four paths, the MPTCP subflows are
+#    shown, and everything is torn down. Writes out/driverdemo.json.
+#    DRIVERDEMO_ARGS passes flags to it (e.g. "--size 1GiB --volume-size
+#    2GiB", or "--transport relay" on a kernel with nbd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then
   echo "demo: needs root (network namespaces); try: sudo $0 $*" >&2
   exit 1
 fi
-go build -o bin/ ./cmd/nbd-server ./e2e/cmd/nbdload ./e2e/cmd/bench
-exec bin/bench --profile demo "$@"
+go build -o bin/ ./cmd/nbd-server ./cmd/controller ./cmd/node ./e2e/cmd/nbdload ./e2e/cmd/bench ./e2e/cmd/driverdemo
+bin/bench --profile demo "$@"
+echo
+echo "=== The CSI driver: a volume over NBD on MPTCP, as Kubernetes would use it ==="
+# shellcheck disable=SC2086 # DRIVERDEMO_ARGS is a list of flags
+exec bin/driverdemo ${DRIVERDEMO_ARGS:-}
