@@ -1,0 +1,224 @@
+package cluster
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// pod returns a pod of the driver's image running script with the claim
+// mounted at /data (Filesystem) or attached at /dev/xvda (Block).
+func pod(name, claim, script string, block bool) string {
+	vol := `      volumeMounts: [{name: data, mountPath: /data}]`
+	if block {
+		vol = `      volumeDevices: [{name: data, devicePath: /dev/xvda}]`
+	}
+	return fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: %s, namespace: default}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: main
+      image: %s
+      imagePullPolicy: Never
+      command: ["/bin/sh", "-c", %q]
+%s
+  volumes: [{name: data, persistentVolumeClaim: {claimName: %s}}]
+`, name, driverImage, script, vol, claim)
+}
+
+func pvc(name, class, size string, block bool) string {
+	mode := "Filesystem"
+	if block {
+		mode = "Block"
+	}
+	return fmt.Sprintf(`apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: %s, namespace: default}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: %s
+  storageClassName: %s
+  resources: {requests: {storage: %s}}
+`, name, mode, class, size)
+}
+
+// runPod runs a pod to completion and returns its log.
+func (s *suite) runPod(name, manifest string) string {
+	s.t.Helper()
+	s.apply(manifest)
+	s.waitFor("pod "+name+" to finish", 5*time.Minute, func() string {
+		switch p := s.jsonpath("{.status.phase}", "get", "pod", name); p {
+		case "Succeeded":
+			return ""
+		case "Failed":
+			out, _ := s.c.Kubectl(s.ctx, "logs", name)
+			s.t.Fatalf("pod %s failed: %s", name, out)
+		default:
+			return "phase " + p
+		}
+		return ""
+	})
+	out := s.kubectl("logs", name)
+	s.kubectl("delete", "pod", name, "--wait=true", "--timeout=120s")
+	return out
+}
+
+// startPod starts a long-running pod and waits until it runs.
+func (s *suite) startPod(name, manifest string) {
+	s.t.Helper()
+	s.apply(manifest)
+	s.waitFor("pod "+name+" running", 5*time.Minute, func() string {
+		if p := s.jsonpath("{.status.phase}", "get", "pod", name); p != "Running" {
+			return "phase " + p
+		}
+		return ""
+	})
+}
+
+func field(out, key string) string {
+	for _, l := range strings.Split(out, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(l), key+"="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// filesystemScenario: a pod writes a file with its checksum; a new pod
+// on the same claim reads it back; the claim is expanded online and the
+// running pod sees the new size; the volume's connection has one MPTCP
+// subflow per path.
+func (s *suite) filesystemScenario() {
+	t := s.t
+	s.apply(pvc("fs", "mpnbd-ext4", "1Gi", false))
+	var sum string
+	s.step("filesystem: write from a pod", func() {
+		out := s.runPod("fs-writer", pod("fs-writer", "fs",
+			`head -c 64M /dev/urandom > /data/file && sync && echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if sum = field(out, "sum"); len(sum) != 64 {
+			t.Fatalf("writer output %q", out)
+		}
+	})
+	s.step("filesystem: read back from a new pod", func() {
+		out := s.runPod("fs-reader", pod("fs-reader", "fs", `echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if got := field(out, "sum"); got != sum {
+			t.Fatalf("read back sha256 %q, want %q", got, sum)
+		}
+	})
+	s.step("filesystem: MPTCP subflows and online expansion", func() {
+		s.startPod("fs-app", pod("fs-app", "fs", `while true; do df -B1 --output=size /data | tail -1 > /tmp/size; sleep 1; done`, false))
+		// One subflow per path to the storage agent.
+		s.waitFor("4 MPTCP subflows", time.Minute, func() string {
+			if n := establishedSubflows(); n != paths {
+				return fmt.Sprintf("%d established subflows to the agent, want %d", n, paths)
+			}
+			return ""
+		})
+		before := s.podSize("fs-app")
+		s.kubectl("patch", "pvc", "fs", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
+		s.waitFor("the pod to see the grown filesystem", 5*time.Minute, func() string {
+			if now := s.podSize("fs-app"); now < before+(900<<20) {
+				return fmt.Sprintf("filesystem size %d, was %d", now, before)
+			}
+			if c := s.jsonpath("{.status.capacity.storage}", "get", "pvc", "fs"); c != "2Gi" {
+				return "PVC capacity " + c
+			}
+			return ""
+		})
+		s.kubectl("delete", "pod", "fs-app", "--wait=true", "--timeout=120s")
+	})
+}
+
+func (s *suite) podSize(name string) int64 {
+	out, err := s.c.Kubectl(s.ctx, "exec", name, "--", "cat", "/tmp/size")
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.ParseInt(strings.TrimSpace(out), 10, 64)
+	return n
+}
+
+// establishedSubflows counts the host's established TCP subflows to the
+// agent's NBD port on the suite's paths.
+func establishedSubflows() int {
+	out, err := exec.Command("ss", "-tnH", "state", "established", "dport", "= :10809").Output()
+	if err != nil {
+		return -1
+	}
+	n := 0
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.Contains(l, "10.77.") {
+			n++
+		}
+	}
+	return n
+}
+
+// blockScenario: a pod writes the raw device; a new pod reads it back.
+func (s *suite) blockScenario() {
+	t := s.t
+	s.apply(pvc("raw", "mpnbd-block", "256Mi", true))
+	var sum string
+	s.step("block: write the raw device from a pod", func() {
+		out := s.runPod("raw-writer", pod("raw-writer", "raw",
+			`head -c 32M /dev/urandom > /tmp/d && dd if=/tmp/d of=/dev/xvda bs=1M oflag=direct status=none && echo sum=$(sha256sum /tmp/d | cut -d' ' -f1) && echo size=$(blockdev --getsize64 /dev/xvda)`, true))
+		if sum = field(out, "sum"); len(sum) != 64 {
+			t.Fatalf("writer output %q", out)
+		}
+		if size := field(out, "size"); size != strconv.Itoa(256<<20) {
+			t.Errorf("block device size %s, want %d", size, 256<<20)
+		}
+	})
+	s.step("block: read back from a new pod", func() {
+		out := s.runPod("raw-reader", pod("raw-reader", "raw",
+			`echo sum=$(head -c 32M /dev/xvda | sha256sum | cut -d' ' -f1)`, true))
+		if got := field(out, "sum"); got != sum {
+			t.Fatalf("read back sha256 %q, want %q", got, sum)
+		}
+	})
+}
+
+// deleteScenario: deleting the claims removes the volumes, their backing
+// files and exports, and leaves no mount, loop device or serving process
+// on the node.
+func (s *suite) deleteScenario(dataDir, stateDir string) {
+	s.step("delete the claims", func() {
+		s.kubectl("delete", "pvc", "fs", "raw", "--wait=true", "--timeout=180s")
+		s.waitFor("volumes and backing files gone", 3*time.Minute, func() string {
+			if pvs := s.jsonpath("{.items[*].metadata.name}", "get", "pv"); pvs != "" {
+				return "PVs left: " + pvs
+			}
+			if v := s.jsonpath("{.items[*].metadata.name}", "get", "nbdvolumes"); v != "" {
+				return "NBDVolumes left: " + v
+			}
+			files, _ := filepath.Glob(filepath.Join(dataDir, "*.img"))
+			if len(files) > 0 {
+				return fmt.Sprintf("backing files left: %v", files)
+			}
+			return ""
+		})
+		s.waitFor("nothing left on the node", 2*time.Minute, func() string {
+			mounts, _ := os.ReadFile("/proc/self/mountinfo")
+			for _, l := range strings.Split(string(mounts), "\n") {
+				if strings.Contains(l, "nbd.mptcp.mpnbd.io") || strings.Contains(l, stateDir) {
+					return "mount left: " + l
+				}
+			}
+			loops, _ := exec.Command("losetup", "-a").Output()
+			if strings.Contains(string(loops), stateDir) {
+				return "loop device left: " + string(loops)
+			}
+			if n := establishedSubflows(); n > 0 {
+				return fmt.Sprintf("%d connections to the agent left", n)
+			}
+			return ""
+		})
+	})
+}

@@ -1,0 +1,398 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/topo"
+)
+
+// The suite's topology: the storage agent's pod network namespace is
+// reached from the node (the host) over paths 10.77.<i>.0/24, host side
+// .1, agent side .2, each shaped to 1 Gbit/s in both directions.
+const (
+	paths       = 4
+	rateMbit    = 1000
+	driverImage = "mpnbd.local/mpnbd:e2e"
+	namespace   = "mpnbd-system"
+)
+
+func pathAddr(i int, host bool) string {
+	if host {
+		return fmt.Sprintf("10.77.%d.1", i)
+	}
+	return fmt.Sprintf("10.77.%d.2", i)
+}
+
+// suite is the state of one run.
+type suite struct {
+	t       *testing.T
+	c       *Cluster
+	dir     string
+	ctx     context.Context
+	timings []timing
+}
+
+type timing struct {
+	what string
+	d    time.Duration
+}
+
+func (s *suite) step(what string, fn func()) {
+	s.t.Helper()
+	start := time.Now()
+	fn()
+	d := time.Since(start).Round(10 * time.Millisecond)
+	s.timings = append(s.timings, timing{what, d})
+	s.t.Logf("step %q took %v", what, d)
+}
+
+// cachedTool runs a hack/ script that prints NAME=path and returns path.
+func cachedTool(t *testing.T, script, key string) string {
+	t.Helper()
+	root, err := moduleRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("bash", filepath.Join(root, "hack", script))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("hack/%s: %v", script, err)
+	}
+	for _, l := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(l, key+"="); ok {
+			return v
+		}
+	}
+	t.Fatalf("hack/%s printed no %s=", script, key)
+	return ""
+}
+
+func (s *suite) kubectl(args ...string) string {
+	s.t.Helper()
+	out, err := s.c.Kubectl(s.ctx, args...)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return out
+}
+
+func (s *suite) apply(manifest string) {
+	s.t.Helper()
+	if out, err := kubectlStdin(s.ctx, s.c, manifest, "apply", "-f", "-"); err != nil {
+		s.t.Fatalf("apply: %v: %s\n%s", err, out, manifest)
+	}
+}
+
+// waitFor polls cond (which returns "" when satisfied) for up to timeout.
+func (s *suite) waitFor(what string, timeout time.Duration, cond func() string) {
+	s.t.Helper()
+	end := time.Now().Add(timeout)
+	for {
+		msg := cond()
+		if msg == "" {
+			return
+		}
+		if time.Now().After(end) {
+			s.dumpState()
+			s.t.Fatalf("waiting for %s: %s", what, msg)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+// dumpState logs what helps to understand a failure.
+func (s *suite) dumpState() {
+	for _, args := range [][]string{
+		{"get", "pods", "-A", "-o", "wide"},
+		{"get", "pvc,pv,volumeattachments", "-A"},
+		{"get", "nbdvolumes,nbdstoragenodes", "-o", "yaml"},
+		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
+	} {
+		out, _ := s.c.Kubectl(context.Background(), args...)
+		s.t.Logf("kubectl %s:\n%s", strings.Join(args, " "), out)
+	}
+	for _, c := range []string{"controller", "csi-provisioner", "csi-attacher", "csi-resizer"} {
+		out, _ := s.c.Kubectl(context.Background(), "logs", "-n", namespace, "deploy/mpnbd-controller", "-c", c, "--tail=40")
+		s.t.Logf("logs %s:\n%s", c, out)
+	}
+	for _, ds := range []string{"mpnbd-node", "mpnbd-storage-agent"} {
+		out, _ := s.c.Kubectl(context.Background(), "logs", "-n", namespace, "ds/"+ds, "--all-containers", "--tail=40")
+		s.t.Logf("logs %s:\n%s", ds, out)
+	}
+	s.t.Logf("kubelet:\n%s", s.c.LogTail("kubelet", 40))
+}
+
+func (s *suite) jsonpath(path string, args ...string) string {
+	s.t.Helper()
+	out, err := s.c.Kubectl(s.ctx, append(args, "-o", "jsonpath="+path)...)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(out)
+}
+
+// TestDriverOnCluster installs the driver with its Helm chart on a real
+// single-node cluster and uses it as a user would: Filesystem and Block
+// PVCs through pods, data surviving a pod's replacement, online
+// expansion, deletion leaving nothing behind, and one volume using the
+// four MPTCP paths to the storage agent.
+func TestDriverOnCluster(t *testing.T) {
+	requireCluster(t)
+	helm := cachedTool(t, "tools.sh", "HELM")
+	rootfs := cachedTool(t, "rootfs.sh", "ROOTFS")
+	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	s := &suite{t: t, dir: t.TempDir(), ctx: ctx}
+	defer func() {
+		for _, tm := range s.timings {
+			t.Logf("%-40s %v", tm.what, tm.d)
+		}
+	}()
+
+	var bins string
+	s.step("build the commands", func() {
+		bins = filepath.Join(s.dir, "bin")
+		root, _ := moduleRoot()
+		cmd := exec.Command("go", "build", "-trimpath", "-o", bins+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go build: %v\n%s", err, out)
+		}
+	})
+	restoreMPTCP := hostMPTCPLimits(t, paths-1)
+	defer restoreMPTCP()
+
+	s.step("cluster up", func() {
+		c, err := Up(ctx, Config{Dir: filepath.Join(s.dir, "cluster"), KubeBin: KubeBin(), Log: testLog{t}})
+		if err != nil {
+			t.Fatalf("up: %v", err)
+		}
+		s.c = c
+	})
+	defer func() {
+		if t.Failed() {
+			s.dumpState()
+		}
+		if err := s.c.Down(); err != nil {
+			t.Errorf("down: %v", err)
+		}
+	}()
+
+	sidecarImages := map[string]string{}
+	s.step("build and import the images", func() {
+		images := []Image{{
+			Ref:        driverImage,
+			BaseLayers: []string{rootfs},
+			Files: map[string]string{
+				"/usr/local/bin/controller": filepath.Join(bins, "controller"),
+				"/usr/local/bin/node":       filepath.Join(bins, "node"),
+				"/usr/local/bin/nbd-server": filepath.Join(bins, "nbd-server"),
+			},
+		}}
+		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-node-driver-registrar", "livenessprobe"} {
+			ref := "mpnbd.local/" + name + ":e2e"
+			sidecarImages[name] = ref
+			images = append(images, Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}})
+		}
+		for _, im := range images {
+			tarPath := filepath.Join(s.dir, strings.NewReplacer("/", "_", ":", "_").Replace(im.Ref)+".tar")
+			if err := im.Build(tarPath); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.c.ImportImage(ctx, tarPath); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+
+	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
+	dataDir := filepath.Join(s.dir, "volumes")
+	s.step("helm install", func() {
+		root, _ := moduleRoot()
+		var storageAddrs []string
+		for i := 1; i <= paths; i++ {
+			storageAddrs = append(storageAddrs, pathAddr(i, false))
+		}
+		values := fmt.Sprintf(`image: {repository: mpnbd.local/mpnbd, tag: e2e, pullPolicy: Never}
+sidecars:
+  pullPolicy: Never
+  provisioner: {image: %s}
+  attacher: {image: %s}
+  resizer: {image: %s}
+  nodeDriverRegistrar: {image: %s}
+  livenessProbe: {image: %s}
+apiServer: {host: %q, port: "%d"}
+logLevel: debug
+controller: {hostNetwork: true}
+node:
+  kubeletDir: %s
+  stateDir: %s
+  transports: [fuse]
+  storageAddresses: [%s]
+storageAgent:
+  hostNetwork: false
+  dataDir: %s
+  storageAddressesFrom: ""
+  storageAddresses: [%s]
+  signalNICs: [%s]
+`, sidecarImages["csi-provisioner"], sidecarImages["csi-attacher"], sidecarImages["csi-resizer"],
+			sidecarImages["csi-node-driver-registrar"], sidecarImages["livenessprobe"],
+			PodGateway, APIServerPort, s.c.KubeletRoot(), filepath.Join(s.dir, "node-state"),
+			strings.Join(hostAddrs(), ","), dataDir, strings.Join(storageAddrs, ","), strings.Join(joinCIDRs(), ","))
+		vf := filepath.Join(s.dir, "values.yaml")
+		if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.CommandContext(ctx, helm, "install", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
+			"--kubeconfig", s.c.Kubeconfig, "--values", vf, "--wait=false")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("helm install: %v\n%s", err, out)
+		}
+	})
+
+	s.step("storage paths to the agent", func() {
+		s.waitFor("the storage agent's pod IP", 3*time.Minute, func() string {
+			ip := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+			if ip == "" {
+				return "no pod IP yet"
+			}
+			return ""
+		})
+		ip := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+		ns := netnsWithAddr(t, ip)
+		addPaths(t, ns)
+	})
+	defer delPaths()
+
+	s.step("driver ready", func() {
+		s.waitFor("the storage node's report", 3*time.Minute, func() string {
+			a := s.jsonpath("{.status.availableBytes}", "get", "nbdstoragenode", s.c.NodeName)
+			if n, _ := strconv.ParseInt(a, 10, 64); n <= 0 {
+				return "no capacity reported yet"
+			}
+			return ""
+		})
+		s.waitFor("the node plugin's registration", 3*time.Minute, func() string {
+			if d := s.jsonpath("{.spec.drivers[*].name}", "get", "csinode", s.c.NodeName); !strings.Contains(d, "nbd.mptcp.mpnbd.io") {
+				return "CSINode drivers: " + d
+			}
+			return ""
+		})
+		s.waitFor("the controller", 3*time.Minute, func() string {
+			if r := s.jsonpath("{.status.readyReplicas}", "get", "deploy", "-n", namespace, "mpnbd-controller"); r != "1" {
+				return "ready replicas " + r
+			}
+			return ""
+		})
+	})
+
+	s.filesystemScenario()
+	s.blockScenario()
+	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
+}
+
+// hostAddrs are the node's storage addresses.
+func hostAddrs() []string {
+	var a []string
+	for i := 1; i <= paths; i++ {
+		a = append(a, pathAddr(i, true))
+	}
+	return a
+}
+
+// joinCIDRs select the agent's addresses on paths 2..N: its signal
+// endpoints (path 1 is the address clients dial).
+func joinCIDRs() []string {
+	var c []string
+	for i := 2; i <= paths; i++ {
+		c = append(c, fmt.Sprintf("10.77.%d.0/24", i))
+	}
+	return c
+}
+
+// netnsWithAddr finds the CNI network namespace holding ip.
+func netnsWithAddr(t *testing.T, ip string) string {
+	t.Helper()
+	out, err := exec.Command("ip", "-o", "netns", "list").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(out), "\n") {
+		f := strings.Fields(l)
+		if len(f) == 0 || !strings.HasPrefix(f[0], "cni-") {
+			continue
+		}
+		addrs, _ := exec.Command("ip", "-n", f[0], "-o", "addr").Output()
+		if regexp.MustCompile(`inet ` + regexp.QuoteMeta(ip) + `/`).Match(addrs) {
+			return f[0]
+		}
+	}
+	t.Fatalf("no network namespace has %s", ip)
+	return ""
+}
+
+func run(t *testing.T, name string, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+	}
+}
+
+// addPaths joins the host and ns with the suite's veth pairs, shaped
+// with tbf in both directions.
+func addPaths(t *testing.T, ns string) {
+	for i := 1; i <= paths; i++ {
+		h, p := fmt.Sprintf("mpe2e%d", i), fmt.Sprintf("mpe2e%dp", i)
+		run(t, "ip", "link", "add", h, "type", "veth", "peer", "name", p)
+		run(t, "ip", "link", "set", p, "netns", ns)
+		run(t, "ip", "addr", "add", pathAddr(i, true)+"/24", "dev", h)
+		run(t, "ip", "-n", ns, "addr", "add", pathAddr(i, false)+"/24", "dev", p)
+		run(t, "ip", "link", "set", h, "up")
+		run(t, "ip", "-n", ns, "link", "set", p, "up")
+		run(t, "tc", append([]string{"qdisc", "add", "dev", h, "root"}, topo.TBFArgs(rateMbit)...)...)
+		run(t, "tc", append([]string{"-n", ns, "qdisc", "add", "dev", p, "root"}, topo.TBFArgs(rateMbit)...)...)
+	}
+}
+
+// delPaths removes the host ends (and with them the pairs).
+func delPaths() {
+	for i := 1; i <= paths; i++ {
+		exec.Command("ip", "link", "del", fmt.Sprintf("mpe2e%d", i)).Run()
+	}
+}
+
+// hostMPTCPLimits lets the host's connections accept n announced
+// addresses and open n additional subflows (the client side of the
+// suite's topology has no endpoints of its own); the returned function
+// restores the limits.
+func hostMPTCPLimits(t *testing.T, n int) func() {
+	t.Helper()
+	out, err := exec.Command("ip", "-j", "mptcp", "limits", "show").Output()
+	if err != nil {
+		t.Fatalf("ip mptcp limits: %v", err)
+	}
+	var old struct {
+		Subflows int `json:"subflows"`
+		AddAddr  int `json:"add_addr_accepted"`
+	}
+	if err := json.Unmarshal(out, &old); err != nil {
+		t.Fatalf("ip mptcp limits: %v: %s", err, out)
+	}
+	run(t, "ip", "mptcp", "limits", "set", "subflows", strconv.Itoa(max(n, old.Subflows)), "add_addr_accepted", strconv.Itoa(max(n, old.AddAddr)))
+	return func() {
+		exec.Command("ip", "mptcp", "limits", "set", "subflows", strconv.Itoa(old.Subflows), "add_addr_accepted", strconv.Itoa(old.AddAddr)).Run()
+	}
+}
