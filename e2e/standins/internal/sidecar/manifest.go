@@ -1,0 +1,75 @@
+package sidecar
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/yaml"
+)
+
+// ManifestArgs returns the args of the container named container in the
+// pod templates of the workloads in the manifest file (relative to the
+// module root, e.g. "deploy/controller.yaml"): what the chart passes
+// the sidecar the stand-in replaces. Every occurrence is returned, one
+// slice per workload.
+func ManifestArgs(file, container string) ([][]string, error) {
+	root, err := moduleRoot()
+	if err != nil {
+		return nil, err
+	}
+	b, err := os.ReadFile(filepath.Join(root, file))
+	if err != nil {
+		return nil, err
+	}
+	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
+	var out [][]string
+	for {
+		var obj map[string]any
+		if err := dec.Decode(&obj); err != nil {
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			return nil, fmt.Errorf("%s: %w", file, err)
+		}
+		list, _, _ := unstructured.NestedSlice(obj, "spec", "template", "spec", "containers")
+		for _, c := range list {
+			m, ok := c.(map[string]any)
+			if !ok || m["name"] != container {
+				continue
+			}
+			args, _, err := unstructured.NestedStringSlice(m, "args")
+			if err != nil {
+				return nil, fmt.Errorf("%s: container %s: %w", file, container, err)
+			}
+			out = append(out, args)
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: no container %s", file, container)
+	}
+	return out, nil
+}
+
+// moduleRoot is the nearest directory above the working directory that
+// holds a go.mod.
+func moduleRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("no go.mod above the working directory")
+		}
+		dir = parent
+	}
+}
