@@ -19,6 +19,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/mpnbd/mpnbd/e2e/standins/internal/sidecar"
 )
 
 // The StorageClass parameters and annotations the external-provisioner
@@ -36,29 +38,6 @@ const (
 
 var errNoTopology = errors.New("no topology")
 
-// accessMode maps a PVC access mode to the CSI one, as csi-lib-utils
-// does: with SINGLE_NODE_MULTI_WRITER support, RWO is multi-writer on
-// one node and RWOP is the single-writer mode.
-func accessMode(m corev1.PersistentVolumeAccessMode, singleNodeMultiWriter bool) (csi.VolumeCapability_AccessMode_Mode, error) {
-	switch m {
-	case corev1.ReadWriteOnce:
-		if singleNodeMultiWriter {
-			return csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, nil
-		}
-		return csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, nil
-	case corev1.ReadWriteOncePod:
-		if singleNodeMultiWriter {
-			return csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, nil
-		}
-		return csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, nil
-	case corev1.ReadOnlyMany:
-		return csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, nil
-	case corev1.ReadWriteMany:
-		return csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, nil
-	}
-	return 0, fmt.Errorf("unknown access mode %q", m)
-}
-
 // capabilities are the claim's access modes, each a capability of the
 // claim's volume mode: a raw block device, or a filesystem of fsType
 // mounted with mountOptions.
@@ -68,7 +47,7 @@ func capabilities(modes []corev1.PersistentVolumeAccessMode, block bool, fsType 
 	}
 	var out []*csi.VolumeCapability
 	for _, m := range modes {
-		mode, err := accessMode(m, singleNodeMultiWriter)
+		mode, err := sidecar.AccessMode(m, singleNodeMultiWriter)
 		if err != nil {
 			return nil, err
 		}

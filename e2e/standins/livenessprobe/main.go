@@ -1,0 +1,132 @@
+// Command livenessprobe stands in for the CSI livenessprobe sidecar in
+// the cluster suite: GET /healthz on --health-port answers 200 while the
+// plugin's Probe succeeds and reports ready, 500 otherwise. It takes the
+// flags the chart passes and refuses any other.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/mpnbd/mpnbd/e2e/standins/internal/sidecar"
+)
+
+type options struct {
+	csiAddress   string
+	healthPort   int
+	probeTimeout time.Duration
+	httpEndpoint string
+	verbosity    int
+}
+
+func parseFlags(args []string, out io.Writer) (options, error) {
+	var o options
+	fs := sidecar.NewFlagSet("livenessprobe", out)
+	fs.StringVar(&o.csiAddress, "csi-address", "/run/csi/socket", "CSI endpoint of the plugin (path or unix:// URL)")
+	fs.IntVar(&o.healthPort, "health-port", 9808, "port of /healthz on all addresses (unless --http-endpoint)")
+	fs.DurationVar(&o.probeTimeout, "probe-timeout", time.Second, "timeout of the Probe call")
+	fs.StringVar(&o.httpEndpoint, "http-endpoint", "", "address of /healthz (host:port); overrides --health-port")
+	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (4 and up: debug)")
+	if err := sidecar.Parse(fs, args); err != nil {
+		return o, err
+	}
+	if o.healthPort <= 0 || o.healthPort > 65535 {
+		return o, fmt.Errorf("--health-port %d: want 1-65535", o.healthPort)
+	}
+	if o.probeTimeout <= 0 {
+		return o, errors.New("--probe-timeout must be positive")
+	}
+	return o, nil
+}
+
+// addr is where /healthz is served.
+func (o options) addr() string {
+	if o.httpEndpoint != "" {
+		return o.httpEndpoint
+	}
+	return net.JoinHostPort("", strconv.Itoa(o.healthPort))
+}
+
+// prober answers /healthz from the plugin's Probe.
+type prober struct {
+	log     *slog.Logger
+	ids     csi.IdentityClient
+	timeout time.Duration
+}
+
+func (p *prober) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), p.timeout)
+	defer cancel()
+	resp, err := p.ids.Probe(ctx, &csi.ProbeRequest{})
+	switch {
+	case err != nil:
+		p.log.Warn("health check failed", "error", err)
+		http.Error(w, "probe: "+err.Error(), http.StatusInternalServerError)
+	case resp.GetReady() != nil && !resp.GetReady().GetValue():
+		// An absent ready field means ready (CSI spec).
+		p.log.Warn("health check failed: the driver is not ready")
+		http.Error(w, "driver is not ready", http.StatusInternalServerError)
+	default:
+		p.log.Debug("health check succeeded")
+		fmt.Fprintln(w, "ok")
+	}
+}
+
+func run(ctx context.Context, log *slog.Logger, o options) error {
+	cc, err := sidecar.Dial(o.csiAddress)
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	// Like the real one, learn the driver's name first; the probe then
+	// talks to a plugin known to be there.
+	driver, err := sidecar.DriverName(ctx, log, cc)
+	if err != nil {
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", &prober{log: log, ids: csi.NewIdentityClient(cc), timeout: o.probeTimeout})
+	lis, err := net.Listen("tcp", o.addr())
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	log.Info("serving /healthz", "driver", driver, "address", lis.Addr().String())
+	if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+func main() {
+	o, err := parseFlags(os.Args[1:], os.Stderr)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(0)
+		}
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	log := sidecar.NewLogger(os.Stderr, o.verbosity)
+	ctx, stop := sidecar.SignalContext()
+	defer stop()
+	if err := run(ctx, log, o); err != nil {
+		stop()
+		sidecar.Fatal(log, err)
+	}
+}
