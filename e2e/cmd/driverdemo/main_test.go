@@ -5,12 +5,14 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -188,18 +190,41 @@ func requireDemo(t *testing.T) string {
 			t.Skipf("the demo needs %s", tool)
 		}
 	}
-	root, err := apiserver.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
+	buildOnce.Do(func() {
+		root, err := apiserver.RepoRoot()
+		if err != nil {
+			buildErr = err
+			return
+		}
+		if buildDir, buildErr = os.MkdirTemp("", "driverdemo-test-bin-"); buildErr != nil {
+			return
+		}
+		cmd := exec.Command("go", "build", "-o", buildDir+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
 	}
-	bin := t.TempDir()
-	cmd := exec.Command("go", "build", "-o", bin+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	return buildDir
+}
+
+// The driver's commands, built once for every test that runs the demo.
+var (
+	buildOnce sync.Once
+	buildDir  string
+	buildErr  error
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if buildDir != "" {
+		os.RemoveAll(buildDir)
 	}
-	return bin
+	os.Exit(code)
 }
 
 // runDemo runs the demo in this process and returns its exit code, its

@@ -25,6 +25,8 @@ type process struct {
 	logf    *os.File
 	done    chan struct{}
 	err     error // set once done is closed
+	// reported is set once exited has returned the exit as an error.
+	reported bool
 }
 
 // startProcess runs bin with args, inside network namespace ns unless ns
@@ -62,6 +64,7 @@ func startProcess(logDir, name, ns, bin string, args ...string) (*process, error
 func (p *process) exited() error {
 	select {
 	case <-p.done:
+		p.reported = true
 		return fmt.Errorf("%s exited: %v; its log:\n%s", p.name, p.err, p.tail(30))
 	default:
 		return nil
@@ -74,7 +77,10 @@ func (p *process) stop(grace time.Duration) error {
 	defer p.logf.Close()
 	select {
 	case <-p.done:
-		return fmt.Errorf("%s had exited before it was stopped: %v", p.name, p.err)
+		if p.reported {
+			return nil
+		}
+		return fmt.Errorf("%s had exited before it was stopped: %v; its log:\n%s", p.name, p.err, p.tail(30))
 	default:
 	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)

@@ -193,9 +193,12 @@ func age(d time.Duration) string {
 // writeSummary prints the final table.
 func writeSummary(w io.Writer, r *Result) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	check := "FAILED"
-	if r.ChecksumOK {
+	check := "not verified"
+	switch {
+	case r.ChecksumOK:
 		check = "OK"
+	case r.ReadMBps > 0:
+		check = "MISMATCH"
 	}
 	status := "OK"
 	if !r.OK {

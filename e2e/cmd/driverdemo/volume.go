@@ -152,7 +152,7 @@ func (d *demo) volume(ctx context.Context, c client.Client, cc *csiClients) erro
 	}
 	file := filepath.Join(target, "data.bin")
 	if err := d.step(fmt.Sprintf("write %s through the mounted volume, fsync", formatBytes(o.fileSize)), func() error {
-		el, err := writeFile(file, data)
+		el, err := writeFile(ctx, file, data)
 		if err != nil {
 			return err
 		}
@@ -168,7 +168,7 @@ func (d *demo) volume(ctx context.Context, c client.Client, cc *csiClients) erro
 		if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200); err != nil {
 			return fmt.Errorf("dropping caches: %w", err)
 		}
-		got, el, err := readFile(file)
+		got, el, err := readFile(ctx, file)
 		if err != nil {
 			return err
 		}
@@ -288,14 +288,19 @@ func mptcpLines(out string) []string {
 	return lines
 }
 
-// writeFile writes data to path and fsyncs it, timing both.
-func writeFile(path string, data []byte) (time.Duration, error) {
+// writeFile writes data to path and fsyncs it, timing both. It stops
+// early when ctx ends.
+func writeFile(ctx context.Context, path string, data []byte) (time.Duration, error) {
 	start := time.Now()
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
 	if err != nil {
 		return 0, err
 	}
 	for off := 0; off < len(data); off += chunk {
+		if err := ctx.Err(); err != nil {
+			f.Close()
+			return 0, err
+		}
 		if _, err := f.Write(data[off:min(off+chunk, len(data))]); err != nil {
 			f.Close()
 			return 0, err
@@ -313,7 +318,8 @@ func writeFile(path string, data []byte) (time.Duration, error) {
 
 // readFile reads path and returns its SHA-256 (hex) and how long reading
 // took. Hashing runs alongside the reads so it does not slow them down.
-func readFile(path string) (string, time.Duration, error) {
+// It stops early when ctx ends.
+func readFile(ctx context.Context, path string) (string, time.Duration, error) {
 	start := time.Now()
 	f, err := os.Open(path)
 	if err != nil {
@@ -337,6 +343,9 @@ func readFile(path string) (string, time.Duration, error) {
 	}()
 	var rerr error
 	for {
+		if rerr = ctx.Err(); rerr != nil {
+			break
+		}
 		b := <-free
 		n, err := io.ReadFull(f, b)
 		if n > 0 {
