@@ -42,8 +42,6 @@ const (
 type csiClients struct {
 	ctrl     csi.ControllerClient
 	node     csi.NodeClient
-	ctrlID   csi.IdentityClient
-	nodeID   csi.IdentityClient
 	closeAll func()
 }
 
@@ -215,7 +213,6 @@ func (d *demo) startProc(name, ns string, args ...string) (*process, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.procs = append(d.procs, p)
 	where := "host"
 	if ns != "" {
 		where = ns
@@ -254,7 +251,7 @@ func (d *demo) startAgent(ctx context.Context, cfg *rest.Config, c client.Client
 		"--cluster", "--node-name", storageNode, "--namespace", namespace,
 		"--data-dir", filepath.Join(d.dir, "volumes"),
 		"--storage-address", strings.Join(addrs, ","),
-		"--listen", netip4Port(d.topo.ServerAddr(1).String(), nbdPort),
+		"--listen", hostPort(d.topo.ServerAddr(1).String(), nbdPort),
 		"--metrics-addr", "", "--heartbeat", "2s", "--kubeconfig", kc)
 	if err != nil {
 		return err
@@ -276,7 +273,7 @@ func (d *demo) startAgent(ctx context.Context, cfg *rest.Config, c client.Client
 	})
 }
 
-func netip4Port(host string, port int) string { return net.JoinHostPort(host, fmt.Sprint(port)) }
+func hostPort(host string, port int) string { return net.JoinHostPort(host, fmt.Sprint(port)) }
 
 // startPlugins runs the controller on the host and the node plugin in
 // the client namespace and connects CSI clients to both.
@@ -342,9 +339,9 @@ func (d *demo) startPlugins(ctx context.Context, cfg *rest.Config) (*csiClients,
 			return nil, err
 		}
 		if s.p == ctrlProc {
-			cc.ctrl, cc.ctrlID = csi.NewControllerClient(conn), id
+			cc.ctrl = csi.NewControllerClient(conn)
 		} else {
-			cc.node, cc.nodeID = csi.NewNodeClient(conn), id
+			cc.node = csi.NewNodeClient(conn)
 		}
 	}
 	info, err := cc.node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})

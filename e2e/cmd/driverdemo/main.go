@@ -176,9 +176,8 @@ type demo struct {
 	undos []undo
 	nstep int
 
-	dir   string
-	topo  *topo.Topology
-	procs []*process
+	dir  string
+	topo *topo.Topology
 }
 
 // step runs fn as a numbered, timed step and records it.
