@@ -40,6 +40,7 @@ type Plugin struct {
 	deletes  []string
 	expands  []*csi.ControllerExpandVolumeRequest
 	probes   int
+	capCalls int
 }
 
 // SetReady sets what Probe answers: ready or not, or err.
@@ -160,8 +161,16 @@ func (p *Plugin) ControllerExpandVolume(_ context.Context, req *csi.ControllerEx
 	return f(req)
 }
 
+// CapacityCalls counts the GetCapacity calls.
+func (p *Plugin) CapacityCalls() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.capCalls
+}
+
 func (p *Plugin) GetCapacity(_ context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
 	p.mu.Lock()
+	p.capCalls++
 	f := p.capacity
 	p.mu.Unlock()
 	if f == nil {
@@ -192,4 +201,31 @@ func Serve(t testing.TB, p *Plugin) string {
 		os.RemoveAll(dir)
 	})
 	return sock
+}
+
+// Log is a writer for a stand-in's logger in a test: it keeps the lines
+// and prints them when the test fails.
+type Log struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+// NewLog returns a Log whose lines t prints if it fails.
+func NewLog(t testing.TB) *Log {
+	l := &Log{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			t.Logf("stand-in log:\n%s", l.buf)
+		}
+	})
+	return l
+}
+
+func (l *Log) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf = append(l.buf, p...)
+	return len(p), nil
 }
