@@ -69,7 +69,9 @@ func TestDecide(t *testing.T) {
 		{"same size", func(pvc *corev1.PersistentVolumeClaim, _ *corev1.PersistentVolume) {
 			pvc.Spec.Resources.Requests[corev1.ResourceStorage] = resource.MustParse("1Gi")
 		}, true, false},
-		{"not bound", func(pvc *corev1.PersistentVolumeClaim, _ *corev1.PersistentVolume) { pvc.Status.Phase = corev1.ClaimPending }, true, false},
+		{"not bound", func(pvc *corev1.PersistentVolumeClaim, _ *corev1.PersistentVolume) {
+			pvc.Status.Phase = corev1.ClaimPending
+		}, true, false},
 		{"other driver", func(_ *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume) { pv.Spec.CSI.Driver = "other" }, true, false},
 		{"not CSI", func(_ *corev1.PersistentVolumeClaim, pv *corev1.PersistentVolume) { pv.Spec.CSI = nil }, true, false},
 		{"other PV", func(pvc *corev1.PersistentVolumeClaim, _ *corev1.PersistentVolume) { pvc.Spec.VolumeName = "pv-2" }, true, false},
