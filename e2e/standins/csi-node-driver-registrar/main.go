@@ -162,6 +162,8 @@ func run(ctx context.Context, log *slog.Logger, o options) error {
 		log.Info("stopping", "registered", reg.isRegistered())
 		return nil
 	case err := <-reg.failed:
+		// Let the kubelet have its answer before exiting.
+		srv.GracefulStop()
 		return err
 	case err := <-serveErr:
 		return err
