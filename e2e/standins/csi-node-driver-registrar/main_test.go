@@ -96,7 +96,8 @@ func start(t *testing.T, ctx context.Context) (string, string, chan error) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, sidecar.NewLogger(fakecsi.NewLog(t), o.verbosity), o) }()
+	log := sidecar.NewLogger(fakecsi.NewLog(t), o.verbosity) // sets klog: before any goroutine
+	go func() { done <- run(ctx, log, o) }()
 	return regDir, health, done
 }
 
@@ -198,7 +199,8 @@ func TestStaleSocketReplaced(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, sidecar.NewLogger(fakecsi.NewLog(t), 0), o) }()
+	log := sidecar.NewLogger(fakecsi.NewLog(t), 0)
+	go func() { done <- run(ctx, log, o) }()
 	kc := kubelet(t, regDir)
 	waitFor(t, "GetInfo on the new socket", func() error {
 		_, err := kc.GetInfo(ctx, &registerapi.InfoRequest{})

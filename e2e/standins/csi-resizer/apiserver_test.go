@@ -142,7 +142,8 @@ func TestResizerAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- run(ctx, sidecar.NewLogger(fakecsi.NewLog(t), 4), o) }()
+	log := sidecar.NewLogger(fakecsi.NewLog(t), 4) // sets klog: before any goroutine
+	go func() { done <- run(ctx, log, o) }()
 	defer func() {
 		cancel()
 		select {

@@ -259,6 +259,14 @@ func (r *resizer) sync(ctx context.Context, key string) error {
 	}
 	d := decide(pvc, pv, allow, r.driver)
 	log := r.log.With("pvc", key, "pv", pv.Name)
+	if d.expand {
+		// The cache may lag behind our own last status patch: decide
+		// again on the claim as the API server has it.
+		if pvc, err = r.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{}); err != nil {
+			return err
+		}
+		d = decide(pvc, pv, allow, r.driver)
+	}
 	if !d.expand {
 		log.Debug("nothing to resize", "why", d.why)
 		return nil
