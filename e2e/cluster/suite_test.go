@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
 // The suite's topology: the storage agent's pod network namespace is
@@ -380,19 +380,24 @@ func delPaths() {
 // restores the limits.
 func hostMPTCPLimits(t *testing.T, n int) func() {
 	t.Helper()
-	out, err := exec.Command("ip", "-j", "mptcp", "limits", "show").Output()
+	pm, err := mptcp.DialPM()
 	if err != nil {
-		t.Fatalf("ip mptcp limits: %v", err)
+		t.Fatalf("MPTCP path manager: %v", err)
 	}
-	var old struct {
-		Subflows int `json:"subflows"`
-		AddAddr  int `json:"add_addr_accepted"`
+	old, err := pm.Limits()
+	if err != nil {
+		pm.Close()
+		t.Fatal(err)
 	}
-	if err := json.Unmarshal(out, &old); err != nil {
-		t.Fatalf("ip mptcp limits: %v: %s", err, out)
+	want := mptcp.Limits{Subflows: max(uint32(n), old.Subflows), AddAddrAccepted: max(uint32(n), old.AddAddrAccepted)}
+	if err := pm.SetLimits(want); err != nil {
+		pm.Close()
+		t.Fatal(err)
 	}
-	run(t, "ip", "mptcp", "limits", "set", "subflows", strconv.Itoa(max(n, old.Subflows)), "add_addr_accepted", strconv.Itoa(max(n, old.AddAddr)))
 	return func() {
-		exec.Command("ip", "mptcp", "limits", "set", "subflows", strconv.Itoa(old.Subflows), "add_addr_accepted", strconv.Itoa(old.AddAddr)).Run()
+		if err := pm.SetLimits(old); err != nil {
+			t.Errorf("restore the host's MPTCP limits: %v", err)
+		}
+		pm.Close()
 	}
 }

@@ -94,7 +94,7 @@ func TestChartValues(t *testing.T) {
 
 	sc := find(t, objs, "StorageClass", "fast-xfs")
 	params, _, _ := unstructured.NestedStringMap(sc.Object, "parameters")
-	if params["transport"] != "relay" || params["fsType"] != "xfs" || params["csi.storage.k8s.io/fstype"] != "xfs" ||
+	if params["transport"] != "relay" || params["fsType"] != "" || params["csi.storage.k8s.io/fstype"] != "xfs" ||
 		params["storageNodeSelector"] != "storage.example.com/pool=fast" {
 		t.Errorf("fast-xfs parameters %v", params)
 	}
