@@ -81,9 +81,8 @@ type Desired struct {
 	Port uint16
 	// Limits, if not nil, are set exactly. When nil they are derived from
 	// the number n of managed endpoints: the subflows limit is raised to
-	// n-1 (n for a server with a Port, whose clients may also join the
-	// address they connected to) and, for a client, add_addr_accepted is
-	// raised to n-1 as well. Derived limits never lower the current ones,
+	// n for a server (a join may arrive on every announced address) and
+	// n-1 for a client, whose add_addr_accepted is raised to n-1 as well. Derived limits never lower the current ones,
 	// so an administrator's larger limits stay.
 	Limits *Limits
 }
@@ -392,8 +391,11 @@ func (d Desired) deriveLimits(cur Limits, n int) Limits {
 	if d.Limits != nil {
 		return *d.Limits
 	}
+	// A client's first subflow uses none of its endpoints' budget; a
+	// server may receive a join on every address it announces (the NICs
+	// need not include the address clients dial).
 	need := n - 1
-	if d.Role == RoleServer && d.Port != 0 {
+	if d.Role == RoleServer {
 		need = n
 	}
 	need = max(0, min(need, MaxLimit))

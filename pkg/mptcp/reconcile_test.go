@@ -225,7 +225,7 @@ func TestReconcile(t *testing.T) {
 				ep(2, "10.77.2.1", Signal, 0, 3),
 				ep(3, "fd77::1", Signal, 0, 2),
 			},
-			added: 3, limOut: Limits{Subflows: 2},
+			added: 3, limOut: Limits{Subflows: 3},
 		},
 		{
 			name: "fresh namespace, server with a join port",
@@ -373,7 +373,7 @@ func TestReconcile(t *testing.T) {
 				ep(2, "10.77.2.1", Signal|Backup, 0, 3),
 				ep(3, "fd77::1", Signal, 0, 2),
 			},
-			added: 3, limOut: Limits{Subflows: 2},
+			added: 3, limOut: Limits{Subflows: 3},
 			warn: []string{`backup NIC "eth9" selects none`},
 		},
 		{
