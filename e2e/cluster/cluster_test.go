@@ -120,6 +120,14 @@ func hostState(t *testing.T) string {
 	if err := exec.Command("ip", "link", "show", "mpnbd-e2e0").Run(); err == nil {
 		b.WriteString("bridge mpnbd-e2e0 ")
 	}
+	links, _ := exec.Command("ip", "-o", "link", "show").Output()
+	for _, l := range strings.Split(string(links), "\n") {
+		if strings.Contains(l, "mpe2e") {
+			b.WriteString("link " + strings.Fields(l)[1] + " ")
+		}
+	}
+	limits, _ := exec.Command("ip", "mptcp", "limits", "show").Output()
+	b.WriteString("mptcp limits: " + strings.TrimSpace(string(limits)))
 	return b.String()
 }
 

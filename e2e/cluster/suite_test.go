@@ -155,9 +155,14 @@ func TestDriverOnCluster(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	s := &suite{t: t, dir: t.TempDir(), ctx: ctx}
+	before := hostState(t)
 	defer func() {
 		for _, tm := range s.timings {
 			t.Logf("%-40s %v", tm.what, tm.d)
+		}
+		// Everything is undone by now (deferred calls run in reverse).
+		if after := hostState(t); after != before {
+			t.Errorf("the host changed:\nbefore: %s\nafter:  %s", before, after)
 		}
 	}()
 
@@ -300,6 +305,7 @@ storageAgent:
 	})
 
 	s.filesystemScenario()
+	s.expandScenario()
 	s.blockScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
 }
