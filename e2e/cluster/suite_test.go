@@ -190,6 +190,11 @@ func TestDriverOnCluster(t *testing.T) {
 	defer func() {
 		if t.Failed() {
 			s.dumpState()
+			// Let the driver release what it attached before the
+			// cluster goes: pods first, then claims.
+			bg := context.Background()
+			s.c.Kubectl(bg, "delete", "pods", "--all", "-n", "default", "--timeout=90s")
+			s.c.Kubectl(bg, "delete", "pvc", "--all", "-n", "default", "--timeout=120s")
 		}
 		if err := s.c.Down(); err != nil {
 			t.Errorf("down: %v", err)
