@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -8,6 +9,10 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 )
 
 // pod returns a pod of the driver's image running script with the claim
@@ -117,6 +122,19 @@ func (s *suite) filesystemScenario() {
 		s.waitFor("4 MPTCP subflows", time.Minute, func() string {
 			if n := establishedSubflows(); n != paths {
 				return fmt.Sprintf("%d established subflows to the agent, want %d", n, paths)
+			}
+			return ""
+		})
+		// The node plugin says the same: a volume with fewer subflows
+		// than its storage node's addresses is DEGRADED.
+		id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "fs")
+		s.waitFor("a healthy volume", time.Minute, func() string {
+			h, err := s.nodeVolumeHealth(id)
+			if err != nil {
+				return err.Error()
+			}
+			if len(h.GetHealthStatuses()) != 0 {
+				return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
 			}
 			return ""
 		})
@@ -237,4 +255,22 @@ func (s *suite) deleteScenario(dataDir, stateDir string) {
 			return ""
 		})
 	})
+}
+
+// nodeVolumeHealth asks the node plugin, on its CSI socket, for a volume's
+// health.
+func (s *suite) nodeVolumeHealth(volumeID string) (*csi.VolumeHealth, error) {
+	sock := filepath.Join(s.c.KubeletRoot(), "plugins", "nbd.mptcp.mpnbd.io", "csi.sock")
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(s.ctx, 10*time.Second)
+	defer cancel()
+	resp, err := csi.NewNodeClient(conn).NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: volumeID})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetVolumeHealth(), nil
 }
