@@ -148,6 +148,25 @@ func loadKernel() (Kernel, error) {
 // MPNBD_VM_REQUIRE is set.
 func Default(t testing.TB) Config {
 	t.Helper()
+	checkHost(t)
+	k, err := LoadKernel()
+	if err != nil {
+		unavailable(t, "no guest kernel: %v", err)
+	}
+	cfg := baseConfig(t, k.Image)
+	for _, m := range k.Modules {
+		name := strings.TrimSuffix(filepath.Base(m), ".ko")
+		if p := moduleParams[name]; p != "" {
+			m += " " + p
+		}
+		cfg.Modules = append(cfg.Modules, m)
+	}
+	return cfg
+}
+
+// checkHost skips (or fails, see unavailable) t when no VM can run here.
+func checkHost(t testing.TB) {
+	t.Helper()
 	if runtime.GOOS != "linux" || runtime.GOARCH != "amd64" {
 		unavailable(t, "needs linux/amd64, have %s/%s", runtime.GOOS, runtime.GOARCH)
 	}
@@ -160,28 +179,23 @@ func Default(t testing.TB) Config {
 	if testing.Short() {
 		t.Skip("vm: skipped in -short mode")
 	}
-	k, err := LoadKernel()
-	if err != nil {
-		unavailable(t, "no guest kernel: %v", err)
-	}
 	for _, bin := range []string{"qemu-system-x86_64", "busybox"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			unavailable(t, "%v", err)
 		}
 	}
+}
+
+// baseConfig is the Config Default and DefaultMPTCP share, without
+// modules.
+func baseConfig(t testing.TB, kernel string) Config {
+	t.Helper()
 	cfg := Config{
-		Kernel:   k.Image,
+		Kernel:   kernel,
 		Files:    map[string]string{},
 		MemoryMB: defaultMemoryMB,
 		CPUs:     defaultCPUs,
 		Timeout:  defaultTimeout,
-	}
-	for _, m := range k.Modules {
-		name := strings.TrimSuffix(filepath.Base(m), ".ko")
-		if p := moduleParams[name]; p != "" {
-			m += " " + p
-		}
-		cfg.Modules = append(cfg.Modules, m)
 	}
 	for _, tool := range defaultTools {
 		if p, err := exec.LookPath(tool); err == nil {
