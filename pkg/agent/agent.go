@@ -39,8 +39,13 @@ const (
 	DefaultDrainTimeout      = 30 * time.Second
 )
 
-// ConditionReady is the NBDVolume condition the agent keeps.
-const ConditionReady = "Ready"
+// NBDVolume conditions the agent keeps: Ready (the volume is served) and
+// Grown (the backing store has the spec's size; False with the reason
+// when it could not grow, while the volume keeps serving its old size).
+const (
+	ConditionReady = "Ready"
+	ConditionGrown = "Grown"
+)
 
 // storageNodeField is the NBDVolume field the agent's cache selects on
 // (declared selectable in the CRD).

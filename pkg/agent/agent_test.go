@@ -486,6 +486,38 @@ func TestAgent(t *testing.T) {
 		}
 	})
 
+	t.Run("grow too big", func(t *testing.T) {
+		// A volume that cannot grow keeps serving its size and still
+		// applies its publications: a revoked node loses access.
+		if err := c.Create(ctx, newVolume("vol-g", size)); err != nil {
+			t.Fatal(err)
+		}
+		waitObserved(t, c, "vol-g")
+		tok := publish(t, c, "vol-g", "node-g", false)
+		cl := mustDial(t, r, access.NodeExport("vol-g", tok))
+		v := editVolume(t, c, "vol-g", func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = 1 << 60 })
+		st := v.Status
+		if st.Phase != v1alpha1.VolumeAvailable || st.CapacityBytes != size || st.Code != "ResourceExhausted" {
+			t.Fatalf("status after a failed grow = %+v", st)
+		}
+		if cond := meta.FindStatusCondition(st.Conditions, ConditionGrown); cond == nil || cond.Status != metav1.ConditionFalse || cond.Reason != "ResourceExhausted" {
+			t.Fatalf("Grown condition = %+v", cond)
+		}
+		if _, err := cl.ReadAt(make([]byte, 4096), 0); err != nil {
+			t.Fatalf("I/O after a failed grow: %v", err)
+		}
+		unpublish(t, c, "vol-g", "node-g")
+		if _, err := cl.ReadAt(make([]byte, 4096), 0); err == nil {
+			t.Fatal("an unpublished node keeps access to a volume that could not grow")
+		}
+		refused(t, r, "token of an unpublished node", access.NodeExport("vol-g", tok))
+		// A reachable size clears the failure.
+		v = editVolume(t, c, "vol-g", func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = 2 * size })
+		if v.Status.Code != "" || v.Status.CapacityBytes != 2*size {
+			t.Fatalf("status after growing within capacity = %+v", v.Status)
+		}
+	})
+
 	t.Run("storage node", func(t *testing.T) {
 		var before *v1alpha1.NBDStorageNode
 		eventually(t, "storage node reported", func() string {

@@ -128,9 +128,12 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		log.Info("finalizer added")
 	}
 	v, f := a.ensureStore(log, &vol)
-	if f != nil {
+	if f != nil && v == nil {
 		return a.reportFailure(ctx, log, &vol, f)
 	}
+	// A volume that could not grow still serves at its size: its
+	// publications are applied (a revoked node loses access whatever
+	// else fails) and the failure is reported with it.
 	waiting, err := a.applyPublications(ctx, log, &vol, v)
 	if err != nil {
 		return ctrl.Result{}, err
@@ -139,11 +142,19 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		log.Debug("waiting for a publication secret", "reason", waiting)
 		return ctrl.Result{RequeueAfter: secretRetry}, nil
 	}
-	return ctrl.Result{}, a.reportAvailable(ctx, &vol, v)
+	if err := a.reportAvailable(ctx, &vol, v, f); err != nil {
+		return ctrl.Result{}, err
+	}
+	if f != nil {
+		log.Warn("volume not grown", "code", f.code, "message", f.message)
+		return ctrl.Result{RequeueAfter: f.retry}, nil
+	}
+	return ctrl.Result{}, nil
 }
 
 // ensureStore opens (or creates, or grows) the backing file and exports
-// it.
+// it. A failure with a nil volume means there is nothing to serve; with a
+// volume, the volume is exported but could not grow to its spec's size.
 func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
 	name := vol.Name
 	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 || strings.Contains(name, "/") {
@@ -187,15 +198,16 @@ func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume,
 		v.backend = b
 		a.mu.Unlock()
 	}
+	var growFailure *failure
 	if size := v.backend.Size(); size < want {
 		if f := a.checkRoom(want-size, fmt.Sprintf("growing from %d to %d bytes", size, want)); f != nil {
-			return nil, f
+			growFailure = f
+		} else if err := v.backend.Resize(want); err != nil {
+			growFailure = internal("growing %s from %d to %d bytes: %v", a.path(name), size, want, err)
+		} else {
+			changed = true
+			log.Info("backing file grown", "from", size, "to", want)
 		}
-		if err := v.backend.Resize(want); err != nil {
-			return nil, internal("growing %s from %d to %d bytes: %v", a.path(name), size, want, err)
-		}
-		changed = true
-		log.Info("backing file grown", "from", size, "to", want)
 	}
 	if changed {
 		a.kickCapacity()
@@ -209,7 +221,7 @@ func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume,
 			a.cfg.Exports.ExportAdded(name)
 		}
 	}
-	return v, nil
+	return v, growFailure
 }
 
 // checkRoom fails with ResourceExhausted when need bytes more would not fit
@@ -297,14 +309,19 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	return "", nil
 }
 
-// reportAvailable writes the Available status for vol's generation.
-func (a *Agent) reportAvailable(ctx context.Context, vol *v1alpha1.NBDVolume, v *volume) error {
+// reportAvailable writes the Available status for vol's generation. grow,
+// when set, is why the volume is smaller than its spec: its code and
+// message go into the status (capacityBytes stays the served size).
+func (a *Agent) reportAvailable(ctx context.Context, vol *v1alpha1.NBDVolume, v *volume, grow *failure) error {
 	orig := vol.DeepCopy()
 	st := &vol.Status
 	st.Phase = v1alpha1.VolumeAvailable
 	st.CapacityBytes = v.backend.Size()
 	st.Export = &v1alpha1.Export{Name: vol.Name, Port: a.cfg.Port, Addresses: append([]string(nil), a.cfg.Addresses...)}
 	st.Code, st.Message = "", ""
+	if grow != nil {
+		st.Code, st.Message = grow.code, grow.message
+	}
 	st.ObservedGeneration = vol.Generation
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{
 		Type:               ConditionReady,
@@ -313,6 +330,12 @@ func (a *Agent) reportAvailable(ctx context.Context, vol *v1alpha1.NBDVolume, v 
 		Message:            fmt.Sprintf("exported with %d bytes, published to %d node(s)", st.CapacityBytes, len(vol.Spec.Publications)),
 		ObservedGeneration: vol.Generation,
 	})
+	grown := metav1.Condition{Type: ConditionGrown, Status: metav1.ConditionTrue, Reason: "Grown",
+		Message: fmt.Sprintf("%d bytes of %d", st.CapacityBytes, vol.Spec.SizeBytes), ObservedGeneration: vol.Generation}
+	if grow != nil {
+		grown.Status, grown.Reason, grown.Message = metav1.ConditionFalse, grow.code, grow.message
+	}
+	meta.SetStatusCondition(&st.Conditions, grown)
 	if equality.Semantic.DeepEqual(orig.Status, vol.Status) {
 		return nil
 	}

@@ -699,5 +699,12 @@ func (c *Controller) expand(ctx context.Context, req *csi.ControllerExpandVolume
 	if err != nil {
 		return 0, err
 	}
+	if w.Status.CapacityBytes < w.Spec.SizeBytes {
+		// The agent could not grow it (it keeps serving the old size).
+		if w.Status.Code != "" {
+			return 0, agentError(w)
+		}
+		return 0, fmt.Errorf("%w: volume %s has %d bytes, %d requested", ErrUnavailable, id, w.Status.CapacityBytes, w.Spec.SizeBytes)
+	}
 	return w.Status.CapacityBytes, nil
 }

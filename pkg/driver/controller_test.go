@@ -103,6 +103,12 @@ func (a *simAgent) step(ctx context.Context) {
 			if controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer) {
 				_ = a.c.Update(ctx, v)
 			}
+		case code != "" && v.Status.ObservedGeneration != v.Generation && v.Status.Phase == v1alpha1.VolumeAvailable:
+			// An existing volume that cannot grow keeps serving its
+			// size, with the failure in its status.
+			v.Status.Code, v.Status.Message = code, "simulated failure"
+			v.Status.ObservedGeneration = v.Generation
+			_ = a.c.Status().Update(ctx, v)
 		case code != "" && v.Status.ObservedGeneration != v.Generation:
 			if v.Status.Phase == v1alpha1.VolumeFailed && v.Status.Code == code {
 				continue
@@ -1064,10 +1070,16 @@ func TestControllerExpandVolume(t *testing.T) {
 	if g := getVolume(t, c, "grow").Generation; g != gen {
 		t.Errorf("a no-op expand changed the spec (generation %d -> %d)", gen, g)
 	}
-	// The agent cannot grow it.
+	// The agent cannot grow it: the expansion fails with its code, and
+	// again when retried, but the volume stays usable at its size.
 	agent.setFail("grow", "ResourceExhausted")
 	_, err = expand(50*gib, 0)
 	wantStatus(t, err, codes.ResourceExhausted, "simulated failure")
+	_, err = expand(50*gib, 0)
+	wantStatus(t, err, codes.ResourceExhausted, "simulated failure")
+	if _, err := ctl.ControllerPublishVolume(ctx, publishReq("grow", "worker-1", fsCap(rwo), false)); err != nil {
+		t.Fatalf("publish a volume whose expansion failed: %v", err)
+	}
 }
 
 func TestCodeByName(t *testing.T) {
