@@ -85,7 +85,7 @@ func DefaultMPTCP(t testing.TB) Config {
 	k, err := LoadMPTCPKernel()
 	if err != nil {
 		msg := fmt.Sprintf("vm: no MPTCP guest kernel: %v", err)
-		if os.Getenv(envRequire) != "" && os.Getenv(envMPTCPRequire) == "1" {
+		if os.Getenv(envRequire) == "1" && os.Getenv(envMPTCPRequire) == "1" {
 			t.Fatalf("%s (%s and %s=1 are set)", msg, envRequire, envMPTCPRequire)
 		}
 		t.Skip(msg)
