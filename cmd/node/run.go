@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -14,6 +16,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
@@ -37,6 +42,7 @@ type options struct {
 	backupNICs   []mptcp.NICSpec
 	storageAddrs []string
 	kubeconfig   string
+	metricsAddr  string
 	logLevel     slog.Level
 	logFormat    string
 }
@@ -84,6 +90,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		}
 		return nil
 	})
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics of the attached volumes (connected, MPTCP subflows, health) at http://ADDR/metrics; empty: off")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing --storage-address (default: in-cluster, then $KUBECONFIG)")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
 		return o.logLevel.UnmarshalText([]byte(s))
@@ -183,6 +190,11 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	})
 	if err != nil {
 		return err
+	}
+	if o.metricsAddr != "" {
+		if err := serveMetrics(ctx, o.metricsAddr, driver.NewNodeCollector(node, mgr), log); err != nil {
+			return err
+		}
 	}
 	l, err := driver.Listen(o.endpoint)
 	if err != nil {
@@ -298,4 +310,28 @@ func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
 		case <-time.After(delay):
 		}
 	}
+}
+
+// serveMetrics serves /metrics on addr until ctx ends.
+func serveMetrics(ctx context.Context, addr string, c prometheus.Collector, log *slog.Logger) error {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(c, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("--metrics-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	go func() {
+		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("metrics server stopped", "error", err)
+		}
+	}()
+	log.Info("metrics served", "addr", l.Addr().String())
+	return nil
 }

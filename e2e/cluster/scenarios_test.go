@@ -3,6 +3,8 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -138,8 +140,37 @@ func (s *suite) filesystemScenario() {
 			}
 			return ""
 		})
+		// And its metrics: 4 subflows on the volume's one connection,
+		// as many as expected, not degraded.
+		s.waitFor("the node plugin's metrics", time.Minute, func() string {
+			m, err := nodeMetrics()
+			if err != nil {
+				return err.Error()
+			}
+			for _, w := range []string{
+				fmt.Sprintf(`mpnbd_node_volume_subflows{connection="0",transport="fuse",volume=%q} %d`, id, paths),
+				fmt.Sprintf(`mpnbd_node_volume_expected_subflows{transport="fuse",volume=%q} %d`, id, paths),
+				fmt.Sprintf(`mpnbd_node_volume_degraded{transport="fuse",volume=%q} 0`, id),
+			} {
+				if !strings.Contains(m, w) {
+					return "no " + w
+				}
+			}
+			return ""
+		})
 		s.kubectl("delete", "pod", "fs-app", "--wait=true", "--timeout=120s")
 	})
+}
+
+// nodeMetrics scrapes the node plugin's metrics.
+func nodeMetrics() (string, error) {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", nodeMetricsPort))
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
 }
 
 // expandScenario: a claim in use is expanded; the running pod sees the

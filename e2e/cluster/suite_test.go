@@ -24,6 +24,8 @@ const (
 	rateMbit    = 1000
 	driverImage = "mpnbd.local/mpnbd:e2e"
 	namespace   = "mpnbd-system"
+	// nodeMetricsPort is the node plugin's metrics port (host network).
+	nodeMetricsPort = 19811
 )
 
 func pathAddr(i int, host bool) string {
@@ -251,6 +253,7 @@ node:
   kubeletDir: %s
   stateDir: %s
   transports: [fuse]
+  metricsPort: %d
   storageAddresses: [%s]
 storageAgent:
   hostNetwork: false
@@ -260,7 +263,7 @@ storageAgent:
   signalNICs: [%s]
 `, sidecarImages["csi-provisioner"], sidecarImages["csi-attacher"], sidecarImages["csi-resizer"],
 			sidecarImages["csi-node-driver-registrar"], sidecarImages["livenessprobe"],
-			PodGateway, APIServerPort, s.c.KubeletRoot(), filepath.Join(s.dir, "node-state"),
+			PodGateway, APIServerPort, s.c.KubeletRoot(), filepath.Join(s.dir, "node-state"), nodeMetricsPort,
 			strings.Join(hostAddrs(), ","), dataDir, strings.Join(storageAddrs, ","), strings.Join(joinCIDRs(), ","))
 		vf := filepath.Join(s.dir, "values.yaml")
 		if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {

@@ -44,7 +44,7 @@ func TestChartValues(t *testing.T) {
 	has("node", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node"),
 		"--storage-nic=eth1,eth2,10.10.3.0/24", "--backup-nic=eth0", "--storage-address=$(STORAGE_ADDRESS)",
 		"--storage-address=10.10.1.5", "--transports=relay,multiconn,fuse", "--max-volumes=32",
-		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json")
+		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json", "--metrics-addr=:19810")
 	has("registrar", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node-driver-registrar"),
 		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
 	has("storage agent", argsOf(t, objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent"),

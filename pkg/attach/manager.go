@@ -222,3 +222,15 @@ func (m *Manager) Adopt(ctx context.Context) ([]*Attachment, error) {
 	}
 	return out, errors.Join(errs...)
 }
+
+// Volumes returns the volumes attached through this manager (including
+// adopted ones) and their transports.
+func (m *Manager) Volumes() map[string]Transport {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make(map[string]Transport, len(m.chosen))
+	for id, t := range m.chosen {
+		out[id] = t
+	}
+	return out
+}

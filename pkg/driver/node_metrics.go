@@ -1,0 +1,89 @@
+package driver
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// VolumeLister lists the volumes attached on this node and their
+// transports (*attach.Manager).
+type VolumeLister interface {
+	Volumes() map[string]attach.Transport
+}
+
+var _ VolumeLister = (*attach.Manager)(nil)
+
+// NodeCollector exposes the data path of every attached volume as
+// Prometheus metrics (mpnbd_node_*), read when the registry is scraped:
+// connected, MPTCP subflows per connection against the storage node's
+// addresses, reconnects, and the health the node reports
+// (NodeGetVolumeHealth), so degraded volumes can be alerted on.
+type NodeCollector struct {
+	node    *Node
+	volumes VolumeLister
+
+	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
+}
+
+// NewNodeCollector returns a collector over the node service's volumes.
+func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc("mpnbd_node_volume_"+name, help, append([]string{"volume", "transport"}, labels...), nil)
+	}
+	return &NodeCollector{
+		node:         n,
+		volumes:      v,
+		connected:    d("connected", "1 when the volume's data path is connected to its storage node."),
+		mptcp:        d("mptcp", "1 when the volume's data path runs over MPTCP."),
+		subflows:     d("subflows", "MPTCP subflows of each of the volume's connections.", "connection"),
+		expected:     d("expected_subflows", "Subflows a healthy connection has: the storage node's addresses."),
+		reconnects:   d("reconnects_total", "Redials of the volume's connections since it was attached."),
+		degraded:     d("degraded", "1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows)."),
+		inaccessible: d("inaccessible", "1 when NodeGetVolumeHealth reports the volume INACCESSIBLE."),
+	}
+}
+
+func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible} {
+		ch <- d
+	}
+}
+
+func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
+	b := func(v bool) float64 {
+		if v {
+			return 1
+		}
+		return 0
+	}
+	for id, tr := range c.volumes.Volumes() {
+		t := string(tr)
+		_, h, err := c.node.cfg.Attacher.Health(id)
+		if err != nil {
+			continue // detached meanwhile
+		}
+		ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, b(h.Connected), id, t)
+		ch <- prometheus.MustNewConstMetric(c.mptcp, prometheus.GaugeValue, b(h.MPTCP), id, t)
+		for i, n := range h.Subflows {
+			ch <- prometheus.MustNewConstMetric(c.subflows, prometheus.GaugeValue, float64(n), id, t, strconv.Itoa(i))
+		}
+		if want, ok := c.node.addrs.Load(id); ok {
+			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want.(int)), id, t)
+		}
+		ch <- prometheus.MustNewConstMetric(c.reconnects, prometheus.CounterValue, float64(h.Reconnects), id, t)
+		var degraded, inaccessible bool
+		for _, e := range c.node.health(id).GetHealthStatuses() {
+			switch e.GetReason() {
+			case HealthMissingSubflows:
+				degraded = true
+			default:
+				inaccessible = true
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(c.degraded, prometheus.GaugeValue, b(degraded), id, t)
+		ch <- prometheus.MustNewConstMetric(c.inaccessible, prometheus.GaugeValue, b(inaccessible), id, t)
+	}
+}

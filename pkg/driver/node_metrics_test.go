@@ -1,0 +1,72 @@
+package driver
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+type fakeLister map[string]attach.Transport
+
+func (f fakeLister) Volumes() map[string]attach.Transport { return f }
+
+func TestNodeCollector(t *testing.T) {
+	f := newNodeFixture(t)
+	if _, err := f.node.NodeStageVolume(context.Background(), f.stageReq("pv-1", mountCap(rwo, ""))); err != nil {
+		t.Fatal(err)
+	}
+	c := NewNodeCollector(f.node, fakeLister{"pv-1": attach.FUSE, "pv-gone": attach.Relay})
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(c)
+
+	f.att.mu.Lock()
+	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3}
+	f.att.mu.Unlock()
+	want := `
+# HELP mpnbd_node_volume_connected 1 when the volume's data path is connected to its storage node.
+# TYPE mpnbd_node_volume_connected gauge
+mpnbd_node_volume_connected{transport="fuse",volume="pv-1"} 1
+# HELP mpnbd_node_volume_degraded 1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows).
+# TYPE mpnbd_node_volume_degraded gauge
+mpnbd_node_volume_degraded{transport="fuse",volume="pv-1"} 1
+# HELP mpnbd_node_volume_expected_subflows Subflows a healthy connection has: the storage node's addresses.
+# TYPE mpnbd_node_volume_expected_subflows gauge
+mpnbd_node_volume_expected_subflows{transport="fuse",volume="pv-1"} 2
+# HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
+# TYPE mpnbd_node_volume_inaccessible gauge
+mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_mptcp 1 when the volume's data path runs over MPTCP.
+# TYPE mpnbd_node_volume_mptcp gauge
+mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1
+# HELP mpnbd_node_volume_reconnects_total Redials of the volume's connections since it was attached.
+# TYPE mpnbd_node_volume_reconnects_total counter
+mpnbd_node_volume_reconnects_total{transport="fuse",volume="pv-1"} 3
+# HELP mpnbd_node_volume_subflows MPTCP subflows of each of the volume's connections.
+# TYPE mpnbd_node_volume_subflows gauge
+mpnbd_node_volume_subflows{connection="0",transport="fuse",volume="pv-1"} 2
+mpnbd_node_volume_subflows{connection="1",transport="fuse",volume="pv-1"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
+		t.Fatal(err)
+	}
+
+	// Disconnected: inaccessible, not degraded.
+	f.att.mu.Lock()
+	f.att.health["pv-1"] = attach.Health{Connected: false}
+	f.att.mu.Unlock()
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
+# TYPE mpnbd_node_volume_inaccessible gauge
+mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 1
+# HELP mpnbd_node_volume_degraded 1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows).
+# TYPE mpnbd_node_volume_degraded gauge
+mpnbd_node_volume_degraded{transport="fuse",volume="pv-1"} 0
+`), "mpnbd_node_volume_inaccessible", "mpnbd_node_volume_degraded"); err != nil {
+		t.Fatal(err)
+	}
+}
