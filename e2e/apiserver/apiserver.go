@@ -30,6 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
 // RequireEnv makes an unavailable API server a failure instead of a skip.
@@ -66,25 +67,6 @@ func unavailable(t testing.TB, format string, args ...any) {
 	}
 	fmt.Fprintf(os.Stderr, "apiserver: skipping: %s\n", msg)
 	t.Skip(msg)
-}
-
-// RepoRoot returns the module's root directory (where go.mod is).
-func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil &&
-			bytes.Contains(b, []byte("module github.com/mpnbd/mpnbd\n")) {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("cannot find the mpnbd module root above the working directory")
-		}
-		dir = parent
-	}
 }
 
 // assets runs hack/test-apiserver.sh once per process and returns the
@@ -130,7 +112,7 @@ func StartEnv() (cfg *rest.Config, c client.Client, stop func() error, err error
 	if os.Geteuid() != 0 {
 		return nil, nil, nil, fmt.Errorf("%w: needs root (to install etcd and use the shared binary cache)", ErrUnavailable)
 	}
-	root, err := RepoRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return nil, nil, nil, err
 	}

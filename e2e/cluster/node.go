@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
 // runtime starts containerd with its own root, state, socket and CNI
@@ -99,7 +101,7 @@ func (c *Cluster) importPause(ctx context.Context) error {
 	if err := os.MkdirAll(filepath.Dir(bin), 0o755); err != nil {
 		return err
 	}
-	root, err := moduleRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return err
 	}
@@ -115,19 +117,6 @@ func (c *Cluster) importPause(ctx context.Context) error {
 		return err
 	}
 	return c.ImportImage(ctx, tarPath)
-}
-
-// moduleRoot finds the repository's root (go.mod of this module).
-func moduleRoot() (string, error) {
-	out, err := exec.Command("go", "env", "GOMOD").Output()
-	if err != nil {
-		return "", err
-	}
-	mod := strings.TrimSpace(string(out))
-	if mod == "" || mod == os.DevNull {
-		return "", fmt.Errorf("not inside the module")
-	}
-	return filepath.Dir(mod), nil
 }
 
 // kubelet starts the kubelet and waits for the node to be Ready.

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/e2e/repo"
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
@@ -61,7 +62,7 @@ func (s *suite) step(what string, fn func()) {
 // cachedTool runs a hack/ script that prints NAME=path and returns path.
 func cachedTool(t *testing.T, script, key string) string {
 	t.Helper()
-	root, err := moduleRoot()
+	root, err := repo.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,12 +172,8 @@ func TestDriverOnCluster(t *testing.T) {
 	var bins string
 	s.step("build the commands", func() {
 		bins = filepath.Join(s.dir, "bin")
-		root, _ := moduleRoot()
-		cmd := exec.Command("go", "build", "-trimpath", "-o", bins+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("go build: %v\n%s", err, out)
+		if err := repo.BuildCommands(bins); err != nil {
+			t.Fatal(err)
 		}
 	})
 	restoreMPTCP := hostMPTCPLimits(t, paths-1)
@@ -233,7 +230,7 @@ func TestDriverOnCluster(t *testing.T) {
 	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
 	dataDir := filepath.Join(s.dir, "volumes")
 	s.step("helm install", func() {
-		root, _ := moduleRoot()
+		root, _ := repo.Root()
 		var storageAddrs []string
 		for i := 1; i <= paths; i++ {
 			storageAddrs = append(storageAddrs, pathAddr(i, false))

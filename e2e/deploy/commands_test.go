@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
 // ourBinDir is where the Dockerfile installs our commands.
@@ -130,31 +132,18 @@ var (
 // commands builds cmd/controller, cmd/node and cmd/nbd-server once.
 func commands(t testing.TB) string {
 	t.Helper()
-	root := repoRoot(t)
 	buildOnce.Do(func() {
 		binDir, buildErr = os.MkdirTemp("", "mpnbd-deploy-bin-")
 		if buildErr != nil {
 			return
 		}
-		cmd := exec.Command("go", "build", "-o", binDir+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
-		cmd.Dir = root
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			buildErr = &buildError{err: err, out: string(out)}
-		}
+		buildErr = repo.BuildCommands(binDir)
 	})
 	if buildErr != nil {
 		t.Fatal(buildErr)
 	}
 	return binDir
 }
-
-type buildError struct {
-	err error
-	out string
-}
-
-func (e *buildError) Error() string { return "go build: " + e.err.Error() + "\n" + e.out }
 
 func TestMain(m *testing.M) {
 	code := m.Run()

@@ -17,7 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
-	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
 // requireEnv makes a missing tool a failure instead of a skip.
@@ -36,7 +36,7 @@ func unavailable(t testing.TB, format string, args ...any) {
 
 func repoRoot(t testing.TB) string {
 	t.Helper()
-	root, err := apiserver.RepoRoot()
+	root, err := repo.Root()
 	if err != nil {
 		t.Fatal(err)
 	}

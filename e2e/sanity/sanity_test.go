@@ -24,6 +24,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/e2e/repo"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
@@ -60,15 +61,8 @@ func requireRoot(t *testing.T) {
 // buildCommands builds the driver's commands into dir.
 func buildCommands(t *testing.T, dir string) {
 	t.Helper()
-	root, err := apiserver.RepoRoot()
-	if err != nil {
+	if err := repo.BuildCommands(dir); err != nil {
 		t.Fatal(err)
-	}
-	cmd := exec.Command("go", "build", "-o", dir+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
-	cmd.Dir = root
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
 	}
 }
 

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -20,6 +19,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/e2e/repo"
 	"github.com/mpnbd/mpnbd/e2e/topo"
 )
 
@@ -191,20 +191,10 @@ func requireDemo(t *testing.T) string {
 		}
 	}
 	buildOnce.Do(func() {
-		root, err := apiserver.RepoRoot()
-		if err != nil {
-			buildErr = err
-			return
-		}
 		if buildDir, buildErr = os.MkdirTemp("", "driverdemo-test-bin-"); buildErr != nil {
 			return
 		}
-		cmd := exec.Command("go", "build", "-o", buildDir+"/", "./cmd/controller", "./cmd/node", "./cmd/nbd-server")
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("go build: %v\n%s", err, out)
-		}
+		buildErr = repo.BuildCommands(buildDir)
 	})
 	if buildErr != nil {
 		t.Fatal(buildErr)

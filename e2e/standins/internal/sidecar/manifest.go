@@ -10,6 +10,8 @@ import (
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/yaml"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
 // ManifestArgs returns the args of the container named container in the
@@ -18,7 +20,7 @@ import (
 // the sidecar the stand-in replaces. Every occurrence is returned, one
 // slice per workload.
 func ManifestArgs(file, container string) ([][]string, error) {
-	root, err := moduleRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return nil, err
 	}
@@ -53,23 +55,4 @@ func ManifestArgs(file, container string) ([][]string, error) {
 		return nil, fmt.Errorf("%s: no container %s", file, container)
 	}
 	return out, nil
-}
-
-// moduleRoot is the nearest directory above the working directory that
-// holds a go.mod.
-func moduleRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory")
-		}
-		dir = parent
-	}
 }
