@@ -25,6 +25,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 )
 
 func main() {
@@ -111,7 +112,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 func serve(ctx context.Context, o *options, log *slog.Logger) error {
-	cfg, err := driver.KubeConfig(o.kubeconfig)
+	cfg, err := kubeconfig.Load(o.kubeconfig)
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/agent"
-	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 )
 
 // clusterAgent is the storage agent of a --cluster run.
@@ -29,7 +29,7 @@ type clusterAgent struct {
 func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error) {
 	co := d.opts.cluster
 	ctrl.SetLogger(logr.FromSlogHandler(d.log.Handler()))
-	cfg, err := driver.KubeConfig(co.kubeconfig)
+	cfg, err := kubeconfig.Load(co.kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client config: %w", err)
 	}

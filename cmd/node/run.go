@@ -26,6 +26,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 	"github.com/mpnbd/mpnbd/pkg/relay"
@@ -287,7 +288,7 @@ func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
 // publishAddresses annotates this node's Node object with its storage
 // addresses, retrying until it works or ctx ends.
 func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
-	cfg, err := driver.KubeConfig(o.kubeconfig)
+	cfg, err := kubeconfig.Load(o.kubeconfig)
 	if err != nil {
 		log.Error("storage addresses not published: no API server access", "error", err)
 		return

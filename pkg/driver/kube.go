@@ -8,27 +8,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	ctrlconfig "sigs.k8s.io/controller-runtime/pkg/client/config"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
 )
-
-// KubeConfig loads the API server configuration: from path when set,
-// else by controller-runtime's lookup ($KUBECONFIG, in-cluster,
-// ~/.kube/config).
-func KubeConfig(path string) (*rest.Config, error) {
-	if path == "" {
-		return ctrlconfig.GetConfig()
-	}
-	c, err := clientcmd.BuildConfigFromFlags("", path)
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
-	}
-	return c, nil
-}
 
 // PublishStorageAddresses records a node's storage IP addresses in the
 // annotation of its Node object that ControllerPublishVolume reads.

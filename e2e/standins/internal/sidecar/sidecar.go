@@ -22,8 +22,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
+
+	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 )
 
 // NewFlagSet returns a flag set that reports errors instead of exiting,
@@ -114,28 +115,10 @@ func DriverName(ctx context.Context, log *slog.Logger, cc grpc.ClientConnInterfa
 	}
 }
 
-// KubeConfig loads the API server configuration from path, else
-// in-cluster, else $KUBECONFIG.
-func KubeConfig(path string) (*rest.Config, error) {
-	if path == "" {
-		if c, err := rest.InClusterConfig(); err == nil {
-			return c, nil
-		}
-		path = os.Getenv("KUBECONFIG")
-		if path == "" {
-			return nil, errors.New("not in a cluster and neither --kubeconfig nor $KUBECONFIG is set")
-		}
-	}
-	c, err := clientcmd.BuildConfigFromFlags("", path)
-	if err != nil {
-		return nil, fmt.Errorf("kubeconfig %s: %w", path, err)
-	}
-	return c, nil
-}
-
-// Client returns a clientset for the kubeconfig at path (see KubeConfig).
+// Client returns a clientset for the kubeconfig at path (kubeconfig.Load:
+// the file, else $KUBECONFIG, in-cluster, ~/.kube/config).
 func Client(path, userAgent string) (kubernetes.Interface, error) {
-	cfg, err := KubeConfig(path)
+	cfg, err := kubeconfig.Load(path)
 	if err != nil {
 		return nil, err
 	}
