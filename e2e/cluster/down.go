@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -11,6 +10,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
 
 // Down stops the cluster and leaves the host as it was: containers and
@@ -111,25 +112,12 @@ func killShims(socket string) {
 
 // unmountUnder lazily unmounts every mount below dir, deepest first.
 func unmountUnder(dir string) error {
-	f, err := os.Open("/proc/self/mountinfo")
+	mps, err := mountinfo.Read()
 	if err != nil {
 		return err
 	}
-	defer f.Close()
-	var mounts []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) > 4 {
-			mp := strings.ReplaceAll(fields[4], `\040`, " ")
-			if mp == dir || strings.HasPrefix(mp, dir+"/") {
-				mounts = append(mounts, mp)
-			}
-		}
-	}
-	slices.SortFunc(mounts, func(a, b string) int { return len(b) - len(a) })
 	var errs []error
-	for _, m := range mounts {
+	for _, m := range mountinfo.Under(mps, dir) {
 		if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
 			errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
 		}

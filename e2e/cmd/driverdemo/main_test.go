@@ -21,6 +21,7 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/apiserver"
 	"github.com/mpnbd/mpnbd/e2e/repo"
 	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
 
 func TestParseSize(t *testing.T) {
@@ -130,20 +131,6 @@ func TestMPTCPLines(t *testing.T) {
 	want := []string{"mptcp ESTAB 0 0 10.77.1.1:1 10.77.1.2:10809", "subflows:3 add_addr_accepted:3"}
 	if strings.Join(got, "|") != strings.Join(want, "|") {
 		t.Errorf("got %q, want %q", got, want)
-	}
-}
-
-func TestMountsUnder(t *testing.T) {
-	mi := `22 1 8:1 / / rw shared:1 - ext4 /dev/vda rw
-30 22 0:50 / /tmp/dd/node-state/fuse/v rw - fuse /dev/fuse rw
-31 22 7:1 / /tmp/dd/kubelet/staging/v rw - ext4 /dev/loop1 rw
-32 22 7:1 / /tmp/dd/kubelet/pod\040a/mount rw - ext4 /dev/loop1 rw
-33 22 0:51 / /tmp/ddx rw - tmpfs tmpfs rw
-`
-	got := mountsUnder(mi, "/tmp/dd/")
-	want := []string{"/tmp/dd/kubelet/pod a/mount", "/tmp/dd/kubelet/staging/v", "/tmp/dd/node-state/fuse/v"}
-	if strings.Join(got, "|") != strings.Join(want, "|") {
-		t.Errorf("got %q, want %q (deepest first, not /tmp/ddx)", got, want)
 	}
 }
 
@@ -257,7 +244,7 @@ func checkNothingLeft(t *testing.T, bin, name, work string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m := mountsUnder(string(mi), work); len(m) > 0 {
+	if m := mountinfo.Under(mountinfo.MountPoints(string(mi)), work); len(m) > 0 {
 		t.Errorf("mounts left: %v", m)
 	}
 	if l := loopsUnder(work); len(l) > 0 {

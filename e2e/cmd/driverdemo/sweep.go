@@ -10,61 +10,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
-
-// mountsUnder returns the mount points at or below dir listed in
-// mountinfo (the text of /proc/self/mountinfo), deepest first.
-func mountsUnder(mountinfo, dir string) []string {
-	dir = filepath.Clean(dir)
-	var out []string
-	for line := range strings.SplitSeq(mountinfo, "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(f[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
-	}
-	// Longer paths first: a mount below another comes before it.
-	sort.Slice(out, func(i, j int) bool {
-		if len(out[i]) != len(out[j]) {
-			return len(out[i]) > len(out[j])
-		}
-		return out[i] < out[j]
-	})
-	return out
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for a space) of a
-// mountinfo field.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v byte
-			ok := true
-			for _, c := range []byte(s[i+1 : i+4]) {
-				if c < '0' || c > '7' {
-					ok = false
-					break
-				}
-				v = v*8 + c - '0'
-			}
-			if ok {
-				b.WriteByte(v)
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
 
 // loopsUnder returns the loop devices whose backing file lies below dir.
 func loopsUnder(dir string) []string {
@@ -96,7 +44,7 @@ func sweep(dir string, nss []string) error {
 		if err != nil {
 			return
 		}
-		for _, mp := range mountsUnder(string(mi), dir) {
+		for _, mp := range mountinfo.Under(mountinfo.MountPoints(string(mi)), dir) {
 			flags := 0
 			if detach {
 				flags = syscall.MNT_DETACH
@@ -148,7 +96,7 @@ func sweep(dir string, nss []string) error {
 func leftovers(dir string, nss []string) []string {
 	var out []string
 	if mi, err := os.ReadFile("/proc/self/mountinfo"); err == nil {
-		for _, mp := range mountsUnder(string(mi), dir) {
+		for _, mp := range mountinfo.Under(mountinfo.MountPoints(string(mi)), dir) {
 			out = append(out, "mount "+mp)
 		}
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
 
 // chunk is the size of each write and read of the test file.
@@ -375,7 +376,7 @@ func mountOf(path string) string {
 	for line := range bytes.Lines(mi) {
 		pre, post, ok := strings.Cut(strings.TrimSpace(string(line)), " - ")
 		f, g := strings.Fields(pre), strings.Fields(post)
-		if !ok || len(f) < 5 || len(g) < 2 || unescapeMountinfo(f[4]) != path {
+		if !ok || len(f) < 5 || len(g) < 2 || mountinfo.Unescape(f[4]) != path {
 			continue
 		}
 		desc = fmt.Sprintf("%s on %s", g[0], g[1])

@@ -454,20 +454,6 @@ func TestVolumeName(t *testing.T) {
 	}
 }
 
-func TestUnescapeMountPath(t *testing.T) {
-	for in, want := range map[string]string{
-		`/run/a`:          "/run/a",
-		`/run/a\040b`:     "/run/a b",
-		`/x\134y`:         `/x\y`,
-		`/trailing\04`:    `/trailing\04`,
-		`/t\011ab\012end`: "/t\tab\nend",
-	} {
-		if got := unescapeMountPath(in); got != want {
-			t.Errorf("unescapeMountPath(%q) = %q, want %q", in, got, want)
-		}
-	}
-}
-
 // TestMountOnFileUndone mounts on a regular file: the mount syscall
 // succeeds (FUSE mounts files too) but the file system cannot serve a
 // directory there, and the failed mount must not stay behind.

@@ -1,7 +1,6 @@
 package fuse
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -11,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +23,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -547,39 +548,11 @@ func cleanup(dir, file string, log *slog.Logger) error {
 // isMountPoint reports whether dir is a mount point of this mount
 // namespace (a dead FUSE mount cannot be stat'ed, so mountinfo it is).
 func isMountPoint(dir string) (bool, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	mps, err := mountinfo.Read()
 	if err != nil {
 		return false, err
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && unescapeMountPath(fields[4]) == dir {
-			return true, nil
-		}
-	}
-	return false, sc.Err()
-}
-
-// unescapeMountPath undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountPath(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return slices.Contains(mps, dir), nil
 }
 
 // Health reports whether the volume's connections are up, whether they run

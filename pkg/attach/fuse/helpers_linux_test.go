@@ -1,7 +1,6 @@
 package fuse
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"net"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -222,23 +222,11 @@ func waitGone(t testing.TB, pid int) {
 // mountsUnder lists the mount points at or below dir.
 func mountsUnder(t testing.TB, dir string) []string {
 	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
+	mps, err := mountinfo.Read()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	var out []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 {
-			mp := unescapeMountPath(fields[4])
-			if mp == dir || strings.HasPrefix(mp, dir+"/") {
-				out = append(out, mp)
-			}
-		}
-	}
-	return out
+	return mountinfo.Under(mps, dir)
 }
 
 // assertNothingLeft checks that a volume left no mount, mount point, loop
