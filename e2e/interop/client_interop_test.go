@@ -431,6 +431,7 @@ func TestClientNbdkit(t *testing.T) {
 			crossCheckInfo(t, cl, ps.URI)
 			exerciseClient(t, cl, ps, uint64(1000*(i+1)))
 			verifyMultiConn(t, o, ps, uint64(5000*(i+1)))
+			sessionUnfenced(t, o)
 		})
 	}
 }
@@ -470,6 +471,26 @@ func TestClientNbdkitNoMultiConn(t *testing.T) {
 	compareFile(t, ps.Path, want, "after a write")
 }
 
+// sessionUnfenced checks that a client announcing a session (our option,
+// unknown to other servers) still negotiates and does I/O, unfenced.
+func sessionUnfenced(t *testing.T, o nbd.DialOptions) {
+	t.Helper()
+	id := nbd.NewSessionID()
+	o.Session = &id
+	cl := dialClient(t, o)
+	if info := cl.Info(); info.Fenced || info.Incarnation != (nbd.Incarnation{}) {
+		t.Fatalf("a server without the session option reported fencing: %+v", info)
+	}
+	p := randomBytes(91, 8192)
+	if _, err := cl.WriteAt(p, 0); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(p))
+	if _, err := cl.ReadAt(got, 0); err != nil || !bytes.Equal(got, p) {
+		t.Fatalf("read back after a session handshake: %v, equal %v", err, bytes.Equal(got, p))
+	}
+}
+
 // TestClientNbdServer runs our client against Debian's nbd-server.
 func TestClientNbdServer(t *testing.T) {
 	needTools(t, "nbd-server")
@@ -483,6 +504,7 @@ func TestClientNbdServer(t *testing.T) {
 		t.Fatalf("nbd-server flags %#04x, want %#04x set (flush, fua, trim are enabled in its config) and not read-only", info.Flags, want)
 	}
 	exerciseClient(t, cl, ps, 3000)
+	sessionUnfenced(t, o)
 
 	if info.Flags&nbd.FlagCanMultiConn != 0 {
 		verifyMultiConn(t, o, ps, 7000)

@@ -26,6 +26,10 @@ type DialOptions struct {
 	// Dialer is copied and used for every connection; nil means a default.
 	Dialer *net.Dialer
 	Logger *slog.Logger
+	// Session, when set, is announced on every connection (connection i
+	// as lane i, each with a new generation), so that a server that knows
+	// sessions fences the connections of an earlier dial of the same ID.
+	Session *SessionID
 }
 
 // Client is a pipelined NBD client over one or more connections to one
@@ -75,7 +79,11 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 		if o.MPTCP && !IsMultipathTCP(c) {
 			log.Warn("MPTCP requested but the connection fell back to TCP", "remote", o.Addr, "conn", i)
 		}
-		ci, err := NegotiateConn(ctx, c, o.Export)
+		var no NegotiateOptions
+		if o.Session != nil {
+			no.Session = &Session{ID: *o.Session, Lane: uint32(i), Generation: NextGeneration()}
+		}
+		ci, err := NegotiateConnWith(ctx, c, o.Export, no)
 		if err != nil {
 			return fail(err)
 		}

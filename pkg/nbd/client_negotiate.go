@@ -14,16 +14,38 @@ import (
 // on servers without GO). On success rw is in the transmission phase with
 // simple replies only, so it can be handed to the kernel's NBD client.
 func Negotiate(rw io.ReadWriter, export string) (ExportInfo, error) {
+	return NegotiateWith(rw, export, NegotiateOptions{})
+}
+
+// NegotiateOptions are the extras of a handshake.
+type NegotiateOptions struct {
+	// Session, when set, is announced with OptSession before GO (in the
+	// same write); ExportInfo.Fenced then says whether the server took it.
+	Session *Session
+}
+
+// NegotiateWith is Negotiate with options.
+func NegotiateWith(rw io.ReadWriter, export string, no NegotiateOptions) (ExportInfo, error) {
 	noZeroes, err := clientHello(rw)
 	if err != nil {
 		return ExportInfo{}, err
 	}
 	q := InfoRequest{Name: export, Infos: []uint16{InfoBlockSize, InfoName, InfoDescription}}
 	o := option{Code: OptGo, Data: q.encode()}
-	if _, err := rw.Write(o.encode()); err != nil {
+	msg := o.encode()
+	if no.Session != nil {
+		so := option{Code: OptSession, Data: no.Session.encode()}
+		msg = append(so.encode(), msg...)
+	}
+	if _, err := rw.Write(msg); err != nil {
 		return ExportInfo{}, err
 	}
 	info := ExportInfo{Name: export}
+	if no.Session != nil {
+		if err := readSessionReply(rw, &info); err != nil {
+			return ExportInfo{}, err
+		}
+	}
 	gotExport := false
 	for {
 		r, err := readOptReply(rw)
@@ -83,6 +105,36 @@ func clientHello(rw io.ReadWriter) (noZeroes bool, err error) {
 		return false, err
 	}
 	return noZeroes, nil
+}
+
+// readSessionReply reads the answer to OptSession: the incarnation and an
+// ACK from a server that knows it, an error reply from one that does not.
+func readSessionReply(rw io.Reader, info *ExportInfo) error {
+	for {
+		r, err := readOptReply(rw)
+		if err != nil {
+			return err
+		}
+		if r.Option != OptSession {
+			return fmt.Errorf("%w: reply to option %s while waiting for the session option's", ErrProtocol, OptName(r.Option))
+		}
+		switch {
+		case r.Type == RepSession:
+			if len(r.Data) != len(info.Incarnation) {
+				return fmt.Errorf("%w: session reply of %d bytes", ErrProtocol, len(r.Data))
+			}
+			copy(info.Incarnation[:], r.Data)
+		case r.Type == RepAck:
+			if info.Incarnation == (Incarnation{}) {
+				return fmt.Errorf("%w: session option acknowledged without an incarnation", ErrProtocol)
+			}
+			info.Fenced = true
+			return nil
+		case r.Type&repErrBit != 0:
+			// Not ours, or refused: carry on without fencing.
+			return nil
+		}
+	}
 }
 
 func exportNameFallback(rw io.ReadWriter, export string, noZeroes bool) (ExportInfo, error) {
@@ -154,13 +206,18 @@ func printable(b []byte) string {
 
 // NegotiateConn is Negotiate bounded by ctx (deadline or cancellation).
 func NegotiateConn(ctx context.Context, c net.Conn, export string) (ExportInfo, error) {
+	return NegotiateConnWith(ctx, c, export, NegotiateOptions{})
+}
+
+// NegotiateConnWith is NegotiateWith bounded by ctx.
+func NegotiateConnWith(ctx context.Context, c net.Conn, export string, no NegotiateOptions) (ExportInfo, error) {
 	if d, ok := ctx.Deadline(); ok {
 		c.SetDeadline(d)
 	} else {
 		c.SetDeadline(time.Now().Add(30 * time.Second))
 	}
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
-	info, err := Negotiate(c, export)
+	info, err := NegotiateWith(c, export, no)
 	if !stop() && err != nil {
 		err = errors.Join(ctx.Err(), err)
 	}

@@ -231,6 +231,8 @@ func OptName(o uint32) string {
 		return "SET_META_CONTEXT"
 	case OptExtendedHeaders:
 		return "EXTENDED_HEADERS"
+	case OptSession:
+		return "MPNBD_SESSION"
 	}
 	return fmt.Sprintf("opt(%d)", o)
 }

@@ -17,9 +17,10 @@ type Export struct {
 	Backend     Backend
 	ReadOnly    bool
 
-	mu      sync.Mutex
-	conns   map[*serverConn]struct{}
-	removed bool
+	mu       sync.Mutex
+	conns    map[*serverConn]struct{}
+	sessions map[sessionKey]sessionSlot
+	removed  bool
 }
 
 // Flags returns the transmission flags announced for the export.
@@ -101,6 +102,11 @@ type Server struct {
 	// Workers is the number of goroutines executing requests per
 	// connection; zero means 16.
 	Workers int
+	// Incarnation is announced to clients that send OptSession; zero means
+	// one random value per process, so that every restart of the server
+	// counts as a new incarnation. Set it to something that changes
+	// exactly when writes not yet flushed can have been lost.
+	Incarnation Incarnation
 
 	mu        sync.Mutex
 	exports   map[string]*Export
@@ -108,6 +114,13 @@ type Server struct {
 	conns     map[*serverConn]struct{}
 	closed    bool
 	wg        sync.WaitGroup
+}
+
+func (s *Server) incarnation() Incarnation {
+	if s.Incarnation != (Incarnation{}) {
+		return s.Incarnation
+	}
+	return processIncarnation()
 }
 
 func (s *Server) log() *slog.Logger {
@@ -135,6 +148,7 @@ func (s *Server) AddExport(e *Export) error {
 	}
 	e.mu.Lock()
 	e.conns = make(map[*serverConn]struct{})
+	e.sessions = make(map[sessionKey]sessionSlot)
 	e.removed = false
 	e.mu.Unlock()
 	s.exports[e.Name] = e
@@ -319,6 +333,26 @@ func (s *Server) ServeConn(c net.Conn) {
 	}
 	sc.export = exp
 	sc.log = log.With("export", exp.Name)
+	if sc.session != nil {
+		prev, ok := exp.supersede(sc)
+		if !ok {
+			sc.log.Info("refusing a connection older than its session's current one", "session", sc.session.ID.String(), "lane", sc.session.Lane)
+			return
+		}
+		defer exp.leave(sc)
+		if prev != nil {
+			// Nothing of the superseded connection may run after our
+			// first request: wait until its executing requests are done,
+			// even if we are superseded meanwhile, so that a chain of
+			// replacements stays ordered.
+			prev.fence()
+			<-prev.done
+			sc.log.Info("superseded an older connection of the session", "session", sc.session.ID.String(), "lane", sc.session.Lane)
+		}
+		if sc.fenced.Load() {
+			return
+		}
+	}
 	if o := s.Observer; o != nil {
 		o.ConnOpened(sc.info, exp.Name)
 		defer o.ConnClosed(sc.info, exp.Name)
@@ -342,6 +376,32 @@ func (e *Export) attach(c *serverConn) bool {
 	}
 	e.conns[c] = struct{}{}
 	return true
+}
+
+// supersede makes c the current connection of its session lane and
+// returns the one it replaces. It refuses c when the lane's current
+// connection has a later generation.
+func (e *Export) supersede(c *serverConn) (*serverConn, bool) {
+	k := sessionKey{c.session.ID, c.session.Lane}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	cur, ok := e.sessions[k]
+	if ok && cur.gen > c.session.Generation {
+		return nil, false
+	}
+	e.sessions[k] = sessionSlot{conn: c, gen: c.session.Generation}
+	return cur.conn, true
+}
+
+// leave forgets c as its lane's current connection, unless it was
+// replaced already.
+func (e *Export) leave(c *serverConn) {
+	k := sessionKey{c.session.ID, c.session.Lane}
+	e.mu.Lock()
+	if e.sessions[k].conn == c {
+		delete(e.sessions, k)
+	}
+	e.mu.Unlock()
 }
 
 func (e *Export) detach(c *serverConn) {

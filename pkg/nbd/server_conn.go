@@ -26,8 +26,13 @@ type serverConn struct {
 	readOnly bool // the export is, or this connection was granted, read-only
 	log      *slog.Logger
 	hsReader *bufio.Reader
+	// session is what the client announced with OptSession, if anything.
+	session *Session
 
 	draining atomic.Bool
+	// fenced is set once a newer connection of the same session lane
+	// supersedes this one: requests not yet started are dropped.
+	fenced atomic.Bool
 	inflight sync.WaitGroup
 	lim      *limiter
 
@@ -165,6 +170,15 @@ func (c *serverConn) transmit() {
 
 func (c *serverConn) worker(queue <-chan work) {
 	for w := range queue {
+		if c.fenced.Load() {
+			// Superseded: the client replays this request on the new
+			// connection, which must not meet it executing late.
+			if w.buf != nil {
+				putBuf(w.buf)
+			}
+			c.drop(w.payload)
+			continue
+		}
 		errno, data := c.execute(w.req, w.buf)
 		if w.buf != nil {
 			putBuf(w.buf)
@@ -180,7 +194,25 @@ func (c *serverConn) worker(queue <-chan work) {
 	}
 }
 
+// fence stops a superseded connection: it reads nothing more, starts no
+// request it holds and sends no reply. Requests already executing finish;
+// done is closed once they have.
+func (c *serverConn) fence() {
+	c.fenced.Store(true)
+	c.conn.Close()
+}
+
+// drop releases a request that will get no reply.
+func (c *serverConn) drop(payload int) {
+	c.lim.release(payload)
+	c.inflight.Done()
+}
+
 func (c *serverConn) readEnded(err error) {
+	if c.fenced.Load() {
+		c.log.Info("connection superseded by a newer one of its session")
+		return
+	}
 	if c.draining.Load() {
 		c.log.Debug("connection drained")
 		return

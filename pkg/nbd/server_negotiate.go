@@ -181,6 +181,23 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				return e, nil
 			}
 
+		case OptSession:
+			sess, err := decodeSession(o.Data)
+			if err != nil {
+				if err := replyErr(o.Code, RepErrInvalid, err.Error()); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			sc.session = &sess
+			inc := s.incarnation()
+			if err := reply(o.Code, RepSession, inc[:]); err != nil {
+				return nil, err
+			}
+			if err := replyErr(o.Code, RepAck, ""); err != nil {
+				return nil, err
+			}
+
 		default:
 			// STARTTLS, STRUCTURED_REPLY, EXTENDED_HEADERS, meta contexts and
 			// anything unknown: the simple reply format is all we speak.

@@ -211,6 +211,11 @@ type ExportInfo struct {
 	Flags       uint16
 	// Block size constraints; zero when the server sent none.
 	MinBlock, PrefBlock, MaxBlock uint32
+	// Fenced reports that the server took the session option: it fences
+	// the connections this one supersedes, and Incarnation is its
+	// incarnation. Both are zero with servers that do not know the option.
+	Fenced      bool
+	Incarnation Incarnation
 }
 
 func encodeInfoExport(size uint64, flags uint16) []byte {
