@@ -37,11 +37,17 @@ type entry struct {
 	handle  uint64
 	cmd     uint16
 	length  uint32
-	buf     *[]byte      // pooled holder of payload
-	payload []byte       // write data, kept for replay
-	cost    int          // what it counts against MaxInflightBytes
-	gen     uint64       // connection generation it was last sent on
-	st      atomic.Int32 // writers using it, plus doneBit once answered
+	buf     *[]byte // pooled holder of payload
+	payload []byte  // write data, kept for replay
+	cost    int     // what it counts against MaxInflightBytes
+	gen     uint64  // connection generation it was last sent on
+	flags   uint16
+	offset  uint64
+	// ackSeq orders answered entries on the retained list; flushMark is,
+	// for a FLUSH, the last ackSeq it covers (set when it arrives).
+	ackSeq, flushMark uint64
+	internal          bool         // the relay's own request: no reply goes local
+	st                atomic.Int32 // writers using it, plus doneBit once answered
 
 	prev, next *entry
 }
@@ -55,6 +61,7 @@ func recycle(e *entry) {
 	e.buf, e.payload = nil, nil
 	e.prev, e.next = nil, nil
 	e.gen, e.cost, e.length, e.cmd, e.handle = 0, 0, 0, 0, 0
+	e.flags, e.offset, e.ackSeq, e.flushMark, e.internal = 0, 0, 0, 0, false
 	e.st.Store(0)
 	entryPool.Put(e)
 }

@@ -74,8 +74,11 @@ func (c *connCounter) Request(string, uint16, int, time.Duration, uint32) {}
 // can be killed hard and started again with the same backend.
 type testServer struct {
 	t       testing.TB
-	backend *nbd.MemBackend
+	backend nbd.Backend
 	mptcp   bool
+	// inc is the incarnation announced to sessions; zero means the
+	// process's.
+	inc nbd.Incarnation
 	addr    string
 	counter connCounter
 
@@ -115,7 +118,7 @@ func (ts *testServer) start() {
 	if ts.addr == "" {
 		ts.addr = ln.Addr().String()
 	}
-	srv := &nbd.Server{Logger: quietLogger(), Observer: &ts.counter}
+	srv := &nbd.Server{Logger: quietLogger(), Observer: &ts.counter, Incarnation: ts.inc}
 	if err := srv.AddExport(&nbd.Export{Name: exportName, Backend: ts.backend}); err != nil {
 		ts.t.Fatal(err)
 	}
@@ -142,6 +145,23 @@ func (l *trackingListener) Accept() (net.Conn, error) {
 		l.ts.mu.Unlock()
 	}
 	return c, err
+}
+
+// cut closes the listener and resets every connection, leaving the
+// server's handlers to finish; kill then stops it.
+func (ts *testServer) cut() {
+	ts.mu.Lock()
+	ln, conns := ts.ln, ts.conns
+	ts.mu.Unlock()
+	if ln != nil {
+		ln.Close()
+	}
+	for _, c := range conns {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.SetLinger(0)
+		}
+		c.Close()
+	}
 }
 
 // kill stops the server hard: listener closed, every connection reset, and

@@ -28,8 +28,17 @@
 //   - Replaying is safe because NBD commands are idempotent in effect: a
 //     write whose reply was lost is written again with the same data, and
 //     the kernel never depends on the order of requests it has in flight
-//     together. It assumes the old server is gone when the new connection
-//     is served (a crashed or restarted server), not still executing.
+//     together. A server that takes the session option (nbd.OptSession,
+//     which the Dialer announces) guarantees that nothing of a replaced
+//     connection runs after the new one's first request; with other
+//     servers the relay assumes the old connection's server is gone.
+//   - Acknowledged means kept: every write acknowledged and not yet
+//     covered by a completed FLUSH is retained, and sent again, in order,
+//     before anything else when a new connection reaches a server that is
+//     not provably the incarnation that acknowledged it (retain.go). A
+//     power loss of the storage host then loses nothing the kernel was
+//     told is written. What is retained is bounded by FLUSHes of the
+//     relay's own.
 package relay
 
 import (
@@ -43,6 +52,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // Dialer returns a new connection to the same export, already negotiated
@@ -85,6 +96,11 @@ type Options struct {
 	// up to MaxBackoff. The first attempt after a working connection fails
 	// is made at once.
 	ReconnectBackoff, MaxBackoff time.Duration
+	// RetainBytes is how much the writes acknowledged since the last
+	// completed FLUSH may hold before the relay sends a FLUSH of its own
+	// (see Remote); zero means half of MaxInflightBytes, which is also the
+	// most it may be.
+	RetainBytes int
 	// GiveUpAfter ends Run with ErrGaveUp when no connection could be made
 	// for that long. Zero means never: keep retrying until ctx ends.
 	GiveUpAfter time.Duration
@@ -134,6 +150,9 @@ type Event struct {
 	Err error
 	// Replayed is the number of requests sent again (EventReplayed).
 	Replayed int
+	// Retained is the number of acknowledged, unflushed writes sent again
+	// because the server is a new incarnation (EventReplayed).
+	Retained int
 	// Attempts counts dial attempts of the outage (EventReconnected,
 	// EventGaveUp).
 	Attempts int
@@ -153,6 +172,13 @@ type Stats struct {
 	// MaxInflightBytes.
 	InFlight      int
 	InFlightBytes int
+	// Retained counts the acknowledged writes not yet covered by a
+	// completed FLUSH (kept for a replay to a new server incarnation);
+	// RetainedBytes is what they hold.
+	Retained, RetainedBytes int
+	// RetainedReplays counts writes sent again to a new incarnation;
+	// OwnFlushes the FLUSHes the relay sent to trim what it retains.
+	RetainedReplays, OwnFlushes int
 	// Bytes read from and written to the local side (frames and payloads).
 	BytesFromLocal, BytesToLocal uint64
 	// Remote is the current remote connection; nil while there is none.
@@ -233,6 +259,24 @@ type Relay struct {
 	reconnects int
 	closing    bool
 	discSent   bool
+
+	// Retention (retain.go): the answered writes no completed FLUSH covers
+	// yet, in answer order; what they hold; the answer counter.
+	retHead, retTail *entry
+	retCount         int
+	retBytes         int
+	retainMax        int
+	ackSeq           uint64
+	flushing         bool // a FLUSH of our own is in flight
+	internalSeq      uint64
+	// rsent holds the handles of retained writes sent again on the current
+	// connection and not yet answered.
+	rsent map[uint64]struct{}
+	// inc is the incarnation of the last server reached, if incKnown.
+	inc             nbd.Incarnation
+	incKnown        bool
+	retainedReplays int
+	ownFlushes      int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -253,6 +297,9 @@ func New(local, remote net.Conn, dial Dialer, o Options) *Relay {
 		o.MaxBackoff = DefaultMaxBackoff
 	}
 	o.MaxBackoff = max(o.MaxBackoff, o.ReconnectBackoff)
+	if o.RetainBytes <= 0 || o.RetainBytes > o.MaxInflightBytes/2 {
+		o.RetainBytes = o.MaxInflightBytes / 2
+	}
 	r := &Relay{
 		local:    local,
 		initial:  remote,
@@ -263,7 +310,9 @@ func New(local, remote net.Conn, dial Dialer, o Options) *Relay {
 		ended:    make(chan struct{}),
 		discDone: make(chan struct{}),
 		table:    make(map[uint64]*entry),
+		rsent:    make(map[uint64]struct{}),
 	}
+	r.retainMax = o.RetainBytes
 	r.cond.L = &r.mu
 	r.lw.reset(local)
 	return r
@@ -304,13 +353,17 @@ func (r *Relay) Stats() Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return Stats{
-		Reconnects:     r.reconnects,
-		InFlight:       len(r.table),
-		InFlightBytes:  r.bytes,
-		BytesFromLocal: r.fromLocal.Load(),
-		BytesToLocal:   r.toLocal.Load(),
-		Remote:         r.remote,
-		Connected:      r.state != stateDown,
+		Reconnects:      r.reconnects,
+		InFlight:        len(r.table),
+		InFlightBytes:   r.bytes - r.retBytes,
+		BytesFromLocal:  r.fromLocal.Load(),
+		BytesToLocal:    r.toLocal.Load(),
+		Remote:          r.remote,
+		Connected:       r.state != stateDown,
+		Retained:        r.retCount,
+		RetainedBytes:   r.retBytes,
+		RetainedReplays: r.retainedReplays,
+		OwnFlushes:      r.ownFlushes,
 	}
 }
 

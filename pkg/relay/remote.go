@@ -47,11 +47,12 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 			}
 			conn = c
 		}
-		gen, ok := r.attach(conn, connected)
+		gen, raw, resend, ok := r.attach(conn, connected)
 		if !ok {
 			conn.Close()
 			return
 		}
+		conn = raw
 		if connected {
 			r.log.Info("reconnected to the server", "remote", conn.RemoteAddr().String(), "attempts", out.attempts, "outage", time.Since(out.start))
 			r.emit(Event{Kind: EventReconnected, Attempts: out.attempts, Outage: time.Since(out.start), Remote: conn})
@@ -63,16 +64,32 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 		done := make(chan downResult, 1)
 		go func(c net.Conn) {
 			n, err := r.downLoop(c, gen, br)
+			// Fail at once: a retained replay may be waiting for replies.
+			r.fail(gen, err)
 			done <- downResult{n, err}
 		}(conn)
-		n, err := r.replay(gen)
+		var nret, n int
+		var err error
+		if resend {
+			r.log.Warn("the server may have lost writes it acknowledged (a new incarnation, or one that cannot tell): sending them again")
+			nret, err = r.replayRetained(ctx, gen)
+			r.mu.Lock()
+			r.retainedReplays += nret
+			r.mu.Unlock()
+			if err == nil {
+				r.log.Info("sent acknowledged writes again", "writes", nret)
+			}
+		}
+		if err == nil {
+			n, err = r.replay(gen)
+		}
 		if err != nil {
 			r.fail(gen, err)
 		} else if connected || n > 0 {
 			if n > 0 {
 				r.log.Info("replayed unanswered requests", "requests", n)
 			}
-			r.emit(Event{Kind: EventReplayed, Replayed: n})
+			r.emit(Event{Kind: EventReplayed, Replayed: n, Retained: nret})
 		}
 		res := <-done
 		r.fail(gen, res.err)
@@ -156,20 +173,26 @@ func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 }
 
 // attach makes conn the current remote connection, in the replaying state:
-// every unanswered request is to be sent again. It returns the
-// connection's generation, or false when the relay is closing.
-func (r *Relay) attach(conn net.Conn, again bool) (uint64, bool) {
+// every unanswered request is to be sent again, and the retained writes
+// first when resend says so (the server is not provably the incarnation
+// that acknowledged them). It returns the connection's generation and the
+// connection itself (unwrapped from a Remote), or false when the relay is
+// closing.
+func (r *Relay) attach(c net.Conn, again bool) (gen uint64, conn net.Conn, resend, ok bool) {
+	conn, info := unwrap(c)
 	r.mu.Lock()
 	if r.closing {
 		r.mu.Unlock()
-		return 0, false
+		return 0, conn, false, false
 	}
 	r.gen++
-	gen := r.gen
+	gen = r.gen
 	r.remote = conn
 	r.state = stateReplaying
 	r.unsent = r.head
 	r.lastErr = nil
+	clear(r.rsent)
+	resend = !r.sameIncarnation(info, again) && r.retHead != nil
 	if again {
 		r.reconnects++
 	}
@@ -178,7 +201,7 @@ func (r *Relay) attach(conn net.Conn, again bool) (uint64, bool) {
 	r.rw.reset(conn)
 	r.rwGen = gen
 	r.wmu.Unlock()
-	return gen, true
+	return gen, conn, resend, true
 }
 
 // replay sends, in arrival order, every request not yet sent on the
@@ -223,6 +246,7 @@ func (r *Relay) fail(gen uint64, err error) {
 	r.remote = nil
 	r.lastErr = err
 	r.mu.Unlock()
+	r.cond.Broadcast() // a retained replay may wait on this connection
 	if c != nil {
 		c.Close()
 	}
@@ -262,7 +286,20 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 		// An entry of the current generation was taken for sending on this
 		// connection; the unsent ones carry an older generation.
 		known := e != nil && e.gen == gen
+		_, resent := r.rsent[rep.Handle]
+		if resent && rep.Errno == 0 {
+			delete(r.rsent, rep.Handle)
+		}
 		r.mu.Unlock()
+		if resent {
+			if rep.Errno != 0 {
+				// Retry on another connection: the write was acknowledged
+				// once, and the data exists only here.
+				return delivered, fmt.Errorf("server failed an acknowledged write sent again: %s", nbd.ErrnoName(rep.Errno))
+			}
+			r.cond.Broadcast()
+			continue
+		}
 		if !known {
 			return delivered, fmt.Errorf("%w: reply for unknown handle %#x", nbd.ErrProtocol, rep.Handle)
 		}
@@ -286,7 +323,12 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 				return delivered, fmt.Errorf("reading %d-byte read payload: %w", len(data), err)
 			}
 		}
-		r.complete(e)
+		internal := e.internal
+		r.complete(e, rep.Errno)
+		if internal {
+			putBuf(buf)
+			continue
+		}
 		werr := r.deliver(hdr[:], data)
 		putBuf(buf)
 		if werr != nil {
@@ -297,9 +339,10 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 	}
 }
 
-// complete takes e out of the table and wakes a request path waiting for
-// room.
-func (r *Relay) complete(e *entry) {
+// complete takes e out of the table, answered with errno, and wakes a
+// request path waiting for room. A successful write stays, on the retained
+// list; a successful FLUSH trims that list.
+func (r *Relay) complete(e *entry, errno uint32) {
 	r.mu.Lock()
 	delete(r.table, e.handle)
 	if e.prev != nil {
@@ -315,14 +358,36 @@ func (r *Relay) complete(e *entry) {
 	if r.unsent == e {
 		r.unsent = e.next
 	}
-	r.bytes -= e.cost
-	wake := r.waiting
+	keep := errno == 0 && !e.internal && retains(e)
+	if keep {
+		r.retain(e)
+	} else {
+		r.bytes -= e.cost
+	}
+	var trimmed []*entry
+	if e.cmd == nbd.CmdFlush && errno == 0 {
+		trimmed = r.flushed(e.flushMark)
+	}
+	if e.internal {
+		r.flushing = false
+	}
+	flush := r.needFlush()
+	wake := r.waiting || len(trimmed) > 0
 	r.waiting = false
 	r.mu.Unlock()
 	if wake {
 		r.cond.Broadcast()
 	}
-	answered(e)
+	if !keep {
+		answered(e)
+	}
+	for _, t := range trimmed {
+		answered(t)
+	}
+	if flush {
+		// Not on the reply path: sending may block until replies are read.
+		go r.ownFlush()
+	}
 }
 
 // deliver passes one reply to the local side.

@@ -51,6 +51,7 @@ func (r *Relay) upLoop() {
 		e := getEntry()
 		e.hdr = hdr
 		e.handle, e.cmd, e.length, e.cost = req.Handle, req.Type, req.Length, cost
+		e.flags, e.offset = req.Flags, req.Offset
 		if req.Type == nbd.CmdWrite && data > 0 {
 			e.buf = getBuf(data)
 			e.payload = *e.buf
@@ -78,8 +79,15 @@ func (r *Relay) admit(cost int) bool {
 	r.mu.Lock()
 	if r.mustWait(cost) {
 		// Requests gathered but not yet written may be what the budget
-		// waits for.
+		// waits for; so may retained writes that a flush would free.
+		flush := r.retBytes > 0 && !r.flushing && !r.closing
+		if flush {
+			r.flushing = true
+		}
 		r.mu.Unlock()
+		if flush {
+			r.ownFlush()
+		}
 		r.flushRemote()
 		r.mu.Lock()
 		for r.mustWait(cost) {
@@ -111,6 +119,9 @@ func (r *Relay) enqueue(e *entry) error {
 		return fmt.Errorf("relay: local side: %w: handle %#x already in flight", nbd.ErrProtocol, h)
 	}
 	r.table[e.handle] = e
+	if e.cmd == nbd.CmdFlush {
+		e.flushMark = r.ackSeq
+	}
 	e.prev = r.tail
 	if r.tail != nil {
 		r.tail.next = e

@@ -1,0 +1,391 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
+	mrand "math/rand/v2"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// powerLossBackend is a disk with a volatile write cache: writes land in
+// the cache, Sync copies the blocks written since the last one to the
+// durable medium, and crash throws the cache away, as a power loss of
+// the storage host does.
+type powerLossBackend struct {
+	mu      sync.Mutex
+	durable []byte
+	cache   []byte
+	dirty   map[int64]struct{} // blocks written since the last Sync
+	dead    bool               // powered off: everything is dropped
+}
+
+const plBlock = 4096
+
+func newPowerLossBackend(size int64) *powerLossBackend {
+	return &powerLossBackend{durable: make([]byte, size), cache: make([]byte, size), dirty: map[int64]struct{}{}}
+}
+
+func (b *powerLossBackend) ReadAt(p []byte, off int64) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return copy(p, b.cache[off:]), nil
+}
+
+func (b *powerLossBackend) WriteAt(p []byte, off int64) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.dead {
+		return len(p), nil
+	}
+	for blk := off / plBlock; blk*plBlock < off+int64(len(p)); blk++ {
+		b.dirty[blk] = struct{}{}
+	}
+	return copy(b.cache[off:], p), nil
+}
+
+func (b *powerLossBackend) Size() int64 { return int64(len(b.cache)) }
+
+func (b *powerLossBackend) Sync() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.dead {
+		return nil
+	}
+	for blk := range b.dirty {
+		o := blk * plBlock
+		copy(b.durable[o:o+plBlock], b.cache[o:o+plBlock])
+	}
+	clear(b.dirty)
+	return nil
+}
+
+func (b *powerLossBackend) Trim(off, n int64) error         { return b.Zero(off, n, false) }
+func (b *powerLossBackend) Zero(off, n int64, _ bool) error { _, err := b.WriteAt(make([]byte, n), off); return err }
+func (b *powerLossBackend) Resize(int64) error              { return fmt.Errorf("not supported") }
+func (b *powerLossBackend) Close() error                    { return nil }
+
+// crash loses the cache and returns how many blocks were lost; nothing
+// reaches the medium until revive.
+func (b *powerLossBackend) crash() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.dead = true
+	lost := 0
+	for blk := range b.dirty {
+		o := blk * plBlock
+		if !bytes.Equal(b.cache[o:o+plBlock], b.durable[o:o+plBlock]) {
+			lost++
+		}
+	}
+	copy(b.cache, b.durable)
+	clear(b.dirty)
+	return lost
+}
+
+func (b *powerLossBackend) revive() {
+	b.mu.Lock()
+	b.dead = false
+	b.mu.Unlock()
+}
+
+// powerLoss cuts the server off the network (no reply leaves any more),
+// drops the storage host's cache, stops the server and boots it again as a
+// new incarnation. It returns the blocks lost from the cache.
+func powerLoss(ts *testServer, be *powerLossBackend) int {
+	ts.cut()
+	lost := be.crash()
+	ts.kill()
+	be.revive()
+	ts.inc = newIncarnation()
+	ts.start()
+	return lost
+}
+
+func (b *powerLossBackend) durableAt(blk int64) []byte {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return bytes.Clone(b.durable[blk*plBlock : (blk+1)*plBlock])
+}
+
+// sessionDialer dials addr and announces session id, returning a Remote
+// so that the relay learns the server's incarnation.
+func sessionDialer(addr string, id nbd.SessionID) Dialer {
+	return func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return nil, err
+		}
+		info, err := nbd.NegotiateConnWith(ctx, c, exportName, nbd.NegotiateOptions{Session: &nbd.Session{ID: id, Generation: nbd.NextGeneration()}})
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+		return &Remote{Conn: c, Info: info}, nil
+	}
+}
+
+// blockData is the content of block blk written with sequence number seq.
+func blockData(blk int64, seq uint64) []byte {
+	b := make([]byte, plBlock)
+	binary.BigEndian.PutUint64(b, uint64(blk))
+	binary.BigEndian.PutUint64(b[8:], seq)
+	for i := 16; i < len(b); i += 8 {
+		binary.BigEndian.PutUint64(b[i:], seq*0x9e3779b97f4a7c15+uint64(i))
+	}
+	return b
+}
+
+func newIncarnation() nbd.Incarnation {
+	var inc nbd.Incarnation
+	rand.Read(inc[:])
+	return inc
+}
+
+// TestCrashConsistency drives sequence-numbered writes and flushes through
+// the relay while the storage server loses power (its write cache) and
+// comes back as a new incarnation, again and again. Every write the
+// kernel side saw acknowledged must read back afterwards, the last one of
+// each block winning; after a final FLUSH it must be on the durable
+// medium. RELAY_CRASH_POINTS sets the number of crashes (200 by default).
+func TestCrashConsistency(t *testing.T) {
+	points := 200
+	if v := os.Getenv("RELAY_CRASH_POINTS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("RELAY_CRASH_POINTS=%q: %v", v, err)
+		}
+		points = n
+	}
+	const (
+		blocks  = 256
+		writers = 4
+	)
+	be := newPowerLossBackend(blocks * plBlock)
+	ts := &testServer{t: t, backend: be, inc: newIncarnation()}
+	ts.start()
+	t.Cleanup(ts.kill)
+	dial := sessionDialer(ts.addr, nbd.NewSessionID())
+	remote, err := dial(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := remote.(*Remote).Info
+	if !info.Fenced {
+		t.Fatal("the test server did not take the session")
+	}
+	// A small retention budget makes the relay flush by itself too.
+	rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RetainBytes: 512 << 10, MaxInflightBytes: 4 << 20})
+
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	last := make([]uint64, blocks) // per block, the last sequence number acknowledged
+	var seq atomic.Uint64
+	errs := make(chan error, writers)
+	var writes, flushes atomic.Int64
+	for w := 0; w < writers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			rnd := mrand.New(mrand.NewPCG(uint64(w), 7))
+			for i := 0; !stop.Load(); i++ {
+				blk := int64(rnd.IntN(blocks/writers)*writers + w)
+				s := seq.Add(1)
+				if _, err := rg.client.WriteAt(blockData(blk, s), blk*plBlock); err != nil {
+					errs <- fmt.Errorf("write %d of block %d: %w", s, blk, err)
+					return
+				}
+				last[blk] = s
+				writes.Add(1)
+				if i%48 == 47 {
+					if err := rg.client.Flush(); err != nil {
+						errs <- fmt.Errorf("flush: %w", err)
+						return
+					}
+					flushes.Add(1)
+				}
+			}
+		}(w)
+	}
+
+	lostTotal, lossyPoints := 0, 0
+	rnd := mrand.New(mrand.NewPCG(99, 1))
+	for i := 0; i < points; i++ {
+		time.Sleep(time.Duration(1+rnd.IntN(8)) * time.Millisecond)
+		if n := powerLoss(ts, be); n > 0 {
+			lostTotal += n
+			lossyPoints++
+		}
+		select {
+		case err := <-errs:
+			t.Fatal(err)
+		default:
+		}
+	}
+	stop.Store(true)
+	waitDone(t, &wg, 60*time.Second, "writers")
+	select {
+	case err := <-errs:
+		t.Fatal(err)
+	default:
+	}
+
+	check := func(when string, read func(blk int64) []byte) {
+		t.Helper()
+		bad := 0
+		for blk := int64(0); blk < blocks; blk++ {
+			want := make([]byte, plBlock)
+			if last[blk] != 0 {
+				want = blockData(blk, last[blk])
+			}
+			if got := read(blk); !bytes.Equal(got, want) {
+				if bad < 5 {
+					t.Errorf("%s: block %d holds sequence %d, want %d", when, blk, binary.BigEndian.Uint64(got[8:]), last[blk])
+				}
+				bad++
+			}
+		}
+		if bad > 0 {
+			t.Fatalf("%s: %d of %d blocks lost an acknowledged write", when, bad, blocks)
+		}
+	}
+	viaClient := func(blk int64) []byte {
+		b := make([]byte, plBlock)
+		if _, err := rg.client.ReadAt(b, blk*plBlock); err != nil {
+			t.Fatalf("read block %d: %v", blk, err)
+		}
+		return b
+	}
+	// One more power loss with nothing flushed since the last writes: the
+	// relay must send them again.
+	powerLoss(ts, be)
+	check("after a power loss with unflushed writes", viaClient)
+	if err := rg.client.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	ts.cut()
+	be.crash()
+	ts.kill()
+	check("on the durable medium after a final flush", be.durableAt)
+
+	st := rg.relay.Stats()
+	t.Logf("%d crash points (%d lost cached blocks, %d blocks in all), %d writes, %d flushes; relay: %d reconnects, %d writes sent again, %d flushes of its own",
+		points, lossyPoints, lostTotal, writes.Load(), flushes.Load(), st.Reconnects, st.RetainedReplays, st.OwnFlushes)
+	if points >= 50 && lossyPoints < points/20 {
+		t.Fatalf("only %d of %d crash points lost cached writes: the test does not exercise power loss", lossyPoints, points)
+	}
+	if st.RetainedReplays == 0 {
+		t.Fatal("no acknowledged write was ever sent again")
+	}
+}
+
+func waitDone(t *testing.T, wg *sync.WaitGroup, d time.Duration, what string) {
+	t.Helper()
+	ch := make(chan struct{})
+	go func() { wg.Wait(); close(ch) }()
+	select {
+	case <-ch:
+	case <-time.After(d):
+		t.Fatalf("%s did not finish within %v", what, d)
+	}
+}
+
+// TestRetainedResendPolicy: after a reconnect to the same incarnation of a
+// fencing server nothing acknowledged is sent again; to a new incarnation,
+// or to a server that cannot tell (no session), every retained write is.
+func TestRetainedResendPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		session       bool
+		newIncarnaton bool
+		resent        bool
+	}{
+		{"same incarnation", true, false, false},
+		{"new incarnation", true, true, true},
+		{"server without sessions", false, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ts := &testServer{t: t, backend: nbd.NewMemBackend(1 << 20), inc: newIncarnation()}
+			ts.start()
+			t.Cleanup(ts.kill)
+			dial := negotiatingDialer(ts.addr, false)
+			if tc.session {
+				dial = sessionDialer(ts.addr, nbd.NewSessionID())
+			}
+			remote, err := dial(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			info := nbd.ExportInfo{Size: 1 << 20, Flags: nbd.FlagHasFlags | nbd.FlagSendFlush}
+			rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond})
+			for i := int64(0); i < 8; i++ {
+				if _, err := rg.client.WriteAt(blockData(i, 1), i*plBlock); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if st := rg.relay.Stats(); st.Retained != 8 {
+				t.Fatalf("%d writes retained, want 8", st.Retained)
+			}
+			ts.kill()
+			if tc.newIncarnaton {
+				ts.inc = newIncarnation()
+			}
+			ts.start()
+			if _, err := rg.client.WriteAt(blockData(9, 1), 9*plBlock); err != nil {
+				t.Fatal(err)
+			}
+			st := rg.relay.Stats()
+			if got := st.RetainedReplays > 0; got != tc.resent {
+				t.Fatalf("%d retained writes sent again; want some: %v", st.RetainedReplays, tc.resent)
+			}
+			if tc.resent && st.RetainedReplays != 8 {
+				t.Fatalf("%d retained writes sent again, want 8", st.RetainedReplays)
+			}
+			if err := rg.client.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			if st := rg.relay.Stats(); st.Retained != 0 || st.RetainedBytes != 0 {
+				t.Fatalf("after a completed flush: %d writes (%d bytes) still retained", st.Retained, st.RetainedBytes)
+			}
+		})
+	}
+}
+
+// TestOwnFlushBoundsRetention: writes with no FLUSH from the kernel side
+// make the relay flush by itself once RetainBytes is reached, so what it
+// holds stays bounded; FUA writes are not retained at all.
+func TestOwnFlushBoundsRetention(t *testing.T) {
+	ts := newTestServer(t, 8<<20, false)
+	const budget = 256 << 10
+	rg := newServerRig(t, ts, Options{RetainBytes: budget})
+	buf := make([]byte, 64<<10)
+	for i := int64(0); i < 64; i++ {
+		if _, err := rg.client.WriteAt(buf, i*int64(len(buf))); err != nil {
+			t.Fatal(err)
+		}
+		if st := rg.relay.Stats(); st.RetainedBytes > budget+len(buf)+reqHeaderSize {
+			t.Fatalf("retained %d bytes with a budget of %d", st.RetainedBytes, budget)
+		}
+	}
+	waitFor(t, 5*time.Second, "a flush of the relay's own", func() bool { return rg.relay.Stats().OwnFlushes > 0 })
+	// The relay's own flush is answered and goes nowhere.
+	waitFor(t, 5*time.Second, "the relay's flush to complete", func() bool { return rg.relay.Stats().InFlight == 0 })
+	before := rg.relay.Stats().Retained
+	if _, err := rg.client.WriteAtFlags(buf, 0, nbd.CmdFlagFUA); err != nil {
+		t.Fatal(err)
+	}
+	if st := rg.relay.Stats(); st.Retained > before {
+		t.Fatalf("a FUA write was retained (%d -> %d)", before, st.Retained)
+	}
+}
