@@ -32,7 +32,7 @@ type serverConn struct {
 	draining atomic.Bool
 	// fenced is set once a newer connection of the same session lane
 	// supersedes this one: requests not yet started are dropped.
-	fenced atomic.Bool
+	fenced   atomic.Bool
 	inflight sync.WaitGroup
 	lim      *limiter
 

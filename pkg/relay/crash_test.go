@@ -70,10 +70,13 @@ func (b *powerLossBackend) Sync() error {
 	return nil
 }
 
-func (b *powerLossBackend) Trim(off, n int64) error         { return b.Zero(off, n, false) }
-func (b *powerLossBackend) Zero(off, n int64, _ bool) error { _, err := b.WriteAt(make([]byte, n), off); return err }
-func (b *powerLossBackend) Resize(int64) error              { return fmt.Errorf("not supported") }
-func (b *powerLossBackend) Close() error                    { return nil }
+func (b *powerLossBackend) Trim(off, n int64) error { return b.Zero(off, n, false) }
+func (b *powerLossBackend) Zero(off, n int64, _ bool) error {
+	_, err := b.WriteAt(make([]byte, n), off)
+	return err
+}
+func (b *powerLossBackend) Resize(int64) error { return fmt.Errorf("not supported") }
+func (b *powerLossBackend) Close() error       { return nil }
 
 // crash loses the cache and returns how many blocks were lost; nothing
 // reaches the medium until revive.

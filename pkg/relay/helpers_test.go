@@ -78,7 +78,7 @@ type testServer struct {
 	mptcp   bool
 	// inc is the incarnation announced to sessions; zero means the
 	// process's.
-	inc nbd.Incarnation
+	inc     nbd.Incarnation
 	addr    string
 	counter connCounter
 
