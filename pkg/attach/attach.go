@@ -52,8 +52,12 @@ func ParseTransport(s string) (Transport, error) {
 // Defaults for every attach; documented in the README.
 const (
 	// DefaultDeadConnTimeout is how long I/O waits for a dead connection to
-	// be replaced before it fails.
-	DefaultDeadConnTimeout = 120 * time.Second
+	// be replaced before it fails: in effect forever (a hard mount). I/O
+	// waits while the storage node is unreachable and resumes, with no
+	// error, when it is back; the reconnects go on until the volume is
+	// detached. The StorageClass parameter deadConnTimeout bounds it for
+	// those who prefer an I/O error.
+	DefaultDeadConnTimeout = 10 * 365 * 24 * time.Hour
 	// DefaultRequestTimeout is the kernel's per-request timeout: a request
 	// unanswered this long marks its connection dead, which triggers a
 	// reconnect and requeues the request (it does not fail it).
@@ -77,6 +81,8 @@ type Target struct {
 
 // Options tune an attach. Zero values mean the defaults above.
 type Options struct {
+	// DeadConnTimeout bounds how long I/O waits for the server; see
+	// DefaultDeadConnTimeout.
 	DeadConnTimeout time.Duration
 	RequestTimeout  time.Duration
 	BlockSize       uint64

@@ -66,13 +66,19 @@ type Attacher struct {
 }
 
 type volume struct {
-	target attach.Target
-	opts   attach.Options
-	att    attach.Attachment
-	index  uint32
-	info   nbd.ExportInfo
+	target  attach.Target
+	opts    attach.Options
+	att     attach.Attachment
+	index   uint32
+	info    nbd.ExportInfo
+	session nbd.SessionID
+	addrs   attach.AddrDialer
+	// life ends at detach: reconnects stop then.
+	life context.Context
+	end  context.CancelFunc
 
-	mu         sync.Mutex
+	mu           sync.Mutex
+	reconnecting bool
 	conns      []net.Conn // our handles on the data sockets (for MPTCP_INFO)
 	relay      *relay.Relay
 	stopRelay  context.CancelFunc
@@ -170,8 +176,18 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	return a.connect(ctx, t, o)
 }
 
+func newVolume(t attach.Target, o attach.Options, session nbd.SessionID) *volume {
+	v := &volume{target: t, opts: o, session: session}
+	v.life, v.end = context.WithCancel(context.Background())
+	return v
+}
+
+// bounded reports whether the volume's I/O may fail after an outage
+// (deadConnTimeout set below the hard default).
+func (v *volume) bounded() bool { return v.opts.DeadConnTimeout < attach.DefaultDeadConnTimeout }
+
 func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Options) (_ *attach.Attachment, err error) {
-	v := &volume{target: t, opts: o}
+	v := newVolume(t, o, nbd.NewSessionID())
 	socks, err := a.dialAll(ctx, v)
 	if err != nil {
 		return nil, err
@@ -179,15 +195,23 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 	defer closeFiles(socks)
 	defer func() {
 		if err != nil {
+			v.end()
 			v.shutdown()
 		}
 	}()
 	flags := nbdnl.DestroyOnDisconnect
+	timeout := o.RequestTimeout
+	if a.cfg.Mode == attach.Relay {
+		// The relay watches the server itself and never loses a request;
+		// a kernel timeout would shut its socket down and throw away what
+		// it holds for a replay. Without one the kernel only warns.
+		timeout = 0
+	}
 	idx, err := a.cfg.Kernel.Connect(nbdnl.ConnectOptions{
 		Sockets:         socks,
 		Size:            v.info.Size,
 		BlockSize:       o.BlockSize,
-		Timeout:         o.RequestTimeout,
+		Timeout:         timeout,
 		DeadConnTimeout: o.DeadConnTimeout,
 		ServerFlags:     uint64(v.info.Flags),
 		ClientFlags:     flags,
@@ -232,17 +256,46 @@ func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options,
 // with RECONFIGURE and the same backend identifier. On failure everything
 // it opened is closed again.
 func (a *Attacher) handOver(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (*volume, error) {
-	v := &volume{target: t, opts: o, index: idx}
-	socks, err := a.dialAll(ctx, v)
-	if err != nil {
-		return nil, err
-	}
-	defer closeFiles(socks)
-	if err := a.cfg.Kernel.Reconfigure(idx, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: t.VolumeID}); err != nil {
-		v.shutdown()
+	v := newVolume(t, o, a.loadSession(t.VolumeID))
+	v.index = idx
+	if err := a.replaceSockets(ctx, v); err != nil {
+		v.end()
 		return nil, err
 	}
 	return v, nil
+}
+
+// replaceSockets dials fresh connections for v and gives them to its
+// device with RECONFIGURE; on failure what it opened is closed again.
+// The volume's old relay, if any, is stopped once the new one runs.
+func (a *Attacher) replaceSockets(ctx context.Context, v *volume) error {
+	v.mu.Lock()
+	oldStop, oldDone, oldConns := v.stopRelay, v.relayDone, v.conns
+	v.stopRelay, v.relayDone, v.relay, v.conns = nil, nil, nil, nil
+	v.mu.Unlock()
+	socks, err := a.dialAll(ctx, v)
+	if err != nil {
+		v.mu.Lock()
+		v.stopRelay, v.relayDone, v.conns = oldStop, oldDone, oldConns
+		v.mu.Unlock()
+		return err
+	}
+	defer closeFiles(socks)
+	if err := a.cfg.Kernel.Reconfigure(v.index, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: v.target.VolumeID}); err != nil {
+		v.shutdown()
+		v.mu.Lock()
+		v.stopRelay, v.relayDone, v.conns = oldStop, oldDone, oldConns
+		v.mu.Unlock()
+		return err
+	}
+	if oldStop != nil {
+		oldStop()
+		<-oldDone
+	}
+	for _, c := range oldConns {
+		c.Close()
+	}
+	return nil
 }
 
 func (a *Attacher) register(v *volume) {
@@ -286,34 +339,43 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 			if i < len(t.LocalAddrs) {
 				local = t.LocalAddrs[i]
 			}
-			c, info, err := a.dial(ctx, t, addr, local, false)
+			// No session: LINK_DEAD does not say which socket died, and a
+			// new socket on a live one's lane would fence it.
+			c, err := a.dial(ctx, v, addr, local, false, -1)
 			if err != nil {
 				return fail(err)
 			}
-			conns = append(conns, c)
-			v.info = info
+			conns = append(conns, c.Conn)
+			v.info = c.Info
 		}
 		if len(conns) > 1 && v.info.Flags&nbd.FlagCanMultiConn == 0 {
 			return fail(fmt.Errorf("%w: multiconn needs a server that allows several connections", attach.ErrUnsupported))
 		}
 	default:
-		c, info, err := a.dial(ctx, t, t.Addrs[0], "", a.usesMPTCP())
+		c, err := a.dialAny(ctx, v)
 		if err != nil {
 			return fail(err)
 		}
-		conns = append(conns, c)
-		v.info = info
+		if a.cfg.Mode == attach.Relay {
+			kernelEnd, relayEnd, err := relay.NewSocketPair()
+			if err != nil {
+				c.Close()
+				return nil, err
+			}
+			v.info = c.Info
+			v.mu.Lock()
+			v.conns = []net.Conn{c.Conn}
+			v.mu.Unlock()
+			v.startRelay(a, relayEnd, c)
+			return []*os.File{kernelEnd}, nil
+		}
+		conns = append(conns, c.Conn)
+		v.info = c.Info
 	}
+	v.mu.Lock()
 	v.conns = conns
+	v.mu.Unlock()
 
-	if a.cfg.Mode == attach.Relay {
-		kernelEnd, relayEnd, err := relay.NewSocketPair()
-		if err != nil {
-			return fail(err)
-		}
-		v.startRelay(a, relayEnd, conns[0])
-		return []*os.File{kernelEnd}, nil
-	}
 	files := make([]*os.File, 0, len(conns))
 	for _, c := range conns {
 		f, err := c.(*net.TCPConn).File()
@@ -326,49 +388,71 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 	return files, nil
 }
 
-// dial connects one data connection and runs the handshake on it.
-func (a *Attacher) dial(ctx context.Context, t attach.Target, addr, local string, useMPTCP bool) (net.Conn, nbd.ExportInfo, error) {
+// dialAny connects the volume's single data connection (kernel, relay,
+// tcp) through the first of its server addresses that answers.
+func (a *Attacher) dialAny(ctx context.Context, v *volume) (*relay.Remote, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
+	defer cancel()
+	c, _, err := attach.Dial(ctx, &v.addrs, v.target.Addrs, func(ctx context.Context, addr string) (*relay.Remote, error) {
+		return a.dial(ctx, v, addr, "", a.usesMPTCP(), 0)
+	})
+	return c, err
+}
+
+// dial connects one data connection and runs the handshake on it,
+// announcing the volume's session on lane (none when lane < 0).
+func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
+	t := v.target
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
 	d := mptcp.Dialer(useMPTCP)
 	if local != "" {
 		la, err := net.ResolveTCPAddr("tcp", net.JoinHostPort(local, "0"))
 		if err != nil {
-			return nil, nbd.ExportInfo{}, fmt.Errorf("%w: local address %q: %v", attach.ErrInvalid, local, err)
+			return nil, fmt.Errorf("%w: local address %q: %v", attach.ErrInvalid, local, err)
 		}
 		d.LocalAddr = la
 	}
 	c, err := a.cfg.DialContext(ctx, d, "tcp", addr)
 	if err != nil {
-		return nil, nbd.ExportInfo{}, fmt.Errorf("dial %s: %w", addr, err)
+		return nil, fmt.Errorf("dial %s: %w", addr, err)
 	}
 	if useMPTCP && !mptcp.IsMPTCP(c) {
 		a.log.Warn("MPTCP requested but the connection fell back to TCP", "volume_id", t.VolumeID, "remote", addr)
 	}
-	info, err := nbd.NegotiateConn(ctx, c, t.Export)
+	var no nbd.NegotiateOptions
+	if lane >= 0 {
+		no.Session = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
+	}
+	info, err := nbd.NegotiateConnWith(ctx, c, t.Export, no)
 	if err != nil {
 		c.Close()
 		if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
-			return nil, nbd.ExportInfo{}, fmt.Errorf("%w: %v", attach.ErrServerRefused, err)
+			return nil, fmt.Errorf("%w: %v", attach.ErrServerRefused, err)
 		}
-		return nil, nbd.ExportInfo{}, fmt.Errorf("handshake with %s: %w", addr, err)
+		return nil, fmt.Errorf("handshake with %s: %w", addr, err)
 	}
-	return c, info, nil
+	return &relay.Remote{Conn: c, Info: info}, nil
 }
 
-func (v *volume) startRelay(a *Attacher, local, remote net.Conn) {
+func (v *volume) startRelay(a *Attacher, local net.Conn, remote *relay.Remote) {
 	ctx, cancel := context.WithCancel(context.Background())
 	redial := func(ctx context.Context) (net.Conn, error) {
-		c, _, err := a.dial(ctx, v.target, v.target.Addrs[0], "", true)
-		if err == nil {
-			v.mu.Lock()
-			v.conns = []net.Conn{c}
-			v.reconnects++
-			v.mu.Unlock()
+		c, err := a.dialAny(ctx, v)
+		if err != nil {
+			return nil, err
 		}
-		return c, err
+		v.mu.Lock()
+		v.conns = []net.Conn{c.Conn}
+		v.reconnects++
+		v.mu.Unlock()
+		return c, nil
 	}
-	r := relay.New(local, remote, redial, relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID)})
+	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID)}
+	if v.bounded() {
+		ro.GiveUpAfter = v.opts.DeadConnTimeout
+	}
+	r := relay.New(local, remote, redial, ro)
 	v.relay, v.stopRelay, v.relayDone = r, cancel, make(chan struct{})
 	go func() {
 		defer close(v.relayDone)
@@ -383,9 +467,13 @@ func (v *volume) startRelay(a *Attacher, local, remote net.Conn) {
 
 // shutdown stops the relay and closes our socket handles.
 func (v *volume) shutdown() {
-	if v.stopRelay != nil {
-		v.stopRelay()
-		<-v.relayDone
+	v.mu.Lock()
+	stop, done := v.stopRelay, v.relayDone
+	v.stopRelay, v.relayDone, v.relay = nil, nil, nil
+	v.mu.Unlock()
+	if stop != nil {
+		stop()
+		<-done
 	}
 	v.mu.Lock()
 	for _, c := range v.conns {
@@ -411,6 +499,7 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	if err := a.cfg.Kernel.Disconnect(v.index); err != nil {
 		return fmt.Errorf("disconnect nbd%d: %w", v.index, err)
 	}
+	v.end()
 	v.shutdown()
 	a.mu.Lock()
 	delete(a.vols, volumeID)
@@ -432,12 +521,18 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	h := attach.Health{Connected: len(v.conns) > 0, Reconnects: v.reconnects}
+	conns := v.conns
 	if v.relay != nil {
+		// The relay's current connection, not one it already replaced.
 		st := v.relay.Stats()
 		h.Connected = st.Connected
+		conns = nil
+		if st.Remote != nil {
+			conns = []net.Conn{st.Remote}
+		}
 	}
-	h.MPTCP = len(v.conns) > 0 && allMPTCP(v.conns)
-	for _, c := range v.conns {
+	h.MPTCP = len(conns) > 0 && allMPTCP(conns)
+	for _, c := range conns {
 		if info, err := mptcp.GetInfo(c); err == nil {
 			h.Subflows = append(h.Subflows, info.TotalSubflows())
 		}
@@ -470,7 +565,13 @@ func (a *Attacher) startWatch() error {
 			if v == nil {
 				continue
 			}
-			go a.reconnect(v)
+			v.mu.Lock()
+			busy := v.reconnecting
+			v.reconnecting = true
+			v.mu.Unlock()
+			if !busy {
+				go a.reconnect(v)
+			}
 		}
 	}()
 	return nil
@@ -480,35 +581,52 @@ func (a *Attacher) startWatch() error {
 // RECONFIGURE with the same backend identifier. The relay transport
 // recovers by itself (the kernel's unix socket never dies while the relay
 // lives), so LINK_DEAD there means the relay is gone.
+//
+// One reconnect runs per device at a time (LINK_DEAD events arriving
+// meanwhile are absorbed), and it retries, with backoff, until it succeeds
+// or the volume is detached: past a bounded deadConnTimeout the kernel
+// fails the I/O waiting, but the device comes back when the server does.
 func (a *Attacher) reconnect(v *volume) {
+	defer func() {
+		v.mu.Lock()
+		v.reconnecting = false
+		v.mu.Unlock()
+	}()
 	log := a.log.With("volume_id", v.target.VolumeID, "nbd_index", v.index)
 	log.Warn("nbd connection dead, reconnecting")
+	start := time.Now()
 	backoff := 100 * time.Millisecond
-	deadline := time.Now().Add(v.opts.DeadConnTimeout)
-	for time.Now().Before(deadline) {
-		ctx, cancel := context.WithTimeout(context.Background(), a.cfg.DialTimeout)
-		nv, err := a.handOver(ctx, v.target, v.opts, v.index)
+	warned := false
+	for attempt := 1; ; attempt++ {
+		ctx, cancel := context.WithTimeout(v.life, a.cfg.DialTimeout)
+		err := a.replaceSockets(ctx, v)
 		cancel()
 		if err == nil {
 			v.mu.Lock()
-			old := v.conns
-			v.conns = nv.conns
 			v.reconnects++
-			if nv.relay != nil {
-				v.relay, v.stopRelay, v.relayDone = nv.relay, nv.stopRelay, nv.relayDone
-			}
+			v.lastErr = nil
 			v.mu.Unlock()
-			for _, c := range old {
-				c.Close()
-			}
-			log.Info("nbd connection replaced")
+			log.Info("nbd connection replaced", "attempts", attempt, "outage", time.Since(start))
 			return
 		}
-		log.Warn("reconnect failed", "error", err, "retry_in", backoff)
-		time.Sleep(backoff)
+		if v.life.Err() != nil {
+			return
+		}
+		if v.bounded() && !warned && time.Since(start) > v.opts.DeadConnTimeout {
+			log.Error("the server is unreachable for longer than deadConnTimeout: I/O on the device fails until it is back", "dead_conn_timeout", v.opts.DeadConnTimeout)
+			warned = true
+		}
+		v.mu.Lock()
+		v.lastErr = err
+		v.mu.Unlock()
+		log.Warn("reconnect failed", "error", err, "attempt", attempt, "retry_in", backoff)
+		select {
+		case <-v.life.Done():
+			return
+		case <-time.After(backoff):
+		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
-	log.Error("gave up reconnecting: I/O on the device will fail")
 }
 
 // Close stops watching; attached devices stay (they survive the process).
@@ -545,11 +663,15 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 	if !ok {
 		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
 	}
-	c, info, err := a.dial(ctx, v.target, v.target.Addrs[0], "", a.usesMPTCP())
+	// A connection of its own session: it must not supersede the data
+	// connections.
+	probe := &volume{target: v.target, session: nbd.NewSessionID()}
+	c, err := a.dialAny(ctx, probe)
 	if err != nil {
 		return 0, fmt.Errorf("resize %s: %w", volumeID, err)
 	}
 	c.Close()
+	info := c.Info
 	if info.Size < newSize {
 		return 0, fmt.Errorf("resize %s: %w: the export has %d bytes, less than %d", volumeID, attach.ErrTooSmall, info.Size, newSize)
 	}

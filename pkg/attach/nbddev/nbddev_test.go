@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -27,6 +28,21 @@ type fakeKernel struct {
 	nextIndex    uint32
 	linkDead     chan nbdnl.LinkDead
 	reconfigured chan struct{}
+	// holdSockets keeps a reference to every socket handed over, as the
+	// real kernel does.
+	holdSockets bool
+	held        []*os.File
+}
+
+func (k *fakeKernel) hold(files []*os.File) {
+	if !k.holdSockets {
+		return
+	}
+	for _, f := range files {
+		if fd, err := syscall.Dup(int(f.Fd())); err == nil {
+			k.held = append(k.held, os.NewFile(uintptr(fd), "held"))
+		}
+	}
 }
 
 func newFakeKernel() *fakeKernel {
@@ -40,6 +56,7 @@ func (k *fakeKernel) Connect(o nbdnl.ConnectOptions) (uint32, error) {
 	if k.connectErr != nil {
 		return 0, k.connectErr
 	}
+	k.hold(o.Sockets)
 	i := k.nextIndex
 	k.nextIndex++
 	return i, nil
@@ -56,6 +73,9 @@ func (k *fakeKernel) Reconfigure(i uint32, o nbdnl.ReconfigureOptions) error {
 	k.mu.Lock()
 	k.reconfigs = append(k.reconfigs, o)
 	err := k.reconfigErr
+	if err == nil {
+		k.hold(o.Sockets)
+	}
 	k.mu.Unlock()
 	k.reconfigured <- struct{}{}
 	return err

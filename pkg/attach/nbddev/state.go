@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // record is what a state file keeps about an attached volume, so that a
@@ -19,6 +20,9 @@ type record struct {
 	Mode    attach.Transport `json:"mode"`
 	Target  attach.Target    `json:"target"`
 	Options attach.Options   `json:"options"`
+	// Session is the volume's NBD session, kept so that the connections of
+	// a re-adopting process supersede (and fence) those of the last one.
+	Session nbd.SessionID `json:"session"`
 }
 
 func (a *Attacher) statePath(volumeID string) string {
@@ -37,7 +41,7 @@ func (a *Attacher) saveState(v *volume) error {
 	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
 		return err
 	}
-	b, err := json.Marshal(record{Mode: a.cfg.Mode, Target: v.target, Options: v.opts})
+	b, err := json.Marshal(record{Mode: a.cfg.Mode, Target: v.target, Options: v.opts, Session: v.session})
 	if err != nil {
 		return err
 	}
@@ -47,6 +51,19 @@ func (a *Attacher) saveState(v *volume) error {
 		return err
 	}
 	return os.Rename(tmp, p)
+}
+
+// loadSession returns the session recorded for a volume, or a new one.
+func (a *Attacher) loadSession(volumeID string) nbd.SessionID {
+	if a.cfg.StateDir != "" {
+		if b, err := os.ReadFile(a.statePath(volumeID)); err == nil {
+			var r record
+			if json.Unmarshal(b, &r) == nil && r.Session != (nbd.SessionID{}) {
+				return r.Session
+			}
+		}
+	}
+	return nbd.NewSessionID()
 }
 
 func (a *Attacher) dropState(volumeID string) {

@@ -1,0 +1,202 @@
+package nbddev
+
+import (
+	"context"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
+)
+
+// deadAddrs returns an address that refuses connections and one that
+// accepts but never answers the handshake (a path that is down, as far as
+// a dial can tell).
+func deadAddrs(t *testing.T) (refused, silent string) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused = l.Addr().String()
+	l.Close()
+	sl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sl.Close() })
+	go func() {
+		for {
+			c, err := sl.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() })
+		}
+	}()
+	return refused, sl.Addr().String()
+}
+
+// TestAttachSkipsDeadAddresses: with the first storage addresses' paths
+// down, attach, reconnect and resize go through the one that works.
+func TestAttachSkipsDeadAddresses(t *testing.T) {
+	for _, mode := range []attach.Transport{attach.TCP} {
+		t.Run(string(mode), func(t *testing.T) {
+			s, good := startServer(t)
+			refused, silent := deadAddrs(t)
+			k := newFakeKernel()
+			a, err := New(Config{Mode: mode, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet(), DialTimeout: 6 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(a.Close)
+			tg := attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{silent, refused, good}}
+			if _, err := a.Attach(context.Background(), tg, attach.Options{}); err != nil {
+				t.Fatalf("attach with the first two paths down: %v", err)
+			}
+			waitConns(t, s, 1)
+			// The address that worked is tried first from now on: a
+			// reconnect does not wait on the dead ones again.
+			start := time.Now()
+			k.linkDead <- nbdnl.LinkDead{Index: 0}
+			select {
+			case <-k.reconfigured:
+			case <-time.After(10 * time.Second):
+				t.Fatal("no RECONFIGURE after LINK_DEAD")
+			}
+			if d := time.Since(start); d > 2*time.Second {
+				t.Errorf("reconnect took %v: it started with a dead address", d)
+			}
+			waitConns(t, s, 1)
+			if _, err := a.Resize(context.Background(), "pvc-1", 1<<20); err != nil {
+				t.Fatalf("resize: %v", err)
+			}
+		})
+	}
+}
+
+// TestReconnectUntilServerBack: a reconnect does not give up while the
+// server is away, even past a bounded deadConnTimeout; it succeeds once
+// the server is back, and LINK_DEAD events meanwhile start no second one.
+func TestReconnectUntilServerBack(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	s := &nbd.Server{Logger: quiet()}
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(l)
+	k := newFakeKernel()
+	k.linkDead = make(chan nbdnl.LinkDead, 8)
+	a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet(), DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	tg := attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{addr}}
+	if _, err := a.Attach(context.Background(), tg, attach.Options{DeadConnTimeout: 500 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	s.Shutdown(context.Background())
+	for i := 0; i < 5; i++ {
+		k.linkDead <- nbdnl.LinkDead{Index: 0}
+	}
+	time.Sleep(2 * time.Second) // well past deadConnTimeout
+	k.mu.Lock()
+	n := len(k.reconfigs)
+	k.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d RECONFIGUREs while the server was down", n)
+	}
+	var l2 net.Listener
+	for i := 0; i < 50; i++ {
+		if l2, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	s2 := &nbd.Server{Logger: quiet()}
+	if err := s2.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go s2.Serve(l2)
+	t.Cleanup(func() { s2.Shutdown(context.Background()) })
+	select {
+	case <-k.reconfigured:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no RECONFIGURE after the server came back")
+	}
+	waitConns(t, s2, 1)
+	time.Sleep(300 * time.Millisecond)
+	k.mu.Lock()
+	n = len(k.reconfigs)
+	k.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("%d RECONFIGUREs for one outage with five LINK_DEAD events: reconnects ran in parallel", n)
+	}
+	if h, _ := a.Health("pvc-1"); h.Reconnects != 1 || !h.Connected {
+		t.Fatalf("health after the outage: %+v", h)
+	}
+}
+
+// TestAdoptFencesOldConnection: a process that re-adopts a device (the
+// old process died, the kernel still holds its socket) connects with the
+// volume's recorded session, so the server drops the connection the new
+// one replaces: one connection per device connection, never two.
+func TestAdoptFencesOldConnection(t *testing.T) {
+	for _, fenced := range []bool{true, false} {
+		t.Run(map[bool]string{true: "same session", false: "no state file"}[fenced], func(t *testing.T) {
+			s, addr := startServer(t)
+			dir := t.TempDir()
+			k := newFakeKernel()
+			k.holdSockets = true
+			t.Cleanup(func() {
+				for _, f := range k.held {
+					f.Close()
+				}
+			})
+			d := &fakeDevices{backends: map[string]uint32{}}
+			a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tg := attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{addr}}
+			if _, err := a.Attach(context.Background(), tg, attach.Options{}); err != nil {
+				t.Fatal(err)
+			}
+			waitConns(t, s, 1)
+			a.Close()
+			if !fenced {
+				os.Remove(dir + "/pvc-1.json")
+			}
+			d.backends["pvc-1"] = 0
+			b, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(b.Close)
+			if _, err := b.Attach(context.Background(), tg, attach.Options{}); err != nil {
+				t.Fatal(err)
+			}
+			if fenced {
+				waitConns(t, s, 1)
+				return
+			}
+			// Without the session the kernel's old socket stays beside the
+			// new one: what the recorded session prevents.
+			time.Sleep(200 * time.Millisecond)
+			if n := conns(s); n != 2 {
+				t.Fatalf("%d connections without a session, want 2", n)
+			}
+		})
+	}
+}
