@@ -79,12 +79,12 @@ type volume struct {
 
 	mu           sync.Mutex
 	reconnecting bool
-	conns      []net.Conn // our handles on the data sockets (for MPTCP_INFO)
-	relay      *relay.Relay
-	stopRelay  context.CancelFunc
-	relayDone  chan struct{}
-	reconnects int
-	lastErr    error
+	conns        []net.Conn // our handles on the data sockets (for MPTCP_INFO)
+	relay        *relay.Relay
+	stopRelay    context.CancelFunc
+	relayDone    chan struct{}
+	reconnects   int
+	lastErr      error
 }
 
 // New returns an attacher for cfg.Mode.
