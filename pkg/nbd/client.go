@@ -38,6 +38,7 @@ type DialOptions struct {
 type Client struct {
 	info   ExportInfo
 	conns  []*clientConn
+	rt     RoundTripper
 	next   atomic.Uint64
 	handle atomic.Uint64
 	maxReq int
@@ -123,6 +124,27 @@ func NewClient(info ExportInfo, conns []net.Conn, log *slog.Logger) *Client {
 		cc := &clientConn{conn: c, pending: make(map[uint64]*call), r: bufio.NewReaderSize(c, 256<<10)}
 		cl.conns = append(cl.conns, cc)
 		go cc.readLoop()
+	}
+	return cl
+}
+
+// RoundTripper carries the requests of a Client that does not own its
+// connections (a session that redials and replays, for instance). It must
+// be safe for concurrent use; an error reply is an *Error.
+type RoundTripper interface {
+	RoundTrip(req Request, payload, dst []byte) error
+	Close() error
+}
+
+// NewClientOn returns a client for the export described by info whose
+// requests go through rt.
+func NewClientOn(info ExportInfo, rt RoundTripper, log *slog.Logger) *Client {
+	if log == nil {
+		log = slog.Default()
+	}
+	cl := &Client{info: info, log: log, maxReq: MaxRequestSize, rt: rt}
+	if info.MaxBlock > 0 && int(info.MaxBlock) < cl.maxReq {
+		cl.maxReq = int(info.MaxBlock)
 	}
 	return cl
 }
@@ -259,6 +281,9 @@ func (cl *Client) chunked(p []byte, off int64, f func([]byte, int64) error) (int
 
 // Close sends NBD_CMD_DISC on every connection and closes them.
 func (cl *Client) Close() error {
+	if cl.rt != nil {
+		return cl.rt.Close()
+	}
 	var errs []error
 	for _, c := range cl.conns {
 		errs = append(errs, c.close(cl.handle.Add(1)))
@@ -268,6 +293,9 @@ func (cl *Client) Close() error {
 
 func (cl *Client) do(req Request, payload, dst []byte) error {
 	req.Handle = cl.handle.Add(1)
+	if cl.rt != nil {
+		return cl.rt.RoundTrip(req, payload, dst)
+	}
 	c := cl.conns[int(cl.next.Add(1)%uint64(len(cl.conns)))]
 	return c.roundTrip(req, payload, dst)
 }

@@ -163,6 +163,18 @@ func newIncarnation() nbd.Incarnation {
 // each block winning; after a final FLUSH it must be on the durable
 // medium. RELAY_CRASH_POINTS sets the number of crashes (200 by default).
 func TestCrashConsistency(t *testing.T) {
+	t.Run("kernel socket", func(t *testing.T) { crashConsistency(t, false) })
+	t.Run("in-process calls", func(t *testing.T) { crashConsistency(t, true) })
+}
+
+// blockClient is what the workload needs of the local side.
+type blockClient interface {
+	ReadAt(p []byte, off int64) (int, error)
+	WriteAt(p []byte, off int64) (int, error)
+	Flush() error
+}
+
+func crashConsistency(t *testing.T, inProcess bool) {
 	points := 200
 	if v := os.Getenv("RELAY_CRASH_POINTS"); v != "" {
 		n, err := strconv.Atoi(v)
@@ -189,7 +201,16 @@ func TestCrashConsistency(t *testing.T) {
 		t.Fatal("the test server did not take the session")
 	}
 	// A small retention budget makes the relay flush by itself too.
-	rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RetainBytes: 512 << 10, MaxInflightBytes: 4 << 20})
+	o := Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RetainBytes: 512 << 10, MaxInflightBytes: 4 << 20, Logger: quietLogger()}
+	var client blockClient
+	var relay *Relay
+	if inProcess {
+		relay = startLocal(t, remote, dial, o)
+		client = nbd.NewClientOn(info, relay, quietLogger())
+	} else {
+		rg := newRig(t, remote, dial, &info, o)
+		client, relay = rg.client, rg.relay
+	}
 
 	var stop atomic.Bool
 	var wg sync.WaitGroup
@@ -205,14 +226,14 @@ func TestCrashConsistency(t *testing.T) {
 			for i := 0; !stop.Load(); i++ {
 				blk := int64(rnd.IntN(blocks/writers)*writers + w)
 				s := seq.Add(1)
-				if _, err := rg.client.WriteAt(blockData(blk, s), blk*plBlock); err != nil {
+				if _, err := client.WriteAt(blockData(blk, s), blk*plBlock); err != nil {
 					errs <- fmt.Errorf("write %d of block %d: %w", s, blk, err)
 					return
 				}
 				last[blk] = s
 				writes.Add(1)
 				if i%48 == 47 {
-					if err := rg.client.Flush(); err != nil {
+					if err := client.Flush(); err != nil {
 						errs <- fmt.Errorf("flush: %w", err)
 						return
 					}
@@ -226,10 +247,13 @@ func TestCrashConsistency(t *testing.T) {
 	rnd := mrand.New(mrand.NewPCG(99, 1))
 	for i := 0; i < points; i++ {
 		time.Sleep(time.Duration(1+rnd.IntN(8)) * time.Millisecond)
+		before := relay.Stats().Reconnects
 		if n := powerLoss(ts, be); n > 0 {
 			lostTotal += n
 			lossyPoints++
 		}
+		// The next crash point meets a live session, with traffic.
+		waitFor(t, 10*time.Second, "the relay to reconnect", func() bool { return relay.Stats().Reconnects > before })
 		select {
 		case err := <-errs:
 			t.Fatal(err)
@@ -265,7 +289,7 @@ func TestCrashConsistency(t *testing.T) {
 	}
 	viaClient := func(blk int64) []byte {
 		b := make([]byte, plBlock)
-		if _, err := rg.client.ReadAt(b, blk*plBlock); err != nil {
+		if _, err := client.ReadAt(b, blk*plBlock); err != nil {
 			t.Fatalf("read block %d: %v", blk, err)
 		}
 		return b
@@ -274,7 +298,7 @@ func TestCrashConsistency(t *testing.T) {
 	// relay must send them again.
 	powerLoss(ts, be)
 	check("after a power loss with unflushed writes", viaClient)
-	if err := rg.client.Flush(); err != nil {
+	if err := client.Flush(); err != nil {
 		t.Fatal(err)
 	}
 	ts.cut()
@@ -282,7 +306,7 @@ func TestCrashConsistency(t *testing.T) {
 	ts.kill()
 	check("on the durable medium after a final flush", be.durableAt)
 
-	st := rg.relay.Stats()
+	st := relay.Stats()
 	t.Logf("%d crash points (%d lost cached blocks, %d blocks in all), %d writes, %d flushes; relay: %d reconnects, %d writes sent again, %d flushes of its own",
 		points, lossyPoints, lostTotal, writes.Load(), flushes.Load(), st.Reconnects, st.RetainedReplays, st.OwnFlushes)
 	if points >= 50 && lossyPoints < points/20 {
@@ -332,12 +356,13 @@ func TestRetainedResendPolicy(t *testing.T) {
 			}
 			info := nbd.ExportInfo{Size: 1 << 20, Flags: nbd.FlagHasFlags | nbd.FlagSendFlush}
 			rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond})
+			client, relay := rg.client, rg.relay
 			for i := int64(0); i < 8; i++ {
-				if _, err := rg.client.WriteAt(blockData(i, 1), i*plBlock); err != nil {
+				if _, err := client.WriteAt(blockData(i, 1), i*plBlock); err != nil {
 					t.Fatal(err)
 				}
 			}
-			if st := rg.relay.Stats(); st.Retained != 8 {
+			if st := relay.Stats(); st.Retained != 8 {
 				t.Fatalf("%d writes retained, want 8", st.Retained)
 			}
 			ts.kill()
@@ -345,20 +370,20 @@ func TestRetainedResendPolicy(t *testing.T) {
 				ts.inc = newIncarnation()
 			}
 			ts.start()
-			if _, err := rg.client.WriteAt(blockData(9, 1), 9*plBlock); err != nil {
+			if _, err := client.WriteAt(blockData(9, 1), 9*plBlock); err != nil {
 				t.Fatal(err)
 			}
-			st := rg.relay.Stats()
+			st := relay.Stats()
 			if got := st.RetainedReplays > 0; got != tc.resent {
 				t.Fatalf("%d retained writes sent again; want some: %v", st.RetainedReplays, tc.resent)
 			}
 			if tc.resent && st.RetainedReplays != 8 {
 				t.Fatalf("%d retained writes sent again, want 8", st.RetainedReplays)
 			}
-			if err := rg.client.Flush(); err != nil {
+			if err := client.Flush(); err != nil {
 				t.Fatal(err)
 			}
-			if st := rg.relay.Stats(); st.Retained != 0 || st.RetainedBytes != 0 {
+			if st := relay.Stats(); st.Retained != 0 || st.RetainedBytes != 0 {
 				t.Fatalf("after a completed flush: %d writes (%d bytes) still retained", st.Retained, st.RetainedBytes)
 			}
 		})
@@ -372,23 +397,24 @@ func TestOwnFlushBoundsRetention(t *testing.T) {
 	ts := newTestServer(t, 8<<20, false)
 	const budget = 256 << 10
 	rg := newServerRig(t, ts, Options{RetainBytes: budget})
+	client, relay := rg.client, rg.relay
 	buf := make([]byte, 64<<10)
 	for i := int64(0); i < 64; i++ {
-		if _, err := rg.client.WriteAt(buf, i*int64(len(buf))); err != nil {
+		if _, err := client.WriteAt(buf, i*int64(len(buf))); err != nil {
 			t.Fatal(err)
 		}
-		if st := rg.relay.Stats(); st.RetainedBytes > budget+len(buf)+reqHeaderSize {
+		if st := relay.Stats(); st.RetainedBytes > budget+len(buf)+reqHeaderSize {
 			t.Fatalf("retained %d bytes with a budget of %d", st.RetainedBytes, budget)
 		}
 	}
-	waitFor(t, 5*time.Second, "a flush of the relay's own", func() bool { return rg.relay.Stats().OwnFlushes > 0 })
+	waitFor(t, 5*time.Second, "a flush of the relay's own", func() bool { return relay.Stats().OwnFlushes > 0 })
 	// The relay's own flush is answered and goes nowhere.
-	waitFor(t, 5*time.Second, "the relay's flush to complete", func() bool { return rg.relay.Stats().InFlight == 0 })
-	before := rg.relay.Stats().Retained
-	if _, err := rg.client.WriteAtFlags(buf, 0, nbd.CmdFlagFUA); err != nil {
+	waitFor(t, 5*time.Second, "the relay's flush to complete", func() bool { return relay.Stats().InFlight == 0 })
+	before := relay.Stats().Retained
+	if _, err := client.WriteAtFlags(buf, 0, nbd.CmdFlagFUA); err != nil {
 		t.Fatal(err)
 	}
-	if st := rg.relay.Stats(); st.Retained > before {
+	if st := relay.Stats(); st.Retained > before {
 		t.Fatalf("a FUA write was retained (%d -> %d)", before, st.Retained)
 	}
 }

@@ -47,6 +47,7 @@ type entry struct {
 	// for a FLUSH, the last ackSeq it covers (set when it arrives).
 	ackSeq, flushMark uint64
 	internal          bool         // the relay's own request: no reply goes local
+	call              *call        // an in-process caller waiting for the reply
 	st                atomic.Int32 // writers using it, plus doneBit once answered
 
 	prev, next *entry
@@ -62,6 +63,7 @@ func recycle(e *entry) {
 	e.prev, e.next = nil, nil
 	e.gen, e.cost, e.length, e.cmd, e.handle = 0, 0, 0, 0, 0
 	e.flags, e.offset, e.ackSeq, e.flushMark, e.internal = 0, 0, 0, 0, false
+	e.call = nil
 	e.st.Store(0)
 	entryPool.Put(e)
 }

@@ -277,6 +277,7 @@ type Relay struct {
 	incKnown        bool
 	retainedReplays int
 	ownFlushes      int
+	callSeq         uint64 // handles of in-process calls (call.go)
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -334,11 +335,14 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer stop()
 
 	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		r.upLoop()
-	}()
+	if r.local != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.upLoop()
+		}()
+	}
+	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		r.remoteLoop(ctx)
@@ -377,12 +381,23 @@ func (r *Relay) end(err error) {
 		r.state = stateDown
 		remote := r.remote
 		r.remote = nil
+		var calls []*call
+		for _, e := range r.table {
+			if e.call != nil {
+				calls = append(calls, e.call)
+			}
+		}
 		r.mu.Unlock()
 		r.cond.Broadcast()
+		for _, c := range calls {
+			c.fail(err)
+		}
 		if r.cancel != nil {
 			r.cancel()
 		}
-		r.local.Close()
+		if r.local != nil {
+			r.local.Close()
+		}
 		if remote != nil {
 			remote.Close()
 		}

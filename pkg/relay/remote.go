@@ -308,9 +308,17 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 		}
 		var buf *[]byte
 		var data []byte
+		cl := e.call
 		if e.cmd == nbd.CmdRead && rep.Errno == 0 && e.length > 0 {
-			buf = getBuf(int(e.length))
-			data = *buf
+			if cl != nil {
+				// An in-process caller: straight into its buffer. A
+				// connection dying halfway leaves the request to the
+				// replay, which overwrites it all.
+				data = cl.dst
+			} else {
+				buf = getBuf(int(e.length))
+				data = *buf
+			}
 			if br.Buffered() < len(data) {
 				if err := r.flushLocal(); err != nil {
 					putBuf(buf)
@@ -327,6 +335,11 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 		r.complete(e, rep.Errno)
 		if internal {
 			putBuf(buf)
+			continue
+		}
+		if cl != nil {
+			cl.finish(rep.Errno)
+			delivered++
 			continue
 		}
 		werr := r.deliver(hdr[:], data)

@@ -1,0 +1,162 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// An in-process local side: a Relay made with a nil local connection
+// takes its requests as calls (RoundTrip) instead of frames, with the same
+// guarantees (redial, replay, retention, bounded memory). nbd.NewClientOn
+// puts the block-level API (ReadAt, WriteAt, Flush, ...) on top, so that a
+// userspace transport (FUSE, ublk) serves its device from the one session
+// the kernel's relay also uses.
+
+// ErrClosed fails calls made after the relay ended or pending when it did.
+var ErrClosed = errors.New("relay: closed")
+
+// call is one in-process request waiting for its reply.
+type call struct {
+	dst  []byte
+	cmd  uint16
+	done chan error
+}
+
+// finish and fail may race (a reply against the relay's end); the first
+// wins. Calls are not pooled, so a late loser writes to nobody's call.
+func (c *call) finish(errno uint32) {
+	var err error
+	if errno != 0 {
+		err = &nbd.Error{Cmd: c.cmd, Errno: errno}
+	}
+	select {
+	case c.done <- err:
+	default:
+	}
+}
+
+func (c *call) fail(err error) {
+	if err == nil {
+		err = ErrClosed
+	} else {
+		err = fmt.Errorf("%w: %w", ErrClosed, err)
+	}
+	select {
+	case c.done <- err:
+	default:
+	}
+}
+
+// Call handles have zero low bits, so they never meet the relay's own
+// (internalTag) and stay unique however long the relay runs.
+func (r *Relay) nextCallHandle() uint64 {
+	r.callSeq++
+	return r.callSeq << 32
+}
+
+// RoundTrip sends one request (payload for a write; dst receives a read's
+// data) and waits for its reply; an error reply is an *nbd.Error. It is
+// only for a relay without a local connection, and safe for concurrent
+// use: requests travel together.
+func (r *Relay) RoundTrip(req nbd.Request, payload, dst []byte) error {
+	if r.local != nil {
+		return fmt.Errorf("relay: RoundTrip on a relay with a local connection")
+	}
+	switch req.Type {
+	case nbd.CmdRead, nbd.CmdWrite:
+		if req.Length > nbd.MaxRequestSize {
+			return fmt.Errorf("%w: %s of %d bytes", nbd.ErrTooBig, nbd.CmdName(req.Type), req.Length)
+		}
+	case nbd.CmdDisc:
+		return fmt.Errorf("relay: NBD_CMD_DISC goes through Close")
+	}
+	data := 0
+	if req.Type == nbd.CmdRead || req.Type == nbd.CmdWrite {
+		data = int(req.Length)
+	}
+	cost := reqHeaderSize + data
+	if !r.admit(cost) {
+		return r.closedErr()
+	}
+	c := &call{dst: dst, cmd: req.Type, done: make(chan error, 1)}
+	e := getEntry()
+	r.mu.Lock()
+	closing := r.closing
+	req.Handle = r.nextCallHandle()
+	r.mu.Unlock()
+	if closing {
+		r.mu.Lock()
+		r.bytes -= cost
+		r.mu.Unlock()
+		recycle(e)
+		return r.closedErr()
+	}
+	req.Encode(e.hdr[:])
+	e.handle, e.cmd, e.length, e.cost = req.Handle, req.Type, req.Length, cost
+	e.flags, e.offset = req.Flags, req.Offset
+	e.call = c
+	if req.Type == nbd.CmdWrite && data > 0 {
+		// Kept for replays and retention, so it must be ours.
+		e.buf = getBuf(data)
+		e.payload = *e.buf
+		copy(e.payload, payload)
+	}
+	if err := r.enqueue(e); err != nil {
+		r.end(err)
+	}
+	r.flushRemote()
+	r.fromLocal.Add(uint64(cost))
+	var err error
+	select {
+	case err = <-c.done:
+	case <-r.ended:
+		// Entries enqueued after the end are never answered.
+		select {
+		case err = <-c.done:
+		default:
+			err = r.closedErr()
+		}
+	}
+	if err == nil && req.Type == nbd.CmdRead {
+		r.toLocal.Add(uint64(data))
+	}
+	return err
+}
+
+func (r *Relay) closedErr() error {
+	select {
+	case <-r.ended:
+		if r.endErr != nil {
+			return fmt.Errorf("%w: %w", ErrClosed, r.endErr)
+		}
+	default:
+	}
+	return ErrClosed
+}
+
+// Close ends a relay without a local connection as NBD_CMD_DISC from the
+// local side would: it waits (bounded) for the requests in flight, sends
+// DISC, waits for the server to close, and ends Run.
+func (r *Relay) Close() error {
+	if r.local != nil {
+		return fmt.Errorf("relay: Close on a relay with a local connection")
+	}
+	select {
+	case <-r.ended:
+		return nil
+	default:
+	}
+	var hdr [reqHeaderSize]byte
+	(&nbd.Request{Type: nbd.CmdDisc, Handle: r.nextDiscHandle()}).Encode(hdr[:])
+	r.disconnect(hdr)
+	<-r.ended
+	return nil
+}
+
+func (r *Relay) nextDiscHandle() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.nextCallHandle()
+}

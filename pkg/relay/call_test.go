@@ -1,0 +1,109 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// startLocal runs a relay without a local connection (in-process calls).
+func startLocal(t *testing.T, remote net.Conn, dial Dialer, o Options) *Relay {
+	t.Helper()
+	if o.Logger == nil {
+		o.Logger = quietLogger()
+	}
+	r := New(nil, remote, dial, o)
+	done := make(chan error, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Error("relay did not stop")
+		}
+	})
+	return r
+}
+
+// TestCallsRideOutServerRestarts: block I/O through an in-process relay
+// sees no error while the server is killed and restarted under it, and
+// every byte reads back.
+func TestCallsRideOutServerRestarts(t *testing.T) {
+	checkGoroutines(t)
+	ts := newTestServer(t, 8<<20, false)
+	dial := sessionDialer(ts.addr, nbd.NewSessionID())
+	remote, err := dial(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := remote.(*Remote).Info
+	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond})
+	cl := nbd.NewClientOn(info, r, quietLogger())
+	want := randomData(8<<20, 3)
+	for i := 0; i < 32; i++ {
+		off := int64(i) * 256 << 10
+		if i%8 == 3 {
+			ts.kill()
+			go func() { time.Sleep(50 * time.Millisecond); ts.start() }()
+		}
+		if _, err := cl.WriteAt(want[off:off+256<<10], off); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+	}
+	if err := cl.WriteZeroes(0, 64<<10, false); err != nil {
+		t.Fatal(err)
+	}
+	clear(want[:64<<10])
+	if err := cl.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	ts.kill()
+	ts.start()
+	got := make([]byte, len(want))
+	if _, err := cl.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("data read back differs from what was written")
+	}
+	if st := r.Stats(); st.Reconnects < 4 {
+		t.Fatalf("%d reconnects, want at least 4", st.Reconnects)
+	}
+	// Errors from the server reach the caller as such.
+	var ne *nbd.Error
+	if _, err := cl.ReadAt(make([]byte, 4096), 8<<20); !errors.As(err, &ne) || ne.Errno != nbd.EINVAL {
+		t.Fatalf("read past the end: %v, want EINVAL", err)
+	}
+	if err := cl.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.ReadAt(got[:4096], 0); !errors.Is(err, ErrClosed) {
+		t.Fatalf("read after Close: %v, want ErrClosed", err)
+	}
+}
+
+// TestCallsFailWhenRelayGivesUp: with GiveUpAfter set, calls waiting for
+// a server that stays away fail with ErrClosed (wrapping ErrGaveUp).
+func TestCallsFailWhenRelayGivesUp(t *testing.T) {
+	ts := newTestServer(t, 1<<20, false)
+	dial := sessionDialer(ts.addr, nbd.NewSessionID())
+	remote, err := dial(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := remote.(*Remote).Info
+	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond, GiveUpAfter: 300 * time.Millisecond})
+	cl := nbd.NewClientOn(info, r, quietLogger())
+	ts.kill()
+	_, err = cl.WriteAt(make([]byte, 4096), 0)
+	if !errors.Is(err, ErrClosed) || !errors.Is(err, ErrGaveUp) {
+		t.Fatalf("write with the server gone: %v, want ErrClosed and ErrGaveUp", err)
+	}
+}
