@@ -4,8 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"net"
 	"sync"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // minAddrTimeout is the least time one address gets before the next is
@@ -61,4 +66,50 @@ func Dial[T any](ctx context.Context, d *AddrDialer, addrs []string, dial DialFu
 		}
 	}
 	return zero, "", errors.Join(errs...)
+}
+
+// ExportDialer dials and negotiates data connections to an export: the one
+// place where a transport's connections are made (MPTCP asked for and its
+// fallback logged, the session announced, refusals told apart).
+type ExportDialer struct {
+	// DialContext dials with d; nil means d.DialContext. Tests use it to
+	// dial from another network namespace.
+	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
+	Logger      *slog.Logger
+}
+
+// DialExport connects to addr (from the local address local, if set),
+// with MPTCP when useMPTCP, and negotiates export announcing sess (none
+// when nil). A refusal of the export by the server is ErrServerRefused.
+func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string, useMPTCP bool, sess *nbd.Session) (net.Conn, nbd.ExportInfo, error) {
+	d := mptcp.Dialer(useMPTCP)
+	if local != "" {
+		la, err := net.ResolveTCPAddr("tcp", net.JoinHostPort(local, "0"))
+		if err != nil {
+			return nil, nbd.ExportInfo{}, fmt.Errorf("%w: local address %q: %v", ErrInvalid, local, err)
+		}
+		d.LocalAddr = la
+	}
+	dial := x.DialContext
+	if dial == nil {
+		dial = func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
+			return d.DialContext(ctx, network, addr)
+		}
+	}
+	c, err := dial(ctx, d, "tcp", addr)
+	if err != nil {
+		return nil, nbd.ExportInfo{}, fmt.Errorf("dial %s: %w", addr, err)
+	}
+	if useMPTCP && !mptcp.IsMPTCP(c) && x.Logger != nil {
+		x.Logger.Warn("MPTCP requested but the connection fell back to TCP", "remote", addr)
+	}
+	info, err := nbd.NegotiateConnWith(ctx, c, export, nbd.NegotiateOptions{Session: sess})
+	if err != nil {
+		c.Close()
+		if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
+			return nil, nbd.ExportInfo{}, fmt.Errorf("%w: %w", ErrServerRefused, err)
+		}
+		return nil, nbd.ExportInfo{}, fmt.Errorf("handshake with %s: %w", addr, err)
+	}
+	return c, info, nil
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -233,34 +234,78 @@ func TestAttachConcurrent(t *testing.T) {
 
 // TestServerGone loses the server under an attached volume: I/O fails,
 // Health says so, and Detach still cleans up.
-func TestServerGone(t *testing.T) {
+// TestServerGoneAndBack: with the server gone, I/O on the device waits
+// (no error) and health says so; when a server is back on the address the
+// I/O completes with the right data. With deadConnTimeout bounded, I/O
+// fails instead once it passed.
+func TestServerGoneAndBack(t *testing.T) {
 	requireFUSE(t)
-	ts := localServer(t, 16<<20)
-	a := newAttacher(t, Config{})
-	att, err := a.Attach(context.Background(), target("pv-gone", ts.addr), attach.Options{})
-	if err != nil {
-		t.Fatal(err)
+	for _, bounded := range []bool{false, true} {
+		t.Run(map[bool]string{false: "hard", true: "bounded"}[bounded], func(t *testing.T) {
+			ts := localServer(t, 16<<20)
+			want := bytes.Repeat([]byte{0x5a}, 4096)
+			ts.backend.WriteAt(want, 0)
+			a := newAttacher(t, Config{})
+			o := attach.Options{}
+			if bounded {
+				o.DeadConnTimeout = 500 * time.Millisecond
+			}
+			att, err := a.Attach(context.Background(), target("pv-gone", ts.addr), o)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ts.stop()
+			f := openDirect(t, att.Device, os.O_RDONLY)
+			defer f.Close()
+			got := alignedBuf(4096)
+			res := make(chan error, 1)
+			go func() { _, err := f.ReadAt(got, 0); res <- err }()
+			if bounded {
+				select {
+				case err := <-res:
+					if err == nil {
+						t.Fatal("read succeeds with the server gone past deadConnTimeout")
+					}
+				case <-time.After(20 * time.Second):
+					t.Fatal("read still waits long past a bounded deadConnTimeout")
+				}
+				f.Close()
+				if err := a.Detach(context.Background(), "pv-gone"); err != nil {
+					t.Fatal(err)
+				}
+				assertNothingLeft(t, a, "pv-gone", nil)
+				return
+			}
+			select {
+			case err := <-res:
+				t.Fatalf("read returned (%v) with the server gone: it must wait", err)
+			case <-time.After(time.Second):
+			}
+			if h, err := a.Health("pv-gone"); err != nil || h.Connected || h.Message == "" {
+				t.Errorf("health with the server gone: %+v, %v", h, err)
+			}
+			ts.restart(t)
+			select {
+			case err := <-res:
+				if err != nil {
+					t.Fatalf("read after the server came back: %v", err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("read did not complete after the server came back")
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatal("read after the outage returned the wrong data")
+			}
+			if h, _ := a.Health("pv-gone"); !h.Connected || h.Reconnects == 0 {
+				t.Errorf("health after the outage: %+v", h)
+			}
+			f.Close()
+			if err := a.Detach(context.Background(), "pv-gone"); err != nil {
+				t.Fatal(err)
+			}
+			assertNothingLeft(t, a, "pv-gone", ts)
+		})
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
-	ts.srv.Shutdown(ctx)
-	cancel()
-	f := openDirect(t, att.Device, os.O_RDONLY)
-	if _, err := f.ReadAt(alignedBuf(4096), 0); err == nil {
-		t.Error("read succeeds with the server gone")
-	}
-	f.Close()
-	h, err := a.Health("pv-gone")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if h.Connected || h.Message == "" {
-		t.Errorf("health with the server gone: %+v", h)
-	}
-	t.Logf("health: %+v", h)
-	if err := a.Detach(context.Background(), "pv-gone"); err != nil {
-		t.Fatal(err)
-	}
-	assertNothingLeft(t, a, "pv-gone", nil)
 }
 
 func TestAttachReadOnly(t *testing.T) {
@@ -324,15 +369,15 @@ func TestAttachMountFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	dialed := false
-	a.cfg.Dial = func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
-		cl, err := nbd.Dial(ctx, o)
+	a.cfg.DialContext = func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
+		c, err := d.DialContext(ctx, network, addr)
 		if err == nil {
 			dialed = true
 			// Put a file where the mount point goes, after the stale
 			// state check removed whatever was there.
 			os.WriteFile(dir, nil, 0o600)
 		}
-		return cl, err
+		return c, err
 	}
 	if _, err := a.Attach(context.Background(), target("pv-nomount", ts.addr), attach.Options{}); err == nil {
 		t.Fatal("Attach succeeds although the mount point is a file")
@@ -410,7 +455,7 @@ func TestStaleAttachment(t *testing.T) {
 	if err := fresh.Detach(ctx, "pv-stale"); err != nil {
 		t.Fatalf("detach of a stale attachment: %v", err)
 	}
-	v.client.Close()
+	v.path.close(time.Second)
 	assertNothingLeft(t, fresh, "pv-stale", ts)
 
 	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
@@ -421,7 +466,7 @@ func TestStaleAttachment(t *testing.T) {
 	if err != nil {
 		t.Fatalf("attach over a stale attachment: %v", err)
 	}
-	v.client.Close()
+	v.path.close(time.Second)
 	ts.conns.waitConns(t, "vol", 1)
 	f := openDirect(t, att.Device, os.O_RDONLY)
 	if _, err := f.ReadAt(alignedBuf(4096), 0); err != nil {

@@ -7,14 +7,12 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
@@ -32,7 +30,8 @@ import (
 // one volume are serialized.
 type Attacher struct {
 	cfg Config
-	// ownDial records that Config.Dial was set, which needs InProcess.
+	// ownDial records that Config.DialContext was set, which needs
+	// InProcess.
 	ownDial bool
 
 	mu      sync.Mutex
@@ -56,7 +55,7 @@ type volume struct {
 	target attach.Target
 	dir    string // mount point
 	file   string // the export file inside it
-	client *nbd.Client
+	path   *dataPath
 	node   *exportFile
 	att    attach.Attachment
 
@@ -70,7 +69,7 @@ type volume struct {
 func New(c Config) *Attacher {
 	return &Attacher{
 		cfg:     c.withDefaults(),
-		ownDial: c.Dial != nil,
+		ownDial: c.DialContext != nil,
 		vols:    make(map[string]*volume),
 		servers: make(map[string]*serverProc),
 		locks:   make(map[string]*volumeLock),
@@ -149,7 +148,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		return nil, fmt.Errorf("%w: no server address for volume %s", attach.ErrInvalid, t.VolumeID)
 	}
 	if a.ownDial && !a.cfg.InProcess {
-		return nil, fmt.Errorf("%w: fuse: Config.Dial needs Config.InProcess", attach.ErrInvalid)
+		return nil, fmt.Errorf("%w: fuse: Config.DialContext needs Config.InProcess", attach.ErrInvalid)
 	}
 	unlock := a.lock(t.VolumeID)
 	defer unlock()
@@ -204,17 +203,11 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 // startVolume dials the export, mounts its file at dir and attaches a
 // loop device on file. On failure it undoes what it did.
 func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Options, dir, file string, log *slog.Logger) (*volume, error) {
-	cl, err := cfg.Dial(ctx, nbd.DialOptions{
-		Addr:   t.Addrs[0],
-		Export: t.Export,
-		MPTCP:  true,
-		Conns:  cfg.Conns,
-		Logger: log,
-	})
+	dp, err := openDataPath(ctx, cfg, t, o, log)
 	if err != nil {
 		return nil, dialError(t, err)
 	}
-	v := &volume{target: t, dir: dir, file: file, client: cl}
+	v := &volume{target: t, dir: dir, file: file, path: dp}
 	fail := func(err error) (*volume, error) {
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "err", terr)
@@ -222,17 +215,14 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 		return nil, err
 	}
 
-	multipath := true
-	for i, mp := range cl.MultipathTCP() {
-		if !mp {
-			multipath = false
-			log.Warn("fuse: NBD connection runs plain TCP: MPTCP fell back", "conn", i, "addr", t.Addrs[0])
-		}
+	multipath := dp.multipath
+	if !multipath {
+		log.Warn("fuse: NBD connection runs plain TCP: MPTCP fell back")
 	}
-	info := cl.Info()
+	info := dp.info
 	readOnly := o.ReadOnly || info.Flags&nbd.FlagReadOnly != 0
 	node := &exportFile{
-		bio:       cl,
+		bio:       dp.client,
 		readOnly:  readOnly,
 		canZero:   info.Flags&nbd.FlagSendWriteZeroes != 0,
 		openFlags: cfg.openFlags(),
@@ -310,10 +300,13 @@ func mount(dir string, root fusefs.InodeEmbedder, o *fusefs.Options) (*gofuse.Se
 }
 
 func dialError(t attach.Target, err error) error {
+	if errors.Is(err, attach.ErrServerRefused) {
+		return fmt.Errorf("volume %s: %w", t.VolumeID, err)
+	}
 	if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
 		return fmt.Errorf("%w: volume %s: %w", attach.ErrServerRefused, t.VolumeID, err)
 	}
-	return fmt.Errorf("fuse: connect volume %s to %s: %w", t.VolumeID, t.Addrs[0], err)
+	return fmt.Errorf("fuse: connect volume %s to %v: %w", t.VolumeID, t.Addrs, err)
 }
 
 func (c Config) openFlags() uint32 {
@@ -406,13 +399,11 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 		if v.node != nil && !v.node.readOnly && v.node.lastErr.Load() == nil {
 			// Writes nobody fsync'ed (a raw device closed without a flush)
 			// become durable before the connection goes.
-			if err := v.client.Flush(); err != nil {
+			if err := v.path.flush(timeout); err != nil {
 				log.Warn("fuse: final flush", "err", err)
 			}
 		}
-		if err := v.client.Close(); err != nil {
-			log.Debug("fuse: closing NBD client", "err", err)
-		}
+		v.path.close(timeout)
 		v.closed = true
 	}
 	return nil
@@ -566,24 +557,18 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 }
 
 func (v *volume) health() attach.Health {
-	h := attach.Health{Connected: true, MPTCP: v.att.MPTCP}
+	st := v.path.relay.Stats()
+	h := attach.Health{Connected: st.Connected, MPTCP: v.att.MPTCP, Reconnects: st.Reconnects}
 	var msgs []string
-	for i, c := range v.client.Conns() {
-		if !alive(c) {
-			h.Connected = false
-			msgs = append(msgs, fmt.Sprintf("connection %d closed", i))
-			continue
-		}
-		if !nbd.IsMultipathTCP(c) {
-			continue
-		}
-		info, err := mptcp.GetInfo(c)
-		if err != nil {
-			msgs = append(msgs, fmt.Sprintf("connection %d: %v", i, err))
+	if !st.Connected {
+		msgs = append(msgs, "reconnecting to the storage node")
+	} else if st.Remote != nil && nbd.IsMultipathTCP(st.Remote) {
+		if info, err := mptcp.GetInfo(st.Remote); err != nil {
+			msgs = append(msgs, err.Error())
 			h.Subflows = append(h.Subflows, 0)
-			continue
+		} else {
+			h.Subflows = append(h.Subflows, info.TotalSubflows())
 		}
-		h.Subflows = append(h.Subflows, info.TotalSubflows())
 	}
 	if p := v.node.lastErr.Load(); p != nil {
 		h.Connected = false
@@ -594,20 +579,6 @@ func (v *volume) health() attach.Health {
 	}
 	h.Message = strings.Join(msgs, "; ")
 	return h
-}
-
-// alive reports whether the client still has c open (it closes a
-// connection on the first transport error).
-func alive(c net.Conn) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	return rc.Control(func(uintptr) {}) == nil
 }
 
 // Resize picks up a grown export: it asks the server for the export's
@@ -634,12 +605,10 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 // size in v.att.
 func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64, error) {
 	volumeID := v.target.VolumeID
-	cl, err := cfg.Dial(ctx, nbd.DialOptions{Addr: v.target.Addrs[0], Export: v.target.Export, MPTCP: true, Logger: cfg.Logger})
+	size, err := probeSize(ctx, cfg, v.target, &v.path.addrs)
 	if err != nil {
 		return 0, dialError(v.target, err)
 	}
-	size := cl.Info().Size
-	cl.Close()
 	if size < newSize {
 		return 0, fmt.Errorf("fuse: resize volume %s: %w: the export has %d bytes, less than %d", volumeID, attach.ErrTooSmall, size, newSize)
 	}

@@ -3,6 +3,7 @@ package fuse
 import (
 	"context"
 	"crypto/rand"
+	"net"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -96,15 +97,19 @@ func BenchmarkThroughput(b *testing.B) {
 func BenchmarkThroughputLoopback(b *testing.B) {
 	requireFUSE(b)
 	ts := localServer(b, benchSize)
-	benchThroughput(b, nbd.Dial, ts.addr, 1)
+	benchThroughput(b, nil, ts.addr, 1)
 }
 
-func benchThroughput(b *testing.B, dial func(context.Context, nbd.DialOptions) (*nbd.Client, error), addr string, subflows int) {
+// benchThroughput compares the raw client with the FUSE device; dial
+// (nil: the default) makes the connections of both.
+func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, string, string) (net.Conn, error), addr string, subflows int) {
 	ctx := context.Background()
-	cl, err := dial(ctx, nbd.DialOptions{Addr: addr, Export: "vol", MPTCP: true})
+	x := attach.ExportDialer{DialContext: dial}
+	c, info, err := x.DialExport(ctx, addr, "", "vol", true, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
+	cl := nbd.NewClient(info, []net.Conn{c}, nil)
 	b.Cleanup(func() { cl.Close() })
 	warm := alignedBuf(benchBlock)
 	for off := int64(0); off < 128<<20; off += benchBlock {
@@ -125,7 +130,7 @@ func benchThroughput(b *testing.B, dial func(context.Context, nbd.DialOptions) (
 
 	for _, v := range benchVariants() {
 		cfg := v.cfg
-		cfg.Dial = dial
+		cfg.DialContext = dial
 		cfg.InProcess = true // the data path is the same in a server process
 		a := newAttacher(b, cfg)
 		id := "pv-bench-" + v.name

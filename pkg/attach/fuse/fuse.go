@@ -61,7 +61,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"net"
 )
 
 // DefaultStateDir is where volumes are mounted unless Config.StateDir says
@@ -96,10 +96,6 @@ type Config struct {
 	// It is created, mode 0700, when missing. Every Attacher of the node
 	// must use the same one.
 	StateDir string
-	// Conns is the number of NBD connections per volume (1 if zero); more
-	// than one needs a server that allows multi-conn.
-	Conns int
-
 	// InProcess serves the volumes from the attaching process instead of
 	// one server process per volume: they fail when the process exits.
 	InProcess bool
@@ -118,10 +114,11 @@ type Config struct {
 	// --net=PATH, to dial from another network namespace).
 	ServeCommand []string
 
-	// Dial connects to an export; nil means nbd.Dial. Only an InProcess
-	// Attacher can use another: a server process always uses nbd.Dial,
-	// and Attach without InProcess refuses a Config with Dial set.
-	Dial func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error)
+	// DialContext makes the volume's connections (dialing with d); nil
+	// means d.DialContext. Only an InProcess Attacher can use another: a
+	// server process always dials itself, and Attach without InProcess
+	// refuses a Config with DialContext set.
+	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	// Logger receives warnings and events; nil means slog.Default(). The
 	// server processes log to the attaching process's standard error.
 	Logger *slog.Logger
@@ -152,12 +149,6 @@ func ServeRequested() bool { return os.Getenv(ServeEnv) == "1" }
 func (c Config) withDefaults() Config {
 	if c.StateDir == "" {
 		c.StateDir = DefaultStateDir
-	}
-	if c.Conns <= 0 {
-		c.Conns = 1
-	}
-	if c.Dial == nil {
-		c.Dial = nbd.Dial
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

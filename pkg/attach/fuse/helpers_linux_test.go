@@ -98,9 +98,37 @@ func serveMem(t testing.TB, l net.Listener, size int64) *testServer {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		ts.srv.Shutdown(ctx)
+		ts.srv.Shutdown(ctx) // the last one, after a restart
 	})
 	return ts
+}
+
+// stop shuts the server down hard: its connections close at once.
+func (ts *testServer) stop() {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	ts.srv.Shutdown(ctx)
+}
+
+// restart serves the same backend again on the same address.
+func (ts *testServer) restart(t testing.TB) {
+	t.Helper()
+	var l net.Listener
+	var err error
+	for i := 0; i < 100; i++ {
+		if l, err = mptcp.Listen(context.Background(), "tcp", ts.addr, mptcp.Available() == nil); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("listen again on %s: %v", ts.addr, err)
+	}
+	ts.srv = &nbd.Server{Observer: ts.conns}
+	if err := ts.srv.AddExport(&nbd.Export{Name: "vol", Backend: ts.backend}); err != nil {
+		t.Fatal(err)
+	}
+	go ts.srv.Serve(l)
 }
 
 // localServer serves on the loopback address, with MPTCP when the host

@@ -72,7 +72,6 @@ type serveSpec struct {
 	Target         attach.Target  `json:"target"`
 	Options        attach.Options `json:"options"`
 	StateDir       string         `json:"state_dir"`
-	Conns          int            `json:"conns"`
 	MaxWrite       int            `json:"max_write"`
 	MaxBackground  int            `json:"max_background"`
 	UnmountTimeout time.Duration  `json:"unmount_timeout"`
@@ -376,7 +375,6 @@ func (a *Attacher) spawn(ctx context.Context, t attach.Target, o attach.Options,
 		Target:         t,
 		Options:        o,
 		StateDir:       a.stateDir(),
-		Conns:          a.cfg.Conns,
 		MaxWrite:       a.cfg.MaxWrite,
 		MaxBackground:  a.cfg.MaxBackground,
 		UnmountTimeout: a.cfg.UnmountTimeout,

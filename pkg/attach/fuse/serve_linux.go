@@ -118,7 +118,6 @@ func startServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.
 	}
 	cfg := Config{
 		StateDir:       sp.StateDir,
-		Conns:          sp.Conns,
 		Logger:         log,
 		MaxWrite:       sp.MaxWrite,
 		MaxBackground:  sp.MaxBackground,

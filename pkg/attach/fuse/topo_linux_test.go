@@ -20,7 +20,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
-	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // fourPaths builds the 4-path topology, serves a memory export of size
@@ -54,15 +53,16 @@ func fourPaths(t testing.TB, prefix string, size int64) (*topo.Topology, *testSe
 	return tp, ts, a
 }
 
-func inClient(tp *topo.Topology) func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
-	return func(ctx context.Context, o nbd.DialOptions) (*nbd.Client, error) {
-		var cl *nbd.Client
+// inClient dials from the topology's client namespace.
+func inClient(tp *topo.Topology) func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
+		var c net.Conn
 		err := tp.InClient(func() error {
 			var err error
-			cl, err = nbd.Dial(ctx, o)
+			c, err = d.DialContext(ctx, network, addr)
 			return err
 		})
-		return cl, err
+		return c, err
 	}
 }
 

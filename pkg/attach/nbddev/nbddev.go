@@ -104,11 +104,6 @@ func New(cfg Config) (*Attacher, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	if cfg.DialContext == nil {
-		cfg.DialContext = func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-			return d.DialContext(ctx, network, addr)
-		}
-	}
 	a := &Attacher{
 		cfg:     cfg,
 		log:     log.With("transport", string(cfg.Mode)),
@@ -402,35 +397,16 @@ func (a *Attacher) dialAny(ctx context.Context, v *volume) (*relay.Remote, error
 // dial connects one data connection and runs the handshake on it,
 // announcing the volume's session on lane (none when lane < 0).
 func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
-	t := v.target
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
-	d := mptcp.Dialer(useMPTCP)
-	if local != "" {
-		la, err := net.ResolveTCPAddr("tcp", net.JoinHostPort(local, "0"))
-		if err != nil {
-			return nil, fmt.Errorf("%w: local address %q: %v", attach.ErrInvalid, local, err)
-		}
-		d.LocalAddr = la
-	}
-	c, err := a.cfg.DialContext(ctx, d, "tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("dial %s: %w", addr, err)
-	}
-	if useMPTCP && !mptcp.IsMPTCP(c) {
-		a.log.Warn("MPTCP requested but the connection fell back to TCP", "volume_id", t.VolumeID, "remote", addr)
-	}
-	var no nbd.NegotiateOptions
+	var sess *nbd.Session
 	if lane >= 0 {
-		no.Session = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
+		sess = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
 	}
-	info, err := nbd.NegotiateConnWith(ctx, c, t.Export, no)
+	x := attach.ExportDialer{DialContext: a.cfg.DialContext, Logger: a.log.With("volume_id", v.target.VolumeID)}
+	c, info, err := x.DialExport(ctx, addr, local, v.target.Export, useMPTCP, sess)
 	if err != nil {
-		c.Close()
-		if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
-			return nil, fmt.Errorf("%w: %v", attach.ErrServerRefused, err)
-		}
-		return nil, fmt.Errorf("handshake with %s: %w", addr, err)
+		return nil, err
 	}
 	return &relay.Remote{Conn: c, Info: info}, nil
 }
