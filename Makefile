@@ -2,7 +2,7 @@ GO      ?= go
 BIN     := bin
 CMDS    := nbd-server controller node
 
-.PHONY: all build test bench bench-vm demo deps clean
+.PHONY: all build test soak bench bench-vm demo deps clean
 
 all: build
 
@@ -14,6 +14,11 @@ deps:
 
 test:
 	bash hack/test.sh
+
+# The long fault runs: fio --verify under storage-server SIGKILLs for
+# minutes, a 5-minute outage mid-write, 2000 power-loss crash points.
+soak: deps
+	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./e2e/faults ./pkg/relay
 
 bench: deps build
 	bash hack/bench.sh

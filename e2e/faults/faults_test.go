@@ -1,0 +1,380 @@
+// Package faults runs the data path against real storage servers that are
+// killed with SIGKILL and restarted under a running fio, and checks that
+// the I/O saw no error and every block verifies. The short runs are part
+// of the test suite; `make soak` runs them long (MPNBD_SOAK=1).
+package faults
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+)
+
+// plan is how long a fault run lasts and how often the server dies.
+type plan struct {
+	duration time.Duration // of the fio run under kills
+	every    time.Duration // between kills
+	gap      time.Duration // the server stays dead this long
+	outage   time.Duration // one long outage mid-write (0: none)
+}
+
+func faultPlan() plan {
+	if os.Getenv("MPNBD_SOAK") == "1" {
+		return plan{duration: 2 * time.Minute, every: 10 * time.Second, gap: 2 * time.Second, outage: 5 * time.Minute}
+	}
+	return plan{duration: 20 * time.Second, every: 4 * time.Second, gap: time.Second, outage: 15 * time.Second}
+}
+
+func need(t *testing.T, tools ...string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("skipping: needs root (FUSE mounts, loop devices)")
+	}
+	if err := fuse.Available(); err != nil {
+		t.Skipf("skipping: %v", err)
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("skipping: %s not found", tool)
+		}
+	}
+}
+
+// server is a storage server process that can be killed and started again
+// on the same address.
+type server interface {
+	start(t *testing.T)
+	kill(t *testing.T) // SIGKILL, the whole process group
+	addr() string
+	name() string
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// waitNBD waits until addr greets like an NBD server.
+func waitNBD(addr string, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			hello := make([]byte, 8)
+			_, err = c.Read(hello)
+			c.Close()
+			if err == nil && string(hello) == "NBDMAGIC" {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no NBD server on %s after %v: %v", addr, d, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// nbdServer is Debian's nbd-server, daemonized (a child per client, in
+// the daemon's session, so a kill of the group takes them all).
+type nbdServer struct {
+	dir, image string
+	port       int
+	pid        int
+}
+
+func (s *nbdServer) name() string { return "nbd-server" }
+func (s *nbdServer) addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)) }
+
+func (s *nbdServer) start(t *testing.T) {
+	t.Helper()
+	cfg := filepath.Join(s.dir, "nbd-server.conf")
+	conf := fmt.Sprintf("[generic]\nlistenaddr = 127.0.0.1\nport = %d\n\n[disk]\nexportname = %s\nflush = true\nfua = true\ntrim = true\n", s.port, s.image)
+	if err := os.WriteFile(cfg, []byte(conf), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	pidFile := filepath.Join(s.dir, "nbd-server.pid")
+	os.Remove(pidFile)
+	var err error
+	for attempt := 0; attempt < 50; attempt++ {
+		if out, cerr := exec.Command("nbd-server", "-C", cfg, "-p", pidFile).CombinedOutput(); cerr != nil {
+			err = fmt.Errorf("nbd-server: %v: %s", cerr, out)
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		if err = waitNBD(s.addr(), 5*time.Second); err == nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("start nbd-server: %v", err)
+	}
+	b, err := os.ReadFile(pidFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.pid, err = strconv.Atoi(strings.TrimSpace(string(b))); err != nil {
+		t.Fatalf("pid file: %v", err)
+	}
+}
+
+func (s *nbdServer) kill(t *testing.T) {
+	t.Helper()
+	if s.pid <= 0 {
+		return
+	}
+	syscall.Kill(-s.pid, syscall.SIGKILL)
+	syscall.Kill(s.pid, syscall.SIGKILL)
+	deadline := time.Now().Add(10 * time.Second)
+	for syscall.Kill(s.pid, 0) == nil && !zombie(s.pid) {
+		if time.Now().After(deadline) {
+			t.Fatalf("nbd-server %d survived SIGKILL", s.pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.pid = 0
+}
+
+func zombie(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	i := bytes.LastIndexByte(b, ')')
+	return i >= 0 && i+2 < len(b) && b[i+2] == 'Z'
+}
+
+// ourServer is our storage server (cmd/nbd-server), which fences
+// superseded connections and announces a new incarnation per start.
+type ourServer struct {
+	bin, image string
+	port       int
+	cmd        *exec.Cmd
+	done       chan struct{}
+}
+
+func (s *ourServer) name() string { return "mpnbd nbd-server" }
+func (s *ourServer) addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)) }
+
+func (s *ourServer) start(t *testing.T) {
+	t.Helper()
+	var err error
+	for attempt := 0; attempt < 50; attempt++ {
+		cmd := exec.Command(s.bin, "--listen", s.addr(), "--export", "disk="+s.image, "--metrics-addr", "", "--log-level", "warn")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		cmd.Stderr = os.Stderr
+		if err = cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		if err = waitNBD(s.addr(), 5*time.Second); err == nil {
+			s.cmd, s.done = cmd, done
+			return
+		}
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatalf("start our nbd-server: %v", err)
+}
+
+func (s *ourServer) kill(t *testing.T) {
+	t.Helper()
+	if s.cmd == nil {
+		return
+	}
+	syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("our nbd-server survived SIGKILL")
+	}
+	s.cmd = nil
+}
+
+var buildOnce = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "mpnbd-faults-bin")
+	if err != nil {
+		return "", err
+	}
+	return dir, repo.BuildCommands(dir)
+})
+
+func newServer(t *testing.T, kind string, size int64) server {
+	t.Helper()
+	dir := t.TempDir()
+	image := filepath.Join(dir, "disk.img")
+	f, err := os.Create(image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	var s server
+	switch kind {
+	case "nbd-server":
+		s = &nbdServer{dir: dir, image: image, port: freePort(t)}
+	default:
+		bin, err := buildOnce()
+		if err != nil {
+			t.Fatalf("build the commands: %v", err)
+		}
+		s = &ourServer{bin: filepath.Join(bin, "nbd-server"), image: image, port: freePort(t)}
+	}
+	s.start(t)
+	t.Cleanup(func() { s.kill(t) })
+	return s
+}
+
+// attachFuse attaches the server's export with the fuse transport.
+func attachFuse(t *testing.T, s server) string {
+	t.Helper()
+	a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := a.Detach(context.Background(), "pv-faults"); err != nil {
+			t.Errorf("detach: %v", err)
+		}
+	})
+	return att.Device
+}
+
+var fioErr = regexp.MustCompile(`err=\s*(\d+)`)
+
+// fioVerify writes size bytes at random with crc32c checksums, then reads
+// everything back and verifies it. It returns fio's output.
+func fioVerify(t *testing.T, dev string, size int64, seed int) (string, error) {
+	t.Helper()
+	args := []string{
+		"--name=verify", "--filename=" + dev, "--direct=1", "--ioengine=libaio", "--iodepth=16",
+		"--rw=randwrite", "--bs=4k", "--size=" + strconv.FormatInt(size, 10), "--randseed=" + strconv.Itoa(seed),
+		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--group_reporting",
+	}
+	out, err := exec.Command("fio", args...).CombinedOutput()
+	s := string(out)
+	if err == nil {
+		for _, m := range fioErr.FindAllStringSubmatch(s, -1) {
+			if m[1] != "0" {
+				err = fmt.Errorf("fio reported err=%s", m[1])
+			}
+		}
+	}
+	return s, err
+}
+
+// killer kills s every p.every and starts it again after p.gap until stop
+// is closed; it returns the number of kills.
+func killer(t *testing.T, s server, p plan, stop <-chan struct{}) <-chan int {
+	out := make(chan int, 1)
+	go func() {
+		kills := 0
+		defer func() { out <- kills }()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(p.every):
+			}
+			s.kill(t)
+			kills++
+			time.Sleep(p.gap)
+			s.start(t)
+		}
+	}()
+	return out
+}
+
+// TestFuseServerKills: fio with crc32c verification on the fuse transport
+// while the storage server is SIGKILLed and restarted again and again:
+// no I/O error, no verify failure.
+func TestFuseServerKills(t *testing.T) {
+	need(t, "fio", "nbd-server")
+	p := faultPlan()
+	for _, kind := range []string{"nbd-server", "ours"} {
+		t.Run(kind, func(t *testing.T) {
+			s := newServer(t, kind, 256<<20)
+			dev := attachFuse(t, s)
+			stop := make(chan struct{})
+			kills := killer(t, s, p, stop)
+			deadline := time.Now().Add(p.duration)
+			rounds := 0
+			for ; rounds == 0 || time.Now().Before(deadline); rounds++ {
+				out, err := fioVerify(t, dev, 32<<20, rounds+1)
+				if err != nil {
+					close(stop)
+					<-kills
+					t.Fatalf("round %d against %s: %v\n%s", rounds+1, s.name(), err, out)
+				}
+			}
+			close(stop)
+			n := <-kills
+			t.Logf("%s: %d fio write+verify rounds, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, n)
+			if n == 0 {
+				t.Fatal("the server was never killed: the run proves nothing")
+			}
+		})
+	}
+}
+
+// TestFuseLongOutage: the storage server is gone for p.outage in the
+// middle of a verified write; the write completes with no error and the
+// data verifies.
+func TestFuseLongOutage(t *testing.T) {
+	need(t, "fio", "nbd-server")
+	p := faultPlan()
+	s := newServer(t, "nbd-server", 256<<20)
+	dev := attachFuse(t, s)
+	res := make(chan error, 1)
+	var out string
+	go func() {
+		var err error
+		out, err = fioVerify(t, dev, 64<<20, 7)
+		res <- err
+	}()
+	time.Sleep(time.Second)
+	s.kill(t)
+	select {
+	case err := <-res:
+		t.Fatalf("fio ended while the server was away (%v): it must wait\n%s", err, out)
+	case <-time.After(p.outage):
+	}
+	s.start(t)
+	select {
+	case err := <-res:
+		if err != nil {
+			t.Fatalf("after a %v outage: %v\n%s", p.outage, err, out)
+		}
+	case <-time.After(5 * time.Minute):
+		t.Fatal("fio did not finish after the server came back")
+	}
+	t.Logf("server gone %v mid-write: fio finished with no error and verified", p.outage)
+}
