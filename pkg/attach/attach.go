@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 	"time"
 )
 
@@ -109,7 +110,26 @@ type Health struct {
 	Subflows []int
 	// Reconnects counts redials since the attach.
 	Reconnects int
-	Message    string
+	// Outage is how long the volume has been waiting for its storage node
+	// (zero while connected): I/O waits meanwhile.
+	Outage time.Duration
+	// Replayed counts requests sent again after reconnects; Resent the
+	// acknowledged writes sent again to a server that may have lost them;
+	// Retained the acknowledged writes no completed FLUSH covers yet. Only
+	// the userspace transports keep these.
+	Replayed, Resent, Retained int
+	Message                    string
+}
+
+// SessionHealth is the health of a data path that runs through a relay
+// (the NBD session of the userspace transports); MPTCP, Subflows and
+// Message are the caller's to add.
+func SessionHealth(st relay.Stats) Health {
+	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replayed: st.Replayed, Resent: st.RetainedReplays, Retained: st.Retained}
+	if !st.DownSince.IsZero() {
+		h.Outage = time.Since(st.DownSince)
+	}
+	return h
 }
 
 // Attacher is one transport.

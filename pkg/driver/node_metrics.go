@@ -26,6 +26,7 @@ type NodeCollector struct {
 	volumes VolumeLister
 
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
+	outage, replayed, resent, retained                                       *prometheus.Desc
 }
 
 // NewNodeCollector returns a collector over the node service's volumes.
@@ -43,11 +44,15 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		reconnects:   d("reconnects_total", "Redials of the volume's connections since it was attached."),
 		degraded:     d("degraded", "1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows)."),
 		inaccessible: d("inaccessible", "1 when NodeGetVolumeHealth reports the volume INACCESSIBLE."),
+		outage:       d("outage_seconds", "How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected."),
+		replayed:     d("replayed_requests_total", "Unanswered requests sent again after reconnects (userspace transports)."),
+		resent:       d("resent_writes_total", "Acknowledged writes sent again to a storage server that may have lost them (userspace transports)."),
+		retained:     d("retained_writes", "Acknowledged writes kept until a completed FLUSH covers them (userspace transports)."),
 	}
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained} {
 		ch <- d
 	}
 }
@@ -74,6 +79,10 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want.(int)), id, t)
 		}
 		ch <- prometheus.MustNewConstMetric(c.reconnects, prometheus.CounterValue, float64(h.Reconnects), id, t)
+		ch <- prometheus.MustNewConstMetric(c.outage, prometheus.GaugeValue, h.Outage.Seconds(), id, t)
+		ch <- prometheus.MustNewConstMetric(c.replayed, prometheus.CounterValue, float64(h.Replayed), id, t)
+		ch <- prometheus.MustNewConstMetric(c.resent, prometheus.CounterValue, float64(h.Resent), id, t)
+		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(h.Retained), id, t)
 		var degraded, inaccessible bool
 		for _, e := range c.node.health(id).GetHealthStatuses() {
 			switch e.GetReason() {

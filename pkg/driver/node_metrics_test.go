@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -25,7 +26,7 @@ func TestNodeCollector(t *testing.T) {
 	reg.MustRegister(c)
 
 	f.att.mu.Lock()
-	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3}
+	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replayed: 7, Resent: 5, Retained: 4}
 	f.att.mu.Unlock()
 	want := `
 # HELP mpnbd_node_volume_connected 1 when the volume's data path is connected to its storage node.
@@ -43,6 +44,18 @@ mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 0
 # HELP mpnbd_node_volume_mptcp 1 when the volume's data path runs over MPTCP.
 # TYPE mpnbd_node_volume_mptcp gauge
 mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1
+# HELP mpnbd_node_volume_outage_seconds How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected.
+# TYPE mpnbd_node_volume_outage_seconds gauge
+mpnbd_node_volume_outage_seconds{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_replayed_requests_total Unanswered requests sent again after reconnects (userspace transports).
+# TYPE mpnbd_node_volume_replayed_requests_total counter
+mpnbd_node_volume_replayed_requests_total{transport="fuse",volume="pv-1"} 7
+# HELP mpnbd_node_volume_resent_writes_total Acknowledged writes sent again to a storage server that may have lost them (userspace transports).
+# TYPE mpnbd_node_volume_resent_writes_total counter
+mpnbd_node_volume_resent_writes_total{transport="fuse",volume="pv-1"} 5
+# HELP mpnbd_node_volume_retained_writes Acknowledged writes kept until a completed FLUSH covers them (userspace transports).
+# TYPE mpnbd_node_volume_retained_writes gauge
+mpnbd_node_volume_retained_writes{transport="fuse",volume="pv-1"} 4
 # HELP mpnbd_node_volume_reconnects_total Redials of the volume's connections since it was attached.
 # TYPE mpnbd_node_volume_reconnects_total counter
 mpnbd_node_volume_reconnects_total{transport="fuse",volume="pv-1"} 3
@@ -57,16 +70,19 @@ mpnbd_node_volume_subflows{connection="1",transport="fuse",volume="pv-1"} 1
 
 	// Disconnected: inaccessible, not degraded.
 	f.att.mu.Lock()
-	f.att.health["pv-1"] = attach.Health{Connected: false}
+	f.att.health["pv-1"] = attach.Health{Connected: false, Outage: 90 * time.Second}
 	f.att.mu.Unlock()
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP mpnbd_node_volume_outage_seconds How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected.
+# TYPE mpnbd_node_volume_outage_seconds gauge
+mpnbd_node_volume_outage_seconds{transport="fuse",volume="pv-1"} 90
 # HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
 # TYPE mpnbd_node_volume_inaccessible gauge
 mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 1
 # HELP mpnbd_node_volume_degraded 1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows).
 # TYPE mpnbd_node_volume_degraded gauge
 mpnbd_node_volume_degraded{transport="fuse",volume="pv-1"} 0
-`), "mpnbd_node_volume_inaccessible", "mpnbd_node_volume_degraded"); err != nil {
+`), "mpnbd_node_volume_inaccessible", "mpnbd_node_volume_degraded", "mpnbd_node_volume_outage_seconds"); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -176,6 +176,10 @@ type Stats struct {
 	// completed FLUSH (kept for a replay to a new server incarnation);
 	// RetainedBytes is what they hold.
 	Retained, RetainedBytes int
+	// DownSince is when the current outage began (zero while connected);
+	// Replayed counts unanswered requests sent again after reconnects.
+	DownSince time.Time
+	Replayed  int
 	// RetainedReplays counts writes sent again to a new incarnation;
 	// OwnFlushes the FLUSHes the relay sent to trim what it retains.
 	RetainedReplays, OwnFlushes int
@@ -278,6 +282,8 @@ type Relay struct {
 	retainedReplays int
 	ownFlushes      int
 	callSeq         uint64 // handles of in-process calls (call.go)
+	downSince       time.Time
+	replayed        int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -367,6 +373,8 @@ func (r *Relay) Stats() Stats {
 		Retained:        r.retCount,
 		RetainedBytes:   r.retBytes,
 		RetainedReplays: r.retainedReplays,
+		DownSince:       r.downSince,
+		Replayed:        r.replayed,
 		OwnFlushes:      r.ownFlushes,
 	}
 }

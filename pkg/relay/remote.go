@@ -88,6 +88,9 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 		} else if connected || n > 0 {
 			if n > 0 {
 				r.log.Info("replayed unanswered requests", "requests", n)
+				r.mu.Lock()
+				r.replayed += n
+				r.mu.Unlock()
 			}
 			r.emit(Event{Kind: EventReplayed, Replayed: n, Retained: nret})
 		}
@@ -191,6 +194,7 @@ func (r *Relay) attach(c net.Conn, again bool) (gen uint64, conn net.Conn, resen
 	r.state = stateReplaying
 	r.unsent = r.head
 	r.lastErr = nil
+	r.downSince = time.Time{}
 	clear(r.rsent)
 	resend = !r.sameIncarnation(info, again) && r.retHead != nil
 	if again {
@@ -245,6 +249,7 @@ func (r *Relay) fail(gen uint64, err error) {
 	c := r.remote
 	r.remote = nil
 	r.lastErr = err
+	r.downSince = time.Now()
 	r.mu.Unlock()
 	r.cond.Broadcast() // a retained replay may wait on this connection
 	if c != nil {

@@ -558,10 +558,11 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 
 func (v *volume) health() attach.Health {
 	st := v.path.relay.Stats()
-	h := attach.Health{Connected: st.Connected, MPTCP: v.att.MPTCP, Reconnects: st.Reconnects}
+	h := attach.SessionHealth(st)
+	h.MPTCP = v.att.MPTCP
 	var msgs []string
 	if !st.Connected {
-		msgs = append(msgs, "reconnecting to the storage node")
+		msgs = append(msgs, fmt.Sprintf("waiting for the storage node for %v", h.Outage.Round(time.Second)))
 	} else if st.Remote != nil && nbd.IsMultipathTCP(st.Remote) {
 		if info, err := mptcp.GetInfo(st.Remote); err != nil {
 			msgs = append(msgs, err.Error())

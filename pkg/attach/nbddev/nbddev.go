@@ -79,6 +79,7 @@ type volume struct {
 
 	mu           sync.Mutex
 	reconnecting bool
+	downSince    time.Time  // when the reconnect under way began
 	conns        []net.Conn // our handles on the data sockets (for MPTCP_INFO)
 	relay        *relay.Relay
 	stopRelay    context.CancelFunc
@@ -496,12 +497,20 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	h := attach.Health{Connected: len(v.conns) > 0, Reconnects: v.reconnects}
+	h := attach.Health{Connected: len(v.conns) > 0 && !v.reconnecting, Reconnects: v.reconnects}
+	if v.reconnecting {
+		h.Outage = time.Since(v.downSince)
+	}
 	conns := v.conns
 	if v.relay != nil {
 		// The relay's current connection, not one it already replaced.
 		st := v.relay.Stats()
-		h.Connected = st.Connected
+		rh := attach.SessionHealth(st)
+		rh.Reconnects = v.reconnects // relay redials and device reconnects
+		if v.reconnecting {
+			rh.Connected, rh.Outage = false, h.Outage
+		}
+		h = rh
 		conns = nil
 		if st.Remote != nil {
 			conns = []net.Conn{st.Remote}
@@ -515,6 +524,9 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	}
 	if v.lastErr != nil {
 		h.Message = v.lastErr.Error()
+	}
+	if h.Outage > 0 {
+		h.Message = fmt.Sprintf("waiting for the storage node for %v: %s", h.Outage.Round(time.Second), h.Message)
 	}
 	return h, nil
 }
@@ -543,7 +555,9 @@ func (a *Attacher) startWatch() error {
 			}
 			v.mu.Lock()
 			busy := v.reconnecting
-			v.reconnecting = true
+			if !busy {
+				v.reconnecting, v.downSince = true, time.Now()
+			}
 			v.mu.Unlock()
 			if !busy {
 				go a.reconnect(v)
