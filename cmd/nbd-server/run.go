@@ -101,6 +101,14 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			Observer:    obs,
 		},
 	}
+	// File and device backends write through to the kernel: only a reboot
+	// of this host loses acknowledged writes, so clients need to send
+	// their unflushed writes again only after one.
+	if inc, err := nbd.BootIncarnation(); err == nil {
+		d.srv.Incarnation = inc
+	} else {
+		log.Warn("no boot ID: every restart counts as a new incarnation", "error", err)
+	}
 
 	// Open every backend before listening, so that a bad path fails the
 	// start instead of clients.

@@ -2,8 +2,11 @@ package nbd
 
 import (
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -118,6 +121,26 @@ type sessionKey struct {
 type sessionSlot struct {
 	conn *serverConn
 	gen  uint64
+}
+
+// BootIncarnation derives an incarnation from the host's boot ID: it
+// changes when the host reboots (or loses power), which is when writes
+// that sat in its page cache are lost, and not when the server process
+// restarts, which loses none of them. For servers whose backends write
+// through to the kernel (files, block devices), with no cache of their own.
+func BootIncarnation() (Incarnation, error) {
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return Incarnation{}, err
+	}
+	id := strings.TrimSpace(string(b))
+	if id == "" {
+		return Incarnation{}, fmt.Errorf("empty boot ID")
+	}
+	sum := sha256.Sum256([]byte("mpnbd incarnation\x00" + id))
+	var inc Incarnation
+	copy(inc[:], sum[:])
+	return inc, nil
 }
 
 // processIncarnation is the default incarnation of every Server in this

@@ -285,3 +285,14 @@ func fakeUnsupServer(c net.Conn) {
 		}
 	}
 }
+
+func TestBootIncarnation(t *testing.T) {
+	a, err := BootIncarnation()
+	if err != nil {
+		t.Skipf("skipping: no boot ID here: %v", err)
+	}
+	b, _ := BootIncarnation()
+	if a != b || a == (Incarnation{}) || a == processIncarnation() {
+		t.Fatalf("boot incarnations %v, %v (process %v)", a, b, processIncarnation())
+	}
+}

@@ -77,6 +77,10 @@ type volume struct {
 	life context.Context
 	end  context.CancelFunc
 
+	// inc is the incarnation of the server last reached, if incKnown.
+	inc      nbd.Incarnation
+	incKnown bool
+
 	mu           sync.Mutex
 	reconnecting bool
 	downSince    time.Time  // when the reconnect under way began
@@ -367,6 +371,7 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 		}
 		conns = append(conns, c.Conn)
 		v.info = c.Info
+		a.noteIncarnation(v, c.Info)
 	}
 	v.mu.Lock()
 	v.conns = conns
@@ -382,6 +387,21 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 		files = append(files, f)
 	}
 	return files, nil
+}
+
+// noteIncarnation records the server's incarnation and says so when it
+// changed: the kernel keeps no copy of what the server acknowledged, so
+// writes not yet flushed when the storage host went down are lost to
+// the kernel transports (the userspace ones send them again).
+func (a *Attacher) noteIncarnation(v *volume, info nbd.ExportInfo) {
+	if !info.Fenced {
+		return
+	}
+	if v.incKnown && info.Incarnation != v.inc {
+		a.log.Error("the storage host restarted since the last connection: writes it acknowledged and had not flushed are lost on this transport (relay, fuse keep them)",
+			"volume_id", v.target.VolumeID, "nbd_index", v.index)
+	}
+	v.inc, v.incKnown = info.Incarnation, true
 }
 
 // dialAny connects the volume's single data connection (kernel, relay,
