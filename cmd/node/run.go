@@ -197,6 +197,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 			return err
 		}
 	}
+	go watchVolumes(ctx, o, node, mgr, log)
 	l, err := driver.Listen(o.endpoint)
 	if err != nil {
 		return err
@@ -284,6 +285,28 @@ func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
 		log.Error("storage NICs not configured for MPTCP", "error", err)
 	}
 }
+
+// watchVolumes records Events on the claims of this node's volumes when
+// their data path changes (storage node lost, found again, writes sent
+// again), if the API server is reachable.
+func watchVolumes(ctx context.Context, o *options, node *driver.Node, mgr *attach.Manager, log *slog.Logger) {
+	cfg, err := kubeconfig.Load(o.kubeconfig)
+	if err != nil {
+		log.Info("no Events on claims: no API server access", "error", err)
+		return
+	}
+	c, err := client.New(cfg, client.Options{})
+	if err != nil {
+		log.Warn("no Events on claims", "error", err)
+		return
+	}
+	sink := &driver.KubeEvents{Client: c, NodeID: o.nodeID, Log: log}
+	driver.WatchVolumeHealth(ctx, node, mgr, sink, volumeWatchInterval)
+}
+
+// volumeWatchInterval is how often the data paths are looked at for
+// Events.
+const volumeWatchInterval = 5 * time.Second
 
 // publishAddresses annotates this node's Node object with its storage
 // addresses, retrying until it works or ctx ends.
