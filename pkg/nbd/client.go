@@ -113,13 +113,7 @@ func IsMultipathTCP(c net.Conn) bool {
 // NewClient starts a client on connections that already finished
 // negotiation for the export described by info.
 func NewClient(info ExportInfo, conns []net.Conn, log *slog.Logger) *Client {
-	if log == nil {
-		log = slog.Default()
-	}
-	cl := &Client{info: info, log: log, maxReq: MaxRequestSize}
-	if info.MaxBlock > 0 && int(info.MaxBlock) < cl.maxReq {
-		cl.maxReq = int(info.MaxBlock)
-	}
+	cl := newClient(info, log)
 	for _, c := range conns {
 		cc := &clientConn{conn: c, pending: make(map[uint64]*call), r: bufio.NewReaderSize(c, 256<<10)}
 		cl.conns = append(cl.conns, cc)
@@ -139,10 +133,16 @@ type RoundTripper interface {
 // NewClientOn returns a client for the export described by info whose
 // requests go through rt.
 func NewClientOn(info ExportInfo, rt RoundTripper, log *slog.Logger) *Client {
+	cl := newClient(info, log)
+	cl.rt = rt
+	return cl
+}
+
+func newClient(info ExportInfo, log *slog.Logger) *Client {
 	if log == nil {
 		log = slog.Default()
 	}
-	cl := &Client{info: info, log: log, maxReq: MaxRequestSize, rt: rt}
+	cl := &Client{info: info, log: log, maxReq: MaxRequestSize}
 	if info.MaxBlock > 0 && int(info.MaxBlock) < cl.maxReq {
 		cl.maxReq = int(info.MaxBlock)
 	}

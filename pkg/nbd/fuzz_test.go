@@ -86,6 +86,8 @@ func FuzzServerNegotiate(f *testing.F) {
 	f.Add(append([]byte{0, 0, 0, 1}, list.encode()...))
 	en := option{Code: OptExportName, Data: []byte("d")}
 	f.Add(append([]byte{0, 0, 0, 1}, en.encode()...))
+	sess := option{Code: OptSession, Data: Session{ID: SessionID{1}, Lane: 2, Generation: 3}.encode()}
+	f.Add(append(append([]byte{0, 0, 0, 1}, sess.encode()...), clientOpening("d")[4:]...))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s := &Server{Logger: quietLogger(), DefaultExport: "d"}
 		s.AddExport(&Export{Name: "d", Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}})
@@ -130,12 +132,26 @@ func FuzzClientNegotiate(f *testing.F) {
 	unsup := optReply{Option: OptGo, Type: RepErrUnsup}
 	f.Add(append(append([]byte("NBDMAGICIHAVEOPT\x00\x01"), unsup.encode()...), make([]byte, 134)...))
 	f.Add([]byte("NBDMAGIC\x00\x00\x42\x02\x81\x86\x12\x53"))
+	var withSession bytes.Buffer
+	withSession.Write([]byte("NBDMAGICIHAVEOPT\x00\x03"))
+	for _, r := range []optReply{
+		{Option: OptSession, Type: RepSession, Data: make([]byte, 16)},
+		{Option: OptSession, Type: RepAck},
+	} {
+		withSession.Write(r.encode())
+	}
+	withSession.Write(good.Bytes()[18:])
+	f.Add(withSession.Bytes())
 	f.Fuzz(func(t *testing.T, data []byte) {
 		rw := struct {
 			io.Reader
 			io.Writer
 		}{bytes.NewReader(data), io.Discard}
 		Negotiate(rw, "d")
+		NegotiateWith(struct {
+			io.Reader
+			io.Writer
+		}{bytes.NewReader(data), io.Discard}, "d", NegotiateOptions{Session: &Session{ID: SessionID{9}, Generation: 1}})
 		ListExports(struct {
 			io.Reader
 			io.Writer
