@@ -1,6 +1,7 @@
 package fuse
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -211,4 +212,59 @@ func TestExt4OverFourPaths(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertNothingLeft(t, a, vol, ts)
+}
+
+// TestAttachFirstPathDown: the first storage address's path is down (its
+// server-side link dropped, so connections to it time out rather than
+// fail) before the attach: the volume attaches over another address, its
+// I/O works, and the session keeps that address for redials.
+func TestAttachFirstPathDown(t *testing.T) {
+	requireFUSE(t)
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName("fd")))
+	var l net.Listener
+	if err := tp.InServer(func() error {
+		var err error
+		l, err = mptcp.Listen(context.Background(), "tcp", "0.0.0.0:0", true)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ts := serveMem(t, l, 64<<20)
+	_, port, _ := net.SplitHostPort(ts.addr)
+	var addrs []string
+	for i := range tp.Paths {
+		addrs = append(addrs, net.JoinHostPort(tp.ServerAddr(i+1).String(), port))
+	}
+	if out, err := topo.Exec(tp.ServerNS, "ip", "link", "set", tp.Paths[0].ServerIf, "down").CombinedOutput(); err != nil {
+		t.Fatalf("path 1 down: %v: %s", err, out)
+	}
+	a := newAttacher(t, Config{InProcess: true, DialContext: inClient(tp)})
+	start := time.Now()
+	att, err := a.Attach(context.Background(), attach.Target{VolumeID: "pv-firstdown", Export: "vol", Addrs: addrs}, attach.Options{})
+	if err != nil {
+		t.Fatalf("attach with the first path down: %v", err)
+	}
+	t.Logf("attached in %v with %s down", time.Since(start).Round(time.Millisecond), addrs[0])
+	want := alignedBuf(1 << 20)
+	for i := range want {
+		want[i] = byte(i * 7)
+	}
+	f := openDirect(t, att.Device, os.O_RDWR)
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	got := alignedBuf(len(want))
+	if _, err := f.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if !bytes.Equal(got, want) {
+		t.Fatal("data read back differs")
+	}
+	if err := a.Detach(context.Background(), "pv-firstdown"); err != nil {
+		t.Fatal(err)
+	}
 }
