@@ -241,6 +241,20 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 // userspace (the relay).
 func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (*attach.Attachment, error) {
 	v, err := a.handOver(ctx, t, o, idx)
+	if errors.Is(err, errUnreachable) && !errors.Is(err, attach.ErrServerRefused) {
+		// The storage node is away (an outage that outlived the last
+		// process): the device is ours all the same, its I/O waits, and
+		// the reconnect goes on until the node is back or the volume is
+		// detached.
+		v = newVolume(t, o, a.loadSession(t.VolumeID))
+		v.index = idx
+		v.reconnecting, v.downSince = true, time.Now()
+		v.lastErr = err
+		a.register(v)
+		a.log.Warn("volume re-adopted while its storage node is unreachable; reconnecting", "volume_id", t.VolumeID, "nbd_index", idx, "error", err)
+		go a.reconnect(v)
+		return v.attachment(), nil
+	}
 	if err != nil {
 		if errors.Is(err, nbdnl.ErrBackendMismatch) {
 			return nil, fmt.Errorf("%w: nbd%d: %v", attach.ErrWrongVolume, idx, err)
@@ -251,6 +265,10 @@ func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options,
 	a.log.Info("volume re-adopted", "volume_id", t.VolumeID, "nbd_index", idx)
 	return v.attachment(), nil
 }
+
+// errUnreachable marks a failure to reach the storage node (no address
+// answered), as opposed to the kernel refusing the sockets.
+var errUnreachable = errors.New("storage node unreachable")
 
 // handOver dials fresh connections for t and gives them to device idx
 // with RECONFIGURE and the same backend identifier. On failure everything
@@ -278,7 +296,7 @@ func (a *Attacher) replaceSockets(ctx context.Context, v *volume) error {
 		v.mu.Lock()
 		v.stopRelay, v.relayDone, v.conns = oldStop, oldDone, oldConns
 		v.mu.Unlock()
-		return err
+		return fmt.Errorf("%w: %w", errUnreachable, err)
 	}
 	defer closeFiles(socks)
 	if err := a.cfg.Kernel.Reconfigure(v.index, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: v.target.VolumeID}); err != nil {
@@ -616,6 +634,11 @@ func (a *Attacher) reconnect(v *volume) {
 			v.reconnects++
 			v.lastErr = nil
 			v.mu.Unlock()
+			a.mu.Lock()
+			if v.att.Size == 0 { // adopted while the storage node was away
+				v.att.Size = v.info.Size
+			}
+			a.mu.Unlock()
 			log.Info("nbd connection replaced", "attempts", attempt, "outage", time.Since(start))
 			return
 		}

@@ -200,3 +200,69 @@ func TestAdoptFencesOldConnection(t *testing.T) {
 		})
 	}
 }
+
+// TestAdoptWhileServerDown: a fresh process re-adopts a device while its
+// storage node is away (the plugin restarted during an outage): the
+// adoption succeeds, health says the volume waits, and the device gets
+// its sockets once the server is back.
+func TestAdoptWhileServerDown(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	dir := t.TempDir()
+	k := newFakeKernel()
+	d := &fakeDevices{backends: map[string]uint32{"pvc-1": 3}}
+	os.WriteFile(dir+"/pvc-1.json", []byte(`{"mode":"tcp","target":{"VolumeID":"pvc-1","Export":"vol","Addrs":["`+addr+`"]}}`), 0o600)
+	a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir, DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	atts, err := a.Adopt(context.Background())
+	if err != nil || len(atts) != 1 || atts[0].Device != "/dev/nbd3" {
+		t.Fatalf("adopt with the server down: %+v, %v", atts, err)
+	}
+	h, err := a.Health("pvc-1")
+	if err != nil || h.Connected || h.Outage <= 0 {
+		t.Fatalf("health while the server is away: %+v, %v", h, err)
+	}
+	var l2 net.Listener
+	for i := 0; i < 50; i++ {
+		if l2, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &nbd.Server{Logger: quiet()}
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(l2)
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	select {
+	case <-k.reconfigured:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no RECONFIGURE after the server came back")
+	}
+	waitConns(t, s, 1)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		h, _ := a.Health("pvc-1")
+		if h.Connected && h.Outage == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("health after the server came back: %+v", h)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if att, _ := a.Attach(context.Background(), attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{addr}}, attach.Options{}); att.Size != 1<<20 {
+		t.Fatalf("attachment after the reconnect: %+v", att)
+	}
+}
