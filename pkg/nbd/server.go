@@ -353,6 +353,11 @@ func (s *Server) ServeConn(c net.Conn) {
 			return
 		}
 	}
+	if sc.draining.Load() {
+		// Drained during negotiation, whose end cleared the read
+		// deadline that was to stop the reader.
+		return
+	}
 	if o := s.Observer; o != nil {
 		o.ConnOpened(sc.info, exp.Name)
 		defer o.ConnClosed(sc.info, exp.Name)
