@@ -114,27 +114,8 @@ func TestReconnectUntilServerBack(t *testing.T) {
 	if n != 0 {
 		t.Fatalf("%d RECONFIGUREs while the server was down", n)
 	}
-	var l2 net.Listener
-	for i := 0; i < 50; i++ {
-		if l2, err = net.Listen("tcp", addr); err == nil {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	s2 := &nbd.Server{Logger: quiet()}
-	if err := s2.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
-		t.Fatal(err)
-	}
-	go s2.Serve(l2)
-	t.Cleanup(func() { s2.Shutdown(context.Background()) })
-	select {
-	case <-k.reconfigured:
-	case <-time.After(15 * time.Second):
-		t.Fatal("no RECONFIGURE after the server came back")
-	}
+	s2 := serveAgain(t, addr)
+	waitReconfigured(t, k)
 	waitConns(t, s2, 1)
 	time.Sleep(300 * time.Millisecond)
 	k.mu.Lock()
@@ -229,27 +210,8 @@ func TestAdoptWhileServerDown(t *testing.T) {
 	if err != nil || h.Connected || h.Outage <= 0 {
 		t.Fatalf("health while the server is away: %+v, %v", h, err)
 	}
-	var l2 net.Listener
-	for i := 0; i < 50; i++ {
-		if l2, err = net.Listen("tcp", addr); err == nil {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &nbd.Server{Logger: quiet()}
-	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(l2)
-	t.Cleanup(func() { s.Shutdown(context.Background()) })
-	select {
-	case <-k.reconfigured:
-	case <-time.After(15 * time.Second):
-		t.Fatal("no RECONFIGURE after the server came back")
-	}
+	s := serveAgain(t, addr)
+	waitReconfigured(t, k)
 	waitConns(t, s, 1)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -264,5 +226,38 @@ func TestAdoptWhileServerDown(t *testing.T) {
 	}
 	if att, _ := a.Attach(context.Background(), attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{addr}}, attach.Options{}); att.Size != 1<<20 {
 		t.Fatalf("attachment after the reconnect: %+v", att)
+	}
+}
+
+// serveAgain serves a fresh export "vol" on addr (a server back after an
+// outage), retrying while the port is still taken.
+func serveAgain(t *testing.T, addr string) *nbd.Server {
+	t.Helper()
+	var l net.Listener
+	var err error
+	for i := 0; i < 50; i++ {
+		if l, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &nbd.Server{Logger: quiet()}
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(l)
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	return s
+}
+
+func waitReconfigured(t *testing.T, k *fakeKernel) {
+	t.Helper()
+	select {
+	case <-k.reconfigured:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no RECONFIGURE after the server came back")
 	}
 }
