@@ -118,18 +118,31 @@ type Health struct {
 	// Retained the acknowledged writes no completed FLUSH covers yet. Only
 	// the userspace transports keep these.
 	Replayed, Resent, Retained int
-	Message                    string
+	// Failing: the outage outlasted the volume's bounded wait
+	// (deadConnTimeout), so I/O fails until the storage node is back.
+	Failing bool
+	Message string
 }
 
 // SessionHealth is the health of a data path that runs through a relay
 // (the NBD session of the userspace transports); MPTCP, Subflows and
 // Message are the caller's to add.
 func SessionHealth(st relay.Stats) Health {
-	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replayed: st.Replayed, Resent: st.RetainedReplays, Retained: st.Retained}
+	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replayed: st.Replayed, Resent: st.RetainedReplays,
+		Retained: st.Retained, Failing: st.Failing}
 	if !st.DownSince.IsZero() {
 		h.Outage = time.Since(st.DownSince)
 	}
 	return h
+}
+
+// OutageMessage says what a volume waiting for its storage node does
+// meanwhile.
+func (h Health) OutageMessage() string {
+	if h.Failing {
+		return fmt.Sprintf("storage node unreachable for %v, longer than deadConnTimeout: I/O fails until it is back", h.Outage.Round(time.Second))
+	}
+	return fmt.Sprintf("waiting for the storage node for %v", h.Outage.Round(time.Second))
 }
 
 // Attacher is one transport.

@@ -89,9 +89,10 @@ func TestCallsRideOutServerRestarts(t *testing.T) {
 	}
 }
 
-// TestCallsFailWhenRelayGivesUp: with GiveUpAfter set, calls waiting for
-// a server that stays away fail with ErrClosed (wrapping ErrGaveUp).
-func TestCallsFailWhenRelayGivesUp(t *testing.T) {
+// TestCallsFailAfter: with FailAfter set, calls waiting for a server
+// that stays away fail with an EIO reply, and the relay serves them again
+// once the server is back.
+func TestCallsFailAfter(t *testing.T) {
 	ts := newTestServer(t, 1<<20, false)
 	dial := sessionDialer(ts.addr, nbd.NewSessionID())
 	remote, err := dial(context.Background())
@@ -99,11 +100,24 @@ func TestCallsFailWhenRelayGivesUp(t *testing.T) {
 		t.Fatal(err)
 	}
 	info := remote.(*Remote).Info
-	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond, GiveUpAfter: 300 * time.Millisecond})
+	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, FailAfter: 300 * time.Millisecond})
 	cl := nbd.NewClientOn(info, r, quietLogger())
 	ts.kill()
 	_, err = cl.WriteAt(make([]byte, 4096), 0)
-	if !errors.Is(err, ErrClosed) || !errors.Is(err, ErrGaveUp) {
-		t.Fatalf("write with the server gone: %v, want ErrClosed and ErrGaveUp", err)
+	var nerr *nbd.Error
+	if !errors.As(err, &nerr) || nerr.Errno != nbd.EIO {
+		t.Fatalf("write with the server gone: %v, want an EIO reply", err)
+	}
+	ts.start()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err = cl.WriteAt(make([]byte, 4096), 0)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("writes still fail 10s after the server came back: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

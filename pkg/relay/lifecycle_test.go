@@ -256,32 +256,65 @@ func TestContextCancel(t *testing.T) {
 	})
 }
 
-func TestGiveUp(t *testing.T) {
+// TestFailAfter: with FailAfter set, a request waiting for a server that
+// stays away fails with EIO once the bound passes, and so do new ones at
+// once; the relay goes on dialing, and I/O works again, with the data
+// written before the outage intact, once the server is back.
+func TestFailAfter(t *testing.T) {
 	checkGoroutines(t)
 	ts := newTestServer(t, 1<<20, false)
-	const giveUp = 300 * time.Millisecond
-	rg := newServerRig(t, ts, Options{ReconnectBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, GiveUpAfter: giveUp})
+	const failAfter = 300 * time.Millisecond
+	rg := newServerRig(t, ts, Options{ReconnectBackoff: 20 * time.Millisecond, MaxBackoff: 50 * time.Millisecond, FailAfter: failAfter})
+	before := randomData(64<<10, 71)
+	if _, err := rg.client.WriteAt(before, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := rg.client.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	ts.kill()
 	start := time.Now()
-	writeErr := make(chan error, 1)
-	go func() {
-		_, err := rg.client.WriteAt(make([]byte, 4096), 0)
-		writeErr <- err
-	}()
-	err := rg.wait(5 * time.Second)
-	if !errors.Is(err, ErrGaveUp) {
-		t.Fatalf("Run: %v, want ErrGaveUp", err)
+	_, err := rg.client.WriteAt(make([]byte, 4096), 1<<19)
+	var nerr *nbd.Error
+	if !errors.As(err, &nerr) || nerr.Errno != nbd.EIO {
+		t.Fatalf("write with the server gone: %v, want an EIO reply", err)
 	}
-	if d := time.Since(start); d < giveUp-50*time.Millisecond {
-		t.Fatalf("gave up after %v, before GiveUpAfter %v", d, giveUp)
+	if d := time.Since(start); d < failAfter-50*time.Millisecond {
+		t.Fatalf("failed after %v, before FailAfter %v", d, failAfter)
 	}
-	ev := rg.eventsOf(EventGaveUp)
-	if len(ev) != 1 || ev[0].Err == nil || ev[0].Attempts < 2 {
-		t.Fatalf("gave-up events: %+v", ev)
+	ev := rg.eventsOf(EventFailing)
+	if len(ev) != 1 || ev[0].Err == nil || ev[0].Attempts < 2 || ev[0].Failed != 1 {
+		t.Fatalf("failing events: %+v", ev)
 	}
-	t.Logf("gave up: %v", err)
-	if err := <-writeErr; err == nil {
-		t.Fatal("the queued write succeeded with no server")
+	// Failing now: the next request does not wait.
+	start = time.Now()
+	if err := rg.client.Flush(); !errors.As(err, &nerr) || nerr.Errno != nbd.EIO {
+		t.Fatalf("flush while failing: %v, want an EIO reply", err)
+	}
+	if d := time.Since(start); d > failAfter/2 {
+		t.Fatalf("a request while failing took %v", d)
+	}
+	st := rg.relay.Stats()
+	if !st.Failing || st.Failed != 2 || st.Connected {
+		t.Fatalf("stats while failing: %+v", st)
+	}
+	select {
+	case err := <-rg.done:
+		rg.done <- err
+		t.Fatalf("Run ended while the server was away: %v", err)
+	default:
+	}
+	ts.start()
+	waitFor(t, 10*time.Second, "the relay to reconnect", func() bool { return rg.relay.Stats().Connected })
+	got := make([]byte, len(before))
+	if _, err := rg.client.ReadAt(got, 0); err != nil || sum(got) != sum(before) {
+		t.Fatalf("read back after the outage: %v (equal: %v)", err, sum(got) == sum(before))
+	}
+	if _, err := rg.client.WriteAt(make([]byte, 4096), 1<<19); err != nil {
+		t.Fatalf("write once the server is back: %v", err)
+	}
+	if st := rg.relay.Stats(); st.Failing || st.Reconnects != 1 {
+		t.Fatalf("stats after the outage: %+v", st)
 	}
 }
 

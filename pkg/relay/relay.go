@@ -101,9 +101,13 @@ type Options struct {
 	// (see Remote); zero means half of MaxInflightBytes, which is also the
 	// most it may be.
 	RetainBytes int
-	// GiveUpAfter ends Run with ErrGaveUp when no connection could be made
-	// for that long. Zero means never: keep retrying until ctx ends.
-	GiveUpAfter time.Duration
+	// FailAfter bounds how long requests wait for a server: once no
+	// connection could be made for that long, every request waiting is
+	// answered with EIO, and so is every new one until a connection is made
+	// again. The relay keeps redialing all the while, and the writes it
+	// retains stay owed to the server. Zero means requests wait for as
+	// long as it takes (a hard mount).
+	FailAfter time.Duration
 	// OnEvent, when set, is called for connection events from the relay's
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
@@ -122,8 +126,9 @@ const (
 	// EventReplayed: unanswered requests were sent on the new connection
 	// (Replayed says how many).
 	EventReplayed
-	// EventGaveUp: no connection for GiveUpAfter; Run returns ErrGaveUp.
-	EventGaveUp
+	// EventFailing: no connection for FailAfter; requests fail with EIO
+	// until the next connection (Failed says how many were waiting).
+	EventFailing
 )
 
 func (k EventKind) String() string {
@@ -136,8 +141,8 @@ func (k EventKind) String() string {
 		return "reconnected"
 	case EventReplayed:
 		return "replayed"
-	case EventGaveUp:
-		return "gave_up"
+	case EventFailing:
+		return "failing"
 	}
 	return fmt.Sprintf("event(%d)", int(k))
 }
@@ -146,18 +151,21 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind EventKind
 	// Err is the failure (EventDisconnected) or the last dial error
-	// (EventGaveUp).
+	// (EventFailing).
 	Err error
 	// Replayed is the number of requests sent again (EventReplayed).
 	Replayed int
 	// Retained is the number of acknowledged, unflushed writes sent again
 	// because the server is a new incarnation (EventReplayed).
 	Retained int
+	// Failed is the number of waiting requests answered with EIO
+	// (EventFailing).
+	Failed int
 	// Attempts counts dial attempts of the outage (EventReconnected,
-	// EventGaveUp).
+	// EventFailing).
 	Attempts int
 	// Outage is the time since the remote failed (EventReconnected,
-	// EventGaveUp).
+	// EventFailing).
 	Outage time.Duration
 	// Remote is the new connection (EventConnected, EventReconnected).
 	Remote net.Conn
@@ -185,6 +193,11 @@ type Stats struct {
 	RetainedReplays, OwnFlushes int
 	// Bytes read from and written to the local side (frames and payloads).
 	BytesFromLocal, BytesToLocal uint64
+	// Failing reports that the outage outlasted FailAfter: requests are
+	// answered with EIO until a connection is made. Failed counts the
+	// requests so answered.
+	Failing bool
+	Failed  int
 	// Remote is the current remote connection; nil while there is none.
 	Remote net.Conn
 	// Connected reports whether a remote connection is in use.
@@ -193,7 +206,8 @@ type Stats struct {
 
 // Sentinel errors.
 var (
-	// ErrGaveUp ends Run when GiveUpAfter passed without a connection.
+	// ErrGaveUp ends Run when the remote connection failed and there is no
+	// dialer to make another.
 	ErrGaveUp = errors.New("relay: gave up reconnecting to the server")
 	// ErrUnsupported: the platform has no kernel side for a relay (only
 	// Linux has).
@@ -284,6 +298,10 @@ type Relay struct {
 	callSeq         uint64 // handles of in-process calls (call.go)
 	downSince       time.Time
 	replayed        int
+	// failing: the outage outlasted FailAfter (requests get EIO at once);
+	// failed counts the requests so answered.
+	failing bool
+	failed  int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -376,6 +394,8 @@ func (r *Relay) Stats() Stats {
 		DownSince:       r.downSince,
 		Replayed:        r.replayed,
 		OwnFlushes:      r.ownFlushes,
+		Failing:         r.failing,
+		Failed:          r.failed,
 	}
 }
 

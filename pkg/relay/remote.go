@@ -40,7 +40,6 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 					left := len(r.table)
 					r.mu.Unlock()
 					r.log.Error("giving up on the server", "error", err, "attempts", out.attempts, "unanswered", left)
-					r.emit(Event{Kind: EventGaveUp, Err: out.err, Attempts: out.attempts, Outage: time.Since(out.start)})
 					r.end(err)
 				}
 				return
@@ -112,7 +111,7 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 		// A connection that answered something, or lived a while, ends the
 		// outage; one that failed at once continues it, so a server that
 		// accepts and drops connections meets a growing backoff and, in
-		// the end, GiveUpAfter.
+		// the end, FailAfter.
 		if res.delivered > 0 || time.Since(since) >= r.o.MaxBackoff || out.start.IsZero() {
 			out = outage{start: time.Now()}
 		}
@@ -127,8 +126,9 @@ type downResult struct {
 	err       error
 }
 
-// redial dials until it succeeds, ctx ends or the outage is older than
-// GiveUpAfter.
+// redial dials until it succeeds or ctx ends. Once the outage is older
+// than FailAfter it fails the requests waiting, and the new ones until a
+// connection is made, but it goes on dialing.
 func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 	if r.dial == nil {
 		if out.err == nil {
@@ -136,13 +136,24 @@ func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 		}
 		return nil, fmt.Errorf("%w: no dialer: %w", ErrGaveUp, out.err)
 	}
-	giveUp := r.o.GiveUpAfter
+	failAfter := r.o.FailAfter
+	// untilFail is how long until the requests are to fail; -1 when that
+	// is not to come (no bound, or they fail already).
+	untilFail := func() time.Duration {
+		if failAfter <= 0 || r.isFailing() {
+			return -1
+		}
+		return max(time.Until(out.start.Add(failAfter)), 0)
+	}
 	for {
+		if u := untilFail(); u == 0 {
+			r.startFailing(out)
+		}
 		if wait := out.backoff; wait > 0 {
 			// ±20 % so that many relays do not redial in step.
 			wait = wait*4/5 + time.Duration(rand.Int64N(int64(wait*2/5)+1))
-			if giveUp > 0 {
-				wait = min(wait, max(time.Until(out.start.Add(giveUp)), 0))
+			if u := untilFail(); u >= 0 {
+				wait = min(wait, u)
 			}
 			t := time.NewTimer(wait)
 			select {
@@ -151,11 +162,14 @@ func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 				return nil, ctx.Err()
 			case <-t.C:
 			}
+			if untilFail() == 0 {
+				r.startFailing(out)
+			}
 		}
 		out.backoff = min(max(2*out.backoff, r.o.ReconnectBackoff), r.o.MaxBackoff)
 		timeout := dialTimeout
-		if giveUp > 0 {
-			timeout = min(timeout, max(time.Until(out.start.Add(giveUp)), 100*time.Millisecond))
+		if u := untilFail(); u >= 0 {
+			timeout = min(timeout, max(u, 100*time.Millisecond))
 		}
 		dctx, cancel := context.WithTimeout(ctx, timeout)
 		c, err := r.dial(dctx)
@@ -169,10 +183,69 @@ func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 		}
 		out.err = err
 		r.log.Debug("redial failed", "error", err, "attempt", out.attempts)
-		if giveUp > 0 && time.Since(out.start) >= giveUp {
-			return nil, fmt.Errorf("%w after %v and %d attempts: %w", ErrGaveUp, time.Since(out.start).Round(time.Millisecond), out.attempts, err)
+	}
+}
+
+func (r *Relay) isFailing() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.failing
+}
+
+// startFailing answers every request waiting for the server with EIO and
+// makes the relay answer new ones so at once, until the next connection:
+// the outage outlasted FailAfter. The relay's own flushes and the retained
+// writes stay, since what they hold is still owed to the server.
+func (r *Relay) startFailing(out *outage) {
+	r.mu.Lock()
+	if r.failing || r.closing {
+		r.mu.Unlock()
+		return
+	}
+	r.failing = true
+	var failed []*entry
+	for e := r.head; e != nil; {
+		next := e.next
+		if !e.internal {
+			r.unlink(e)
+			r.bytes -= e.cost
+			failed = append(failed, e)
+		}
+		e = next
+	}
+	r.failed += len(failed)
+	r.waiting = false
+	r.mu.Unlock()
+	r.cond.Broadcast()
+	r.log.Error("no server connection for the bounded wait: I/O fails until one is made",
+		"fail_after", r.o.FailAfter, "outage", time.Since(out.start).Round(time.Millisecond),
+		"attempts", out.attempts, "failed", len(failed), "error", out.err)
+	r.emit(Event{Kind: EventFailing, Err: out.err, Failed: len(failed), Attempts: out.attempts, Outage: time.Since(out.start)})
+	for _, e := range failed {
+		if !r.answerError(e, nbd.EIO) {
+			break
 		}
 	}
+	if err := r.flushLocal(); err != nil {
+		r.localEnded(err)
+	}
+}
+
+// answerError answers e, already out of the table and its cost released,
+// with errno. It returns false when the local side is gone.
+func (r *Relay) answerError(e *entry, errno uint32) bool {
+	defer answered(e)
+	if e.call != nil {
+		e.call.finish(errno)
+		return true
+	}
+	var hdr [repHeaderSize]byte
+	(&nbd.Reply{Errno: errno, Handle: e.handle}).Encode(hdr[:])
+	if err := r.deliver(hdr[:], nil); err != nil {
+		r.localEnded(err)
+		return false
+	}
+	return true
 }
 
 // attach makes conn the current remote connection, in the replaying state:
@@ -195,6 +268,7 @@ func (r *Relay) attach(c net.Conn, again bool) (gen uint64, conn net.Conn, resen
 	r.unsent = r.head
 	r.lastErr = nil
 	r.downSince = time.Time{}
+	r.failing = false
 	clear(r.rsent)
 	resend = !r.sameIncarnation(info, again) && r.retHead != nil
 	if again {
@@ -362,20 +436,7 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 // list; a successful FLUSH trims that list.
 func (r *Relay) complete(e *entry, errno uint32) {
 	r.mu.Lock()
-	delete(r.table, e.handle)
-	if e.prev != nil {
-		e.prev.next = e.next
-	} else {
-		r.head = e.next
-	}
-	if e.next != nil {
-		e.next.prev = e.prev
-	} else {
-		r.tail = e.prev
-	}
-	if r.unsent == e {
-		r.unsent = e.next
-	}
+	r.unlink(e)
 	keep := errno == 0 && !e.internal && retains(e)
 	if keep {
 		r.retain(e)
@@ -406,6 +467,26 @@ func (r *Relay) complete(e *entry, errno uint32) {
 		// Not on the reply path: sending may block until replies are read.
 		go r.ownFlush()
 	}
+}
+
+// unlink takes e out of the table and the arrival list. Called with mu
+// held.
+func (r *Relay) unlink(e *entry) {
+	delete(r.table, e.handle)
+	if e.prev != nil {
+		e.prev.next = e.next
+	} else {
+		r.head = e.next
+	}
+	if e.next != nil {
+		e.next.prev = e.prev
+	} else {
+		r.tail = e.prev
+	}
+	if r.unsent == e {
+		r.unsent = e.next
+	}
+	e.prev, e.next = nil, nil
 }
 
 // deliver passes one reply to the local side.

@@ -104,7 +104,8 @@ func (r *Relay) admit(cost int) bool {
 }
 
 func (r *Relay) mustWait(cost int) bool {
-	return !r.closing && r.bytes > 0 && r.bytes+cost > r.max
+	// While failing, a request is answered at once and holds nothing.
+	return !r.closing && !r.failing && r.bytes > 0 && r.bytes+cost > r.max
 }
 
 // enqueue puts e in the table, then sends it when the remote is up and
@@ -117,6 +118,18 @@ func (r *Relay) enqueue(e *entry) error {
 		h := e.handle
 		recycle(e)
 		return fmt.Errorf("relay: local side: %w: handle %#x already in flight", nbd.ErrProtocol, h)
+	}
+	if r.failing && !e.internal {
+		// The outage outlasted FailAfter: no waiting.
+		r.bytes -= e.cost
+		r.failed++
+		r.mu.Unlock()
+		if r.answerError(e, nbd.EIO) {
+			if err := r.flushLocal(); err != nil {
+				r.localEnded(err)
+			}
+		}
+		return nil
 	}
 	r.table[e.handle] = e
 	if e.cmd == nbd.CmdFlush {

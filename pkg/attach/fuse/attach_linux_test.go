@@ -232,12 +232,10 @@ func TestAttachConcurrent(t *testing.T) {
 	assertNothingLeft(t, a, "pv-conc", ts)
 }
 
-// TestServerGone loses the server under an attached volume: I/O fails,
-// Health says so, and Detach still cleans up.
 // TestServerGoneAndBack: with the server gone, I/O on the device waits
 // (no error) and health says so; when a server is back on the address the
 // I/O completes with the right data. With deadConnTimeout bounded, I/O
-// fails instead once it passed.
+// fails instead once it passed, and works again once the server is back.
 func TestServerGoneAndBack(t *testing.T) {
 	requireFUSE(t)
 	for _, bounded := range []bool{false, true} {
@@ -269,11 +267,29 @@ func TestServerGoneAndBack(t *testing.T) {
 				case <-time.After(20 * time.Second):
 					t.Fatal("read still waits long past a bounded deadConnTimeout")
 				}
+				if h, err := a.Health("pv-gone"); err != nil || !h.Failing || !strings.Contains(h.Message, "I/O fails") {
+					t.Errorf("health past the bounded wait: %+v, %v", h, err)
+				}
+				ts.restart(t)
+				deadline := time.Now().Add(20 * time.Second)
+				for {
+					_, err := f.ReadAt(got, 0)
+					if err == nil {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatalf("reads still fail 20s after the server came back: %v", err)
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+				if !bytes.Equal(got, want) {
+					t.Fatal("read after the outage returned the wrong data")
+				}
 				f.Close()
 				if err := a.Detach(context.Background(), "pv-gone"); err != nil {
 					t.Fatal(err)
 				}
-				assertNothingLeft(t, a, "pv-gone", nil)
+				assertNothingLeft(t, a, "pv-gone", ts)
 				return
 			}
 			select {

@@ -562,7 +562,7 @@ func (v *volume) health() attach.Health {
 	h.MPTCP = v.att.MPTCP
 	var msgs []string
 	if !st.Connected {
-		msgs = append(msgs, fmt.Sprintf("waiting for the storage node for %v", h.Outage.Round(time.Second)))
+		msgs = append(msgs, h.OutageMessage())
 	} else if st.Remote != nil && nbd.IsMultipathTCP(st.Remote) {
 		if info, err := mptcp.GetInfo(st.Remote); err != nil {
 			msgs = append(msgs, err.Error())

@@ -56,7 +56,7 @@ func openDataPath(ctx context.Context, cfg Config, t attach.Target, o attach.Opt
 	dp.multipath = nbd.IsMultipathTCP(first.Conn)
 	ro := relay.Options{Logger: log}
 	if d := o.DeadConnTimeout; d > 0 && d < attach.DefaultDeadConnTimeout {
-		ro.GiveUpAfter = d
+		ro.FailAfter = d
 	}
 	dp.relay = relay.New(nil, first, func(ctx context.Context) (net.Conn, error) {
 		rc, err := dial(ctx)

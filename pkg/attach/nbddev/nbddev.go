@@ -465,7 +465,7 @@ func (v *volume) startRelay(a *Attacher, local net.Conn, remote *relay.Remote) {
 	}
 	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID)}
 	if v.bounded() {
-		ro.GiveUpAfter = v.opts.DeadConnTimeout
+		ro.FailAfter = v.opts.DeadConnTimeout
 	}
 	r := relay.New(local, remote, redial, ro)
 	v.relay, v.stopRelay, v.relayDone = r, cancel, make(chan struct{})
@@ -563,8 +563,11 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	if v.lastErr != nil {
 		h.Message = v.lastErr.Error()
 	}
+	if v.bounded() && h.Outage > v.opts.DeadConnTimeout {
+		h.Failing = true // the kernel's dead-connection timeout, or the relay's bound
+	}
 	if h.Outage > 0 {
-		h.Message = fmt.Sprintf("waiting for the storage node for %v: %s", h.Outage.Round(time.Second), h.Message)
+		h.Message = h.OutageMessage() + ": " + h.Message
 	}
 	return h, nil
 }
