@@ -19,7 +19,7 @@ type Export struct {
 
 	mu       sync.Mutex
 	conns    map[*serverConn]struct{}
-	sessions map[sessionKey]sessionSlot
+	sessions map[sessionKey]*sessionSlot
 	removed  bool
 }
 
@@ -148,7 +148,7 @@ func (s *Server) AddExport(e *Export) error {
 	}
 	e.mu.Lock()
 	e.conns = make(map[*serverConn]struct{})
-	e.sessions = make(map[sessionKey]sessionSlot)
+	e.sessions = make(map[sessionKey]*sessionSlot)
 	e.removed = false
 	e.mu.Unlock()
 	s.exports[e.Name] = e
@@ -334,24 +334,11 @@ func (s *Server) ServeConn(c net.Conn) {
 	sc.export = exp
 	sc.log = log.With("export", exp.Name)
 	if sc.session != nil {
-		prev, ok := exp.supersede(sc)
-		if !ok {
+		if !exp.join(sc) {
 			sc.log.Info("refusing a connection older than its session's current one", "session", sc.session.ID.String(), "lane", sc.session.Lane)
 			return
 		}
 		defer exp.leave(sc)
-		if prev != nil {
-			// Nothing of the superseded connection may run after our
-			// first request: wait until its executing requests are done,
-			// even if we are superseded meanwhile, so that a chain of
-			// replacements stays ordered.
-			prev.fence()
-			<-prev.done
-			sc.log.Info("superseded an older connection of the session", "session", sc.session.ID.String(), "lane", sc.session.Lane)
-		}
-		if sc.fenced.Load() {
-			return
-		}
 	}
 	if sc.draining.Load() {
 		// Drained during negotiation, whose end cleared the read
@@ -383,27 +370,53 @@ func (e *Export) attach(c *serverConn) bool {
 	return true
 }
 
-// supersede makes c the current connection of its session lane and
-// returns the one it replaces. It refuses c when the lane's current
-// connection has a later generation.
-func (e *Export) supersede(c *serverConn) (*serverConn, bool) {
+// join adds c to its session lane. It refuses c when a connection with a
+// later generation sent requests already.
+func (e *Export) join(c *serverConn) bool {
 	k := sessionKey{c.session.ID, c.session.Lane}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	cur, ok := e.sessions[k]
-	if ok && cur.gen > c.session.Generation {
-		return nil, false
+	sl := e.sessions[k]
+	if sl == nil {
+		sl = &sessionSlot{conns: make(map[*serverConn]struct{})}
+		e.sessions[k] = sl
 	}
-	e.sessions[k] = sessionSlot{conn: c, gen: c.session.Generation}
-	return cur.conn, true
+	if c.session.Generation < sl.activeGen {
+		return false
+	}
+	sl.conns[c] = struct{}{}
+	return true
 }
 
-// leave forgets c as its lane's current connection, unless it was
-// replaced already.
+// activate is called before c sends its first request to the backend: it
+// returns the connections of the lane that c supersedes (every one with an
+// older generation). It refuses c when a connection with a later
+// generation sent requests already.
+func (e *Export) activate(c *serverConn) ([]*serverConn, bool) {
+	k := sessionKey{c.session.ID, c.session.Lane}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	sl := e.sessions[k]
+	if c.session.Generation < sl.activeGen {
+		return nil, false
+	}
+	sl.activeGen = c.session.Generation
+	var older []*serverConn
+	for o := range sl.conns {
+		if o.session.Generation < c.session.Generation {
+			older = append(older, o)
+		}
+	}
+	return older, true
+}
+
+// leave takes c out of its session lane.
 func (e *Export) leave(c *serverConn) {
 	k := sessionKey{c.session.ID, c.session.Lane}
 	e.mu.Lock()
-	if e.sessions[k].conn == c {
+	sl := e.sessions[k]
+	delete(sl.conns, c)
+	if len(sl.conns) == 0 {
 		delete(e.sessions, k)
 	}
 	e.mu.Unlock()

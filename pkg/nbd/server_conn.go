@@ -32,7 +32,10 @@ type serverConn struct {
 	draining atomic.Bool
 	// fenced is set once a newer connection of the same session lane
 	// supersedes this one: requests not yet started are dropped.
-	fenced   atomic.Bool
+	fenced atomic.Bool
+	// active: this connection sent a request and superseded the older
+	// ones of its session lane (reader goroutine only).
+	active   bool
 	inflight sync.WaitGroup
 	lim      *limiter
 
@@ -125,6 +128,11 @@ func (c *serverConn) transmit() {
 			c.log.Warn("closing connection", "error", err)
 			return
 		}
+		if c.session != nil && !c.active && req.Type != CmdDisc {
+			if !c.takeOver() {
+				return
+			}
+		}
 		switch {
 		case req.Type == CmdDisc:
 			c.log.Debug("client disconnected")
@@ -192,6 +200,33 @@ func (c *serverConn) worker(queue <-chan work) {
 			o.Request(c.export.Name, w.req.Type, n, time.Since(w.start), errno)
 		}
 	}
+}
+
+// takeOver runs before the first request of a session connection: it
+// supersedes the older connections of its session lane and waits until
+// nothing of them runs any more, so that the request cannot meet a late
+// one of theirs in the backend. It returns false when this connection
+// must not serve (a later one sent requests already, or superseded this
+// one meanwhile).
+func (c *serverConn) takeOver() bool {
+	c.active = true
+	older, ok := c.export.activate(c)
+	if !ok {
+		c.log.Info("refusing requests of a connection a later one of its session replaced", "session", c.session.ID.String(), "lane", c.session.Lane)
+		return false
+	}
+	for _, o := range older {
+		o.fence()
+	}
+	// Even if this connection is superseded meanwhile: a chain of
+	// replacements stays ordered.
+	for _, o := range older {
+		<-o.done
+	}
+	if len(older) > 0 {
+		c.log.Info("superseded older connections of the session", "session", c.session.ID.String(), "lane", c.session.Lane, "connections", len(older))
+	}
+	return !c.fenced.Load()
 }
 
 // fence stops a superseded connection: it reads nothing more, starts no

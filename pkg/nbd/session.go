@@ -26,13 +26,16 @@ import (
 // protocol requires for every unknown option, and the client carries on
 // without fencing or incarnation (see Negotiated.Fenced).
 //
-// Semantics on the server: a connection that enters transmission with
-// session S and lane L supersedes every older connection of (S, L) on the
-// same export. Before the new connection executes its first request, each
-// superseded one has stopped reading, dropped the requests it read but had
-// not started and finished those it had started; their replies are not
-// sent. A connection whose generation is lower than that of the current
-// connection of (S, L) is refused: it is a late arrival, already replaced.
+// Semantics on the server: a connection of session S and lane L that
+// sends its first request supersedes every older connection of (S, L) on
+// the same export. Before that request executes, each superseded one has
+// stopped reading, dropped the requests it read but had not started and
+// finished those it had started; their replies are not sent. A connection
+// that sends nothing supersedes nothing: a client may dial one and drop it
+// unused (the kernel keeps its own socket when it has no dead one to
+// replace) without disturbing the connection in use. A connection whose
+// generation is lower than that of a connection of (S, L) that sent
+// requests is refused: it is a late arrival, already replaced.
 const (
 	// OptSession is the option code: "MPS" and a version byte, far from
 	// the protocol's own numbers.
@@ -117,10 +120,11 @@ type sessionKey struct {
 	lane uint32
 }
 
-// sessionSlot is the current connection of one session lane on an export.
+// sessionSlot is one session lane on an export: its open connections and
+// the highest generation that sent requests.
 type sessionSlot struct {
-	conn *serverConn
-	gen  uint64
+	activeGen uint64
+	conns     map[*serverConn]struct{}
 }
 
 // BootIncarnation derives an incarnation from the host's boot ID: it

@@ -191,6 +191,45 @@ func TestSessionRefusesOlderGeneration(t *testing.T) {
 	}
 }
 
+// TestSessionIdleConnectionSupersedesNothing: a connection of the lane
+// that sends no request (a client that dialed and dropped it unused, as a
+// re-adopting node plugin does when the kernel's socket is healthy) leaves
+// the active one serving; the next connection that does send supersedes
+// the active one, and the idle one, older than it, is then refused.
+func TestSessionIdleConnectionSupersedesNothing(t *testing.T) {
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(1 << 20)})
+	id := NewSessionID()
+	flush := func(c net.Conn, h uint64) Reply {
+		t.Helper()
+		sendReq(t, c, Request{Type: CmdFlush, Handle: h}, nil)
+		return readRep(t, c)
+	}
+	c1, _ := sessionConn(t, s, id, 100)
+	if r := flush(c1, 1); r.Errno != 0 {
+		t.Fatalf("flush on the first connection: %+v", r)
+	}
+	idle, _ := sessionConn(t, s, id, 200)
+	if r := flush(c1, 2); r.Handle != 2 || r.Errno != 0 {
+		t.Fatalf("the active connection after an idle one joined: %+v", r)
+	}
+	idle.Close()
+	if r := flush(c1, 3); r.Handle != 3 || r.Errno != 0 {
+		t.Fatalf("the active connection after the idle one left: %+v", r)
+	}
+	late, _ := sessionConn(t, s, id, 300)
+	newest, _ := sessionConn(t, s, id, 400)
+	if r := flush(newest, 4); r.Handle != 4 || r.Errno != 0 {
+		t.Fatalf("flush on the newest connection: %+v", r)
+	}
+	for name, c := range map[string]net.Conn{"the superseded connection": c1, "a connection older than the newest": late} {
+		sendReq(t, c, Request{Type: CmdFlush, Handle: 5}, nil)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Read(make([]byte, 1)); err == nil {
+			t.Fatalf("%s was served", name)
+		}
+	}
+}
+
 // TestSessionIncarnation: the incarnation is the server's, the same for
 // every connection, and a server told its own announces that.
 func TestSessionIncarnation(t *testing.T) {

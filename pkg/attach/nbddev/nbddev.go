@@ -85,11 +85,14 @@ type volume struct {
 	reconnecting bool
 	downSince    time.Time  // when the reconnect under way began
 	conns        []net.Conn // our handles on the data sockets (for MPTCP_INFO)
-	relay        *relay.Relay
-	stopRelay    context.CancelFunc
-	relayDone    chan struct{}
-	reconnects   int
-	lastErr      error
+	// viaMPTCP: the last connections dialed ran MPTCP (what the device
+	// uses when the process has no handle on the kernel's sockets).
+	viaMPTCP   bool
+	relay      *relay.Relay
+	stopRelay  context.CancelFunc
+	relayDone  chan struct{}
+	reconnects int
+	lastErr    error
 }
 
 // New returns an attacher for cfg.Mode.
@@ -310,10 +313,32 @@ func (a *Attacher) replaceSockets(ctx context.Context, v *volume) error {
 		oldStop()
 		<-oldDone
 	}
+	if a.cfg.Mode != attach.Relay {
+		// Only the sockets the kernel took carry the device; the others
+		// close unused, and the server, which saw no request on them,
+		// keeps serving the connections the kernel still has.
+		v.mu.Lock()
+		fresh := v.conns
+		keep, closing := sortTaken(fresh, oldConns, a.slots(v))
+		v.conns, oldConns = keep, closing
+		v.viaMPTCP = allMPTCP(fresh)
+		v.mu.Unlock()
+		if len(keep) == 0 {
+			a.log.Info("the kernel's connections are healthy: kept them", "volume_id", v.target.VolumeID, "nbd_index", v.index)
+		}
+	}
 	for _, c := range oldConns {
 		c.Close()
 	}
 	return nil
+}
+
+// slots is the number of connections v's device has.
+func (a *Attacher) slots(v *volume) int {
+	if a.cfg.Mode == attach.MultiConn {
+		return len(v.target.Addrs)
+	}
+	return 1
 }
 
 func (a *Attacher) register(v *volume) {
@@ -322,7 +347,7 @@ func (a *Attacher) register(v *volume) {
 		Transport: a.cfg.Mode,
 		Device:    nbdnl.DevicePath(v.index),
 		Size:      v.info.Size,
-		MPTCP:     len(v.conns) > 0 && allMPTCP(v.conns),
+		MPTCP:     v.usesMPTCP(),
 	}
 	a.mu.Lock()
 	a.vols[v.target.VolumeID] = v
@@ -535,7 +560,9 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	h := attach.Health{Connected: len(v.conns) > 0 && !v.reconnecting, Reconnects: v.reconnects}
+	// A device taken over from an earlier process may run on sockets only
+	// the kernel holds: connected all the same.
+	h := attach.Health{Connected: !v.reconnecting, Reconnects: v.reconnects}
 	if v.reconnecting {
 		h.Outage = time.Since(v.downSince)
 	}
@@ -562,6 +589,10 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	}
 	if v.lastErr != nil {
 		h.Message = v.lastErr.Error()
+	}
+	if v.relay == nil && len(conns) == 0 && !v.reconnecting {
+		h.MPTCP = v.viaMPTCP
+		h.Message = "connections taken over from an earlier process, held by the kernel: subflows show after the next reconnect"
 	}
 	if v.bounded() && h.Outage > v.opts.DeadConnTimeout {
 		h.Failing = true // the kernel's dead-connection timeout, or the relay's bound
@@ -673,6 +704,15 @@ func (a *Attacher) Close() {
 		a.watch = nil
 	}
 	a.mu.Unlock()
+}
+
+// usesMPTCP reports whether the device's connections run MPTCP. Called
+// with mu held or before v is shared.
+func (v *volume) usesMPTCP() bool {
+	if len(v.conns) == 0 {
+		return v.viaMPTCP
+	}
+	return allMPTCP(v.conns)
 }
 
 func allMPTCP(conns []net.Conn) bool {

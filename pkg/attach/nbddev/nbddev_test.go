@@ -32,6 +32,18 @@ type fakeKernel struct {
 	// real kernel does.
 	holdSockets bool
 	held        []*os.File
+	// healthy: the device has no dead slot, so a RECONFIGURE takes no
+	// socket (the real kernel then drops them without an error).
+	healthy bool
+}
+
+// take marks sockets taken as the real kernel does: it sets them to send
+// with the device's request timeout.
+func take(files []*os.File) {
+	for _, f := range files {
+		tv := syscall.Timeval{Sec: 30}
+		syscall.SetsockoptTimeval(int(f.Fd()), syscall.SOL_SOCKET, syscall.SO_SNDTIMEO, &tv)
+	}
 }
 
 func (k *fakeKernel) hold(files []*os.File) {
@@ -73,7 +85,8 @@ func (k *fakeKernel) Reconfigure(i uint32, o nbdnl.ReconfigureOptions) error {
 	k.mu.Lock()
 	k.reconfigs = append(k.reconfigs, o)
 	err := k.reconfigErr
-	if err == nil {
+	if err == nil && !k.healthy {
+		take(o.Sockets)
 		k.hold(o.Sockets)
 	}
 	k.mu.Unlock()

@@ -2,6 +2,7 @@ package nbddev
 
 import (
 	"context"
+	"io"
 	"net"
 	"os"
 	"testing"
@@ -129,13 +130,38 @@ func TestReconnectUntilServerBack(t *testing.T) {
 	}
 }
 
-// TestAdoptFencesOldConnection: a process that re-adopts a device (the
-// old process died, the kernel still holds its socket) connects with the
-// volume's recorded session, so the server drops the connection the new
-// one replaces: one connection per device connection, never two.
-func TestAdoptFencesOldConnection(t *testing.T) {
-	for _, fenced := range []bool{true, false} {
-		t.Run(map[bool]string{true: "same session", false: "no state file"}[fenced], func(t *testing.T) {
+// flushOn sends a FLUSH on a socket the fake kernel holds, as the kernel
+// would, and reports whether the server answered it.
+func flushOn(f *os.File) bool {
+	c, err := net.FileConn(f)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	var req [28]byte
+	(&nbd.Request{Type: nbd.CmdFlush, Handle: 7}).Encode(req[:])
+	if _, err := c.Write(req[:]); err != nil {
+		return false
+	}
+	var rep [16]byte
+	if _, err := io.ReadFull(c, rep[:]); err != nil {
+		return false
+	}
+	r, err := nbd.DecodeReply(rep[:])
+	return err == nil && r.Handle == 7 && r.Errno == 0
+}
+
+// TestAdoptKeepsOneConnection: a process re-adopts a device whose old
+// process died while the kernel kept its socket. When that socket is
+// healthy the kernel takes none of the new ones: the attacher closes its
+// unused connection and the old one goes on serving, undisturbed. When
+// the kernel had a dead slot and takes the new socket, the first request
+// on it supersedes (fences) the old connection of the volume's session.
+// Either way the server ends with one connection per device connection.
+func TestAdoptKeepsOneConnection(t *testing.T) {
+	for _, healthy := range []bool{true, false} {
+		t.Run(map[bool]string{true: "healthy device", false: "dead slot"}[healthy], func(t *testing.T) {
 			s, addr := startServer(t)
 			dir := t.TempDir()
 			k := newFakeKernel()
@@ -156,10 +182,8 @@ func TestAdoptFencesOldConnection(t *testing.T) {
 			}
 			waitConns(t, s, 1)
 			a.Close()
-			if !fenced {
-				os.Remove(dir + "/pvc-1.json")
-			}
 			d.backends["pvc-1"] = 0
+			k.healthy = healthy
 			b, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
 			if err != nil {
 				t.Fatal(err)
@@ -168,15 +192,31 @@ func TestAdoptFencesOldConnection(t *testing.T) {
 			if _, err := b.Attach(context.Background(), tg, attach.Options{}); err != nil {
 				t.Fatal(err)
 			}
-			if fenced {
+			k.mu.Lock()
+			held := append([]*os.File(nil), k.held...)
+			k.mu.Unlock()
+			if healthy {
+				if len(held) != 1 {
+					t.Fatalf("the kernel holds %d sockets, want its first one", len(held))
+				}
 				waitConns(t, s, 1)
+				if !flushOn(held[0]) {
+					t.Fatal("the kernel's healthy connection stopped serving after the re-adoption")
+				}
+				if h, err := b.Health("pvc-1"); err != nil || !h.Connected {
+					t.Fatalf("health of a device taken over healthy: %+v, %v", h, err)
+				}
 				return
 			}
-			// Without the session the kernel's old socket stays beside the
-			// new one: what the recorded session prevents.
-			time.Sleep(200 * time.Millisecond)
-			if n := conns(s); n != 2 {
-				t.Fatalf("%d connections without a session, want 2", n)
+			if len(held) != 2 {
+				t.Fatalf("the kernel holds %d sockets, want 2", len(held))
+			}
+			if !flushOn(held[1]) {
+				t.Fatal("the socket the kernel took does not serve")
+			}
+			waitConns(t, s, 1)
+			if flushOn(held[0]) {
+				t.Fatal("the superseded connection still serves")
 			}
 		})
 	}
