@@ -21,6 +21,7 @@ soak: deps
 	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./e2e/faults ./pkg/relay
 
 bench: deps build
+	bash hack/bench-relay.sh
 	bash hack/bench.sh
 
 # The transports side by side on /dev/nbdX in the VM (kernel, relay,

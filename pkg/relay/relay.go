@@ -111,6 +111,10 @@ type Options struct {
 	// OnEvent, when set, is called for connection events from the relay's
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
+
+	// noRetain turns retention off, for the benchmark that measures what
+	// it costs.
+	noRetain bool
 }
 
 // EventKind says what happened to the remote connection.

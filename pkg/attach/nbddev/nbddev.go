@@ -367,7 +367,6 @@ func (v *volume) attachment() *attach.Attachment {
 // hand to the kernel. For relay that is the kernel's end of a socketpair;
 // the relay owns the MPTCP connection.
 func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
-	t := v.target
 	var conns []net.Conn
 	fail := func(err error) ([]*os.File, error) {
 		for _, c := range conns {
@@ -377,19 +376,10 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 	}
 	switch a.cfg.Mode {
 	case attach.MultiConn:
-		for i, addr := range t.Addrs {
-			local := ""
-			if i < len(t.LocalAddrs) {
-				local = t.LocalAddrs[i]
-			}
-			// No session: LINK_DEAD does not say which socket died, and a
-			// new socket on a live one's lane would fence it.
-			c, err := a.dial(ctx, v, addr, local, false, -1)
-			if err != nil {
-				return fail(err)
-			}
-			conns = append(conns, c.Conn)
-			v.info = c.Info
+		var err error
+		conns, err = a.dialEach(ctx, v)
+		if err != nil {
+			return fail(err)
 		}
 		if len(conns) > 1 && v.info.Flags&nbd.FlagCanMultiConn == 0 {
 			return fail(fmt.Errorf("%w: multiconn needs a server that allows several connections", attach.ErrUnsupported))
@@ -430,6 +420,80 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 		files = append(files, f)
 	}
 	return files, nil
+}
+
+// dialEach dials every storage address at once, one connection each (the
+// multiconn transport). Addresses that do not answer are left out: the
+// device gets, or a reconnect offers the kernel, the connections that
+// work, so a path that is down costs one connection, not the volume.
+func (a *Attacher) dialEach(ctx context.Context, v *volume) ([]net.Conn, error) {
+	t := v.target
+	type result struct {
+		c   *relay.Remote
+		err error
+	}
+	// Once one connection is up, the others get a short grace before the
+	// ones still dialing are given up: a silent path must not hold the
+	// device back for the whole dial timeout.
+	const grace = 2 * time.Second
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type indexed struct {
+		i int
+		result
+	}
+	ch := make(chan indexed, len(t.Addrs))
+	for i, addr := range t.Addrs {
+		local := ""
+		if i < len(t.LocalAddrs) {
+			local = t.LocalAddrs[i]
+		}
+		go func() {
+			// No session: LINK_DEAD does not say which socket died, and a
+			// new socket on a live one's lane would fence it.
+			c, err := a.dial(ctx, v, addr, local, false, -1)
+			ch <- indexed{i, result{c, err}}
+		}()
+	}
+	res := make([]result, len(t.Addrs))
+	var timeout <-chan time.Time
+	for left := len(t.Addrs); left > 0; left-- {
+		var r indexed
+		select {
+		case r = <-ch:
+		case <-timeout:
+			cancel()
+			r = <-ch
+		}
+		res[r.i] = r.result
+		if r.err == nil && timeout == nil {
+			timeout = time.After(grace)
+		}
+	}
+	var conns []net.Conn
+	var errs []error
+	for i, r := range res {
+		if r.err != nil {
+			errs = append(errs, r.err)
+			if errors.Is(r.err, attach.ErrServerRefused) {
+				// The export is refused: no address will do.
+				for _, o := range res {
+					if o.c != nil {
+						o.c.Close()
+					}
+				}
+				return nil, r.err
+			}
+			a.log.Warn("storage address unreachable: the device goes without its connection", "volume_id", t.VolumeID, "addr", t.Addrs[i], "error", r.err)
+			continue
+		}
+		conns = append(conns, r.c.Conn)
+		v.info = r.c.Info
+	}
+	if len(conns) == 0 {
+		return nil, errors.Join(errs...)
+	}
+	return conns, nil
 }
 
 // noteIncarnation records the server's incarnation and says so when it
