@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -59,6 +60,34 @@ type storage struct {
 	useMP   bool
 	srv     *nbd.Server
 	backend *nbd.FileBackend
+	log     connLog
+}
+
+// connLog records the connections a server opened and closed, by the
+// client's address.
+type connLog struct {
+	mu             sync.Mutex
+	opened, closed []string
+}
+
+func (l *connLog) ConnOpened(c nbd.ConnInfo, _ string) {
+	l.mu.Lock()
+	l.opened = append(l.opened, c.RemoteAddr.String())
+	l.mu.Unlock()
+}
+
+func (l *connLog) ConnClosed(c nbd.ConnInfo, _ string) {
+	l.mu.Lock()
+	l.closed = append(l.closed, c.RemoteAddr.String())
+	l.mu.Unlock()
+}
+
+func (l *connLog) Request(string, uint16, int, time.Duration, uint32) {}
+
+func (l *connLog) snapshot() (opened, closed []string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.opened...), append([]string(nil), l.closed...)
 }
 
 func newStorage(t *testing.T, tp *topo.Topology, size int64, useMPTCP bool) *storage {
@@ -78,7 +107,7 @@ func newStorage(t *testing.T, tp *topo.Topology, size int64, useMPTCP bool) *sto
 
 func (st *storage) start(port string) {
 	st.t.Helper()
-	s := &nbd.Server{Logger: testLogger(st.t)}
+	s := &nbd.Server{Logger: testLogger(st.t), Observer: &st.log}
 	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: st.backend}); err != nil {
 		st.t.Fatal(err)
 	}

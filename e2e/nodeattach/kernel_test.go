@@ -22,7 +22,9 @@ const envMPTCPKernel = "MPNBD_VM_NBD_MPTCP"
 // mptcpKernelTests are the guest tests TestNodeAttachMPTCPKernelInVM
 // runs on that kernel.
 var mptcpKernelTests = []string{"TestKernelTransportAttach", "TestKernelTransportPathFlap",
-	"TestKernelTransportServerRestart", "TestKernelTransportAuto"}
+	"TestKernelTransportServerRestart", "TestKernelTransportAuto", "TestTransportsServerKills",
+	"TestTransportsLongOutage", "TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout",
+	"TestReadoptHealthyDevices"}
 
 // TestNodeAttachMPTCPKernelInVM boots the VM with the kernel whose nbd
 // accepts MPTCP sockets (built by hack/vm-kernel-mptcp.sh; the test skips
@@ -32,7 +34,7 @@ func TestNodeAttachMPTCPKernelInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	runMPTCPKernelVM(t, mptcpKernelTests, nil)
+	runMPTCPKernelVM(t, selectGuestTests(t, mptcpKernelTests), nil)
 }
 
 func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string) vm.Result {
@@ -44,6 +46,7 @@ func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string) vm.Re
 	for k, v := range env {
 		cfg.Env[k] = v
 	}
+	addFaultTools(t, &cfg)
 	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
 	for _, name := range names {
 		if !strings.Contains(res.Output, "--- PASS: "+name) {

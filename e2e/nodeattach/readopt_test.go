@@ -95,11 +95,14 @@ type childSpec struct {
 	// Adopt makes the child find the volume from the state directory and
 	// sysfs (as a restarted node plugin does) instead of attaching it.
 	Adopt bool
+	// Mode is the transport (relay when empty).
+	Mode attach.Transport
 }
 
-// TestHelperAttachProcess is not a test: it is the attaching process that
-// TestReadoptAfterKill starts and kills. It attaches (or re-adopts) the
-// volume with the relay, prints the device and waits to be killed.
+// TestHelperAttachProcess is not a test: it is the attaching process
+// (a node plugin's part) that TestReadoptAfterKill and the restart tests
+// start and kill. It attaches (or re-adopts) the volume, prints the device
+// and waits to be killed.
 func TestHelperAttachProcess(t *testing.T) {
 	spec := os.Getenv("MPNBD_ATTACH_CHILD")
 	if spec == "" {
@@ -113,8 +116,11 @@ func TestHelperAttachProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if cs.Mode == "" {
+		cs.Mode = attach.Relay
+	}
 	a, err := nbddev.New(nbddev.Config{
-		Mode: attach.Relay, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
+		Mode: cs.Mode, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
 		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
 			err = topo.InNetns(cs.ClientNS, func() error {
 				c, err = d.DialContext(ctx, network, addr)

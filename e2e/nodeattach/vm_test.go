@@ -2,6 +2,7 @@ package nodeattach
 
 import (
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -13,7 +14,8 @@ import (
 // guestTests are the tests TestNodeAttachInVM runs inside the VM.
 var guestTests = []string{"TestAttachTransports", "TestKernelTransportRefused", "TestServerRestartMidWrite",
 	"TestPathDownMidRead", "TestWrongVolumeRefused", "TestReadoptAfterKill", "TestMeasureTransports",
-	"TestNodeServiceKernelTransports"}
+	"TestNodeServiceKernelTransports", "TestTransportsServerKills", "TestTransportsLongOutage",
+	"TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout", "TestReadoptHealthyDevices"}
 
 // TestNodeAttachInVM boots the test VM and runs this package's guest tests
 // against the kernel's real nbd driver. MPNBD_VM_RUN, a regular
@@ -22,29 +24,63 @@ func TestNodeAttachInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	names := guestTests
-	if re := os.Getenv("MPNBD_VM_RUN"); re != "" {
-		m, err := regexp.Compile(re)
-		if err != nil {
-			t.Fatalf("MPNBD_VM_RUN: %v", err)
-		}
-		names = nil
-		for _, n := range guestTests {
-			if m.MatchString(n) {
-				names = append(names, n)
-			}
-		}
-		if len(names) == 0 {
-			t.Fatalf("MPNBD_VM_RUN=%q matches no guest test", re)
-		}
-	}
+	names := selectGuestTests(t, guestTests)
 	cfg := vm.Default(t)
 	cfg.MemoryMB = 2048
-	cfg.Timeout = 10 * time.Minute
+	cfg.Timeout = 16 * time.Minute
+	addFaultTools(t, &cfg)
 	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
 	for _, name := range names {
 		if !strings.Contains(res.Output, "--- PASS: "+name) {
 			t.Errorf("%s did not pass in the VM", name)
 		}
+	}
+}
+
+// selectGuestTests narrows names to those MPNBD_VM_RUN, a regular
+// expression, matches (all when it is unset).
+func selectGuestTests(t *testing.T, names []string) []string {
+	t.Helper()
+	re := os.Getenv("MPNBD_VM_RUN")
+	if re == "" {
+		return names
+	}
+	m, err := regexp.Compile(re)
+	if err != nil {
+		t.Fatalf("MPNBD_VM_RUN: %v", err)
+	}
+	var out []string
+	for _, n := range names {
+		if m.MatchString(n) {
+			out = append(out, n)
+		}
+	}
+	if len(out) == 0 {
+		t.Skipf("MPNBD_VM_RUN=%q matches none of %v", re, names)
+	}
+	return out
+}
+
+// addFaultTools gives the guest what the fault tests run: fio and Debian's
+// nbd-server from the host (packages fio and nbd-server; without them
+// those tests skip, saying so, and do not pass) and our own nbd-server,
+// built for the guest. MPNBD_SOAK=1 goes through and lengthens the VM's
+// time limit.
+func addFaultTools(t *testing.T, cfg *vm.Config) {
+	t.Helper()
+	for _, tool := range []string{"fio", "nbd-server"} {
+		if p, err := exec.LookPath(tool); err == nil {
+			cfg.Tools = append(cfg.Tools, p)
+		}
+	}
+	ours := vm.BuildGo(t, "./cmd/nbd-server")
+	cfg.Tools = append(cfg.Tools, ours)
+	if cfg.Env == nil {
+		cfg.Env = map[string]string{}
+	}
+	cfg.Env[envOurServer] = ours
+	if soak() {
+		cfg.Env[envSoak] = "1"
+		cfg.Timeout = 60 * time.Minute
 	}
 }
