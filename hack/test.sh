@@ -44,7 +44,7 @@ fi
 
 echo "== go test -race"
 [ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
-MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)} go test -race -count=1 -timeout 20m ./...
+MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)} go test -race -count=1 -timeout 40m ./...
 
 echo "== fuzz (${FUZZTIME} each)"
 grep -l '^func Fuzz' $(git ls-files '*_test.go') | while read -r f; do

@@ -250,6 +250,15 @@ func newServer(t *testing.T, kind string, size int64) server {
 	return s
 }
 
+// TestMain: the test binary is also the fuse transport's per-volume server
+// process (the attacher runs its own executable again to start one).
+func TestMain(m *testing.M) {
+	if fuse.ServeRequested() {
+		os.Exit(fuse.ServeMain())
+	}
+	os.Exit(m.Run())
+}
+
 // attachFuse attaches the server's export with the fuse transport.
 func attachFuse(t *testing.T, s server) string {
 	t.Helper()
@@ -277,7 +286,7 @@ func fioVerify(t *testing.T, dev string, size int64, seed int) (string, error) {
 	args := []string{
 		"--name=verify", "--filename=" + dev, "--direct=1", "--ioengine=libaio", "--iodepth=16",
 		"--rw=randwrite", "--bs=4k", "--size=" + strconv.FormatInt(size, 10), "--randseed=" + strconv.Itoa(seed),
-		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--group_reporting",
+		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--group_reporting",
 	}
 	out, err := exec.Command("fio", args...).CombinedOutput()
 	s := string(out)
@@ -377,4 +386,65 @@ func TestFuseLongOutage(t *testing.T) {
 		t.Fatal("fio did not finish after the server came back")
 	}
 	t.Logf("server gone %v mid-write: fio finished with no error and verified", p.outage)
+}
+
+// TestFusePluginRestartDuringOutage: the storage server is SIGKILLed in the
+// middle of a verified write; while it is away the attacher that attached
+// the volume is dropped and a new one (a restarted node plugin) takes the
+// volume over from the state directory. The volume's server process, a
+// process of its own, waits the outage out; once the storage server is
+// back the write completes with no error and verifies, and the new
+// attacher detaches the volume.
+func TestFusePluginRestartDuringOutage(t *testing.T) {
+	need(t, "fio", "nbd-server")
+	p := faultPlan()
+	s := newServer(t, "nbd-server", 256<<20)
+	state := t.TempDir()
+	tg := attach.Target{VolumeID: "pv-restart", Export: "disk", Addrs: []string{s.addr()}}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	att, err := fuse.New(fuse.Config{StateDir: state}).Attach(ctx, tg, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := make(chan error, 1)
+	var out string
+	go func() {
+		var err error
+		out, err = fioVerify(t, att.Device, 64<<20, 11)
+		res <- err
+	}()
+	time.Sleep(time.Second)
+	s.kill(t)
+	fresh := fuse.New(fuse.Config{StateDir: state})
+	t.Cleanup(func() {
+		if err := fresh.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Errorf("detach from the new attacher: %v", err)
+		}
+	})
+	atts, err := fresh.Adopt(ctx)
+	if err != nil || len(atts) != 1 || atts[0].Device != att.Device {
+		t.Fatalf("the new attacher took over %+v (%v), want %s", atts, err, att.Device)
+	}
+	if h, err := fresh.Health(tg.VolumeID); err != nil || h.Connected {
+		t.Errorf("health from the new attacher during the outage: %+v, %v", h, err)
+	}
+	select {
+	case err := <-res:
+		t.Fatalf("fio ended while the server was away (%v): it must wait\n%s", err, out)
+	case <-time.After(p.outage):
+	}
+	s.start(t)
+	select {
+	case err := <-res:
+		if err != nil {
+			t.Fatalf("after a %v outage and a new attacher: %v\n%s", p.outage, err, out)
+		}
+	case <-time.After(5 * time.Minute):
+		t.Fatal("fio did not finish after the server came back")
+	}
+	if h, err := fresh.Health(tg.VolumeID); err != nil || !h.Connected {
+		t.Errorf("health from the new attacher after the outage: %+v, %v", h, err)
+	}
+	t.Logf("server gone %v mid-write, attacher replaced meanwhile: fio finished with no error and verified", p.outage)
 }
