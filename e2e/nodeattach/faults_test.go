@@ -340,19 +340,25 @@ func listening(pid, port int) bool {
 	return false
 }
 
-// deviceIOs is the number of reads and writes dev completed (/sys/block
-// stat), -1 if unknown.
-func deviceIOs(dev string) int64 {
+// blockStat is the number of reads and writes dev completed (/sys/block
+// stat), -1 each if unknown.
+func blockStat(dev string) (reads, writes int64) {
 	b, err := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/stat")
 	if err != nil {
-		return -1
+		return -1, -1
 	}
 	f := strings.Fields(string(b))
 	if len(f) < 5 {
-		return -1
+		return -1, -1
 	}
-	r, _ := strconv.ParseInt(f[0], 10, 64)
-	w, _ := strconv.ParseInt(f[4], 10, 64)
+	reads, _ = strconv.ParseInt(f[0], 10, 64)
+	writes, _ = strconv.ParseInt(f[4], 10, 64)
+	return reads, writes
+}
+
+// deviceIOs is the number of reads and writes dev completed.
+func deviceIOs(dev string) int64 {
+	r, w := blockStat(dev)
 	return r + w
 }
 
@@ -581,18 +587,10 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// writeIOs is the number of writes the device completed (/sys/block stat).
+// writeIOs is the number of writes the device completed.
 func writeIOs(dev string) int64 {
-	b, err := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/stat")
-	if err != nil {
-		return -1
-	}
-	f := strings.Fields(string(b))
-	if len(f) < 5 {
-		return -1
-	}
-	n, _ := strconv.ParseInt(f[4], 10, 64)
-	return n
+	_, w := blockStat(dev)
+	return w
 }
 
 // attachFault starts nbd-server in a new topology and attaches its export
@@ -752,29 +750,12 @@ func TestTransportsLongOutage(t *testing.T) {
 			before := writeIOs(att.Device)
 			f := startFio(t, att.Device, seed)
 			// Kill once fio is well into its writes.
-			deadline := time.Now().Add(time.Minute)
-			for writeIOs(att.Device)-before < 256 {
-				if !f.running() {
-					t.Fatalf("fio ended before the kill: %v\n%s", f.res, tail(f.res.output, 40))
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("fio completed %d writes in a minute, fewer than 256", writeIOs(att.Device)-before)
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
+			waitWrites(t, f, att.Device, before, 256)
 			n := srv.kill()
-			killedAt := time.Now()
 			t.Logf("SIGKILL nbd-server (%d processes) after %d writes; down for %v", n, writeIOs(att.Device)-before, outage)
 			// The I/O must wait: fio cannot finish while the server is away.
-			var stalled attach.Health
-			for time.Since(killedAt) < outage {
-				if !f.running() {
-					t.Fatalf("fio ended while the server was down, %v after the kill: %v\n%s",
-						time.Since(killedAt).Round(time.Millisecond), f.res, tail(f.res.output, 40))
-				}
-				stalled, _ = a.Health(tg.VolumeID)
-				time.Sleep(min(time.Second, outage-time.Since(killedAt)+time.Millisecond))
-			}
+			holdRunning(t, f, outage, "the outage")
+			stalled, _ := a.Health(tg.VolumeID)
 			t.Logf("health at the end of the outage: %+v", stalled)
 			if stalled.Connected {
 				t.Errorf("health says connected after %v with the server down: %+v", outage, stalled)
