@@ -100,7 +100,7 @@ func LoadKernel() (Kernel, error) {
 	return kernelInfo, kernelErr
 }
 
-func loadKernel() (Kernel, error) {
+func loadKernel(env ...string) (Kernel, error) {
 	var k Kernel
 	root, err := ModuleRoot()
 	if err != nil {
@@ -110,6 +110,7 @@ func loadKernel() (Kernel, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", script)
+	cmd.Env = append(os.Environ(), env...)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -139,6 +140,36 @@ func loadKernel() (Kernel, error) {
 	return k, nil
 }
 
+// UblkKernelPackage is the kernel DefaultUblk boots: Debian 12's stock
+// 6.12 kernel (bookworm), which ships ublk_drv and nbd as modules (its nbd
+// refuses MPTCP sockets, like every stock kernel). MPNBD_VM_UBLK_KERNEL_PKG
+// names another.
+const UblkKernelPackage = "linux-image-6.12.117+deb12-amd64"
+
+var (
+	ublkKernelOnce sync.Once
+	ublkKernelInfo Kernel
+	ublkKernelErr  error
+)
+
+// DefaultUblk is Default on UblkKernelPackage, with ublk_drv loaded
+// besides Default's modules: /dev/ublk-control exists in the guest.
+func DefaultUblk(t testing.TB) Config {
+	t.Helper()
+	checkHost(t)
+	ublkKernelOnce.Do(func() {
+		pkg := os.Getenv("MPNBD_VM_UBLK_KERNEL_PKG")
+		if pkg == "" {
+			pkg = UblkKernelPackage
+		}
+		ublkKernelInfo, ublkKernelErr = loadKernel("MPNBD_VM_KERNEL_PKG="+pkg, "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd")
+	})
+	if ublkKernelErr != nil {
+		unavailable(t, "no ublk guest kernel: %v", ublkKernelErr)
+	}
+	return configFor(t, ublkKernelInfo)
+}
+
 // Default returns a Config for tests: the cached Debian cloud kernel with
 // the nbd, veth, sch_tbf, sch_netem, loop and brd modules loaded (nbd with
 // nbds_max=8, brd providing a 128 MiB /dev/ram0), iproute2 and e2fsprogs
@@ -153,6 +184,12 @@ func Default(t testing.TB) Config {
 	if err != nil {
 		unavailable(t, "no guest kernel: %v", err)
 	}
+	return configFor(t, k)
+}
+
+// configFor is the test Config booting k with its modules.
+func configFor(t testing.TB, k Kernel) Config {
+	t.Helper()
 	cfg := baseConfig(t, k.Image)
 	for _, m := range k.Modules {
 		name := strings.TrimSuffix(filepath.Base(m), ".ko")

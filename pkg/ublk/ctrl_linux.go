@@ -1,0 +1,154 @@
+package ublk
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"github.com/mpnbd/mpnbd/pkg/iouring"
+	"golang.org/x/sys/unix"
+)
+
+// ControlPath is the ublk driver's control device.
+const ControlPath = "/dev/ublk-control"
+
+// ErrUnavailable: the kernel has no ublk driver (no /dev/ublk-control).
+var ErrUnavailable = errors.New("ublk: no /dev/ublk-control (the ublk_drv module is not loaded, or the kernel has no ublk)")
+
+// Available reports whether this kernel can serve ublk devices.
+func Available() error {
+	if _, err := os.Stat(ControlPath); err != nil {
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	return nil
+}
+
+// Control sends control commands to the ublk driver. It is safe for
+// concurrent use (commands go one at a time).
+type Control struct {
+	mu   sync.Mutex
+	f    *os.File
+	ring *iouring.Ring
+	// buf is what a command's addr points at: outside the Go heap, since
+	// the kernel may read or write it after the submission returns.
+	buf []byte
+}
+
+// OpenControl opens the control device.
+func OpenControl() (*Control, error) {
+	f, err := os.OpenFile(ControlPath, os.O_RDWR, 0)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
+		}
+		return nil, fmt.Errorf("ublk: %w", err)
+	}
+	ring, err := iouring.New(4, iouring.SetupSQE128)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("ublk: control ring: %w", err)
+	}
+	buf, err := unix.Mmap(-1, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		ring.Close()
+		f.Close()
+		return nil, fmt.Errorf("ublk: %w", err)
+	}
+	return &Control{f: f, ring: ring, buf: buf}, nil
+}
+
+// Close releases the control device.
+func (c *Control) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.ring.Close()
+	unix.Munmap(c.buf)
+	return c.f.Close()
+}
+
+// CommandError is a control command the driver refused.
+type CommandError struct {
+	Cmd   string
+	DevID uint32
+	Errno syscall.Errno
+}
+
+func (e *CommandError) Error() string {
+	return fmt.Sprintf("ublk: %s (device %d): %v", e.Cmd, int32(e.DevID), e.Errno)
+}
+
+func (e *CommandError) Unwrap() error { return e.Errno }
+
+var cmdNames = map[uint32]string{
+	cmdGetDevInfo: "GET_DEV_INFO", cmdAddDev: "ADD_DEV", cmdDelDev: "DEL_DEV", cmdStartDev: "START_DEV",
+	cmdStopDev: "STOP_DEV", cmdSetParams: "SET_PARAMS", cmdGetParams: "GET_PARAMS",
+	cmdStartUserRecovery: "START_USER_RECOVERY", cmdEndUserRecovery: "END_USER_RECOVERY",
+	cmdGetDevInfo2: "GET_DEV_INFO2", cmdGetFeatures: "GET_FEATURES",
+}
+
+// command runs one control command. in is copied to the command buffer
+// first (addr and len then describe it); out, if not nil, receives the
+// buffer afterwards.
+func (c *Control) command(nr uint32, devID uint32, data uint64, in []byte, out []byte) (int32, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.buf)
+	n := max(len(in), len(out))
+	copy(c.buf, in)
+	sqe, cmd, err := c.ring.Next()
+	if err != nil {
+		return 0, err
+	}
+	sqe.Opcode = iouring.OpURingCmd
+	sqe.FD = int32(c.f.Fd())
+	sqe.SetCmdOp(ctrlOp(nr))
+	cc := (*ctrlCmd)(unsafe.Pointer(&cmd[0]))
+	*cc = ctrlCmd{devID: devID, queueID: 0xffff, data: data}
+	if n > 0 {
+		cc.addr = uint64(uintptr(unsafe.Pointer(&c.buf[0])))
+		cc.len = uint16(n)
+	}
+	cqe, err := c.ring.Wait()
+	if err != nil {
+		return 0, err
+	}
+	if cqe.Res < 0 {
+		return cqe.Res, &CommandError{Cmd: cmdNames[nr], DevID: devID, Errno: syscall.Errno(-cqe.Res)}
+	}
+	copy(out, c.buf)
+	return cqe.Res, nil
+}
+
+func bytesOf[T any](v *T) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)) }
+
+// Features returns the driver's feature flags (GET_FEATURES, 6.5 and
+// later); older drivers answer EINVAL.
+func (c *Control) Features() (uint64, error) {
+	var f uint64
+	_, err := c.command(cmdGetFeatures, ^uint32(0), 0, nil, bytesOf(&f))
+	return f, err
+}
+
+func (c *Control) addDev(info *devInfo) error {
+	_, err := c.command(cmdAddDev, info.devID, 0, bytesOf(info), bytesOf(info))
+	return err
+}
+
+func (c *Control) devInfo(id uint32) (devInfo, error) {
+	var info devInfo
+	_, err := c.command(cmdGetDevInfo, id, 0, nil, bytesOf(&info))
+	return info, err
+}
+
+func (c *Control) setParams(id uint32, p *params) error {
+	_, err := c.command(cmdSetParams, id, 0, bytesOf(p), nil)
+	return err
+}
+
+func (c *Control) simple(nr uint32, id uint32, data uint64) error {
+	_, err := c.command(nr, id, data, nil, nil)
+	return err
+}

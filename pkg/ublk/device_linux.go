@@ -1,0 +1,492 @@
+package ublk
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"github.com/mpnbd/mpnbd/pkg/iouring"
+	"golang.org/x/sys/unix"
+)
+
+// Handler does a device's I/O. Its methods are called concurrently, one
+// call per request in flight; an error fails that request (EIO).
+type Handler interface {
+	ReadAt(p []byte, off int64) error
+	// WriteAt with fua set must be durable when it returns.
+	WriteAt(p []byte, off int64, fua bool) error
+	Flush() error
+	Trim(off, n int64) error
+	// WriteZeroes with noUnmap set must allocate the range.
+	WriteZeroes(off, n int64, noUnmap bool) error
+}
+
+// Config describes a new device.
+type Config struct {
+	// Size of the device in bytes (a multiple of the logical block).
+	Size uint64
+	// LogicalBlockShift is log2 of the logical block size (9 to 12);
+	// zero means 9 (512 bytes).
+	LogicalBlockShift uint8
+	// Queues and Depth: hardware queues and requests in flight per queue
+	// (zero: 1 queue of 64).
+	Queues, Depth int
+	// MaxIO is the largest request in bytes (zero: 512 KiB).
+	MaxIO  int
+	Logger *slog.Logger
+}
+
+func (c *Config) defaults() {
+	if c.LogicalBlockShift == 0 {
+		c.LogicalBlockShift = 9
+	}
+	if c.Queues <= 0 {
+		c.Queues = 1
+	}
+	if c.Depth <= 0 {
+		c.Depth = 64
+	}
+	if c.MaxIO <= 0 {
+		c.MaxIO = 512 << 10
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+}
+
+// Device is a ublk device served by this process.
+type Device struct {
+	ID     uint32
+	ctrl   *Control
+	char   *os.File
+	h      Handler
+	log    *slog.Logger
+	queues []*queue
+	wg     sync.WaitGroup
+	// done is closed once every queue has stopped serving.
+	done chan struct{}
+}
+
+// BlockPath is the device's block device.
+func (d *Device) BlockPath() string { return BlockPath(d.ID) }
+
+// BlockPath is the block device of ublk device id.
+func BlockPath(id uint32) string { return fmt.Sprintf("/dev/ublkb%d", id) }
+
+func charPath(id uint32) string { return fmt.Sprintf("/dev/ublkc%d", id) }
+
+// Create adds a device, serves it with h and starts it: its block device
+// exists when Create returns. The device uses user recovery: if this
+// process dies, the kernel keeps the device and holds (and later reissues)
+// its I/O until another process takes it over with Recover.
+func Create(ctx context.Context, ctrl *Control, cfg Config, h Handler) (*Device, error) {
+	cfg.defaults()
+	info := devInfo{
+		nrHWQueues:    uint16(cfg.Queues),
+		queueDepth:    uint16(cfg.Depth),
+		maxIOBufBytes: uint32(cfg.MaxIO),
+		devID:         ^uint32(0),
+		flags:         FlagUserRecovery | FlagUserRecoveryReissue | FlagCmdIoctlEncode,
+	}
+	if err := ctrl.addDev(&info); err != nil {
+		return nil, err
+	}
+	id := info.devID
+	fail := func(err error) (*Device, error) {
+		if derr := ctrl.simple(cmdDelDev, id, 0); derr != nil {
+			cfg.Logger.Error("ublk: delete a device after a failed create", "dev_id", id, "error", derr)
+		}
+		return nil, err
+	}
+	sectors := uint32(cfg.MaxIO >> 9)
+	p := params{types: paramTypeBasic | paramTypeDiscard}
+	p.len = uint32(unsafe.Sizeof(p))
+	p.basic = paramBasic{
+		attrs:           attrVolatileCache | attrFUA,
+		logicalBSShift:  cfg.LogicalBlockShift,
+		physicalBSShift: 12,
+		ioOptShift:      12,
+		ioMinShift:      cfg.LogicalBlockShift,
+		maxSectors:      sectors,
+		devSectors:      cfg.Size >> 9,
+	}
+	p.discard = paramDiscard{
+		discardGranularity:    4096,
+		maxDiscardSectors:     ^uint32(0) >> 9,
+		maxWriteZeroesSectors: ^uint32(0) >> 9,
+		maxDiscardSegments:    1,
+	}
+	if err := ctrl.setParams(id, &p); err != nil {
+		return fail(err)
+	}
+	d, err := serve(ctx, ctrl, id, info, h, cfg.Logger)
+	if err != nil {
+		return fail(err)
+	}
+	if err := ctrl.simple(cmdStartDev, id, uint64(os.Getpid())); err != nil {
+		d.stopQueues()
+		return fail(err)
+	}
+	return d, nil
+}
+
+// Recover takes over device id, left by a process that died, and serves
+// it with h: the I/O the kernel held goes to h.
+func Recover(ctx context.Context, ctrl *Control, id uint32, h Handler, log *slog.Logger) (*Device, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	info, err := ctrl.devInfo(id)
+	if err != nil {
+		return nil, err
+	}
+	if err := ctrl.simple(cmdStartUserRecovery, id, 0); err != nil {
+		return nil, err
+	}
+	d, err := serve(ctx, ctrl, id, info, h, log)
+	if err != nil {
+		return nil, err
+	}
+	if err := ctrl.simple(cmdEndUserRecovery, id, uint64(os.Getpid())); err != nil {
+		d.stopQueues()
+		return nil, err
+	}
+	return d, nil
+}
+
+// State reports the state of device id (StateLive, StateQuiesced, ...).
+func (c *Control) State(id uint32) (int, error) {
+	info, err := c.devInfo(id)
+	return int(info.state), err
+}
+
+// serve opens the device's char device and starts its queues; it returns
+// once every queue has asked the driver for its first requests.
+func serve(ctx context.Context, ctrl *Control, id uint32, info devInfo, h Handler, log *slog.Logger) (*Device, error) {
+	char, err := openChar(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{ID: id, ctrl: ctrl, char: char, h: h, log: log.With("ublk_dev", id), done: make(chan struct{})}
+	ready := make(chan error, info.nrHWQueues)
+	for q := 0; q < int(info.nrHWQueues); q++ {
+		qu := &queue{dev: d, id: uint16(q), depth: int(info.queueDepth), maxIO: int(info.maxIOBufBytes)}
+		d.queues = append(d.queues, qu)
+		d.wg.Add(1)
+		go func() {
+			defer d.wg.Done()
+			qu.run(ready)
+		}()
+	}
+	var errs []error
+	for range d.queues {
+		if err := <-ready; err != nil {
+			errs = append(errs, err)
+		}
+	}
+	go func() {
+		d.wg.Wait()
+		char.Close()
+		close(d.done)
+	}()
+	if err := errors.Join(errs...); err != nil {
+		d.stopQueues()
+		return nil, err
+	}
+	return d, nil
+}
+
+// openChar opens /dev/ublkcN, waiting for it to appear.
+func openChar(ctx context.Context, id uint32) (*os.File, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		f, err := os.OpenFile(charPath(id), os.O_RDWR, 0)
+		if err == nil {
+			return f, nil
+		}
+		if !errors.Is(err, os.ErrNotExist) || time.Now().After(deadline) {
+			return nil, fmt.Errorf("ublk: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// stopQueues ends serving without going through the driver: closing the
+// rings makes the driver treat the queues as dead.
+func (d *Device) stopQueues() {
+	for _, q := range d.queues {
+		q.stop()
+	}
+	<-d.done
+}
+
+// Done is closed when the device stopped serving (Delete, or the driver
+// aborted the queues).
+func (d *Device) Done() <-chan struct{} { return d.done }
+
+// Delete stops and removes the device; the block device goes away.
+func (d *Device) Delete() error {
+	err := d.ctrl.simple(cmdStopDev, d.ID, 0)
+	select {
+	case <-d.done:
+	case <-time.After(30 * time.Second):
+		d.log.Error("ublk: queues still serving 30s after STOP_DEV; closing their rings")
+		d.stopQueues()
+	}
+	if derr := d.ctrl.simple(cmdDelDev, d.ID, 0); derr != nil && err == nil {
+		err = derr
+	}
+	return err
+}
+
+// Abandon stops serving and leaves the device to a Recover (as a crash
+// would, but without exiting the process).
+func (d *Device) Abandon() { d.stopQueues() }
+
+// Remove stops and deletes device id whoever served it.
+func (c *Control) Remove(id uint32) error {
+	err := c.simple(cmdStopDev, id, 0)
+	if derr := c.simple(cmdDelDev, id, 0); derr != nil && !errors.Is(derr, syscall.ENODEV) {
+		return derr
+	}
+	if errors.Is(err, syscall.ENODEV) {
+		return nil
+	}
+	return err
+}
+
+// queue serves one hardware queue: a thread of its own (the driver takes
+// commands for a queue only from the task that fetched its first
+// requests) with a ring, the shared descriptors and one buffer per tag.
+type queue struct {
+	dev   *Device
+	id    uint16
+	depth int
+	maxIO int
+
+	ring  *iouring.Ring
+	descs []byte
+	bufs  []byte
+	efd   int
+	ebuf  []byte // the eventfd's counter is read into it
+
+	mu      sync.Mutex
+	done    []completion
+	stopped bool
+}
+
+type completion struct {
+	tag    uint16
+	result int32
+}
+
+const eventTag = 1 << 63
+
+func (q *queue) stop() {
+	q.mu.Lock()
+	q.stopped = true
+	q.mu.Unlock()
+	q.wake()
+}
+
+func (q *queue) wake() {
+	var one [8]byte
+	one[0] = 1
+	unix.Write(q.efd, one[:])
+}
+
+func (q *queue) run(ready chan<- error) {
+	// The thread is the queue's: it never goes back to the scheduler's
+	// pool (it ends with this goroutine).
+	runtime.LockOSThread()
+	if err := q.setup(); err != nil {
+		q.release()
+		ready <- err
+		return
+	}
+	defer q.release()
+	for tag := 0; tag < q.depth; tag++ {
+		if err := q.command(ioFetchReq, uint16(tag), 0); err != nil {
+			ready <- err
+			return
+		}
+	}
+	if err := q.armEvent(); err != nil {
+		ready <- err
+		return
+	}
+	if _, err := q.ring.Submit(0); err != nil {
+		ready <- fmt.Errorf("ublk: queue %d: submit the first fetches: %w", q.id, err)
+		return
+	}
+	ready <- nil
+	q.loop()
+}
+
+func (q *queue) setup() error {
+	var err error
+	// Every tag has a command outstanding, plus the eventfd read, plus
+	// room for commits submitted together.
+	if q.ring, err = iouring.New(uint32(2*q.depth+2), iouring.SetupSQE128); err != nil {
+		return fmt.Errorf("ublk: queue %d: %w", q.id, err)
+	}
+	if q.descs, err = unix.Mmap(int(q.dev.char.Fd()), descOffset(int(q.id)), descAreaSize(q.depth), unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
+		return fmt.Errorf("ublk: queue %d: map descriptors: %w", q.id, err)
+	}
+	if q.bufs, err = unix.Mmap(-1, 0, q.depth*q.maxIO+pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_NORESERVE); err != nil {
+		return fmt.Errorf("ublk: queue %d: buffers: %w", q.id, err)
+	}
+	q.ebuf = q.bufs[q.depth*q.maxIO:]
+	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
+		return fmt.Errorf("ublk: queue %d: eventfd: %w", q.id, err)
+	}
+	return nil
+}
+
+func (q *queue) release() {
+	if q.ring != nil {
+		q.ring.Close()
+	}
+	if q.descs != nil {
+		unix.Munmap(q.descs)
+	}
+	// The buffers stay mapped: a request still in its handler may write
+	// to them. They go with the process (a device is served once per
+	// process lifetime in the transport).
+	if q.efd > 0 {
+		unix.Close(q.efd)
+	}
+}
+
+func (q *queue) buf(tag uint16) []byte {
+	return q.bufs[int(tag)*q.maxIO : int(tag+1)*q.maxIO]
+}
+
+// command queues FETCH_REQ or COMMIT_AND_FETCH_REQ for tag (submitted with
+// the next Submit).
+func (q *queue) command(nr uint32, tag uint16, result int32) error {
+	sqe, cmd, err := q.ring.Next()
+	if err != nil {
+		if _, serr := q.ring.Submit(0); serr != nil {
+			return serr
+		}
+		if sqe, cmd, err = q.ring.Next(); err != nil {
+			return err
+		}
+	}
+	sqe.Opcode = iouring.OpURingCmd
+	sqe.FD = int32(q.dev.char.Fd())
+	sqe.SetCmdOp(ioOp(nr))
+	sqe.UserData = uint64(tag)
+	c := (*ioCmd)(unsafe.Pointer(&cmd[0]))
+	*c = ioCmd{qID: q.id, tag: tag, result: result, addr: uint64(uintptr(unsafe.Pointer(&q.buf(tag)[0])))}
+	return nil
+}
+
+func (q *queue) armEvent() error {
+	sqe, _, err := q.ring.Next()
+	if err != nil {
+		return err
+	}
+	sqe.Opcode = iouring.OpRead
+	sqe.FD = int32(q.efd)
+	sqe.Addr = uint64(uintptr(unsafe.Pointer(&q.ebuf[0])))
+	sqe.Len = 8
+	sqe.UserData = eventTag
+	return nil
+}
+
+// loop handles completions until every tag's command was aborted (the
+// device stopped) or the queue is stopped.
+func (q *queue) loop() {
+	live := q.depth // tags with a command outstanding in the driver
+	for {
+		c, err := q.ring.Wait()
+		if err != nil {
+			q.dev.log.Error("ublk: queue ring failed", "queue", q.id, "error", err)
+			return
+		}
+		if c.UserData == eventTag {
+			q.mu.Lock()
+			done, stopped := q.done, q.stopped
+			q.done = nil
+			q.mu.Unlock()
+			if stopped {
+				return
+			}
+			for _, d := range done {
+				if err := q.command(ioCommitAndFetchRq, d.tag, d.result); err != nil {
+					q.dev.log.Error("ublk: commit", "queue", q.id, "tag", d.tag, "error", err)
+					return
+				}
+				live++
+			}
+			if err := q.armEvent(); err != nil {
+				return
+			}
+			if _, err := q.ring.Submit(0); err != nil {
+				q.dev.log.Error("ublk: submit", "queue", q.id, "error", err)
+				return
+			}
+			continue
+		}
+		live--
+		tag := uint16(c.UserData)
+		if c.Res != ioResOK {
+			// Aborted (the device stops) or refused: no refetch.
+			if c.Res != ioResAbort {
+				q.dev.log.Warn("ublk: command failed", "queue", q.id, "tag", tag, "result", c.Res)
+			}
+			if live == 0 {
+				return
+			}
+			continue
+		}
+		desc := *(*ioDesc)(unsafe.Pointer(&q.descs[int(tag)*int(unsafe.Sizeof(ioDesc{}))]))
+		go q.handle(tag, desc)
+	}
+}
+
+// handle runs one request through the handler and hands the result to
+// the queue's thread.
+func (q *queue) handle(tag uint16, d ioDesc) {
+	off := int64(d.startSector) << 9
+	n := int64(d.nrSectors) << 9
+	var err error
+	var res int32
+	switch d.opFlags & 0xff {
+	case opRead:
+		err = q.dev.h.ReadAt(q.buf(tag)[:n], off)
+		res = int32(n)
+	case opWrite:
+		err = q.dev.h.WriteAt(q.buf(tag)[:n], off, d.opFlags&ioFlagFUA != 0)
+		res = int32(n)
+	case opFlush:
+		err = q.dev.h.Flush()
+	case opDiscard:
+		err = q.dev.h.Trim(off, n)
+	case opWriteZeroes:
+		err = q.dev.h.WriteZeroes(off, n, d.opFlags&ioFlagNoUnmap != 0)
+	default:
+		res = -int32(syscall.EOPNOTSUPP)
+	}
+	if err != nil {
+		q.dev.log.Warn("ublk: request failed", "op", d.opFlags&0xff, "offset", off, "length", n, "error", err)
+		res = -int32(syscall.EIO)
+	}
+	q.mu.Lock()
+	q.done = append(q.done, completion{tag, res})
+	q.mu.Unlock()
+	q.wake()
+}

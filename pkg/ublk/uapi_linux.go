@@ -1,0 +1,178 @@
+package ublk
+
+import "unsafe"
+
+// The ublk UAPI (include/uapi/linux/ublk_cmd.h), the parts we use.
+
+// Control and I/O command numbers; sent in the ioctl encoding (the
+// kernel takes it from 6.3 on and, with UBLK_F_CMD_IOCTL_ENCODE, requires
+// it for I/O commands).
+const (
+	cmdGetDevInfo        = 0x02
+	cmdAddDev            = 0x04
+	cmdDelDev            = 0x05
+	cmdStartDev          = 0x06
+	cmdStopDev           = 0x07
+	cmdSetParams         = 0x08
+	cmdGetParams         = 0x09
+	cmdStartUserRecovery = 0x10
+	cmdEndUserRecovery   = 0x11
+	cmdGetDevInfo2       = 0x12
+	cmdGetFeatures       = 0x13
+
+	ioFetchReq         = 0x20
+	ioCommitAndFetchRq = 0x21
+)
+
+const (
+	iocWrite = 1
+	iocRead  = 2
+)
+
+// ioc builds an ioctl number as _IOC(dir, 'u', nr, size) does.
+func ioc(dir, nr, size uint32) uint32 { return dir<<30 | size<<16 | uint32('u')<<8 | nr }
+
+func ctrlOp(nr uint32) uint32 {
+	dir := uint32(iocRead | iocWrite)
+	switch nr {
+	case cmdGetDevInfo, cmdGetParams, cmdGetDevInfo2, cmdGetFeatures:
+		dir = iocRead
+	}
+	return ioc(dir, nr, uint32(unsafe.Sizeof(ctrlCmd{})))
+}
+
+func ioOp(nr uint32) uint32 { return ioc(iocRead|iocWrite, nr, uint32(unsafe.Sizeof(ioCmd{}))) }
+
+// Feature flags.
+const (
+	FlagUserRecovery        uint64 = 1 << 3
+	FlagUserRecoveryReissue uint64 = 1 << 4
+	FlagCmdIoctlEncode      uint64 = 1 << 6
+)
+
+// Device states (devInfo.state).
+const (
+	StateDead     = 0
+	StateLive     = 1
+	StateQuiesced = 2
+)
+
+// I/O results.
+const (
+	ioResOK    = 0
+	ioResAbort = -19 // -ENODEV: the queue is going away; no refetch
+)
+
+// Operations in ioDesc.opFlags (low 8 bits) and their flags.
+const (
+	opRead        = 0
+	opWrite       = 1
+	opFlush       = 2
+	opDiscard     = 3
+	opWriteZeroes = 5
+
+	ioFlagFUA     = 1 << 13
+	ioFlagNoUnmap = 1 << 15
+)
+
+// ctrlCmd is struct ublksrv_ctrl_cmd, carried in a 128-byte entry's
+// command area.
+type ctrlCmd struct {
+	devID      uint32
+	queueID    uint16
+	len        uint16
+	addr       uint64
+	data       uint64
+	devPathLen uint16
+	pad        uint16
+	reserved   uint32
+}
+
+// devInfo is struct ublksrv_ctrl_dev_info.
+type devInfo struct {
+	nrHWQueues    uint16
+	queueDepth    uint16
+	state         uint16
+	pad0          uint16
+	maxIOBufBytes uint32
+	devID         uint32
+	ublksrvPID    int32
+	pad1          uint32
+	flags         uint64
+	ublksrvFlags  uint64
+	ownerUID      uint32
+	ownerGID      uint32
+	reserved1     uint64
+	reserved2     uint64
+}
+
+// ioDesc is struct ublksrv_io_desc, one per tag in the queue's shared
+// descriptor area.
+type ioDesc struct {
+	opFlags     uint32
+	nrSectors   uint32
+	startSector uint64
+	addr        uint64
+}
+
+// ioCmd is struct ublksrv_io_cmd.
+type ioCmd struct {
+	qID    uint16
+	tag    uint16
+	result int32
+	addr   uint64
+}
+
+// Parameter types.
+const (
+	paramTypeBasic   = 1 << 0
+	paramTypeDiscard = 1 << 1
+)
+
+const (
+	attrVolatileCache = 1 << 2
+	attrFUA           = 1 << 3
+)
+
+type paramBasic struct {
+	attrs            uint32
+	logicalBSShift   uint8
+	physicalBSShift  uint8
+	ioOptShift       uint8
+	ioMinShift       uint8
+	maxSectors       uint32
+	chunkSectors     uint32
+	devSectors       uint64
+	virtBoundaryMask uint64
+}
+
+type paramDiscard struct {
+	discardAlignment      uint32
+	discardGranularity    uint32
+	maxDiscardSectors     uint32
+	maxWriteZeroesSectors uint32
+	maxDiscardSegments    uint16
+	reserved0             uint16
+}
+
+// params is the head of struct ublk_params: its basic and discard parts
+// (len says how much of the kernel's struct we send).
+type params struct {
+	len     uint32
+	types   uint32
+	basic   paramBasic
+	discard paramDiscard
+}
+
+// Where the descriptors of queue q are in the mmap of /dev/ublkcN: each
+// queue has room for the largest depth.
+const maxQueueDepth = 4096
+
+func descAreaSize(depth int) int {
+	n := depth * int(unsafe.Sizeof(ioDesc{}))
+	return (n + pageSize - 1) &^ (pageSize - 1)
+}
+
+func descOffset(q int) int64 { return int64(q) * int64(descAreaSize(maxQueueDepth)) }
+
+const pageSize = 4096

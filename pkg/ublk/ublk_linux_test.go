@@ -1,0 +1,378 @@
+package ublk
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The tests below need the ublk driver: TestUblkInVM (vm_test.go) boots a
+// kernel that has it and runs them there.
+
+func requireUblk(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("skipping: needs root")
+	}
+	if err := Available(); err != nil {
+		t.Skipf("skipping: %v (TestUblkInVM runs this in a VM whose kernel has ublk)", err)
+	}
+}
+
+// memHandler is a device in memory that counts what it is asked.
+type memHandler struct {
+	mu                       sync.Mutex
+	data                     []byte
+	flushes, trims, zeroes   atomic.Int64
+	fuaWrites, noUnmapZeroes atomic.Int64
+}
+
+func (m *memHandler) ReadAt(p []byte, off int64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if off < 0 || off+int64(len(p)) > int64(len(m.data)) {
+		return io.ErrUnexpectedEOF
+	}
+	copy(p, m.data[off:])
+	return nil
+}
+
+func (m *memHandler) WriteAt(p []byte, off int64, fua bool) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if off < 0 || off+int64(len(p)) > int64(len(m.data)) {
+		return io.ErrShortWrite
+	}
+	copy(m.data[off:], p)
+	if fua {
+		m.fuaWrites.Add(1)
+	}
+	return nil
+}
+
+func (m *memHandler) Flush() error { m.flushes.Add(1); return nil }
+
+func (m *memHandler) Trim(off, n int64) error {
+	m.trims.Add(1)
+	return m.zero(off, n)
+}
+
+func (m *memHandler) WriteZeroes(off, n int64, noUnmap bool) error {
+	m.zeroes.Add(1)
+	if noUnmap {
+		m.noUnmapZeroes.Add(1)
+	}
+	return m.zero(off, n)
+}
+
+func (m *memHandler) zero(off, n int64) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if off < 0 || off+n > int64(len(m.data)) {
+		return io.ErrShortWrite
+	}
+	clear(m.data[off : off+n])
+	return nil
+}
+
+func openControl(t *testing.T) *Control {
+	t.Helper()
+	c, err := OpenControl()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// alignedBuf is page-aligned memory for O_DIRECT.
+func alignedBuf(t *testing.T, n int) []byte {
+	t.Helper()
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(b) })
+	return b
+}
+
+func ioctlRange(f *os.File, req uint, off, n uint64) error {
+	r := [2]uint64{off, n}
+	_, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(&r[0])))
+	if errno != 0 {
+		return errno
+	}
+	return nil
+}
+
+// TestDeviceIO: reads and writes through /dev/ublkbN reach the handler
+// byte for byte; fsync is a flush, BLKDISCARD a trim, BLKZEROOUT a
+// write-zeroes; Delete removes the block device.
+func TestDeviceIO(t *testing.T) {
+	requireUblk(t)
+	ctrl := openControl(t)
+	if f, err := ctrl.Features(); err == nil {
+		t.Logf("driver features %#x", f)
+	}
+	const size = 64 << 20
+	h := &memHandler{data: make([]byte, size)}
+	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 2, Depth: 32, MaxIO: 256 << 10}, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deleted := false
+	t.Cleanup(func() {
+		if !deleted {
+			d.Delete()
+		}
+	})
+	if st, err := ctrl.State(d.ID); err != nil || st != StateLive {
+		t.Fatalf("state after create: %d, %v", st, err)
+	}
+	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bsize uint64
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&bsize))); errno != 0 || bsize != size {
+		t.Fatalf("device size %d (%v), want %d", bsize, errno, size)
+	}
+	want := alignedBuf(t, 8<<20)
+	rand.Read(want)
+	if _, err := f.WriteAt(want, 1<<20); err != nil {
+		t.Fatalf("write: %v", err)
+	}
+	if !bytes.Equal(h.data[1<<20:1<<20+len(want)], want) {
+		t.Fatal("the handler holds other bytes than were written")
+	}
+	got := alignedBuf(t, len(want))
+	if _, err := f.ReadAt(got, 1<<20); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read back: %v (equal: %v)", err, bytes.Equal(got, want))
+	}
+	if err := f.Sync(); err != nil || h.flushes.Load() == 0 {
+		t.Fatalf("fsync: %v, %d flushes", err, h.flushes.Load())
+	}
+	if err := ioctlRange(f, unix.BLKDISCARD, 1<<20, 1<<20); err != nil || h.trims.Load() == 0 {
+		t.Fatalf("BLKDISCARD: %v, %d trims", err, h.trims.Load())
+	}
+	if err := ioctlRange(f, unix.BLKZEROOUT, 4<<20, 1<<20); err != nil || h.zeroes.Load() == 0 {
+		t.Fatalf("BLKZEROOUT: %v, %d write-zeroes", err, h.zeroes.Load())
+	}
+	if _, err := f.ReadAt(got[:6<<20], 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got[:1<<20], make([]byte, 1<<20)) || !bytes.Equal(got[3<<20:4<<20], make([]byte, 1<<20)) ||
+		!bytes.Equal(got[1<<20:3<<20], want[1<<20:3<<20]) {
+		t.Fatal("discarded or zeroed ranges do not read as zeroes, or their neighbours changed")
+	}
+	f.Close()
+	deleted = true
+	if err := d.Delete(); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+	if _, err := os.Stat(d.BlockPath()); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("%s after delete: %v", d.BlockPath(), err)
+	}
+	select {
+	case <-d.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("queues still serving after delete")
+	}
+}
+
+// fileHandler serves a file.
+type fileHandler struct{ f *os.File }
+
+func (h fileHandler) ReadAt(p []byte, off int64) error { _, err := h.f.ReadAt(p, off); return err }
+func (h fileHandler) WriteAt(p []byte, off int64, fua bool) error {
+	_, err := h.f.WriteAt(p, off)
+	if err == nil && fua {
+		err = h.f.Sync()
+	}
+	return err
+}
+func (h fileHandler) Flush() error { return h.f.Sync() }
+func (h fileHandler) Trim(off, n int64) error {
+	return unix.Fallocate(int(h.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+}
+func (h fileHandler) WriteZeroes(off, n int64, noUnmap bool) error {
+	return unix.Fallocate(int(h.f.Fd()), unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, off, n)
+}
+
+// helperSpec is what the serving helper process does.
+type helperSpec struct {
+	File    string
+	Size    int64
+	Recover int64 // a device id to take over, or -1 to create one
+}
+
+const helperEnv = "MPNBD_UBLK_TEST_SERVER"
+
+// TestHelperServer is not a test: it is the serving process that
+// TestRecoverAfterKill starts and kills.
+func TestHelperServer(t *testing.T) {
+	spec := os.Getenv(helperEnv)
+	if spec == "" {
+		t.Skip("helper process for TestRecoverAfterKill")
+	}
+	var hs helperSpec
+	if err := json.Unmarshal([]byte(spec), &hs); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(hs.File, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrl, err := OpenControl()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d *Device
+	if hs.Recover >= 0 {
+		d, err = Recover(context.Background(), ctrl, uint32(hs.Recover), fileHandler{f}, nil)
+	} else {
+		d, err = Create(context.Background(), ctrl, Config{Size: uint64(hs.Size), Depth: 16}, fileHandler{f})
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Printf("DEVICE %d\n", d.ID)
+	<-d.Done()
+}
+
+func startHelper(t *testing.T, hs helperSpec) (*exec.Cmd, uint32) {
+	t.Helper()
+	spec, _ := json.Marshal(hs)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperServer$", "-test.v")
+	cmd.Env = append(os.Environ(), helperEnv+"="+string(spec))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	idc := make(chan uint32, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if s, ok := strings.CutPrefix(sc.Text(), "DEVICE "); ok {
+				if id, err := strconv.Atoi(s); err == nil {
+					idc <- uint32(id)
+				}
+			}
+		}
+		close(idc)
+	}()
+	select {
+	case id, ok := <-idc:
+		if !ok {
+			t.Fatal("the serving process exited without a device")
+		}
+		return cmd, id
+	case <-time.After(30 * time.Second):
+		t.Fatal("the serving process made no device in 30s")
+	}
+	return nil, 0
+}
+
+// TestRecoverAfterKill: the process serving a device is SIGKILLed in the
+// middle of a write; the kernel keeps the device and holds its I/O; a new
+// process takes the device over, the write completes with no error and
+// the data reads back.
+func TestRecoverAfterKill(t *testing.T) {
+	requireUblk(t)
+	const size = 64 << 20
+	file := t.TempDir() + "/disk"
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(file, size); err != nil {
+		t.Fatal(err)
+	}
+	first, id := startHelper(t, helperSpec{File: file, Size: size, Recover: -1})
+	ctrl := openControl(t)
+	t.Cleanup(func() { ctrl.Remove(id) })
+	dev := BlockPath(id)
+	data := make([]byte, 32<<20)
+	rand.Read(data)
+	errc := make(chan error, 1)
+	go func() {
+		f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT, 0)
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer f.Close()
+		buf, err := unix.Mmap(-1, 0, 1<<20, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer unix.Munmap(buf)
+		for off := 0; off < len(data); off += len(buf) {
+			copy(buf, data[off:])
+			if _, err := f.WriteAt(buf, int64(off)); err != nil {
+				errc <- fmt.Errorf("write at %d: %w", off, err)
+				return
+			}
+		}
+		errc <- f.Sync()
+	}()
+	time.Sleep(300 * time.Millisecond)
+	first.Process.Kill()
+	first.Wait()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		st, err := ctrl.State(id)
+		if err == nil && st == StateQuiesced {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("device state %d (%v) 20s after its server died, want quiesced", st, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	select {
+	case err := <-errc:
+		t.Fatalf("the write ended while no process served the device: %v", err)
+	default:
+	}
+	startHelper(t, helperSpec{File: file, Size: size, Recover: int64(id)})
+	select {
+	case err := <-errc:
+		if err != nil {
+			t.Fatalf("the write across the server's death: %v", err)
+		}
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the write did not finish after the new server took over")
+	}
+	if st, err := ctrl.State(id); err != nil || st != StateLive {
+		t.Fatalf("state after recovery: %d, %v", st, err)
+	}
+	got, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got[:len(data)], data) {
+		t.Fatal("the file differs from what was written across the server's death")
+	}
+}
