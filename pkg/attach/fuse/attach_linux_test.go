@@ -471,7 +471,7 @@ func TestStaleAttachment(t *testing.T) {
 	if err := fresh.Detach(ctx, "pv-stale"); err != nil {
 		t.Fatalf("detach of a stale attachment: %v", err)
 	}
-	v.path.close(time.Second)
+	v.path.Close(time.Second)
 	assertNothingLeft(t, fresh, "pv-stale", ts)
 
 	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
@@ -482,7 +482,7 @@ func TestStaleAttachment(t *testing.T) {
 	if err != nil {
 		t.Fatalf("attach over a stale attachment: %v", err)
 	}
-	v.path.close(time.Second)
+	v.path.Close(time.Second)
 	ts.conns.waitConns(t, "vol", 1)
 	f := openDirect(t, att.Device, os.O_RDONLY)
 	if _, err := f.ReadAt(alignedBuf(4096), 0); err != nil {

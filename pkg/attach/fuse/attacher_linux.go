@@ -55,7 +55,7 @@ type volume struct {
 	target attach.Target
 	dir    string // mount point
 	file   string // the export file inside it
-	path   *dataPath
+	path   *attach.Session
 	node   *exportFile
 	att    attach.Attachment
 
@@ -203,7 +203,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 // startVolume dials the export, mounts its file at dir and attaches a
 // loop device on file. On failure it undoes what it did.
 func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Options, dir, file string, log *slog.Logger) (*volume, error) {
-	dp, err := openDataPath(ctx, cfg, t, o, log)
+	dp, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: cfg.DialContext, Logger: log}, t, o)
 	if err != nil {
 		return nil, dialError(t, err)
 	}
@@ -215,14 +215,14 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 		return nil, err
 	}
 
-	multipath := dp.multipath
+	multipath := dp.Multipath
 	if !multipath {
 		log.Warn("fuse: NBD connection runs plain TCP: MPTCP fell back")
 	}
-	info := dp.info
+	info := dp.Info
 	readOnly := o.ReadOnly || info.Flags&nbd.FlagReadOnly != 0
 	node := &exportFile{
-		bio:       dp.client,
+		bio:       dp.Client,
 		readOnly:  readOnly,
 		canZero:   info.Flags&nbd.FlagSendWriteZeroes != 0,
 		openFlags: cfg.openFlags(),
@@ -399,11 +399,11 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 		if v.node != nil && !v.node.readOnly && v.node.lastErr.Load() == nil {
 			// Writes nobody fsync'ed (a raw device closed without a flush)
 			// become durable before the connection goes.
-			if err := v.path.flush(timeout); err != nil {
+			if err := v.path.Flush(timeout); err != nil {
 				log.Warn("fuse: final flush", "err", err)
 			}
 		}
-		v.path.close(timeout)
+		v.path.Close(timeout)
 		v.closed = true
 	}
 	return nil
@@ -557,7 +557,7 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 }
 
 func (v *volume) health() attach.Health {
-	st := v.path.relay.Stats()
+	st := v.path.Relay.Stats()
 	h := attach.SessionHealth(st)
 	h.MPTCP = v.att.MPTCP
 	var msgs []string
@@ -606,7 +606,7 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 // size in v.att.
 func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64, error) {
 	volumeID := v.target.VolumeID
-	size, err := probeSize(ctx, cfg, v.target, &v.path.addrs)
+	size, err := v.path.ProbeSize(ctx, v.target)
 	if err != nil {
 		return 0, dialError(v.target, err)
 	}

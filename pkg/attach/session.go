@@ -1,0 +1,154 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/relay"
+)
+
+// SessionDialTimeout bounds one dial + handshake round over a volume's
+// storage addresses.
+const SessionDialTimeout = 10 * time.Second
+
+// Session is a volume's NBD session as the userspace transports that
+// serve a device from the process itself (fuse, ublk) run it: a relay
+// without a local connection (in-process calls), which dials the storage
+// addresses in turn, redials while the volume is attached, replays what
+// was unanswered and keeps what no FLUSH covers yet. The device's I/O goes
+// through Client.
+type Session struct {
+	Relay  *relay.Relay
+	Client *nbd.Client
+	// Info is what the first handshake said; Multipath whether its
+	// connection runs MPTCP.
+	Info      nbd.ExportInfo
+	Multipath bool
+	// ID names the session to the server (fencing); a process taking a
+	// device over continues its predecessor's ID.
+	ID nbd.SessionID
+
+	dial  func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
+	addrs AddrDialer
+	stop  context.CancelFunc
+	done  chan struct{}
+}
+
+// SessionConfig configures OpenSession.
+type SessionConfig struct {
+	// DialContext makes the connections; nil means d.DialContext.
+	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
+	// ID is the session's ID; zero means a new one.
+	ID     nbd.SessionID
+	Logger *slog.Logger
+}
+
+// OpenSession connects the volume's first connection (ctx bounds it) and
+// starts the session.
+func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*Session, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &Session{ID: cfg.ID, dial: cfg.DialContext, done: make(chan struct{})}
+	if s.ID == (nbd.SessionID{}) {
+		s.ID = nbd.NewSessionID()
+	}
+	x := ExportDialer{DialContext: cfg.DialContext, Logger: log}
+	dial := func(ctx context.Context) (*relay.Remote, error) {
+		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
+		defer cancel()
+		rc, _, err := Dial(ctx, &s.addrs, t.Addrs, func(ctx context.Context, addr string) (*relay.Remote, error) {
+			c, info, err := x.DialExport(ctx, addr, "", t.Export, true, &nbd.Session{ID: s.ID, Generation: nbd.NextGeneration()})
+			if err != nil {
+				return nil, err
+			}
+			return &relay.Remote{Conn: c, Info: info}, nil
+		})
+		return rc, err
+	}
+	first, err := dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.Info = first.Info
+	s.Multipath = nbd.IsMultipathTCP(first.Conn)
+	ro := relay.Options{Logger: log}
+	if d := o.DeadConnTimeout; d > 0 && d < DefaultDeadConnTimeout {
+		ro.FailAfter = d
+	}
+	s.Relay = relay.New(nil, first, func(ctx context.Context) (net.Conn, error) {
+		rc, err := dial(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return rc, nil
+	}, ro)
+	rctx, stop := context.WithCancel(context.Background())
+	s.stop = stop
+	go func() {
+		defer close(s.done)
+		if err := s.Relay.Run(rctx); err != nil && !errors.Is(err, context.Canceled) {
+			log.Error("NBD session ended: I/O fails", "error", err)
+		}
+	}()
+	s.Client = nbd.NewClientOn(s.Info, s.Relay, log)
+	return s, nil
+}
+
+// Flush is a FLUSH bounded by timeout: with the server away it would wait
+// for it, and a detach must not.
+func (s *Session) Flush(timeout time.Duration) error {
+	done := make(chan error, 1)
+	go func() { done <- s.Client.Flush() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(timeout):
+		return fmt.Errorf("no answer from the storage node within %v", timeout)
+	}
+}
+
+// Close ends the session (NBD_CMD_DISC once the requests in flight are
+// answered, if the server answers within timeout) and waits for it.
+func (s *Session) Close(timeout time.Duration) {
+	closed := make(chan struct{})
+	go func() {
+		s.Client.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(timeout):
+	}
+	s.stop()
+	<-s.done
+}
+
+// ProbeSize asks the server for the export's size on a connection of its
+// own (no session: it must not supersede the data connection).
+func (s *Session) ProbeSize(ctx context.Context, t Target) (uint64, error) {
+	return ProbeSize(ctx, s.dial, t, &s.addrs)
+}
+
+// ProbeSize asks a target's server for the export's size on a connection
+// of its own, dialing the addresses in turn from the last good one.
+func ProbeSize(ctx context.Context, dial func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error), t Target, addrs *AddrDialer) (uint64, error) {
+	ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
+	defer cancel()
+	x := ExportDialer{DialContext: dial}
+	info, _, err := Dial(ctx, addrs, t.Addrs, func(ctx context.Context, addr string) (nbd.ExportInfo, error) {
+		c, info, err := x.DialExport(ctx, addr, "", t.Export, true, nil)
+		if err != nil {
+			return nbd.ExportInfo{}, err
+		}
+		nbd.NewClient(info, []net.Conn{c}, nil).Close()
+		return info, nil
+	})
+	return info.Size, err
+}
