@@ -38,9 +38,9 @@ const (
 // params is struct io_uring_params.
 type params struct {
 	sqEntries, cqEntries, flags, sqThreadCPU, sqThreadIdle, features, wqFD uint32
-	resv                                                                 [3]uint32
-	sqOff                                                                sqringOffsets
-	cqOff                                                                cqringOffsets
+	resv                                                                   [3]uint32
+	sqOff                                                                  sqringOffsets
+	cqOff                                                                  cqringOffsets
 }
 
 type sqringOffsets struct {
