@@ -25,6 +25,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
+	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -263,6 +264,19 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 			}
 		}
 	}
+	if want(attach.Ublk) {
+		a, err := ublkdev.New(ublkdev.Config{StateDir: filepath.Join(o.stateDir, "ublk"), Logger: log})
+		switch {
+		case errors.Is(err, attach.ErrUnsupported):
+			log.Warn("the kernel has no ublk; ublk transport disabled", "reason", err)
+		case err != nil:
+			closeAll()
+			return nil, nil, fmt.Errorf("transport ublk: %w", err)
+		default:
+			closers = append(closers, a.Close)
+			attachers[attach.Ublk] = a
+		}
+	}
 	if want(attach.FUSE) {
 		if _, err := os.Stat("/dev/fuse"); err != nil {
 			log.Warn("/dev/fuse is missing; fuse transport disabled", "error", err)
@@ -272,7 +286,7 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 	}
 	if len(attachers) == 0 {
 		closeAll()
-		return nil, nil, errors.New("no transport is available on this node (no nbd driver, no /dev/fuse)")
+		return nil, nil, errors.New("no transport is available on this node (no nbd driver, no ublk, no /dev/fuse)")
 	}
 	return attach.NewManager(attachers, log), closeAll, nil
 }

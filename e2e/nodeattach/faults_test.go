@@ -542,7 +542,7 @@ func (r *fioRun) wait(t *testing.T, limit time.Duration, stuck func(what string)
 // attacherStuck reports I/O that does not finish on a device of a, with
 // the data path's state, and detaches the device: disconnecting fails
 // what waits, so the test can end.
-func attacherStuck(t *testing.T, a *nbddev.Attacher, tg attach.Target, dev string) func(string) {
+func attacherStuck(t *testing.T, a attach.Attacher, tg attach.Target, dev string) func(string) {
 	return func(what string) {
 		t.Helper()
 		h, herr := a.Health(tg.VolumeID)

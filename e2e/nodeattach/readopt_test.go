@@ -17,6 +17,7 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
+	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 	"golang.org/x/sys/unix"
@@ -112,27 +113,42 @@ func TestHelperAttachProcess(t *testing.T) {
 	if err := json.Unmarshal([]byte(spec), &cs); err != nil {
 		t.Fatal(err)
 	}
-	nl, err := nbdnl.Dial()
-	if err != nil {
-		t.Fatal(err)
-	}
 	if cs.Mode == "" {
 		cs.Mode = attach.Relay
 	}
-	a, err := nbddev.New(nbddev.Config{
-		Mode: cs.Mode, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
-		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-			err = topo.InNetns(cs.ClientNS, func() error {
-				c, err = d.DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
+	dial := func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
+		err = topo.InNetns(cs.ClientNS, func() error {
+			c, err = d.DialContext(ctx, network, addr)
+			return err
+		})
+		return c, err
+	}
+	var a interface {
+		attach.Attacher
+		attach.Adopter
+	}
+	if cs.Mode == attach.Ublk {
+		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, DialContext: dial, Logger: testLogger(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a = u
+	} else {
+		nl, err := nbdnl.Dial()
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := nbddev.New(nbddev.Config{
+			Mode: cs.Mode, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
+			DialContext: dial,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a = n
 	}
 	var att *attach.Attachment
+	var err error
 	if cs.Adopt {
 		atts, err := a.Adopt(context.Background())
 		if err != nil || len(atts) != 1 {

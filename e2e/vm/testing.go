@@ -162,7 +162,7 @@ func DefaultUblk(t testing.TB) Config {
 		if pkg == "" {
 			pkg = UblkKernelPackage
 		}
-		ublkKernelInfo, ublkKernelErr = loadKernel("MPNBD_VM_KERNEL_PKG="+pkg, "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd")
+		ublkKernelInfo, ublkKernelErr = loadKernel("MPNBD_VM_KERNEL_PKG="+pkg, "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4 crc32c_generic")
 	})
 	if ublkKernelErr != nil {
 		unavailable(t, "no ublk guest kernel: %v", ublkKernelErr)

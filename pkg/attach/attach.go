@@ -32,10 +32,11 @@ const (
 	MultiConn Transport = "multiconn"
 	TCP       Transport = "tcp"
 	FUSE      Transport = "fuse"
+	Ublk      Transport = "ublk"
 )
 
 // Transports lists every valid value, auto first.
-var Transports = []Transport{Auto, Kernel, Relay, MultiConn, TCP, FUSE}
+var Transports = []Transport{Auto, Kernel, Ublk, Relay, MultiConn, TCP, FUSE}
 
 // ParseTransport validates a transport name.
 func ParseTransport(s string) (Transport, error) {
@@ -47,7 +48,7 @@ func ParseTransport(s string) (Transport, error) {
 			return t, nil
 		}
 	}
-	return "", fmt.Errorf("%w: transport %q (want one of auto, kernel, relay, multiconn, tcp, fuse)", ErrInvalid, s)
+	return "", fmt.Errorf("%w: transport %q (want one of auto, kernel, ublk, relay, multiconn, tcp, fuse)", ErrInvalid, s)
 }
 
 // Defaults for every attach; documented in the README.

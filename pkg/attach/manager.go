@@ -10,7 +10,8 @@ import (
 
 // Manager routes attaches to the transports this node has and resolves
 // auto: kernel where the kernel accepts MPTCP sockets (learnt from the
-// first refusal and remembered), else relay, else fuse.
+// first refusal and remembered), else ublk where the kernel has it, else
+// relay, else fuse.
 type Manager struct {
 	attachers map[Transport]Attacher
 	log       *slog.Logger
@@ -63,7 +64,7 @@ func (m *Manager) candidates(tr Transport) ([]Transport, error) {
 	refused := m.kernelRefused
 	m.mu.Unlock()
 	var out []Transport
-	for _, t := range []Transport{Kernel, Relay, FUSE} {
+	for _, t := range []Transport{Kernel, Ublk, Relay, FUSE} {
 		if _, ok := m.attachers[t]; !ok || (t == Kernel && refused) {
 			continue
 		}

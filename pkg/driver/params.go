@@ -58,7 +58,7 @@ func ParseParams(in map[string]string) (Params, error) {
 		case ParamTransport:
 			t, err := attach.ParseTransport(v)
 			if err != nil {
-				return bad("want one of auto, kernel, relay, multiconn, tcp, fuse")
+				return bad("want one of auto, kernel, ublk, relay, multiconn, tcp, fuse")
 			}
 			p.Transport = t
 		case ParamStorageNode:

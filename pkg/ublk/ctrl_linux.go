@@ -86,7 +86,7 @@ var cmdNames = map[uint32]string{
 	cmdGetDevInfo: "GET_DEV_INFO", cmdAddDev: "ADD_DEV", cmdDelDev: "DEL_DEV", cmdStartDev: "START_DEV",
 	cmdStopDev: "STOP_DEV", cmdSetParams: "SET_PARAMS", cmdGetParams: "GET_PARAMS",
 	cmdStartUserRecovery: "START_USER_RECOVERY", cmdEndUserRecovery: "END_USER_RECOVERY",
-	cmdGetDevInfo2: "GET_DEV_INFO2", cmdGetFeatures: "GET_FEATURES",
+	cmdGetDevInfo2: "GET_DEV_INFO2", cmdGetFeatures: "GET_FEATURES", cmdUpdateSize: "UPDATE_SIZE",
 }
 
 // command runs one control command. in is copied to the command buffer

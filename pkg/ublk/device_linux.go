@@ -39,8 +39,11 @@ type Config struct {
 	// (zero: 1 queue of 64).
 	Queues, Depth int
 	// MaxIO is the largest request in bytes (zero: 512 KiB).
-	MaxIO  int
-	Logger *slog.Logger
+	MaxIO int
+	// ReadOnly makes the block device read-only; Discard and WriteZeroes
+	// advertise those operations (the handler must do them).
+	ReadOnly, Discard, WriteZeroes bool
+	Logger                         *slog.Logger
 }
 
 func (c *Config) defaults() {
@@ -106,10 +109,14 @@ func Create(ctx context.Context, ctrl *Control, cfg Config, h Handler) (*Device,
 		return nil, err
 	}
 	sectors := uint32(cfg.MaxIO >> 9)
-	p := params{types: paramTypeBasic | paramTypeDiscard}
+	p := params{types: paramTypeBasic}
 	p.len = uint32(unsafe.Sizeof(p))
+	attrs := uint32(attrVolatileCache | attrFUA)
+	if cfg.ReadOnly {
+		attrs |= attrReadOnly
+	}
 	p.basic = paramBasic{
-		attrs:           attrVolatileCache | attrFUA,
+		attrs:           attrs,
 		logicalBSShift:  cfg.LogicalBlockShift,
 		physicalBSShift: 12,
 		ioOptShift:      12,
@@ -117,11 +124,15 @@ func Create(ctx context.Context, ctrl *Control, cfg Config, h Handler) (*Device,
 		maxSectors:      sectors,
 		devSectors:      cfg.Size >> 9,
 	}
-	p.discard = paramDiscard{
-		discardGranularity:    4096,
-		maxDiscardSectors:     ^uint32(0) >> 9,
-		maxWriteZeroesSectors: ^uint32(0) >> 9,
-		maxDiscardSegments:    1,
+	if cfg.Discard || cfg.WriteZeroes {
+		p.types |= paramTypeDiscard
+		p.discard = paramDiscard{discardGranularity: 4096, maxDiscardSegments: 1}
+		if cfg.Discard {
+			p.discard.maxDiscardSectors = ^uint32(0) >> 9
+		}
+		if cfg.WriteZeroes {
+			p.discard.maxWriteZeroesSectors = ^uint32(0) >> 9
+		}
 	}
 	if err := ctrl.setParams(id, &p); err != nil {
 		return fail(err)
@@ -159,6 +170,19 @@ func Recover(ctx context.Context, ctrl *Control, id uint32, h Handler, log *slog
 		return nil, err
 	}
 	return d, nil
+}
+
+// UpdateSize changes the size of device id (UBLK_F_UPDATE_SIZE: Linux
+// 6.14 and later; Features says whether the driver has it).
+func (c *Control) UpdateSize(id uint32, size uint64) error {
+	return c.simple(cmdUpdateSize, id, size>>9)
+}
+
+// Server returns the pid of the process that serves device id (0 when
+// none has started it).
+func (c *Control) Server(id uint32) (int, error) {
+	info, err := c.devInfo(id)
+	return int(info.ublksrvPID), err
 }
 
 // State reports the state of device id (StateLive, StateQuiesced, ...).

@@ -19,6 +19,7 @@ const (
 	cmdEndUserRecovery   = 0x11
 	cmdGetDevInfo2       = 0x12
 	cmdGetFeatures       = 0x13
+	cmdUpdateSize        = 0x15
 
 	ioFetchReq         = 0x20
 	ioCommitAndFetchRq = 0x21
@@ -48,6 +49,7 @@ const (
 	FlagUserRecovery        uint64 = 1 << 3
 	FlagUserRecoveryReissue uint64 = 1 << 4
 	FlagCmdIoctlEncode      uint64 = 1 << 6
+	FlagUpdateSize          uint64 = 1 << 10
 )
 
 // Device states (devInfo.state).
@@ -130,6 +132,7 @@ const (
 )
 
 const (
+	attrReadOnly      = 1 << 0
 	attrVolatileCache = 1 << 2
 	attrFUA           = 1 << 3
 )

@@ -132,7 +132,7 @@ func TestDeviceIO(t *testing.T) {
 	}
 	const size = 64 << 20
 	h := &memHandler{data: make([]byte, size)}
-	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 2, Depth: 32, MaxIO: 256 << 10}, h)
+	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 2, Depth: 32, MaxIO: 256 << 10, Discard: true, WriteZeroes: true}, h)
 	if err != nil {
 		t.Fatal(err)
 	}

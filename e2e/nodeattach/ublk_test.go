@@ -1,0 +1,214 @@
+package nodeattach
+
+import (
+	"context"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/e2e/vm"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
+	"github.com/mpnbd/mpnbd/pkg/ublk"
+)
+
+// ublkTests are the guest tests TestNodeAttachUblkInVM runs.
+var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite"}
+
+// TestNodeAttachUblkInVM boots Debian's stock 6.12 kernel, which has
+// ublk_drv (and an nbd that refuses MPTCP), and runs the ublk transport's
+// guest tests in it.
+func TestNodeAttachUblkInVM(t *testing.T) {
+	if os.Getenv("MPNBD_IN_VM") == "1" {
+		t.Skip("already inside the VM")
+	}
+	names := selectGuestTests(t, ublkTests)
+	cfg := vm.DefaultUblk(t)
+	cfg.MemoryMB = 2048
+	cfg.Timeout = 15 * time.Minute
+	addFaultTools(t, &cfg)
+	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
+	for _, name := range names {
+		if !strings.Contains(res.Output, "--- PASS: "+name) {
+			t.Errorf("%s did not pass in the VM", name)
+		}
+	}
+}
+
+func requireUblkGuest(t *testing.T) {
+	t.Helper()
+	requireGuest(t)
+	if err := ublk.Available(); err != nil {
+		t.Skipf("needs a kernel with ublk (TestNodeAttachUblkInVM boots one): %v", err)
+	}
+}
+
+func newUblkAttacher(t *testing.T, tp *topo.Topology, stateDir string) *ublkdev.Attacher {
+	t.Helper()
+	a, err := ublkdev.New(ublkdev.Config{
+		StateDir: stateDir,
+		Logger:   testLogger(t),
+		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
+			err = tp.InClient(func() error {
+				c, err = d.DialContext(ctx, network, addr)
+				return err
+			})
+			return c, err
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	return a
+}
+
+// TestUblkTransportAttach: a volume attaches as /dev/ublkbN over MPTCP
+// with a subflow per path, idempotently; ext4 on it keeps a file's bytes
+// across a remount; detach removes the device and the server connection.
+func TestUblkTransportAttach(t *testing.T) {
+	requireUblkGuest(t)
+	tp := guestTopology(t)
+	st := newStorage(t, tp, volSize, true)
+	a := newUblkAttacher(t, tp, t.TempDir())
+	tg := st.target(volID(t))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	att, err := a.Attach(ctx, tg, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if att.Transport != attach.Ublk || att.Size != volSize || !strings.HasPrefix(att.Device, "/dev/ublkb") || !att.MPTCP {
+		t.Fatalf("attachment %+v", att)
+	}
+	again, err := a.Attach(ctx, tg, attach.Options{})
+	if err != nil || *again != *att {
+		t.Fatalf("second attach: %+v, %v; want %+v", again, err, att)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		h, err := a.Health(tg.VolumeID)
+		if err == nil && h.Connected && len(h.Subflows) == 1 && h.Subflows[0] == len(tp.Paths) {
+			t.Logf("health %+v", h)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("health after 30s: %+v, %v; want %d subflows", h, err, len(tp.Paths))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	sum := mkfsMountWrite(t, att.Device, dataSize)
+	if got := mountAndSum(t, att.Device); got != sum {
+		t.Fatalf("file after remount: %s, want %s", got, sum)
+	}
+	if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(att.Device); !os.IsNotExist(err) {
+		t.Fatalf("%s after detach: %v", att.Device, err)
+	}
+	waitServerConns(t, st, 0)
+	if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+		t.Fatalf("second detach: %v", err)
+	}
+}
+
+// TestUblkServerKills: fio write+verify rounds on /dev/ublkbN while
+// Debian's nbd-server is SIGKILLed and restarted every few seconds: no
+// error, every block verifies, and the device reads back the server's
+// file.
+func TestUblkServerKills(t *testing.T) {
+	requireUblkGuest(t)
+	requireFaultTools(t)
+	total, every, down := 20*time.Second, 3*time.Second, time.Second
+	if soak() {
+		total, every = 2*time.Minute, 10*time.Second
+	}
+	tp := guestTopology(t)
+	srv := startDebianServer(t, tp, faultExportSize)
+	a := newUblkAttacher(t, tp, t.TempDir())
+	tg := srv.target(volID(t))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	att, err := a.Attach(ctx, tg, attach.Options{})
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Errorf("detach: %v", err)
+		}
+	})
+	start := time.Now()
+	k := srv.killEvery(att.Device, 1, every, down)
+	stopped := false
+	defer func() {
+		if !stopped {
+			close(k.stopc)
+			<-k.done
+		}
+	}()
+	seed := int(time.Now().UnixNano() % 1000000)
+	rounds := 0
+	for time.Since(start) < total {
+		rounds++
+		seed++
+		res := startFio(t, att.Device, seed).wait(t, 2*time.Minute, attacherStuck(t, a, tg, att.Device))
+		t.Logf("round %d (kills so far %d): %v", rounds, srv.killCount(), res)
+		if !res.ok() {
+			t.Fatalf("round %d with nbd-server being killed: %v\n%s", rounds, res, tail(res.output, 40))
+		}
+	}
+	stopped = true
+	k.stop(t)
+	h, _ := a.Health(tg.VolumeID)
+	t.Logf("ublk: %d rounds, %d SIGKILLs of nbd-server in %v; health %+v", rounds, srv.killCount(), time.Since(start).Round(time.Second), h)
+	if srv.killCount() < 1 || h.Reconnects < 1 {
+		t.Fatalf("%d kills, %d reconnects: the run proves nothing", srv.killCount(), h.Reconnects)
+	}
+	compareWithImage(t, srv.image, att.Device, attacherStuck(t, a, tg, att.Device))
+}
+
+// TestUblkProcessKilledMidWrite: the process serving a ublk volume (the
+// node plugin) is SIGKILLed in the middle of a fio write+verify round; the
+// kernel holds the I/O; a new process takes the device over from the
+// state directory, and fio finishes with no error, every block verified.
+func TestUblkProcessKilledMidWrite(t *testing.T) {
+	requireUblkGuest(t)
+	requireFaultTools(t)
+	tp := guestTopology(t)
+	st := newStorage(t, tp, faultExportSize, true)
+	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: t.TempDir(), Mode: attach.Ublk}
+	first, dev := startChild(t, cs)
+	before := writeIOs(dev)
+	f := startFio(t, dev, int(time.Now().UnixNano()%1000000)+3)
+	waitWrites(t, f, dev, before, 256)
+	first.Process.Kill()
+	first.Wait()
+	t.Logf("SIGKILL the serving process after %d writes", writeIOs(dev)-before)
+	holdRunning(t, f, 2*time.Second, "the time without a serving process")
+	cs.Adopt = true
+	second, dev2 := startChild(t, cs)
+	if dev2 != dev {
+		t.Fatalf("taken over as %s, want %s", dev2, dev)
+	}
+	res := f.wait(t, 2*time.Minute, func(what string) { reportStuck(t, dev, what, "(served by another process)") })
+	if !res.ok() {
+		t.Fatalf("fio across the serving process's death: %v\n%s", res, tail(res.output, 40))
+	}
+	t.Logf("fio across the serving process's death: %v", res)
+	compareWithImage(t, st.path, dev, func(what string) { reportStuck(t, dev, what, "(served by another process)") })
+	// Remove the device through the process serving it: a detach.
+	second.Process.Kill()
+	second.Wait()
+	a := newUblkAttacher(t, tp, cs.StateDir)
+	if _, err := a.Adopt(context.Background()); err != nil {
+		t.Fatalf("adopt to detach: %v", err)
+	}
+	if err := a.Detach(context.Background(), cs.Target.VolumeID); err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+}

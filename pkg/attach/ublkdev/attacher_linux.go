@@ -1,0 +1,427 @@
+package ublkdev
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/ublk"
+)
+
+// teardownTimeout bounds the FLUSH and DISC of a detach when the storage
+// node does not answer.
+const teardownTimeout = 10 * time.Second
+
+// Attacher is the ublk transport.
+type Attacher struct {
+	cfg  Config
+	log  *slog.Logger
+	ctrl *ublk.Control
+
+	mu   sync.Mutex
+	vols map[string]*volume
+}
+
+type volume struct {
+	target attach.Target
+	opts   attach.Options
+	sess   *attach.Session
+	dev    *ublk.Device
+	att    attach.Attachment
+}
+
+// New opens the ublk control device; without ublk in the kernel it fails
+// with attach.ErrUnsupported.
+func New(cfg Config) (*Attacher, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Queues <= 0 {
+		cfg.Queues = runtime.NumCPU()
+	}
+	if cfg.Depth <= 0 {
+		cfg.Depth = 64
+	}
+	ctrl, err := ublk.OpenControl()
+	if err != nil {
+		if errors.Is(err, ublk.ErrUnavailable) {
+			return nil, fmt.Errorf("%w: %v", attach.ErrUnsupported, err)
+		}
+		return nil, err
+	}
+	return &Attacher{cfg: cfg, log: cfg.Logger.With("transport", string(attach.Ublk)), ctrl: ctrl, vols: map[string]*volume{}}, nil
+}
+
+// Close releases the control device; devices stay (they outlive the
+// process, held by the kernel until the next one takes them over).
+func (a *Attacher) Close() { a.ctrl.Close() }
+
+// Attach connects the target and serves it as a ublk device. A volume
+// attached already is returned as is; one that an earlier process served
+// is taken over.
+func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options) (*attach.Attachment, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if v, ok := a.vols[t.VolumeID]; ok {
+		att := v.att
+		return &att, nil
+	}
+	if r, ok := a.loadState(t.VolumeID); ok {
+		if att, err := a.takeOver(ctx, r); err == nil || !errors.Is(err, errGone) {
+			return att, err
+		}
+	}
+	log := a.log.With("volume_id", t.VolumeID)
+	sess, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: a.cfg.DialContext, Logger: log}, t, o)
+	if err != nil {
+		return nil, err
+	}
+	info := sess.Info
+	dev, err := ublk.Create(ctx, a.ctrl, a.deviceConfig(info, o, log), handler{sess.Client, info})
+	if err != nil {
+		sess.Close(teardownTimeout)
+		return nil, fmt.Errorf("ublk device for %s: %w", t.VolumeID, err)
+	}
+	v := &volume{target: t, opts: o, sess: sess, dev: dev}
+	if err := a.saveState(v); err != nil {
+		a.remove(v)
+		return nil, fmt.Errorf("ublk: state of %s: %w", t.VolumeID, err)
+	}
+	att := a.register(v)
+	log.Info("volume attached", "device", att.Device, "size", att.Size, "mptcp", att.MPTCP, "queues", a.cfg.Queues, "depth", a.cfg.Depth)
+	return &att, nil
+}
+
+func (a *Attacher) deviceConfig(info nbd.ExportInfo, o attach.Options, log *slog.Logger) ublk.Config {
+	shift := uint8(9)
+	for bs := o.BlockSize; bs > 512; bs >>= 1 {
+		shift++
+	}
+	return ublk.Config{
+		Size:              info.Size,
+		LogicalBlockShift: shift,
+		Queues:            a.cfg.Queues,
+		Depth:             a.cfg.Depth,
+		ReadOnly:          o.ReadOnly || info.Flags&nbd.FlagReadOnly != 0,
+		Discard:           info.Flags&nbd.FlagSendTrim != 0,
+		WriteZeroes:       true, // written as zeroes where the server cannot
+		Logger:            log,
+	}
+}
+
+// register records v as attached. Called with mu held.
+func (a *Attacher) register(v *volume) attach.Attachment {
+	v.att = attach.Attachment{
+		VolumeID:  v.target.VolumeID,
+		Transport: attach.Ublk,
+		Device:    v.dev.BlockPath(),
+		Size:      v.sess.Info.Size,
+		MPTCP:     v.sess.Multipath,
+	}
+	a.vols[v.target.VolumeID] = v
+	return v.att
+}
+
+// errGone: the device a state file names no longer exists.
+var errGone = errors.New("ublk device gone")
+
+// takeOver serves a device an earlier process left: the kernel holds its
+// I/O until a new server ends the recovery. Called with mu held.
+func (a *Attacher) takeOver(ctx context.Context, r record) (*attach.Attachment, error) {
+	log := a.log.With("volume_id", r.Target.VolumeID, "ublk_dev", r.DevID)
+	st, err := a.waitQuiesced(ctx, r.DevID)
+	if errors.Is(err, syscall.ENODEV) {
+		log.Info("the device of the state file is gone; dropping it")
+		a.dropState(r.Target.VolumeID)
+		return nil, errGone
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ublk: device %d of %s: %w", r.DevID, r.Target.VolumeID, err)
+	}
+	if st != ublk.StateQuiesced {
+		return nil, fmt.Errorf("ublk: device %d of %s is served by a live process (state %d): not taking it over", r.DevID, r.Target.VolumeID, st)
+	}
+	sess, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: a.cfg.DialContext, ID: r.Session, Logger: log}, r.Target, r.Options)
+	if err != nil {
+		// The device stays quiesced, its I/O held, for the next try.
+		return nil, err
+	}
+	dev, err := ublk.Recover(ctx, a.ctrl, r.DevID, handler{sess.Client, sess.Info}, log)
+	if err != nil {
+		sess.Close(teardownTimeout)
+		return nil, fmt.Errorf("ublk: take over device %d of %s: %w", r.DevID, r.Target.VolumeID, err)
+	}
+	v := &volume{target: r.Target, opts: r.Options, sess: sess, dev: dev}
+	att := a.register(v)
+	log.Info("volume taken over from an earlier process", "device", att.Device)
+	return &att, nil
+}
+
+// waitQuiesced returns the state of device id, waiting (bounded) for a
+// device whose server died to be quiesced by the kernel.
+func (a *Attacher) waitQuiesced(ctx context.Context, id uint32) (int, error) {
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		st, err := a.ctrl.State(id)
+		if err != nil || st != ublk.StateLive {
+			return st, err
+		}
+		pid, err := a.ctrl.Server(id)
+		if err != nil {
+			return st, err
+		}
+		if pid > 0 && processAlive(pid) || time.Now().After(deadline) {
+			return st, nil
+		}
+		select {
+		case <-ctx.Done():
+			return st, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func processAlive(pid int) bool {
+	if pid == os.Getpid() {
+		return true
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
+}
+
+// Adopt takes over every device the state directory lists.
+func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
+	files, err := filepath.Glob(filepath.Join(a.cfg.StateDir, "*.json"))
+	if err != nil || a.cfg.StateDir == "" {
+		return nil, err
+	}
+	var out []*attach.Attachment
+	var errs []error
+	for _, f := range files {
+		var r record
+		b, err := os.ReadFile(f)
+		if err == nil {
+			err = json.Unmarshal(b, &r)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", f, err))
+			continue
+		}
+		a.mu.Lock()
+		_, have := a.vols[r.Target.VolumeID]
+		var att *attach.Attachment
+		if !have {
+			att, err = a.takeOver(ctx, r)
+		}
+		a.mu.Unlock()
+		switch {
+		case have || errors.Is(err, errGone):
+		case err != nil:
+			errs = append(errs, err)
+		default:
+			out = append(out, att)
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+// Detach removes the volume's device and ends its session. Unknown
+// volumes succeed.
+func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	v, ok := a.vols[volumeID]
+	if !ok {
+		r, found := a.loadState(volumeID)
+		if !found {
+			return nil
+		}
+		// A device an earlier process served and nobody took over.
+		if err := a.ctrl.Remove(r.DevID); err != nil && !errors.Is(err, syscall.ENODEV) {
+			return fmt.Errorf("ublk: remove device %d of %s: %w", r.DevID, volumeID, err)
+		}
+		a.dropState(volumeID)
+		return nil
+	}
+	if err := a.remove(v); err != nil {
+		return err
+	}
+	delete(a.vols, volumeID)
+	a.dropState(volumeID)
+	a.log.Info("volume detached", "volume_id", volumeID)
+	return nil
+}
+
+// remove deletes v's device (the kernel flushes it first) and closes its
+// session.
+func (a *Attacher) remove(v *volume) error {
+	if err := v.dev.Delete(); err != nil {
+		return fmt.Errorf("ublk: delete device %d of %s: %w", v.dev.ID, v.target.VolumeID, err)
+	}
+	if err := v.sess.Flush(teardownTimeout); err != nil {
+		a.log.Warn("flush at detach", "volume_id", v.target.VolumeID, "error", err)
+	}
+	v.sess.Close(teardownTimeout)
+	return nil
+}
+
+// Health reports the volume's session.
+func (a *Attacher) Health(volumeID string) (attach.Health, error) {
+	a.mu.Lock()
+	v, ok := a.vols[volumeID]
+	a.mu.Unlock()
+	if !ok {
+		return attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	st := v.sess.Relay.Stats()
+	h := attach.SessionHealth(st)
+	h.MPTCP = v.att.MPTCP
+	if !st.Connected {
+		h.Message = h.OutageMessage()
+	} else if st.Remote != nil && nbd.IsMultipathTCP(st.Remote) {
+		if info, err := mptcp.GetInfo(st.Remote); err == nil {
+			h.Subflows = []int{info.TotalSubflows()}
+		}
+	}
+	return h, nil
+}
+
+// Resize picks up a grown export (UBLK_F_UPDATE_SIZE: Linux 6.14 and
+// later).
+func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
+	a.mu.Lock()
+	v, ok := a.vols[volumeID]
+	a.mu.Unlock()
+	if !ok {
+		return 0, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
+	}
+	size, err := v.sess.ProbeSize(ctx, v.target)
+	if err != nil {
+		return 0, err
+	}
+	if size < newSize {
+		return 0, fmt.Errorf("ublk: resize %s: %w: the export has %d bytes, less than %d", volumeID, attach.ErrTooSmall, size, newSize)
+	}
+	if size == v.att.Size {
+		return size, nil
+	}
+	if f, err := a.ctrl.Features(); err != nil || f&ublk.FlagUpdateSize == 0 {
+		return 0, fmt.Errorf("%w: ublk: online resize needs a kernel whose ublk driver can update a device's size (Linux 6.14 or later)", attach.ErrUnsupported)
+	}
+	if err := a.ctrl.UpdateSize(v.dev.ID, size); err != nil {
+		return 0, err
+	}
+	a.mu.Lock()
+	v.att.Size = size
+	a.mu.Unlock()
+	return size, nil
+}
+
+func (a *Attacher) statePath(volumeID string) string {
+	return filepath.Join(a.cfg.StateDir, strings.NewReplacer("/", "_", "\x00", "_").Replace(volumeID)+".json")
+}
+
+func (a *Attacher) saveState(v *volume) error {
+	if a.cfg.StateDir == "" {
+		return nil
+	}
+	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
+		return err
+	}
+	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.dev.ID, Session: v.sess.ID})
+	if err != nil {
+		return err
+	}
+	p := a.statePath(v.target.VolumeID)
+	if err := os.WriteFile(p+".tmp", b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(p+".tmp", p)
+}
+
+func (a *Attacher) loadState(volumeID string) (record, bool) {
+	var r record
+	if a.cfg.StateDir == "" {
+		return r, false
+	}
+	b, err := os.ReadFile(a.statePath(volumeID))
+	if err != nil || json.Unmarshal(b, &r) != nil {
+		return r, false
+	}
+	return r, true
+}
+
+func (a *Attacher) dropState(volumeID string) {
+	if a.cfg.StateDir == "" {
+		return
+	}
+	if err := os.Remove(a.statePath(volumeID)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		a.log.Warn("remove state file", "volume_id", volumeID, "error", err)
+	}
+}
+
+// handler serves a device's requests through the NBD session.
+type handler struct {
+	c    *nbd.Client
+	info nbd.ExportInfo
+}
+
+func (h handler) ReadAt(p []byte, off int64) error {
+	_, err := h.c.ReadAt(p, off)
+	return err
+}
+
+func (h handler) WriteAt(p []byte, off int64, fua bool) error {
+	if !fua {
+		_, err := h.c.WriteAt(p, off)
+		return err
+	}
+	if h.info.Flags&nbd.FlagSendFUA != 0 {
+		_, err := h.c.WriteAtFlags(p, off, nbd.CmdFlagFUA)
+		return err
+	}
+	if _, err := h.c.WriteAt(p, off); err != nil {
+		return err
+	}
+	return h.c.Flush()
+}
+
+func (h handler) Flush() error { return h.c.Flush() }
+
+func (h handler) Trim(off, n int64) error { return h.c.Trim(off, n) }
+
+// zeroChunk is what WriteZeroes writes at a time to a server without
+// NBD_CMD_WRITE_ZEROES.
+var zeroChunk = make([]byte, 256<<10)
+
+func (h handler) WriteZeroes(off, n int64, noUnmap bool) error {
+	if h.info.Flags&nbd.FlagSendWriteZeroes != 0 {
+		return h.c.WriteZeroes(off, n, noUnmap)
+	}
+	for n > 0 {
+		k := min(n, int64(len(zeroChunk)))
+		if _, err := h.c.WriteAt(zeroChunk[:k], off); err != nil {
+			return err
+		}
+		off += k
+		n -= k
+	}
+	return nil
+}

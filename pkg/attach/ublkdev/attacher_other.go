@@ -1,0 +1,31 @@
+//go:build !linux
+
+package ublkdev
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// Attacher is the ublk transport; only Linux has ublk.
+type Attacher struct{}
+
+// New fails: only Linux has ublk.
+func New(Config) (*Attacher, error) {
+	return nil, fmt.Errorf("%w: ublk is Linux only", attach.ErrUnsupported)
+}
+
+func (a *Attacher) Close() {}
+func (a *Attacher) Attach(context.Context, attach.Target, attach.Options) (*attach.Attachment, error) {
+	return nil, attach.ErrUnsupported
+}
+func (a *Attacher) Detach(context.Context, string) error { return nil }
+func (a *Attacher) Health(string) (attach.Health, error) {
+	return attach.Health{}, attach.ErrUnsupported
+}
+func (a *Attacher) Resize(context.Context, string, uint64) (uint64, error) {
+	return 0, attach.ErrUnsupported
+}
+func (a *Attacher) Adopt(context.Context) ([]*attach.Attachment, error) { return nil, nil }
