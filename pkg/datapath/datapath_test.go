@@ -1,0 +1,207 @@
+package datapath
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// fakeService records calls and answers from its fields.
+type fakeService struct {
+	mu       sync.Mutex
+	attached map[string]attach.Transport
+	block    chan struct{} // Attach waits on it when set
+	cancels  int
+}
+
+func (f *fakeService) Attach(ctx context.Context, tr attach.Transport, t attach.Target, o attach.Options) (*attach.Attachment, error) {
+	if f.block != nil {
+		select {
+		case <-f.block:
+		case <-ctx.Done():
+			f.mu.Lock()
+			f.cancels++
+			f.mu.Unlock()
+			return nil, ctx.Err()
+		}
+	}
+	if t.VolumeID == "bad" {
+		return nil, fmt.Errorf("%w: transport %q", attach.ErrInvalid, tr)
+	}
+	f.mu.Lock()
+	f.attached[t.VolumeID] = tr
+	f.mu.Unlock()
+	return &attach.Attachment{VolumeID: t.VolumeID, Transport: tr, Device: "/dev/ublkb3", Size: o.BlockSize << 20, MPTCP: true}, nil
+}
+
+func (f *fakeService) Detach(ctx context.Context, id string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.attached, id)
+	return nil
+}
+
+func (f *fakeService) Health(id string) (attach.Transport, attach.Health, error) {
+	f.mu.Lock()
+	tr, ok := f.attached[id]
+	f.mu.Unlock()
+	if !ok {
+		return "", attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, id)
+	}
+	return tr, attach.Health{Connected: true, Subflows: []int{4}, Outage: 1500 * time.Millisecond, Failing: true, Message: "m"}, nil
+}
+
+func (f *fakeService) Resize(ctx context.Context, id string, n uint64) (uint64, error) {
+	return 0, fmt.Errorf("%w: export has less", attach.ErrTooSmall)
+}
+
+func (f *fakeService) Volumes() map[string]attach.Transport {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := map[string]attach.Transport{}
+	for k, v := range f.attached {
+		out[k] = v
+	}
+	return out
+}
+
+func (f *fakeService) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
+	return []*attach.Attachment{{VolumeID: "old", Transport: attach.Relay}}, errors.New("one volume could not be taken over")
+}
+
+func (f *fakeService) Available() []attach.Transport {
+	return []attach.Transport{attach.Ublk, attach.FUSE}
+}
+
+func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+func serve(t *testing.T, path string, svc Service) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, path, svc, quiet()) }()
+	c := &Client{Path: path}
+	deadline := time.Now().Add(5 * time.Second)
+	for c.Available() == nil {
+		if time.Now().After(deadline) {
+			t.Fatal("the datapath server did not come up")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	stopped := false
+	stop = func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Serve: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("Serve did not return")
+		}
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// TestRoundTrip: every method crosses the socket with its values, and the
+// sentinel errors stay errors.Is-matchable on the client side.
+func TestRoundTrip(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "dp.sock")
+	svc := &fakeService{attached: map[string]attach.Transport{}}
+	serve(t, path, svc)
+	c := &Client{Path: path}
+	ctx := context.Background()
+	att, err := c.Attach(ctx, attach.Ublk, attach.Target{VolumeID: "v1", Addrs: []string{"a:1", "b:2"}}, attach.Options{BlockSize: 4096, DeadConnTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := attach.Attachment{VolumeID: "v1", Transport: attach.Ublk, Device: "/dev/ublkb3", Size: 4096 << 20, MPTCP: true}
+	if *att != want {
+		t.Fatalf("attachment %+v, want %+v", *att, want)
+	}
+	if _, err := c.Attach(ctx, attach.Relay, attach.Target{VolumeID: "bad"}, attach.Options{}); !errors.Is(err, attach.ErrInvalid) {
+		t.Fatalf("attach error %v, want ErrInvalid", err)
+	}
+	tr, h, err := c.Health("v1")
+	if err != nil || tr != attach.Ublk || !h.Connected || h.Outage != 1500*time.Millisecond || !h.Failing || len(h.Subflows) != 1 || h.Subflows[0] != 4 {
+		t.Fatalf("health %s %+v %v", tr, h, err)
+	}
+	if _, _, err := c.Health("nope"); !errors.Is(err, attach.ErrNotAttached) {
+		t.Fatalf("health of an unknown volume: %v, want ErrNotAttached", err)
+	}
+	if _, err := c.Resize(ctx, "v1", 1); !errors.Is(err, attach.ErrTooSmall) {
+		t.Fatalf("resize: %v, want ErrTooSmall", err)
+	}
+	if v := c.Volumes(); len(v) != 1 || v["v1"] != attach.Ublk {
+		t.Fatalf("volumes %v", v)
+	}
+	atts, err := c.Adopt(ctx)
+	if err == nil || len(atts) != 1 || atts[0].VolumeID != "old" {
+		t.Fatalf("adopt: %+v, %v (want one attachment and the error)", atts, err)
+	}
+	if a := c.Available(); len(a) != 2 || a[0] != attach.Ublk {
+		t.Fatalf("available %v", a)
+	}
+	if err := c.Detach(ctx, "v1"); err != nil || len(c.Volumes()) != 0 {
+		t.Fatalf("detach: %v, volumes %v", err, c.Volumes())
+	}
+}
+
+// TestComponentRestart: while the component is down calls fail with
+// ErrUnavailable (not hang); once it is back on the same socket they work.
+func TestComponentRestart(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "dp.sock")
+	svc := &fakeService{attached: map[string]attach.Transport{}}
+	stop := serve(t, path, svc)
+	c := &Client{Path: path, DialTimeout: time.Second}
+	if _, err := c.Attach(context.Background(), attach.FUSE, attach.Target{VolumeID: "v"}, attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	start := time.Now()
+	if _, _, err := c.Health("v"); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("health with the component down: %v, want ErrUnavailable", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("a call to a stopped component took %v", d)
+	}
+	serve(t, path, svc)
+	if tr, _, err := c.Health("v"); err != nil || tr != attach.FUSE {
+		t.Fatalf("health after the restart: %s, %v", tr, err)
+	}
+}
+
+// TestCallCancelled: a caller's context ends its call at once; the work
+// goes on in the component (a retried attach then finds it done) until
+// the component's own lifetime ends it.
+func TestCallCancelled(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "dp.sock")
+	svc := &fakeService{attached: map[string]attach.Transport{}, block: make(chan struct{})}
+	stop := serve(t, path, svc)
+	c := &Client{Path: path}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, err := c.Attach(ctx, attach.Relay, attach.Target{VolumeID: "slow"}, attach.Options{}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("attach past the caller's deadline: %v", err)
+	}
+	stop()
+	svc.mu.Lock()
+	n := svc.cancels
+	svc.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("%d attaches cancelled by the component's end, want 1", n)
+	}
+}
