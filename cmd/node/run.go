@@ -26,6 +26,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
+	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -47,6 +48,11 @@ type options struct {
 	metricsAddr  string
 	logLevel     slog.Level
 	logFormat    string
+	// datapathSocket: the plugin drives a datapath component there
+	// instead of running the transports itself; serveDatapath: this
+	// process is that component, serving there.
+	datapathSocket string
+	serveDatapath  string
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -65,7 +71,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		for _, name := range splitList(s) {
 			t, err := attach.ParseTransport(name)
 			if err != nil || t == attach.Auto {
-				return fmt.Errorf("unknown transport %q (want kernel, relay, multiconn, tcp or fuse)", name)
+				return fmt.Errorf("unknown transport %q (want kernel, ublk, relay, multiconn, tcp or fuse)", name)
 			}
 			o.transports = append(o.transports, t)
 		}
@@ -98,6 +104,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return o.logLevel.UnmarshalText([]byte(s))
 	})
 	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	fs.StringVar(&o.datapathSocket, "datapath-socket", "", "drive the volumes' data path in the datapath component listening on this unix socket (its own container, which a restart of this one does not touch); empty: run it in this process")
+	fs.StringVar(&o.serveDatapath, "serve-datapath", "", "run as the datapath component: attach and serve the volumes' data path for a node plugin on this unix socket (no CSI endpoint)")
 	return fs
 }
 
@@ -119,6 +127,9 @@ func parseArgs(args []string) (*options, error) {
 	}
 	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
 		return nil, fmt.Errorf("--endpoint: %v", err)
+	}
+	if o.datapathSocket != "" && o.serveDatapath != "" {
+		return nil, errors.New("--datapath-socket and --serve-datapath exclude each other: a process is the plugin or the datapath component")
 	}
 	return o, nil
 }
@@ -164,15 +175,22 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err := relay.GuardAgainstReclaim(); err != nil {
 		log.Warn("cannot guard against memory reclaim; relays may stall under memory pressure", "error", err)
 	}
-	mgr, closeAll, err := newManager(o, log)
-	if err != nil {
-		return err
-	}
-	defer closeAll()
-	if atts, err := mgr.Adopt(ctx); err != nil {
-		log.Error("some volumes of an earlier run were not re-adopted", "error", err)
-	} else if len(atts) > 0 {
-		log.Info("re-adopted volumes of an earlier run", "count", len(atts))
+	var mgr datapath.Service
+	if o.datapathSocket != "" {
+		mgr = &datapath.Client{Path: o.datapathSocket}
+		log.Info("the data path runs in the datapath component", "socket", o.datapathSocket)
+	} else {
+		m, closeAll, err := newManager(o, log)
+		if err != nil {
+			return err
+		}
+		defer closeAll()
+		adopt(ctx, m, log)
+		if o.serveDatapath != "" {
+			log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
+			return datapath.Serve(ctx, o.serveDatapath, m, log)
+		}
+		mgr = m
 	}
 
 	if len(o.storageNICs) > 0 {
@@ -209,6 +227,15 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	log.Info("node plugin serving", "endpoint", o.endpoint, "node_id", o.nodeID,
 		"transports", mgr.Available(), "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
+}
+
+// adopt takes over the volumes an earlier run of the data path left.
+func adopt(ctx context.Context, m *attach.Manager, log *slog.Logger) {
+	if atts, err := m.Adopt(ctx); err != nil {
+		log.Error("some volumes of an earlier run were not re-adopted", "error", err)
+	} else if len(atts) > 0 {
+		log.Info("re-adopted volumes of an earlier run", "count", len(atts))
+	}
 }
 
 // newManager builds the transports this node supports (restricted to
@@ -303,7 +330,7 @@ func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
 // watchVolumes records Events on the claims of this node's volumes when
 // their data path changes (storage node lost, found again, writes sent
 // again), if the API server is reachable.
-func watchVolumes(ctx context.Context, o *options, node *driver.Node, mgr *attach.Manager, log *slog.Logger) {
+func watchVolumes(ctx context.Context, o *options, node *driver.Node, mgr driver.VolumeLister, log *slog.Logger) {
 	cfg, err := kubeconfig.Load(o.kubeconfig)
 	if err != nil {
 		log.Info("no Events on claims: no API server access", "error", err)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -17,7 +18,19 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/datapath"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
+
+// TestMain: the test binary is also a volume's FUSE server process, as
+// the node executable is.
+func TestMain(m *testing.M) {
+	if fuse.ServeRequested() {
+		os.Exit(fuse.ServeMain())
+	}
+	os.Exit(m.Run())
+}
 
 func TestParseArgs(t *testing.T) {
 	o, err := parseArgs([]string{"--node-id", "n1", "--transports", "fuse,relay", "--topology", "zone=a,rack=r1",
@@ -39,6 +52,7 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--node-id", "n", "--storage-address", "eth0"}, "eth0"},
 		{[]string{"--node-id", "n", "--topology", "zone"}, "zone"},
 		{[]string{"--node-id", "n", "--endpoint", "csi.sock"}, "--endpoint"},
+		{[]string{"--node-id", "n", "--datapath-socket", "a", "--serve-datapath", "b"}, "--serve-datapath"},
 	} {
 		t.Setenv("NODE_NAME", "")
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {
@@ -111,5 +125,119 @@ func TestRunServesCSIAndMetrics(t *testing.T) {
 	cancel()
 	if code := <-done; code != 0 {
 		t.Fatalf("run returned %d:\n%s", code, stderr.String())
+	}
+}
+
+// TestDatapathComponent runs the datapath component and a plugin that
+// drives it over the socket: a fuse volume attached through the component
+// keeps serving its device while the plugin stops and starts again, and
+// the restarted plugin reports it healthy.
+func TestDatapathComponent(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the datapath component needs root")
+	}
+	if err := fuse.Available(); err != nil {
+		t.Skipf("no fuse transport here: %v", err)
+	}
+	backend := nbd.NewMemBackend(16 << 20)
+	srv := &nbd.Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: backend}); err != nil {
+		t.Fatal(err)
+	}
+	nl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(nl)
+	t.Cleanup(func() { srv.Shutdown(context.Background()) })
+
+	dir := t.TempDir()
+	dpSock := filepath.Join(dir, "datapath.sock")
+	dpCtx, dpStop := context.WithCancel(context.Background())
+	dpDone := make(chan int, 1)
+	var dpErr bytes.Buffer
+	go func() {
+		dpDone <- run(dpCtx, []string{"--node-id", "n1", "--serve-datapath", dpSock, "--state-dir", filepath.Join(dir, "dp"),
+			"--transports", "fuse"}, io.Discard, &dpErr)
+	}()
+	dp := &datapath.Client{Path: dpSock}
+	deadline := time.Now().Add(30 * time.Second)
+	for len(dp.Available()) == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the datapath component did not come up:\n%s", dpErr.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	tg := attach.Target{VolumeID: "pv-dp", Export: "vol", Addrs: []string{nl.Addr().String()}}
+	att, err := dp.Attach(context.Background(), attach.FUSE, tg, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := dp.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Errorf("detach: %v", err)
+		}
+		dpStop()
+		<-dpDone
+	})
+
+	plugin := func() (context.CancelFunc, chan int, string) {
+		sock := filepath.Join(dir, "csi.sock")
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan int, 1)
+		go func() {
+			done <- run(ctx, []string{"--node-id", "n1", "--endpoint", "unix://" + sock, "--state-dir", filepath.Join(dir, "plugin"),
+				"--datapath-socket", dpSock}, io.Discard, io.Discard)
+		}()
+		return cancel, done, sock
+	}
+	ready := func(sock string) {
+		t.Helper()
+		conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			info, err := csi.NewNodeClient(conn).NodeGetInfo(context.Background(), &csi.NodeGetInfoRequest{})
+			if err == nil && info.GetNodeId() == "n1" {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("plugin not answering: %v", err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	stop, done, sock := plugin()
+	ready(sock)
+	want := bytes.Repeat([]byte{0x6d}, 1<<20)
+	f, err := os.OpenFile(att.Device, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	if code := <-done; code != 0 {
+		t.Fatalf("plugin exited %d", code)
+	}
+	// The plugin is gone; the device is served all the same.
+	if err := f.Sync(); err != nil {
+		t.Fatalf("fsync with the plugin stopped: %v", err)
+	}
+	got := make([]byte, len(want))
+	backend.ReadAt(got, 0)
+	if !bytes.Equal(got, want) {
+		t.Fatal("the write did not reach the server with the plugin stopped")
+	}
+	stop, done, sock = plugin()
+	defer func() { stop(); <-done }()
+	ready(sock)
+	if tr, h, err := dp.Health(tg.VolumeID); err != nil || tr != attach.FUSE || !h.Connected {
+		t.Fatalf("health through the component after the plugin's restart: %s %+v %v", tr, h, err)
 	}
 }
