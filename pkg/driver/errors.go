@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/datapath"
 )
 
 // Sentinel errors of the driver. Lower layers wrap them (or their own
@@ -51,7 +52,8 @@ func toStatus(err error) error {
 		code = codes.Aborted
 	case errors.Is(err, ErrOutOfRange):
 		code = codes.OutOfRange
-	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported), errors.Is(err, attach.ErrTooSmall):
+	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported), errors.Is(err, attach.ErrTooSmall),
+		errors.Is(err, datapath.ErrUnavailable):
 		code = codes.Unavailable
 	case errors.Is(err, ErrUnimplementedErr):
 		code = codes.Unimplemented
