@@ -15,8 +15,10 @@ import (
 // reclaim. It tries each step and returns what it could not do (one
 // wrapped error per step, joined), so the caller can log and go on:
 //
-//   - mlockall(MCL_CURRENT|MCL_FUTURE): no page of the process is swapped
-//     or dropped;
+//   - mlockall(MCL_CURRENT|MCL_FUTURE|MCL_ONFAULT): no page of the
+//     process is swapped or dropped once used; pages mapped but not yet
+//     used (a ublk queue's request buffers, the runtime's reservations)
+//     are locked when first touched, not filled in ahead;
 //   - prctl(PR_SET_IO_FLUSHER, 1) (Linux 5.6+, needs CAP_SYS_RESOURCE):
 //     allocations of the relay's threads do not recurse into I/O, and the
 //     block layer does not throttle them. The flag is per thread and
@@ -26,7 +28,7 @@ import (
 //   - oom_score_adj = -1000: the OOM killer leaves the process alone.
 func GuardAgainstReclaim() error {
 	var errs []error
-	if err := unix.Mlockall(unix.MCL_CURRENT | unix.MCL_FUTURE); err != nil {
+	if err := unix.Mlockall(unix.MCL_CURRENT | unix.MCL_FUTURE | unix.MCL_ONFAULT); err != nil {
 		errs = append(errs, fmt.Errorf("mlockall: %w", err))
 	}
 	if err := setIOFlusher(); err != nil {

@@ -49,7 +49,9 @@ func New(cfg Config) (*Attacher, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.Queues <= 0 {
-		cfg.Queues = runtime.NumCPU()
+		// One queue per CPU, up to 4: every queue feeds the same NBD
+		// session, and each holds Depth request buffers.
+		cfg.Queues = min(runtime.NumCPU(), 4)
 	}
 	if cfg.Depth <= 0 {
 		cfg.Depth = 64

@@ -23,8 +23,8 @@ type Config struct {
 	StateDir string
 	// DialContext makes the volume's connections; nil means d.DialContext.
 	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
-	// Queues and Depth of each device (zero: one queue per CPU, 64
-	// requests each).
+	// Queues and Depth of each device (zero: one queue per CPU up to 4,
+	// 64 requests each).
 	Queues, Depth int
 	Logger        *slog.Logger
 }
