@@ -43,8 +43,15 @@ func TestChartValues(t *testing.T) {
 	}
 	has("node", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node"),
 		"--storage-nic=eth1,eth2,10.10.3.0/24", "--backup-nic=eth0", "--storage-address=$(STORAGE_ADDRESS)",
-		"--storage-address=10.10.1.5", "--transports=relay,multiconn,fuse", "--max-volumes=32",
+		"--storage-address=10.10.1.5", "--max-volumes=32", "--datapath-socket=/var/lib/mpnbd/state/datapath.sock",
 		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json", "--metrics-addr=:19810")
+	has("datapath", argsOf(t, objs, "DaemonSet", "mpnbd-datapath", "datapath"),
+		"--serve-datapath=/var/lib/mpnbd/state/datapath.sock", "--transports=relay,multiconn,fuse",
+		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json")
+	dp := find(t, objs, "DaemonSet", "mpnbd-datapath")
+	if st, _, _ := unstructured.NestedString(dp.Object, "spec", "updateStrategy", "type"); st != "RollingUpdate" {
+		t.Errorf("datapath.updateStrategy=RollingUpdate rendered %q", st)
+	}
 	has("registrar", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node-driver-registrar"),
 		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
 	has("storage agent", argsOf(t, objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent"),
@@ -131,5 +138,25 @@ func TestChartRefusesAgentWithoutAddresses(t *testing.T) {
 	if _, err := tryRun(t, nil, helm(t), "template", "mpnbd", "charts/mpnbd", "--set", "storageAgent.storageAddressesFrom=",
 		"--set", "storageAgent.enabled=false"); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestChartWithoutDatapath: with datapath.enabled=false there is no
+// datapath DaemonSet and the node plugin runs the transports itself.
+func TestChartWithoutDatapath(t *testing.T) {
+	objs := parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml"))
+	for _, o := range objs {
+		if o.GetName() == "mpnbd-datapath" {
+			t.Errorf("datapath.enabled=false renders %s", objectKey(o))
+		}
+	}
+	args := argsOf(t, objs, "DaemonSet", "mpnbd-node", "node")
+	if !slices.Contains(args, "--transports=relay,fuse") {
+		t.Errorf("node args %q lack the transports", args)
+	}
+	for _, a := range args {
+		if strings.HasPrefix(a, "--datapath-socket") {
+			t.Errorf("node args %q drive a datapath that is not deployed", args)
+		}
 	}
 }
