@@ -211,6 +211,11 @@ func TestDriverOnCluster(t *testing.T) {
 				"/usr/local/bin/nbd-server": filepath.Join(bins, "nbd-server"),
 			},
 		}}
+		fio, err := fioFiles()
+		if err != nil {
+			t.Fatal(err)
+		}
+		images = append(images, Image{Ref: fioImage, BaseLayers: []string{rootfs}, Files: fio})
 		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-node-driver-registrar", "livenessprobe"} {
 			ref := "mpnbd.local/" + name + ":e2e"
 			sidecarImages[name] = ref
@@ -312,6 +317,7 @@ storageAgent:
 	s.filesystemScenario()
 	s.expandScenario()
 	s.blockScenario()
+	s.restartScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
 }
 

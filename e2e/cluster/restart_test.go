@@ -1,0 +1,136 @@
+package cluster
+
+import (
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+)
+
+// fioImage is an image with fio, for the pods that verify data under
+// faults.
+const fioImage = "mpnbd.local/fio:e2e"
+
+// fioFiles returns fio and the shared libraries it needs beyond glibc,
+// from the host (Debian bookworm, like the image's base), under /opt/fio:
+// path in the image -> host path. The base's /lib is a link into /usr,
+// which a layer with a /lib directory would replace.
+func fioFiles() (map[string]string, error) {
+	fio, err := exec.LookPath("fio")
+	if err != nil {
+		return nil, fmt.Errorf("fio is not installed (apt-get install fio): %w", err)
+	}
+	files := map[string]string{"/opt/fio/bin/fio": fio}
+	out, err := exec.Command("ldd", fio).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ldd %s: %w", fio, err)
+	}
+	for _, l := range strings.Split(string(out), "\n") {
+		for _, w := range strings.Fields(l) {
+			if !strings.HasPrefix(w, "/") {
+				continue
+			}
+			base := filepath.Base(w)
+			if glibc.MatchString(base) {
+				continue // the base image's own
+			}
+			if real, err := filepath.EvalSymlinks(w); err == nil {
+				files["/opt/fio/lib/"+base] = real
+			}
+		}
+	}
+	return files, nil
+}
+
+// glibc matches the libraries of glibc, which the image's base has.
+var glibc = regexp.MustCompile(`^(ld-linux.*|libc|libm|libpthread|libdl|librt|libresolv|libutil)\.so`)
+
+// fioPod runs fio write+verify rounds on the claim's block device for
+// about d, a new random order each round, and prints rounds=N when every
+// round verified; a failed round fails the pod with fio's output.
+func fioPod(name, claim string, d time.Duration) string {
+	script := fmt.Sprintf(`end=$(( $(date +%%s) + %d )); n=0
+while [ "$(date +%%s)" -lt "$end" ]; do
+  n=$((n+1))
+  LD_LIBRARY_PATH=/opt/fio/lib /opt/fio/bin/fio --name=verify --filename=/dev/xvda --direct=1 --ioengine=libaio --iodepth=16 --rw=randwrite --bs=4k \
+    --size=32M --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --randrepeat=0 --randseed=$n \
+    --output=/tmp/fio.out || { echo "round $n failed"; cat /tmp/fio.out; exit 1; }
+  grep -q "err= 0" /tmp/fio.out || { echo "round $n reported an error"; cat /tmp/fio.out; exit 1; }
+done
+echo rounds=$n`, int(d.Seconds()))
+	return strings.Replace(pod(name, claim, script, true), "image: "+driverImage, "image: "+fioImage, 1)
+}
+
+// restartScenario: a pod runs fio --verify=crc32c on a volume while the
+// node plugin's DaemonSet is restarted (kubectl rollout restart), then its
+// pod deleted, then the storage agent's pod deleted: no round sees an I/O
+// error or a verify failure, and the new plugin reports the volume
+// healthy. The volumes' data path lives in the datapath DaemonSet, which
+// none of this restarts; the storage agent's restart is ridden out by the
+// volume's NBD session (redial, replay, kept writes).
+func (s *suite) restartScenario() {
+	t := s.t
+	s.apply(pvc("restart", "mpnbd-block", "256Mi", true))
+	s.startPod("restart-fio", fioPod("restart-fio", "restart", 150*time.Second))
+	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "restart")
+	time.Sleep(10 * time.Second)
+	s.step("restart: rollout restart of the node plugin mid-fio", func() {
+		s.kubectl("rollout", "restart", "daemonset/mpnbd-node", "-n", namespace)
+		s.kubectl("rollout", "status", "daemonset/mpnbd-node", "-n", namespace, "--timeout=3m")
+	})
+	s.step("restart: delete the node plugin's pod mid-fio", func() {
+		s.kubectl("delete", "pod", "-n", namespace, "-l", "app.kubernetes.io/component=node", "--wait=true", "--timeout=2m")
+		s.kubectl("rollout", "status", "daemonset/mpnbd-node", "-n", namespace, "--timeout=3m")
+	})
+	s.step("restart: the new node plugin reports the volume healthy", func() {
+		s.waitFor("a healthy volume", 2*time.Minute, func() string {
+			h, err := s.nodeVolumeHealth(id)
+			if err != nil {
+				return err.Error()
+			}
+			if len(h.GetHealthStatuses()) != 0 {
+				return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
+			}
+			return ""
+		})
+	})
+	s.step("restart: delete the storage agent's pod mid-fio", func() {
+		old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+		s.kubectl("delete", "pod", "-n", namespace, old, "--wait=true", "--timeout=2m")
+		delPaths()
+		s.waitFor("the new storage agent's pod IP", 3*time.Minute, func() string {
+			name := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+			ip := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+			if name == old || ip == "" {
+				return "no new pod IP yet"
+			}
+			return ""
+		})
+		// The suite's storage paths go into the agent's network namespace:
+		// give the new one its paths.
+		addPaths(t, netnsWithAddr(t, s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")))
+	})
+	s.step("restart: fio finishes, every block verified", func() {
+		s.waitFor("pod restart-fio to finish", 6*time.Minute, func() string {
+			switch p := s.jsonpath("{.status.phase}", "get", "pod", "restart-fio"); p {
+			case "Succeeded":
+				return ""
+			case "Failed":
+				out, _ := s.c.Kubectl(s.ctx, "logs", "restart-fio")
+				t.Fatalf("fio failed across the restarts: %s", out)
+			default:
+				return "phase " + p
+			}
+			return ""
+		})
+		out := s.kubectl("logs", "restart-fio")
+		if field(out, "rounds") == "" {
+			t.Fatalf("fio pod output %q", out)
+		}
+		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion and a storage agent pod deletion: %s verified rounds, 0 errors", field(out, "rounds"))
+		s.kubectl("delete", "pod", "restart-fio", "--wait=true", "--timeout=120s")
+		s.kubectl("delete", "pvc", "restart", "--wait=true", "--timeout=120s")
+	})
+}
