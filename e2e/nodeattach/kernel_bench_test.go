@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -14,7 +15,10 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/ublk"
 )
 
 // envBench enables TestBenchTransportsMPTCPKernelInVM (hack/bench-vm.sh
@@ -24,8 +28,30 @@ const (
 	envBenchMB = "MPNBD_BENCH_MB"
 )
 
+// benchAttacher returns an attacher of mode whose connections leave from
+// the client namespace, and a check that a detach left nothing behind.
+func benchAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (attach.Attacher, func(*storage)) {
+	t.Helper()
+	switch mode {
+	case attach.Ublk:
+		return newUblkAttacher(t, tp, t.TempDir()), func(st *storage) { waitServerConns(t, st, 0) }
+	case attach.FUSE:
+		a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true, Logger: testLogger(t),
+			DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
+				err = tp.InClient(func() error {
+					c, err = d.DialContext(ctx, network, addr)
+					return err
+				})
+				return c, err
+			}})
+		return a, func(st *storage) { waitServerConns(t, st, 0) }
+	}
+	a, nl := newAttacher(t, tp, mode)
+	return a, func(st *storage) { waitGone(t, nl, st) }
+}
+
 // TestBenchTransportsMPTCPKernelInVM boots the MPTCP kernel and prints
-// kernel, relay, multiconn and tcp side by side (same VM, same four paths,
+// kernel, ublk, relay, fuse, multiconn and tcp side by side (same VM, same four paths,
 // same workload). Only with MPNBD_VM_BENCH=1: it is a measurement, not a
 // check, and takes minutes under TCG.
 func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
@@ -169,12 +195,21 @@ func TestBenchTransports(t *testing.T) {
 		write, read measured
 	}
 	var rows []row
-	for _, mode := range []attach.Transport{attach.TCP, attach.MultiConn, attach.Relay, attach.Kernel} {
+	modes := []attach.Transport{attach.TCP, attach.MultiConn, attach.Relay, attach.Kernel}
+	if ublk.Available() == nil {
+		modes = append(modes, attach.Ublk)
+	} else {
+		t.Logf("no ublk in this kernel: %v", ublk.Available())
+	}
+	if fuse.Available() == nil {
+		modes = append(modes, attach.FUSE)
+	}
+	for _, mode := range modes {
 		t.Run(string(mode), func(t *testing.T) {
 			tp := guestTopology(t)
-			useMPTCP := mode == attach.Relay || mode == attach.Kernel
+			useMPTCP := mode != attach.TCP && mode != attach.MultiConn
 			st := newStorage(t, tp, volSize, useMPTCP)
-			a, nl := newAttacher(t, tp, mode)
+			a, gone := benchAttacher(t, tp, mode)
 			tg := st.target(volID(t))
 			att, err := a.Attach(context.Background(), tg, attach.Options{})
 			if err != nil {
@@ -189,7 +224,7 @@ func TestBenchTransports(t *testing.T) {
 			if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
 				t.Fatal(err)
 			}
-			waitGone(t, nl, st)
+			gone(st)
 		})
 	}
 	if len(rows) == 0 || rows[0].mode != attach.TCP {

@@ -11,7 +11,6 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/e2e/vm"
 	"github.com/mpnbd/mpnbd/pkg/attach"
-	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 )
 
@@ -66,7 +65,7 @@ func requireMPTCPKernel(t *testing.T) {
 
 // waitSubflows polls the volume's health until its one connection has
 // want subflows, and fails the test after a generous deadline.
-func waitSubflows(t *testing.T, a *nbddev.Attacher, volumeID string, want int) attach.Health {
+func waitSubflows(t *testing.T, a attach.Attacher, volumeID string, want int) attach.Health {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
