@@ -68,6 +68,8 @@ BLK_DEV_LOOP=y
 BLK_DEV_RAM=y
 BLK_DEV_RAM_COUNT=1
 BLK_DEV_RAM_SIZE=131072
+IO_URING=y
+BLK_DEV_UBLK=y
 '
 
 # The change to drivers/block/nbd.c, as a perl program run with -0777 -pi

@@ -35,6 +35,11 @@ type Control struct {
 	// buf is what a command's addr points at: outside the Go heap, since
 	// the kernel may read or write it after the submission returns.
 	buf []byte
+	// legacy: the driver predates the ioctl encoding of commands (Linux
+	// before 6.3, or one without GET_FEATURES): plain command numbers.
+	legacy bool
+	// features are the driver's feature flags (zero when it cannot say).
+	features uint64
 }
 
 // OpenControl opens the control device.
@@ -57,7 +62,15 @@ func OpenControl() (*Control, error) {
 		f.Close()
 		return nil, fmt.Errorf("ublk: %w", err)
 	}
-	return &Control{f: f, ring: ring, buf: buf}, nil
+	c := &Control{f: f, ring: ring, buf: buf}
+	// GET_FEATURES exists in the ioctl encoding only (6.5 and later); a
+	// driver that refuses it gets the plain command numbers.
+	if feat, err := c.Features(); err == nil {
+		c.features = feat
+	} else {
+		c.legacy = true
+	}
+	return c, nil
 }
 
 // Close releases the control device.
@@ -104,7 +117,11 @@ func (c *Control) command(nr uint32, devID uint32, data uint64, in []byte, out [
 	}
 	sqe.Opcode = iouring.OpURingCmd
 	sqe.FD = int32(c.f.Fd())
-	sqe.SetCmdOp(ctrlOp(nr))
+	op := ctrlOp(nr)
+	if c.legacy {
+		op = nr
+	}
+	sqe.SetCmdOp(op)
 	cc := (*ctrlCmd)(unsafe.Pointer(&cmd[0]))
 	*cc = ctrlCmd{devID: devID, queueID: 0xffff, data: data}
 	if n > 0 {
@@ -128,6 +145,9 @@ func bytesOf[T any](v *T) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(v)
 // later); older drivers answer EINVAL.
 func (c *Control) Features() (uint64, error) {
 	var f uint64
+	if c.legacy {
+		return 0, &CommandError{Cmd: "GET_FEATURES", DevID: ^uint32(0), Errno: syscall.EOPNOTSUPP}
+	}
 	_, err := c.command(cmdGetFeatures, ^uint32(0), 0, nil, bytesOf(&f))
 	return f, err
 }

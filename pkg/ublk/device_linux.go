@@ -75,6 +75,9 @@ type Device struct {
 	wg     sync.WaitGroup
 	// done is closed once every queue has stopped serving.
 	done chan struct{}
+	// ioctlEncode: the device takes its I/O commands in the ioctl
+	// encoding (it was made with UBLK_F_CMD_IOCTL_ENCODE).
+	ioctlEncode bool
 }
 
 // BlockPath is the device's block device.
@@ -96,7 +99,10 @@ func Create(ctx context.Context, ctrl *Control, cfg Config, h Handler) (*Device,
 		queueDepth:    uint16(cfg.Depth),
 		maxIOBufBytes: uint32(cfg.MaxIO),
 		devID:         ^uint32(0),
-		flags:         FlagUserRecovery | FlagUserRecoveryReissue | FlagCmdIoctlEncode,
+		flags:         FlagUserRecovery | FlagUserRecoveryReissue,
+	}
+	if !ctrl.legacy {
+		info.flags |= FlagCmdIoctlEncode
 	}
 	if err := ctrl.addDev(&info); err != nil {
 		return nil, err
@@ -198,7 +204,8 @@ func serve(ctx context.Context, ctrl *Control, id uint32, info devInfo, h Handle
 	if err != nil {
 		return nil, err
 	}
-	d := &Device{ID: id, ctrl: ctrl, char: char, h: h, log: log.With("ublk_dev", id), done: make(chan struct{})}
+	d := &Device{ID: id, ctrl: ctrl, char: char, h: h, log: log.With("ublk_dev", id), done: make(chan struct{}),
+		ioctlEncode: info.flags&FlagCmdIoctlEncode != 0}
 	ready := make(chan error, info.nrHWQueues)
 	for q := 0; q < int(info.nrHWQueues); q++ {
 		qu := &queue{dev: d, id: uint16(q), depth: int(info.queueDepth), maxIO: int(info.maxIOBufBytes)}
@@ -411,7 +418,11 @@ func (q *queue) command(nr uint32, tag uint16, result int32) error {
 	}
 	sqe.Opcode = iouring.OpURingCmd
 	sqe.FD = int32(q.dev.char.Fd())
-	sqe.SetCmdOp(ioOp(nr))
+	op := nr
+	if q.dev.ioctlEncode {
+		op = ioOp(nr)
+	}
+	sqe.SetCmdOp(op)
 	sqe.UserData = uint64(tag)
 	c := (*ioCmd)(unsafe.Pointer(&cmd[0]))
 	*c = ioCmd{qID: q.id, tag: tag, result: result, addr: uint64(uintptr(unsafe.Pointer(&q.buf(tag)[0])))}
