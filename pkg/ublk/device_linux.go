@@ -315,6 +315,10 @@ type queue struct {
 	mu      sync.Mutex
 	done    []completion
 	stopped bool
+	// handlers counts requests in their handler: the eventfd and the
+	// buffers they use outlive the queue's thread until the last is done.
+	handlers  sync.WaitGroup
+	efdClosed bool
 }
 
 type completion struct {
@@ -334,7 +338,11 @@ func (q *queue) stop() {
 func (q *queue) wake() {
 	var one [8]byte
 	one[0] = 1
-	unix.Write(q.efd, one[:])
+	q.mu.Lock()
+	if !q.efdClosed && q.efd > 0 {
+		unix.Write(q.efd, one[:])
+	}
+	q.mu.Unlock()
 }
 
 func (q *queue) run(ready chan<- error) {
@@ -392,12 +400,20 @@ func (q *queue) release() {
 	if q.descs != nil {
 		unix.Munmap(q.descs)
 	}
-	// The buffers stay mapped: a request still in its handler may write
-	// to them. They go with the process (a device is served once per
-	// process lifetime in the transport).
-	if q.efd > 0 {
-		unix.Close(q.efd)
-	}
+	// A request still in its handler writes to its buffer and wakes the
+	// eventfd: both go once the last handler is done.
+	go func() {
+		q.handlers.Wait()
+		q.mu.Lock()
+		q.efdClosed = true
+		if q.efd > 0 {
+			unix.Close(q.efd)
+		}
+		q.mu.Unlock()
+		if q.bufs != nil {
+			unix.Munmap(q.bufs)
+		}
+	}()
 }
 
 func (q *queue) buf(tag uint16) []byte {
@@ -489,6 +505,7 @@ func (q *queue) loop() {
 			continue
 		}
 		desc := *(*ioDesc)(unsafe.Pointer(&q.descs[int(tag)*int(unsafe.Sizeof(ioDesc{}))]))
+		q.handlers.Add(1)
 		go q.handle(tag, desc)
 	}
 }
@@ -524,4 +541,5 @@ func (q *queue) handle(tag uint16, d ioDesc) {
 	q.done = append(q.done, completion{tag, res})
 	q.mu.Unlock()
 	q.wake()
+	q.handlers.Done()
 }
