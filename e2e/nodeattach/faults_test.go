@@ -677,7 +677,6 @@ func TestTransportsServerKills(t *testing.T) {
 	// The fault tests wait out outages, stalls and timeouts side by side.
 	t.Parallel()
 	total, every, down := 20*time.Second, 3*time.Second, time.Second
-	roundLimit := 2 * time.Minute
 	if soak() {
 		total, every = 2*time.Minute, 10*time.Second
 	}
@@ -690,40 +689,49 @@ func TestTransportsServerKills(t *testing.T) {
 			if mode == attach.MultiConn {
 				conns = len(srv.tp.Paths)
 			}
-			start := time.Now()
-			k := srv.killEvery(att.Device, conns, every, down)
-			stopped := false
-			defer func() {
-				if !stopped {
-					close(k.stopc)
-					<-k.done
-				}
-			}()
-			seed := int(time.Now().UnixNano() % 1000000)
-			rounds := 0
-			for time.Since(start) < total {
-				rounds++
-				seed++
-				res := startFio(t, att.Device, seed).wait(t, roundLimit, attacherStuck(t, a, tg, att.Device))
-				t.Logf("round %d (kills so far %d): %v", rounds, srv.killCount(), res)
-				if !res.ok() {
-					t.Fatalf("round %d with nbd-server being killed: %v\n%s", rounds, res, tail(res.output, 40))
-				}
-			}
-			stopped = true
-			k.stop(t)
-			kills := srv.killCount()
-			h, _ := a.Health(tg.VolumeID)
-			t.Logf("%s: %d rounds, %d SIGKILLs of nbd-server in %v; health %+v", mode, rounds, kills, time.Since(start).Round(time.Second), h)
-			if kills < 1 {
-				t.Fatalf("no kill happened during %d rounds (%v)", rounds, time.Since(start).Round(time.Second))
-			}
-			if h.Reconnects < 1 {
-				t.Errorf("%d kills but no reconnect recorded: %+v", kills, h)
-			}
-			compareWithImage(t, srv.image, att.Device, attacherStuck(t, a, tg, att.Device))
+			killRounds(t, srv, a, tg, att.Device, conns, total, every, down)
 		})
 	}
+}
+
+// killRounds runs fio write+verify rounds on dev for about total while
+// srv is SIGKILLed every few seconds (see killEvery); every round must
+// finish with no error and verify, the client must have reconnected, and
+// the device must then read back the server's file.
+func killRounds(t *testing.T, srv *debianServer, a attach.Attacher, tg attach.Target, dev string, conns int, total, every, down time.Duration) {
+	t.Helper()
+	start := time.Now()
+	k := srv.killEvery(dev, conns, every, down)
+	stopped := false
+	defer func() {
+		if !stopped {
+			close(k.stopc)
+			<-k.done
+		}
+	}()
+	seed := int(time.Now().UnixNano() % 1000000)
+	rounds := 0
+	for time.Since(start) < total {
+		rounds++
+		seed++
+		res := startFio(t, dev, seed).wait(t, 2*time.Minute, attacherStuck(t, a, tg, dev))
+		t.Logf("round %d (kills so far %d): %v", rounds, srv.killCount(), res)
+		if !res.ok() {
+			t.Fatalf("round %d with nbd-server being killed: %v\n%s", rounds, res, tail(res.output, 40))
+		}
+	}
+	stopped = true
+	k.stop(t)
+	kills := srv.killCount()
+	h, _ := a.Health(tg.VolumeID)
+	t.Logf("%d rounds, %d SIGKILLs of nbd-server in %v; health %+v", rounds, kills, time.Since(start).Round(time.Second), h)
+	if kills < 1 {
+		t.Fatalf("no kill happened during %d rounds (%v)", rounds, time.Since(start).Round(time.Second))
+	}
+	if h.Reconnects < 1 {
+		t.Errorf("%d kills but no reconnect recorded: %+v", kills, h)
+	}
+	compareWithImage(t, srv.image, dev, attacherStuck(t, a, tg, dev))
 }
 
 // TestTransportsLongOutage kills nbd-server in the middle of a fio

@@ -177,6 +177,18 @@ func (st *storage) conns() int {
 	return e.ConnCount()
 }
 
+// clientDialer dials from the network namespace ns (the topology's
+// client side).
+func clientDialer(ns string) func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
+		err = topo.InNetns(ns, func() error {
+			c, err = d.DialContext(ctx, network, addr)
+			return err
+		})
+		return c, err
+	}
+}
+
 // newAttacher makes an attacher whose data sockets are dialled from the
 // client namespace while netlink stays in the initial one.
 func newAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (*nbddev.Attacher, *nbdnl.Client) {
@@ -187,17 +199,11 @@ func newAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (*nbdde
 	}
 	t.Cleanup(func() { nl.Close() })
 	a, err := nbddev.New(nbddev.Config{
-		Mode:    mode,
-		Kernel:  nl,
-		Devices: nbdnl.Sysfs{Root: "/sys"},
-		Logger:  testLogger(t),
-		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-			err = tp.InClient(func() error {
-				c, err = d.DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
+		Mode:        mode,
+		Kernel:      nl,
+		Devices:     nbdnl.Sysfs{Root: "/sys"},
+		Logger:      testLogger(t),
+		DialContext: clientDialer(tp.ClientNS),
 	})
 	if err != nil {
 		t.Fatal(err)

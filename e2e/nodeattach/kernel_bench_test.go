@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"fmt"
-	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -36,14 +35,7 @@ func benchAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (atta
 	case attach.Ublk:
 		return newUblkAttacher(t, tp, t.TempDir()), func(st *storage) { waitServerConns(t, st, 0) }
 	case attach.FUSE:
-		a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true, Logger: testLogger(t),
-			DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-				err = tp.InClient(func() error {
-					c, err = d.DialContext(ctx, network, addr)
-					return err
-				})
-				return c, err
-			}})
+		a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true, Logger: testLogger(t), DialContext: clientDialer(tp.ClientNS)})
 		return a, func(st *storage) { waitServerConns(t, st, 0) }
 	}
 	a, nl := newAttacher(t, tp, mode)

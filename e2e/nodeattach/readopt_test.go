@@ -116,13 +116,7 @@ func TestHelperAttachProcess(t *testing.T) {
 	if cs.Mode == "" {
 		cs.Mode = attach.Relay
 	}
-	dial := func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-		err = topo.InNetns(cs.ClientNS, func() error {
-			c, err = d.DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}
+	dial := clientDialer(cs.ClientNS)
 	var a interface {
 		attach.Attacher
 		attach.Adopter

@@ -2,7 +2,6 @@ package nodeattach
 
 import (
 	"context"
-	"net"
 	"os"
 	"strings"
 	"testing"
@@ -48,17 +47,7 @@ func requireUblkGuest(t *testing.T) {
 
 func newUblkAttacher(t *testing.T, tp *topo.Topology, stateDir string) *ublkdev.Attacher {
 	t.Helper()
-	a, err := ublkdev.New(ublkdev.Config{
-		StateDir: stateDir,
-		Logger:   testLogger(t),
-		DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-			err = tp.InClient(func() error {
-				c, err = d.DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	})
+	a, err := ublkdev.New(ublkdev.Config{StateDir: stateDir, Logger: testLogger(t), DialContext: clientDialer(tp.ClientNS)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,34 +131,7 @@ func TestUblkServerKills(t *testing.T) {
 			t.Errorf("detach: %v", err)
 		}
 	})
-	start := time.Now()
-	k := srv.killEvery(att.Device, 1, every, down)
-	stopped := false
-	defer func() {
-		if !stopped {
-			close(k.stopc)
-			<-k.done
-		}
-	}()
-	seed := int(time.Now().UnixNano() % 1000000)
-	rounds := 0
-	for time.Since(start) < total {
-		rounds++
-		seed++
-		res := startFio(t, att.Device, seed).wait(t, 2*time.Minute, attacherStuck(t, a, tg, att.Device))
-		t.Logf("round %d (kills so far %d): %v", rounds, srv.killCount(), res)
-		if !res.ok() {
-			t.Fatalf("round %d with nbd-server being killed: %v\n%s", rounds, res, tail(res.output, 40))
-		}
-	}
-	stopped = true
-	k.stop(t)
-	h, _ := a.Health(tg.VolumeID)
-	t.Logf("ublk: %d rounds, %d SIGKILLs of nbd-server in %v; health %+v", rounds, srv.killCount(), time.Since(start).Round(time.Second), h)
-	if srv.killCount() < 1 || h.Reconnects < 1 {
-		t.Fatalf("%d kills, %d reconnects: the run proves nothing", srv.killCount(), h.Reconnects)
-	}
-	compareWithImage(t, srv.image, att.Device, attacherStuck(t, a, tg, att.Device))
+	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
 }
 
 // TestUblkProcessKilledMidWrite: the process serving a ublk volume (the
