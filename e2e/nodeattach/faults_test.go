@@ -31,7 +31,7 @@ const (
 	// faultExportSize is the backing file of the fault tests; fio uses the
 	// first fioSize bytes of it.
 	faultExportSize = 64 << 20
-	fioSize         = 16 << 20
+	fioSize         = 8 << 20
 	// nbdServerPort is where nbd-server listens; every topology has its own
 	// server namespace, so a fixed port is fine.
 	nbdServerPort = 10809
@@ -373,7 +373,13 @@ type killer struct {
 
 // reconnectLimit bounds how long the client may take to come back after
 // a restart.
-const reconnectLimit = 90 * time.Second
+const reconnectLimit = 3 * time.Minute
+
+// roundLimit bounds one fio round under faults. It only catches a hang:
+// under TCG a round can take minutes (each kill costs the kernel-socket
+// transports a request timeout, nbd-server takes up to half a minute to
+// start on a loaded host).
+const roundLimit = 5 * time.Minute
 
 func (s *debianServer) killEvery(dev string, conns int, interval, down time.Duration) *killer {
 	k := &killer{stopc: make(chan struct{}), done: make(chan struct{})}
@@ -714,7 +720,7 @@ func killRounds(t *testing.T, srv *debianServer, a attach.Attacher, tg attach.Ta
 	for time.Since(start) < total {
 		rounds++
 		seed++
-		res := startFio(t, dev, seed).wait(t, 2*time.Minute, attacherStuck(t, a, tg, dev))
+		res := startFio(t, dev, seed).wait(t, roundLimit, attacherStuck(t, a, tg, dev))
 		t.Logf("round %d (kills so far %d): %v", rounds, srv.killCount(), res)
 		if !res.ok() {
 			t.Fatalf("round %d with nbd-server being killed: %v\n%s", rounds, res, tail(res.output, 40))
@@ -772,7 +778,7 @@ func TestTransportsLongOutage(t *testing.T) {
 				t.Fatalf("restart nbd-server: %v", err)
 			}
 			back := time.Now()
-			res := f.wait(t, 2*time.Minute, attacherStuck(t, a, tg, att.Device))
+			res := f.wait(t, roundLimit, attacherStuck(t, a, tg, att.Device))
 			if !res.ok() {
 				t.Fatalf("fio round across a %v outage: %v\n%s", outage, res, tail(res.output, 40))
 			}

@@ -168,7 +168,7 @@ func TestPluginRestartDuringOutage(t *testing.T) {
 				t.Fatalf("restart nbd-server: %v", err)
 			}
 			back := time.Now()
-			res := f.wait(t, 3*time.Minute, deviceStuck(t, dev))
+			res := f.wait(t, roundLimit, deviceStuck(t, dev))
 			if !res.ok() {
 				t.Fatalf("fio across a %v outage and a plugin restart: %v\n%s", outage, res, tail(res.output, 40))
 			}
@@ -242,7 +242,7 @@ func TestServerStallPastRequestTimeout(t *testing.T) {
 			t.Logf("SIGSTOP our nbd-server after %d writes, for %v (request timeout %v)", writeIOs(att.Device)-before, stall, reqTimeout)
 			holdRunning(t, f, stall, "the stall")
 			srv.signal(syscall.SIGCONT)
-			res := f.wait(t, 3*time.Minute, attacherStuck(t, a, tg, att.Device))
+			res := f.wait(t, roundLimit, attacherStuck(t, a, tg, att.Device))
 			if !res.ok() {
 				t.Fatalf("fio across a %v stall: %v\n%s", stall, res, tail(res.output, 40))
 			}

@@ -157,7 +157,7 @@ func TestUblkProcessKilledMidWrite(t *testing.T) {
 	if dev2 != dev {
 		t.Fatalf("taken over as %s, want %s", dev2, dev)
 	}
-	res := f.wait(t, 2*time.Minute, func(what string) { reportStuck(t, dev, what, "(served by another process)") })
+	res := f.wait(t, roundLimit, func(what string) { reportStuck(t, dev, what, "(served by another process)") })
 	if !res.ok() {
 		t.Fatalf("fio across the serving process's death: %v\n%s", res, tail(res.output, 40))
 	}
