@@ -4,7 +4,6 @@ import (
 	"context"
 	"os"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -46,12 +45,7 @@ func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string) vm.Re
 		cfg.Env[k] = v
 	}
 	addFaultTools(t, &cfg)
-	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
-	for _, name := range names {
-		if !strings.Contains(res.Output, "--- PASS: "+name) {
-			t.Errorf("%s did not pass in the VM", name)
-		}
-	}
+	res := runGuestTests(t, cfg, names)
 	return res
 }
 

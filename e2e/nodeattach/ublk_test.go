@@ -29,12 +29,7 @@ func TestNodeAttachUblkInVM(t *testing.T) {
 	cfg.MemoryMB = 2048
 	cfg.Timeout = 15 * time.Minute
 	addFaultTools(t, &cfg)
-	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
-	for _, name := range names {
-		if !strings.Contains(res.Output, "--- PASS: "+name) {
-			t.Errorf("%s did not pass in the VM", name)
-		}
-	}
+	runGuestTests(t, cfg, names)
 }
 
 func requireUblkGuest(t *testing.T) {

@@ -29,12 +29,20 @@ func TestNodeAttachInVM(t *testing.T) {
 	cfg.MemoryMB = 2048
 	cfg.Timeout = 16 * time.Minute
 	addFaultTools(t, &cfg)
+	runGuestTests(t, cfg, names)
+}
+
+// runGuestTests runs this package's guest tests names in the VM cfg
+// describes and fails t for each that did not pass there.
+func runGuestTests(t *testing.T, cfg vm.Config, names []string) vm.Result {
+	t.Helper()
 	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
 	for _, name := range names {
 		if !strings.Contains(res.Output, "--- PASS: "+name) {
 			t.Errorf("%s did not pass in the VM", name)
 		}
 	}
+	return res
 }
 
 // selectGuestTests narrows names to those MPNBD_VM_RUN, a regular
