@@ -261,11 +261,15 @@ func TestMain(m *testing.M) {
 
 // attachFuse attaches the server's export with the fuse transport.
 func attachFuse(t *testing.T, s server) string {
+	return attachFuseWith(t, s, attach.Options{})
+}
+
+func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 	t.Helper()
 	a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}, attach.Options{})
+	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -447,4 +451,70 @@ func TestFusePluginRestartDuringOutage(t *testing.T) {
 		t.Errorf("health from the new attacher after the outage: %+v, %v", h, err)
 	}
 	t.Logf("server gone %v mid-write, attacher replaced meanwhile: fio finished with no error and verified", p.outage)
+}
+
+// TestFuseBoundedWait: with deadConnTimeout set, a read while the storage
+// server is SIGKILLed fails (EIO) once the bound passed instead of
+// waiting; the session goes on redialing, and once the server is back
+// I/O works again and what was written and flushed before the kill reads
+// back byte for byte.
+func TestFuseBoundedWait(t *testing.T) {
+	need(t, "nbd-server")
+	const bound = 3 * time.Second
+	s := newServer(t, "nbd-server", 64<<20)
+	dev := attachFuseWith(t, s, attach.Options{DeadConnTimeout: bound})
+	f, err := os.OpenFile(dev, os.O_RDWR|syscall.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf, err := syscall.Mmap(-1, 0, 1<<20, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Munmap(buf)
+	want := bytes.Repeat([]byte("bounded!"), len(buf)/8)
+	copy(buf, want)
+	if _, err := f.WriteAt(buf, 4<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	s.kill(t)
+	start := time.Now()
+	res := make(chan error, 1)
+	go func() { _, err := f.ReadAt(buf, 8<<20); res <- err }()
+	select {
+	case err := <-res:
+		if err == nil {
+			t.Fatal("a read succeeded with the server killed")
+		}
+		t.Logf("read with the server gone failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
+	case <-time.After(60 * time.Second):
+		t.Fatalf("a read still waits 60s after the server died, with deadConnTimeout %v", bound)
+	}
+	s.start(t)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		clear(buf)
+		_, err := f.ReadAt(buf, 4<<20)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("reads still fail 60s after the server came back: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if !bytes.Equal(buf, want) {
+		t.Fatal("data written and flushed before the kill differs once the server is back")
+	}
+	copy(buf, want)
+	if _, err := f.WriteAt(buf, 12<<20); err != nil {
+		t.Fatalf("write once the server is back: %v", err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatalf("fsync once the server is back: %v", err)
+	}
 }
