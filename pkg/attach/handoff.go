@@ -1,0 +1,56 @@
+package attach
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+)
+
+// Handoff is an attached volume in transit from the process that serves
+// it to a successor (a planned upgrade of the datapath component): the
+// open files the kernel holds the volume's device by (the relay's end of
+// the nbd socket, /dev/fuse, ...) and the transport's own state. The
+// device stays, the kernel holds or queues its I/O meanwhile, and no
+// request fails.
+//
+// The exchange has a commit point. The predecessor quiesces the volume
+// (HandOff) and sends the Handoff; the successor takes it (TakeHandoff)
+// without serving yet and answers that it is ready; only then does the
+// predecessor Release its part for good, and the successor starts
+// (Handoff.Start). If the successor goes away before it said it was
+// ready, the predecessor Resumes: the volume never has two servers and
+// never none while both live.
+type Handoff struct {
+	VolumeID   string
+	Transport  Transport
+	Target     Target
+	Options    Options
+	Attachment Attachment
+	// State is the transport's own (JSON).
+	State json.RawMessage `json:",omitempty"`
+	// Files travel beside the JSON (SCM_RIGHTS), in this order.
+	Files []*os.File `json:"-"`
+
+	// Predecessor side, set by HandOff: Resume serves the volume again as
+	// before; Release gives it up (the files were handed on).
+	Resume  func() error `json:"-"`
+	Release func()       `json:"-"`
+	// Successor side, set by TakeHandoff: Start begins serving once the
+	// predecessor has released the volume; Abort gives up a taken handoff
+	// that will not start (the predecessor resumes).
+	Start func() error `json:"-"`
+	Abort func()       `json:"-"`
+}
+
+// HandingOver is a transport whose volumes can move to a successor
+// process without an I/O error.
+type HandingOver interface {
+	// HandOff quiesces the volume's data path: it stops taking requests
+	// from the kernel, completes those it took and flushes the writes it
+	// acknowledged, so that nothing of the volume exists only in this
+	// process. On error the volume is served as before.
+	HandOff(ctx context.Context, volumeID string) (*Handoff, error)
+	// TakeHandoff prepares to serve a volume handed off by a predecessor
+	// (see Handoff for Start and Abort); the files become the taker's.
+	TakeHandoff(ctx context.Context, h *Handoff) (*Attachment, error)
+}
