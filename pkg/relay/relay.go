@@ -112,6 +112,10 @@ type Options struct {
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
 
+	// Pending are bytes of the local side a predecessor read and did not
+	// take (Pause): the relay reads them before the local side.
+	Pending []byte
+
 	// noRetain turns retention off, for the benchmark that measures what
 	// it costs.
 	noRetain bool
@@ -306,6 +310,11 @@ type Relay struct {
 	// failed counts the requests so answered.
 	failing bool
 	failed  int
+	// Pause (pause.go): pauseReq asks the request path to stop at a frame
+	// boundary; paused says it has, keeping pending, what it read of the
+	// local side and did not take.
+	pauseReq, paused bool
+	pending          []byte
 }
 
 // New returns a relay between local (the kernel's end) and remote, a

@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"net"
@@ -13,15 +12,22 @@ import (
 // upLoop is the request path: it reads requests from the local side, puts
 // each in the table and, while the remote is up, sends it.
 func (r *Relay) upLoop() {
-	br := bufio.NewReaderSize(r.local, readBufSize)
+	br := r.localReader(r.o.Pending)
 	var hdr [reqHeaderSize]byte
 	for {
 		if br.Buffered() < reqHeaderSize {
 			// The next read may block: what was gathered goes out first.
 			r.flushRemote()
 		}
-		if _, err := io.ReadFull(br, hdr[:]); err != nil {
-			r.localEnded(err)
+		if n, err := io.ReadFull(br, hdr[:]); err != nil {
+			next, stop := r.parkIfPaused(err, hdr[:n], br)
+			if next != nil {
+				br = next
+				continue
+			}
+			if !stop {
+				r.localEnded(err)
+			}
 			return
 		}
 		req, err := nbd.DecodeRequest(hdr[:])
@@ -58,9 +64,21 @@ func (r *Relay) upLoop() {
 			if br.Buffered() < data {
 				r.flushRemote()
 			}
-			if _, err := io.ReadFull(br, e.payload); err != nil {
+			if n, err := io.ReadFull(br, e.payload); err != nil {
+				partial := append(hdr[:], e.payload[:n]...)
 				recycle(e)
-				r.localEnded(err)
+				r.mu.Lock()
+				r.bytes -= cost
+				r.mu.Unlock()
+				r.fromLocal.Add(^uint64(reqHeaderSize - 1))
+				next, stop := r.parkIfPaused(err, partial, br)
+				if next != nil {
+					br = next
+					continue
+				}
+				if !stop {
+					r.localEnded(err)
+				}
 				return
 			}
 			r.fromLocal.Add(uint64(data))
