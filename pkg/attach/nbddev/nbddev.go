@@ -89,6 +89,7 @@ type volume struct {
 	// uses when the process has no handle on the kernel's sockets).
 	viaMPTCP   bool
 	relay      *relay.Relay
+	local      net.Conn // the relay's end of the kernel's socket
 	stopRelay  context.CancelFunc
 	relayDone  chan struct{}
 	reconnects int
@@ -540,6 +541,12 @@ func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useM
 }
 
 func (v *volume) startRelay(a *Attacher, local net.Conn, remote *relay.Remote) {
+	v.startRelayWith(a, local, remote, nil)
+}
+
+// startRelayWith starts the volume's relay; pending are bytes of the
+// local side a predecessor read and did not take.
+func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remote, pending []byte) {
 	ctx, cancel := context.WithCancel(context.Background())
 	redial := func(ctx context.Context) (net.Conn, error) {
 		c, err := a.dialAny(ctx, v)
@@ -552,15 +559,20 @@ func (v *volume) startRelay(a *Attacher, local net.Conn, remote *relay.Remote) {
 		v.mu.Unlock()
 		return c, nil
 	}
-	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID)}
+	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending}
 	if v.bounded() {
 		ro.FailAfter = v.opts.DeadConnTimeout
 	}
-	r := relay.New(local, remote, redial, ro)
-	v.relay, v.stopRelay, v.relayDone = r, cancel, make(chan struct{})
+	var rc net.Conn
+	if remote != nil {
+		rc = remote
+	}
+	r := relay.New(local, rc, redial, ro)
+	v.relay, v.local, v.stopRelay, v.relayDone = r, local, cancel, make(chan struct{})
+	done := v.relayDone
 	go func() {
-		defer close(v.relayDone)
-		if err := r.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		defer close(done)
+		if err := r.Run(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, relay.ErrHandedOff) {
 			a.log.Error("relay stopped", "volume_id", v.target.VolumeID, "error", err)
 			v.mu.Lock()
 			v.lastErr = err

@@ -142,8 +142,15 @@ var errGone = errors.New("ublk device gone")
 // takeOver serves a device an earlier process left: the kernel holds its
 // I/O until a new server ends the recovery. Called with mu held.
 func (a *Attacher) takeOver(ctx context.Context, r record) (*attach.Attachment, error) {
+	return a.takeOverFrom(ctx, r, false)
+}
+
+// takeOverFrom is takeOver; handedOff says the server is a live
+// predecessor that stopped serving the device, which the driver then
+// quiesces.
+func (a *Attacher) takeOverFrom(ctx context.Context, r record, handedOff bool) (*attach.Attachment, error) {
 	log := a.log.With("volume_id", r.Target.VolumeID, "ublk_dev", r.DevID)
-	st, err := a.waitQuiesced(ctx, r.DevID)
+	st, err := a.waitQuiesced(ctx, r.DevID, handedOff)
 	if errors.Is(err, syscall.ENODEV) {
 		log.Info("the device of the state file is gone; dropping it")
 		a.dropState(r.Target.VolumeID)
@@ -173,7 +180,7 @@ func (a *Attacher) takeOver(ctx context.Context, r record) (*attach.Attachment, 
 
 // waitQuiesced returns the state of device id, waiting (bounded) for a
 // device whose server died to be quiesced by the kernel.
-func (a *Attacher) waitQuiesced(ctx context.Context, id uint32) (int, error) {
+func (a *Attacher) waitQuiesced(ctx context.Context, id uint32, handedOff bool) (int, error) {
 	deadline := time.Now().Add(15 * time.Second)
 	for {
 		st, err := a.ctrl.State(id)
@@ -184,7 +191,7 @@ func (a *Attacher) waitQuiesced(ctx context.Context, id uint32) (int, error) {
 		if err != nil {
 			return st, err
 		}
-		if pid > 0 && processAlive(pid) || time.Now().After(deadline) {
+		if pid > 0 && processAlive(pid) && !handedOff || time.Now().After(deadline) {
 			return st, nil
 		}
 		select {

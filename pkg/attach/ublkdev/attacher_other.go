@@ -29,3 +29,9 @@ func (a *Attacher) Resize(context.Context, string, uint64) (uint64, error) {
 	return 0, attach.ErrUnsupported
 }
 func (a *Attacher) Adopt(context.Context) ([]*attach.Attachment, error) { return nil, nil }
+func (a *Attacher) HandOff(context.Context, string) (*attach.Handoff, error) {
+	return nil, attach.ErrUnsupported
+}
+func (a *Attacher) TakeHandoff(context.Context, *attach.Handoff) (*attach.Attachment, error) {
+	return nil, attach.ErrUnsupported
+}
