@@ -185,6 +185,14 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 			return err
 		}
 		defer closeAll()
+		if o.serveDatapath != "" {
+			// A datapath still running (a planned upgrade: the new one
+			// starts beside it) hands its volumes over first; adoption
+			// then takes what is left, as after a crash.
+			if taken, err := datapath.TakeOver(ctx, o.serveDatapath, m, log); err != nil {
+				log.Error("taking the volumes over from the running datapath", "error", err, "taken", len(taken))
+			}
+		}
 		adopt(ctx, m, log)
 		if o.serveDatapath != "" {
 			log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)

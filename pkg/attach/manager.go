@@ -235,3 +235,59 @@ func (m *Manager) Volumes() map[string]Transport {
 	}
 	return out
 }
+
+// HandOff quiesces a volume for a successor process, through its
+// transport (which must be a HandingOver); once released, the volume is
+// no longer this manager's.
+func (m *Manager) HandOff(ctx context.Context, volumeID string) (*Handoff, error) {
+	m.mu.Lock()
+	tr, ok := m.chosen[volumeID]
+	m.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("%w: %s", ErrNotAttached, volumeID)
+	}
+	ho, ok := m.attachers[tr].(HandingOver)
+	if !ok {
+		return nil, fmt.Errorf("%w: the %s transport cannot hand volumes off", ErrUnsupported, tr)
+	}
+	h, err := ho.HandOff(ctx, volumeID)
+	if err != nil {
+		return nil, err
+	}
+	release := h.Release
+	h.Release = func() {
+		release()
+		m.mu.Lock()
+		delete(m.chosen, volumeID)
+		m.mu.Unlock()
+	}
+	return h, nil
+}
+
+// TakeHandoff prepares to serve a volume a predecessor hands off; once
+// started, the volume is this manager's.
+func (m *Manager) TakeHandoff(ctx context.Context, h *Handoff) (*Attachment, error) {
+	ho, ok := m.attachers[h.Transport].(HandingOver)
+	if !ok {
+		for _, f := range h.Files {
+			f.Close()
+		}
+		return nil, fmt.Errorf("%w: this node cannot take %s volumes over", ErrUnsupported, h.Transport)
+	}
+	att, err := ho.TakeHandoff(ctx, h)
+	if err != nil {
+		return nil, err
+	}
+	start := h.Start
+	h.Start = func() error {
+		if err := start(); err != nil {
+			return err
+		}
+		m.mu.Lock()
+		m.chosen[h.VolumeID] = h.Transport
+		m.mu.Unlock()
+		m.log.Info("volume taken from a predecessor", "volume_id", h.VolumeID, "transport", string(h.Transport), "device", att.Device)
+		return nil
+	}
+	return att, nil
+}

@@ -15,45 +15,111 @@ import (
 
 // rpcService adapts a Service to net/rpc's method shape.
 type rpcService struct {
-	svc Service
-	ctx context.Context
+	svc  Service
+	ctx  context.Context
+	gate gate
+}
+
+// gate lets calls through until a successor takes the volumes over; the
+// takeover waits for the calls in flight.
+type gate struct {
+	mu      sync.RWMutex
+	retired bool
+}
+
+var errRetired = errors.New("datapath: handing the volumes to a successor")
+
+func (g *gate) enter() (func(), error) {
+	g.mu.RLock()
+	if g.retired {
+		g.mu.RUnlock()
+		return nil, errRetired
+	}
+	return g.mu.RUnlock, nil
+}
+
+func (g *gate) retire() {
+	g.mu.Lock()
+	g.retired = true
+	g.mu.Unlock()
+}
+
+func (g *gate) unretire() {
+	g.mu.Lock()
+	g.retired = false
+	g.mu.Unlock()
 }
 
 func (s *rpcService) Attach(a AttachArgs, r *AttachReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	att, err := s.svc.Attach(s.ctx, a.Transport, a.Target, a.Options)
 	r.Attachment, r.Err = att, toWire(err)
 	return nil
 }
 
 func (s *rpcService) Detach(a VolumeArgs, r *ErrReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	r.Err = toWire(s.svc.Detach(s.ctx, a.VolumeID))
 	return nil
 }
 
 func (s *rpcService) Health(a VolumeArgs, r *HealthReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	tr, h, err := s.svc.Health(a.VolumeID)
 	r.Transport, r.Health, r.Err = tr, h, toWire(err)
 	return nil
 }
 
 func (s *rpcService) Resize(a ResizeArgs, r *ResizeReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	n, err := s.svc.Resize(s.ctx, a.VolumeID, a.NewSize)
 	r.Size, r.Err = n, toWire(err)
 	return nil
 }
 
 func (s *rpcService) Volumes(_ None, r *VolumesReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	r.Volumes = s.svc.Volumes()
 	return nil
 }
 
 func (s *rpcService) Adopt(_ None, r *AdoptReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	atts, err := s.svc.Adopt(s.ctx)
 	r.Attachments, r.Err = atts, toWire(err)
 	return nil
 }
 
 func (s *rpcService) Available(_ None, r *AvailableReply) error {
+	leave, err := s.gate.enter()
+	if err != nil {
+		return err
+	}
+	defer leave()
 	r.Transports = s.svc.Available()
 	return nil
 }
@@ -68,19 +134,13 @@ func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) erro
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return fmt.Errorf("datapath: %w", err)
 	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("datapath: stale socket: %w", err)
-	}
-	l, err := net.Listen("unix", path)
+	l, err := listenPrivate(path)
 	if err != nil {
-		return fmt.Errorf("datapath: %w", err)
+		return err
 	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		l.Close()
-		return fmt.Errorf("datapath: %w", err)
-	}
+	rs := &rpcService{svc: svc, ctx: ctx}
 	srv := rpc.NewServer()
-	if err := srv.RegisterName(serviceName, &rpcService{svc: svc, ctx: ctx}); err != nil {
+	if err := srv.RegisterName(serviceName, rs); err != nil {
 		l.Close()
 		return err
 	}
@@ -88,6 +148,31 @@ func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) erro
 	defer stop()
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	if h, ok := svc.(Handing); ok {
+		hl, err := listenPrivate(HandoverPath(path))
+		if err != nil {
+			l.Close()
+			return err
+		}
+		stopH := context.AfterFunc(ctx, func() { hl.Close() })
+		// Before wg.Wait: the loop below ends once the listener closes.
+		defer func() {
+			stopH()
+			hl.Close()
+		}()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := hl.Accept()
+				if err != nil {
+					return
+				}
+				// One successor at a time: the volumes go to the first.
+				handOver(ctx, c.(*net.UnixConn), h, rs.gate.retire, rs.gate.unretire, log)
+			}
+		}()
+	}
 	log.Info("datapath serving", "socket", path)
 	for {
 		c, err := l.Accept()
@@ -106,3 +191,24 @@ func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) erro
 }
 
 const serviceName = "Datapath"
+
+// listenPrivate listens on the unix socket at path, replacing a stale
+// one (or the socket of a predecessor, which keeps the connections it
+// has), readable by root only.
+func listenPrivate(path string) (*net.UnixListener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("datapath: stale socket: %w", err)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("datapath: %w", err)
+	}
+	// The predecessor's socket file is ours to replace, not to delete
+	// when this listener closes.
+	l.SetUnlinkOnClose(false)
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("datapath: %w", err)
+	}
+	return l, nil
+}

@@ -1,0 +1,353 @@
+package datapath
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// A planned upgrade of the datapath component runs the new process beside
+// the old one (the DaemonSet surges); the new one asks the old one, on the
+// handover socket next to the service socket, for every volume in turn:
+// the old one quiesces the volume (attach.HandingOver) and sends what the
+// kernel holds the device by over SCM_RIGHTS, the new one says it is
+// ready, the old one releases the volume for good and the new one starts
+// serving it. No request fails; I/O pauses for as long as one volume
+// takes to quiesce (its requests in flight answered, a FLUSH).
+//
+// From the first request on, the old process answers the node plugin's
+// calls as Unavailable (they are retried, and reach the new process once
+// it serves); if the new one goes away before the end, the old one serves
+// again whatever it still has.
+
+// Handing is what a handover needs of the local data path;
+// *attach.Manager is one.
+type Handing interface {
+	Volumes() map[string]attach.Transport
+	HandOff(ctx context.Context, volumeID string) (*attach.Handoff, error)
+	TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.Attachment, error)
+}
+
+var _ Handing = (*attach.Manager)(nil)
+
+// HandoverPath is the handover socket of the service socket at path.
+func HandoverPath(path string) string { return path + ".handover" }
+
+// Bounds of a handover.
+const (
+	// quiesceTimeout bounds one volume's quiesce; a volume that does not
+	// quiesce in time (its storage node away) stays with the old process.
+	quiesceTimeout = 60 * time.Second
+	// stepTimeout bounds every other wait of the exchange.
+	stepTimeout = 2 * time.Minute
+	maxMessage  = 16 << 20
+	maxFiles    = 16
+)
+
+// handoverMsg is one message of the exchange.
+type handoverMsg struct {
+	Op       string          `json:"op,omitempty"` // "handover", from the successor
+	Handoff  *attach.Handoff `json:"handoff,omitempty"`
+	Files    int             `json:"files,omitempty"`
+	Error    string          `json:"error,omitempty"`    // a volume that stays
+	Ready    *bool           `json:"ready,omitempty"`    // the successor took the handoff
+	Released bool            `json:"released,omitempty"` // the predecessor let it go
+	Done     bool            `json:"done,omitempty"`     // no more volumes
+}
+
+func writeMsg(c *net.UnixConn, m handoverMsg, files []*os.File) error {
+	m.Files = len(files)
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	frame := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(b)), uint32(len(b)))
+	frame = append(frame, b...)
+	var oob []byte
+	if len(files) > 0 {
+		fds := make([]int, len(files))
+		for i, f := range files {
+			fds[i] = int(f.Fd())
+		}
+		oob = unix.UnixRights(fds...)
+	}
+	c.SetWriteDeadline(time.Now().Add(stepTimeout))
+	n, _, err := c.WriteMsgUnix(frame, oob, nil)
+	if err == nil && n < len(frame) {
+		_, err = c.Write(frame[n:])
+	}
+	return err
+}
+
+// readMsg reads one message and the files that came with it (with its
+// first bytes: the sender writes each message, files attached, at once).
+func readMsg(c *net.UnixConn, timeout time.Duration) (handoverMsg, []*os.File, error) {
+	var m handoverMsg
+	c.SetReadDeadline(time.Now().Add(timeout))
+	var hdr [4]byte
+	oob := make([]byte, unix.CmsgSpace(maxFiles*4))
+	n, oobn, _, _, err := c.ReadMsgUnix(hdr[:], oob)
+	if err != nil {
+		return m, nil, err
+	}
+	files, ferr := parseRights(oob[:oobn])
+	closeAll := func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}
+	if ferr != nil {
+		closeAll()
+		return m, nil, ferr
+	}
+	if n < len(hdr) {
+		if _, err := io.ReadFull(c, hdr[n:]); err != nil {
+			closeAll()
+			return m, nil, err
+		}
+	}
+	size := binary.BigEndian.Uint32(hdr[:])
+	if size > maxMessage {
+		closeAll()
+		return m, nil, fmt.Errorf("datapath: handover message of %d bytes", size)
+	}
+	b := make([]byte, size)
+	if _, err := io.ReadFull(c, b); err != nil {
+		closeAll()
+		return m, nil, err
+	}
+	if err := json.Unmarshal(b, &m); err != nil {
+		closeAll()
+		return m, nil, fmt.Errorf("datapath: handover message: %w", err)
+	}
+	if m.Files != len(files) {
+		closeAll()
+		return m, nil, fmt.Errorf("datapath: handover message announces %d files and carries %d", m.Files, len(files))
+	}
+	return m, files, nil
+}
+
+func parseRights(oob []byte) ([]*os.File, error) {
+	if len(oob) == 0 {
+		return nil, nil
+	}
+	cmsgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("datapath: handover: %w", err)
+	}
+	var files []*os.File
+	for _, cm := range cmsgs {
+		fds, err := unix.ParseUnixRights(&cm)
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			unix.CloseOnExec(fd)
+			files = append(files, os.NewFile(uintptr(fd), "handed-off"))
+		}
+	}
+	return files, nil
+}
+
+// checkRoot refuses a peer that is not root: a handoff carries the
+// devices' data path.
+func checkRoot(c *net.UnixConn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return cerr
+	}
+	if cred.Uid != 0 {
+		return fmt.Errorf("datapath: handover refused to uid %d", cred.Uid)
+	}
+	return nil
+}
+
+// handOver serves one successor on c: every volume of h, in turn.
+// retire and unretire gate the service socket's calls.
+func handOver(ctx context.Context, c *net.UnixConn, h Handing, retire func(), unretire func(), log *slog.Logger) {
+	defer c.Close()
+	if err := checkRoot(c); err != nil {
+		log.Warn("handover refused", "error", err)
+		return
+	}
+	m, files, err := readMsg(c, stepTimeout)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil || m.Op != "handover" {
+		log.Warn("handover: bad request", "error", err, "op", m.Op)
+		return
+	}
+	retire()
+	log.Info("a successor asks for the volumes: handing them over", "volumes", len(h.Volumes()))
+	moved := 0
+	for id := range h.Volumes() {
+		if ctx.Err() != nil {
+			break
+		}
+		ok, err := handOne(ctx, c, h, id, log)
+		if err != nil {
+			// The successor is gone (or broke the exchange): serve on.
+			log.Error("handover interrupted; serving what is left", "volume_id", id, "error", err, "moved", moved)
+			unretire()
+			return
+		}
+		if ok {
+			moved++
+		}
+	}
+	if err := writeMsg(c, handoverMsg{Done: true}, nil); err != nil {
+		log.Warn("handover: end", "error", err)
+	}
+	left := len(h.Volumes())
+	log.Info("volumes handed to the successor", "moved", moved, "left", left)
+	if left > 0 {
+		// What did not move is still served here, until this process ends.
+		log.Warn("some volumes stayed with this process: they are served until it ends, then taken over as after a crash", "left", left)
+	}
+}
+
+// handOne moves one volume; ok reports whether it moved, err whether the
+// exchange broke.
+func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *slog.Logger) (ok bool, err error) {
+	qctx, cancel := context.WithTimeout(ctx, quiesceTimeout)
+	ho, herr := h.HandOff(qctx, id)
+	cancel()
+	if herr != nil {
+		log.Warn("volume not handed over", "volume_id", id, "error", herr)
+		return false, writeMsg(c, handoverMsg{Error: fmt.Sprintf("%s: %v", id, herr)}, nil)
+	}
+	closeFiles := func() {
+		for _, f := range ho.Files {
+			f.Close()
+		}
+	}
+	if err := writeMsg(c, handoverMsg{Handoff: ho}, ho.Files); err != nil {
+		closeFiles()
+		ho.Resume()
+		return false, err
+	}
+	closeFiles()
+	m, files, err := readMsg(c, stepTimeout)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil || m.Ready == nil {
+		// Gone before it said it was ready: the volume is still ours.
+		ho.Resume()
+		if err == nil {
+			err = errors.New("datapath: handover: no readiness in the answer")
+		}
+		return false, err
+	}
+	if !*m.Ready {
+		ho.Resume()
+		log.Warn("the successor could not take the volume; serving it on", "volume_id", id, "error", m.Error)
+		return false, nil
+	}
+	ho.Release()
+	if err := writeMsg(c, handoverMsg{Released: true}, nil); err != nil {
+		// The successor starts on its own when it sees the end.
+		log.Warn("handover: released, but the successor did not hear it", "volume_id", id, "error", err)
+	}
+	log.Info("volume handed over", "volume_id", id)
+	return true, nil
+}
+
+// TakeOver asks a predecessor serving the service socket at path for its
+// volumes, and starts serving each on h. No predecessor is no error. It
+// returns the volumes taken.
+func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]string, error) {
+	if log == nil {
+		log = slog.Default()
+	}
+	d := net.Dialer{Timeout: 5 * time.Second}
+	nc, err := d.DialContext(ctx, "unix", HandoverPath(path))
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("datapath: reach the predecessor: %w", err)
+	}
+	c := nc.(*net.UnixConn)
+	defer c.Close()
+	if err := writeMsg(c, handoverMsg{Op: "handover"}, nil); err != nil {
+		return nil, fmt.Errorf("datapath: handover request: %w", err)
+	}
+	log.Info("taking the volumes over from the running datapath")
+	var taken []string
+	for {
+		m, files, err := readMsg(c, quiesceTimeout+stepTimeout)
+		if err != nil {
+			return taken, fmt.Errorf("datapath: handover: %w", err)
+		}
+		switch {
+		case m.Done:
+			log.Info("handover complete", "taken", len(taken))
+			return taken, nil
+		case m.Error != "":
+			log.Warn("a volume stays with the predecessor", "error", m.Error)
+			continue
+		case m.Handoff == nil:
+			for _, f := range files {
+				f.Close()
+			}
+			return taken, errors.New("datapath: handover: a message with neither volume nor end")
+		}
+		ho := m.Handoff
+		ho.Files = files
+		if _, err := h.TakeHandoff(ctx, ho); err != nil {
+			log.Error("cannot take a volume over; the predecessor serves it on", "volume_id", ho.VolumeID, "error", err)
+			no := false
+			if werr := writeMsg(c, handoverMsg{Ready: &no, Error: err.Error()}, nil); werr != nil {
+				return taken, werr
+			}
+			continue
+		}
+		yes := true
+		if err := writeMsg(c, handoverMsg{Ready: &yes}, nil); err != nil {
+			ho.Abort()
+			return taken, fmt.Errorf("datapath: handover: %w", err)
+		}
+		// Released, or the predecessor is gone after our readiness: it let
+		// the volume go (or died, which lets it go too).
+		rm, rfiles, rerr := readMsg(c, stepTimeout)
+		for _, f := range rfiles {
+			f.Close()
+		}
+		if rerr == nil && !rm.Released {
+			ho.Abort()
+			return taken, errors.New("datapath: handover: expected the release")
+		}
+		if err := ho.Start(); err != nil {
+			log.Error("a volume taken over did not start; it is taken over again by the next attach", "volume_id", ho.VolumeID, "error", err)
+		} else {
+			taken = append(taken, ho.VolumeID)
+		}
+		if rerr != nil {
+			return taken, fmt.Errorf("datapath: handover: the predecessor went away: %w", rerr)
+		}
+	}
+}

@@ -1,0 +1,253 @@
+package datapath
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// handing is a fake data path whose volumes hand off a pipe: the
+// successor proves it got the very file by reading what the test writes
+// into the other end.
+type handing struct {
+	*fakeService
+	mu       sync.Mutex
+	pipes    map[string]*os.File // write ends, by volume
+	refuse   map[string]bool     // HandOff fails
+	noTake   bool                // TakeHandoff fails
+	resumed  []string
+	released []string
+	started  map[string]*os.File // successor: the files of started volumes
+}
+
+func newHanding(t *testing.T, vols ...string) *handing {
+	h := &handing{fakeService: &fakeService{attached: map[string]attach.Transport{}}, pipes: map[string]*os.File{},
+		refuse: map[string]bool{}, started: map[string]*os.File{}}
+	for _, v := range vols {
+		h.attached[v] = attach.Relay
+	}
+	return h
+}
+
+func (h *handing) Volumes() map[string]attach.Transport {
+	h.fakeService.mu.Lock()
+	defer h.fakeService.mu.Unlock()
+	out := map[string]attach.Transport{}
+	for k, v := range h.attached {
+		out[k] = v
+	}
+	return out
+}
+
+func (h *handing) HandOff(ctx context.Context, id string) (*attach.Handoff, error) {
+	if h.refuse[id] {
+		return nil, fmt.Errorf("%s: storage node away", id)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	h.pipes[id] = w
+	h.mu.Unlock()
+	return &attach.Handoff{VolumeID: id, Transport: attach.Relay, State: []byte(`{"k":1}`), Files: []*os.File{r},
+		Resume: func() error {
+			h.mu.Lock()
+			h.resumed = append(h.resumed, id)
+			h.mu.Unlock()
+			return nil
+		},
+		Release: func() {
+			h.mu.Lock()
+			h.released = append(h.released, id)
+			h.mu.Unlock()
+			h.fakeService.mu.Lock()
+			delete(h.attached, id)
+			h.fakeService.mu.Unlock()
+		}}, nil
+}
+
+func (h *handing) TakeHandoff(ctx context.Context, ho *attach.Handoff) (*attach.Attachment, error) {
+	if h.noTake {
+		for _, f := range ho.Files {
+			f.Close()
+		}
+		return nil, errors.New("cannot take it")
+	}
+	if len(ho.Files) != 1 || string(ho.State) != `{"k":1}` {
+		return nil, fmt.Errorf("handoff of %s: %d files, state %s", ho.VolumeID, len(ho.Files), ho.State)
+	}
+	f := ho.Files[0]
+	ho.Start = func() error {
+		h.mu.Lock()
+		h.started[ho.VolumeID] = f
+		h.mu.Unlock()
+		return nil
+	}
+	ho.Abort = func() { f.Close() }
+	return &attach.Attachment{VolumeID: ho.VolumeID}, nil
+}
+
+func (h *handing) log() (resumed, released []string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]string(nil), h.resumed...), append([]string(nil), h.released...)
+}
+
+func servePredecessor(t *testing.T, h *handing) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "datapath.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Serve(ctx, path, h, quiet()) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			buf := make([]byte, 1<<20)
+			t.Errorf("predecessor did not stop:\n%s", buf[:runtime.Stack(buf, true)])
+		}
+	})
+	waitSocket(t, HandoverPath(path))
+	return path
+}
+
+func waitSocket(t *testing.T, p string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if c, err := net.Dial("unix", p); err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s does not answer", p)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestHandoverMovesVolumesWithTheirFiles(t *testing.T) {
+	pred := newHanding(t, "v1", "v2", "v3")
+	pred.refuse["v2"] = true
+	path := servePredecessor(t, pred)
+	succ := newHanding(t)
+	taken, err := TakeOver(t.Context(), path, succ, quiet())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(taken) != 2 {
+		t.Fatalf("taken %v, want v1 and v3", taken)
+	}
+	for _, id := range []string{"v1", "v3"} {
+		succ.mu.Lock()
+		f := succ.started[id]
+		succ.mu.Unlock()
+		if f == nil {
+			t.Fatalf("%s not started", id)
+		}
+		msg := "through " + id
+		pred.mu.Lock()
+		w := pred.pipes[id]
+		pred.mu.Unlock()
+		if _, err := w.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		w.Close()
+		b, err := io.ReadAll(f)
+		if err != nil || string(b) != msg {
+			t.Fatalf("%s: the successor's file reads %q, %v: not the predecessor's", id, b, err)
+		}
+	}
+	if resumed, released := pred.log(); len(released) != 2 || len(resumed) != 0 {
+		t.Fatalf("predecessor released %v, resumed %v", released, resumed)
+	}
+	if _, ok := pred.Volumes()["v2"]; !ok {
+		t.Fatal("the volume that did not quiesce left the predecessor")
+	}
+	// The predecessor sends the node plugin on to the successor.
+	c := &Client{Path: path}
+	if _, _, err := c.Health("v2"); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("a call to the predecessor after the handover: %v, want ErrUnavailable", err)
+	}
+}
+
+func TestHandoverSuccessorRefuses(t *testing.T) {
+	pred := newHanding(t, "v1")
+	path := servePredecessor(t, pred)
+	succ := newHanding(t)
+	succ.noTake = true
+	taken, err := TakeOver(t.Context(), path, succ, quiet())
+	if err != nil || len(taken) != 0 {
+		t.Fatalf("taken %v, %v", taken, err)
+	}
+	if resumed, released := pred.log(); len(resumed) != 1 || len(released) != 0 {
+		t.Fatalf("predecessor resumed %v, released %v; want v1 resumed", resumed, released)
+	}
+}
+
+// A successor that dies after it got a volume and before it said it was
+// ready leaves the volume with the predecessor, which serves calls again.
+func TestHandoverSuccessorDiesBeforeReady(t *testing.T) {
+	pred := newHanding(t, "v1")
+	path := servePredecessor(t, pred)
+	nc, err := net.Dial("unix", HandoverPath(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := nc.(*net.UnixConn)
+	if err := writeMsg(c, handoverMsg{Op: "handover"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	m, files, err := readMsg(c, 10*time.Second)
+	if err != nil || m.Handoff == nil || len(files) != 1 {
+		t.Fatalf("first message %+v, %d files, %v", m, len(files), err)
+	}
+	files[0].Close()
+	c.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		pred.mu.Lock()
+		n := len(pred.resumed)
+		pred.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the predecessor did not resume the volume")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, released := pred.log(); len(released) != 0 {
+		t.Fatalf("released %v", released)
+	}
+	cl := &Client{Path: path}
+	var herr error
+	for time.Now().Before(deadline) {
+		if _, _, herr = cl.Health("v1"); herr == nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if herr != nil {
+		t.Fatalf("the predecessor does not serve calls again: %v", herr)
+	}
+}
+
+func TestTakeOverWithoutPredecessor(t *testing.T) {
+	taken, err := TakeOver(t.Context(), filepath.Join(t.TempDir(), "none.sock"), newHanding(t), quiet())
+	if err != nil || taken != nil {
+		t.Fatalf("%v, %v", taken, err)
+	}
+}
