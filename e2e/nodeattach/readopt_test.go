@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -18,6 +19,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
+	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 	"golang.org/x/sys/unix"
@@ -98,6 +100,10 @@ type childSpec struct {
 	Adopt bool
 	// Mode is the transport (relay when empty).
 	Mode attach.Transport
+	// Datapath makes the child a datapath component serving this socket:
+	// it first takes the volumes over from a datapath already serving it
+	// (printing TAKEN and their number), then attaches.
+	Datapath string
 }
 
 // TestHelperAttachProcess is not a test: it is the attaching process
@@ -143,7 +149,23 @@ func TestHelperAttachProcess(t *testing.T) {
 	}
 	var att *attach.Attachment
 	var err error
-	if cs.Adopt {
+	if cs.Datapath != "" {
+		m := attach.NewManager(map[attach.Transport]attach.Attacher{cs.Mode: a}, testLogger(t))
+		taken, err := datapath.TakeOver(context.Background(), cs.Datapath, m, testLogger(t))
+		if err != nil {
+			t.Fatalf("take over: %v", err)
+		}
+		fmt.Printf("TAKEN %d\n", len(taken))
+		if att, err = m.Attach(context.Background(), cs.Mode, cs.Target, attach.Options{}); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			if err := datapath.Serve(context.Background(), cs.Datapath, m, testLogger(t)); err != nil {
+				t.Errorf("serve: %v", err)
+			}
+		}()
+		waitDial(t, datapath.HandoverPath(cs.Datapath))
+	} else if cs.Adopt {
 		atts, err := a.Adopt(context.Background())
 		if err != nil || len(atts) != 1 {
 			t.Fatalf("adopt: %v %v", atts, err)
@@ -158,6 +180,14 @@ func TestHelperAttachProcess(t *testing.T) {
 
 func startChild(t *testing.T, cs childSpec) (*exec.Cmd, string) {
 	t.Helper()
+	cmd, dev, _ := startChildTaken(t, cs)
+	return cmd, dev
+}
+
+// startChildTaken starts the child and returns, besides its device, the
+// number of volumes it took over from a datapath (-1 if it said nothing).
+func startChildTaken(t *testing.T, cs childSpec) (*exec.Cmd, string, int) {
+	t.Helper()
 	spec, _ := json.Marshal(cs)
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v")
 	cmd.Env = append(os.Environ(), "MPNBD_ATTACH_CHILD="+string(spec))
@@ -170,27 +200,50 @@ func startChild(t *testing.T, cs childSpec) (*exec.Cmd, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	dev := make(chan string, 1)
+	type said struct {
+		dev   string
+		taken int
+	}
+	ch := make(chan said, 1)
 	go func() {
+		taken := -1
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
 			line := sc.Text()
+			fmt.Sscanf(line, "TAKEN %d", &taken)
 			if d, ok := strings.CutPrefix(line, "ATTACHED "); ok {
-				dev <- d
+				ch <- said{d, taken}
 			}
 		}
-		close(dev)
+		close(ch)
 	}()
 	select {
-	case d, ok := <-dev:
+	case s, ok := <-ch:
 		if !ok {
 			t.Fatal("attaching process exited without attaching")
 		}
-		return cmd, d
-	case <-time.After(60 * time.Second):
+		return cmd, s.dev, s.taken
+	case <-time.After(2 * time.Minute):
 		t.Fatal("attaching process did not attach in time")
 	}
-	return nil, ""
+	return nil, "", 0
+}
+
+// waitDial waits for a unix socket to answer.
+func waitDial(t *testing.T, path string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		c, err := net.Dial("unix", path)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s does not answer: %v", path, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // TestReadoptAfterKill kills the attaching process while a writer runs; a
