@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -53,6 +54,7 @@ type options struct {
 	// process is that component, serving there.
 	datapathSocket string
 	serveDatapath  string
+	readyFile      string
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -106,6 +108,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
 	fs.StringVar(&o.datapathSocket, "datapath-socket", "", "drive the volumes' data path in the datapath component listening on this unix socket (its own container, which a restart of this one does not touch); empty: run it in this process")
 	fs.StringVar(&o.serveDatapath, "serve-datapath", "", "run as the datapath component: attach and serve the volumes' data path for a node plugin on this unix socket (no CSI endpoint)")
+	fs.StringVar(&o.readyFile, "ready-file", "", "with --serve-datapath: create this file once the volumes of a running datapath were taken over and this one serves (a readiness probe's signal that the old one may go)")
 	return fs
 }
 
@@ -195,6 +198,11 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		}
 		adopt(ctx, m, log)
 		if o.serveDatapath != "" {
+			if o.readyFile != "" {
+				if err := os.WriteFile(o.readyFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+					return fmt.Errorf("ready file: %w", err)
+				}
+			}
 			log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
 			return datapath.Serve(ctx, o.serveDatapath, m, log)
 		}

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -49,8 +50,8 @@ func TestChartValues(t *testing.T) {
 		"--serve-datapath=/var/lib/mpnbd/state/datapath.sock", "--transports=relay,multiconn,fuse",
 		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json")
 	dp := find(t, objs, "DaemonSet", "mpnbd-datapath")
-	if st, _, _ := unstructured.NestedString(dp.Object, "spec", "updateStrategy", "type"); st != "RollingUpdate" {
-		t.Errorf("datapath.updateStrategy=RollingUpdate rendered %q", st)
+	if st, _, _ := unstructured.NestedString(dp.Object, "spec", "updateStrategy", "type"); st != "OnDelete" {
+		t.Errorf("datapath.updateStrategy.type=OnDelete rendered %q", st)
 	}
 	has("registrar", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node-driver-registrar"),
 		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
@@ -158,5 +159,39 @@ func TestChartWithoutDatapath(t *testing.T) {
 		if strings.HasPrefix(a, "--datapath-socket") {
 			t.Errorf("node args %q drive a datapath that is not deployed", args)
 		}
+	}
+}
+
+// TestDatapathUpgradesByHandover: by default the datapath DaemonSet
+// surges (the new pod beside the old one, which it takes the volumes
+// from) and its pods are ready only once they serve, so the old pod goes
+// only after the handover; FUSE mounts reach the host for the successor.
+func TestDatapathUpgradesByHandover(t *testing.T) {
+	objs := parseObjects(t, helmTemplate(t))
+	dp := find(t, objs, "DaemonSet", "mpnbd-datapath")
+	surge, _, _ := unstructured.NestedFieldNoCopy(dp.Object, "spec", "updateStrategy", "rollingUpdate", "maxSurge")
+	unavail, _, _ := unstructured.NestedFieldNoCopy(dp.Object, "spec", "updateStrategy", "rollingUpdate", "maxUnavailable")
+	if st, _, _ := unstructured.NestedString(dp.Object, "spec", "updateStrategy", "type"); st != "RollingUpdate" || fmt.Sprint(surge) != "1" || fmt.Sprint(unavail) != "0" {
+		t.Errorf("datapath update strategy %s, maxSurge %v, maxUnavailable %v; want RollingUpdate, 1, 0", st, surge, unavail)
+	}
+	args := argsOf(t, objs, "DaemonSet", "mpnbd-datapath", "datapath")
+	if !slices.Contains(args, "--ready-file=/tmp/datapath-ready") {
+		t.Errorf("datapath args %q lack the ready file", args)
+	}
+	ctrs, _, _ := unstructured.NestedSlice(dp.Object, "spec", "template", "spec", "containers")
+	c := ctrs[0].(map[string]any)
+	probe, _, _ := unstructured.NestedStringSlice(c, "readinessProbe", "exec", "command")
+	if strings.Join(probe, " ") != "test -e /tmp/datapath-ready" {
+		t.Errorf("datapath readiness probe %q", probe)
+	}
+	mounts, _, _ := unstructured.NestedSlice(c, "volumeMounts")
+	prop := ""
+	for _, m := range mounts {
+		if mm := m.(map[string]any); mm["name"] == "state-dir" {
+			prop, _ = mm["mountPropagation"].(string)
+		}
+	}
+	if prop != "Bidirectional" {
+		t.Errorf("datapath state-dir mount propagation %q, want Bidirectional", prop)
 	}
 }
