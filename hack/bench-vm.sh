@@ -12,10 +12,10 @@
 # For each: fio's MB/s (and IOPS for 4 KiB) and guest CPU seconds per GB
 # (/proc/stat of the whole guest), with ratios to tcp. Nothing is asserted
 # but the data. Needs root (network namespaces, qemu) and fio on the host
-# (copied into the VM). About 20 minutes under TCG on two cores.
+# (copied into the VM). About 10 minutes under TCG on two idle cores.
 #
 #   MPNBD_BENCH_MB        MiB written and read sequentially per transport,
-#                         also the region of the random passes (default 128)
+#                         also the region of the random passes (default 256)
 #   MPNBD_BENCH_SECONDS   length of each random pass (default 20)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -28,10 +28,10 @@ const (
 	envBenchSeconds = "MPNBD_BENCH_SECONDS"
 )
 
-// The defaults keep make bench-vm, boot included, within about 25 minutes
-// under TCG on two host cores.
+// The defaults keep make bench-vm, boot included, to about 10 minutes
+// under TCG on two idle host cores, under 25 on busy ones.
 const (
-	defaultBenchMB      = 128
+	defaultBenchMB      = 256
 	defaultBenchSeconds = 20
 )
 
