@@ -473,7 +473,14 @@ type fioRun struct {
 
 func startFio(t *testing.T, dev string, seed int) *fioRun {
 	t.Helper()
-	r := &fioRun{cmd: exec.Command("fio", fioArgs(dev, seed)...), exited: make(chan struct{})}
+	return startFioArgs(t, fioArgs(dev, seed))
+}
+
+// startFioArgs starts fio with args; the result's byte counts are those of
+// a report with one job.
+func startFioArgs(t *testing.T, args []string) *fioRun {
+	t.Helper()
+	r := &fioRun{cmd: exec.Command("fio", args...), exited: make(chan struct{})}
 	r.cmd.Stdout, r.cmd.Stderr = &r.stdout, &r.stderr
 	r.start = time.Now()
 	if err := r.cmd.Start(); err != nil {

@@ -3,16 +3,14 @@ package nodeattach
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
@@ -21,10 +19,20 @@ import (
 )
 
 // envBench enables TestBenchTransportsMPTCPKernelInVM (hack/bench-vm.sh
-// sets it); envBenchMB is the amount each transport writes and reads.
+// sets it); envBenchMB is the amount each transport writes and reads
+// sequentially, and the region the random passes cover; envBenchSeconds
+// is the length of each random pass.
 const (
-	envBench   = "MPNBD_VM_BENCH"
-	envBenchMB = "MPNBD_BENCH_MB"
+	envBench        = "MPNBD_VM_BENCH"
+	envBenchMB      = "MPNBD_BENCH_MB"
+	envBenchSeconds = "MPNBD_BENCH_SECONDS"
+)
+
+// The defaults keep make bench-vm, boot included, to about 10 minutes
+// under TCG on two idle host cores, under 25 on busy ones.
+const (
+	defaultBenchMB      = 256
+	defaultBenchSeconds = 20
 )
 
 // benchAttacher returns an attacher of mode whose connections leave from
@@ -43,9 +51,9 @@ func benchAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (atta
 }
 
 // TestBenchTransportsMPTCPKernelInVM boots the MPTCP kernel and prints
-// kernel, ublk, relay, fuse, multiconn and tcp side by side (same VM, same four paths,
-// same workload). Only with MPNBD_VM_BENCH=1: it is a measurement, not a
-// check, and takes minutes under TCG.
+// tcp, multiconn, relay, kernel, ublk and fuse side by side (same VM, same
+// four paths, same fio workloads). Only with MPNBD_VM_BENCH=1: it is a
+// measurement, not a check, and takes minutes under TCG.
 func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
@@ -54,10 +62,15 @@ func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 		t.Skipf("a benchmark: set %s=1 (hack/bench-vm.sh)", envBench)
 	}
 	env := map[string]string{}
-	if mb := os.Getenv(envBenchMB); mb != "" {
-		env[envBenchMB] = mb
+	for _, k := range []string{envBenchMB, envBenchSeconds} {
+		if v := os.Getenv(k); v != "" {
+			env[k] = v
+		}
 	}
-	runMPTCPKernelVM(t, []string{"TestBenchTransports"}, env)
+	if _, err := exec.LookPath("fio"); err != nil {
+		t.Fatalf("the benchmark runs fio in the VM, copied from the host, which lacks it (apt-get install fio): %v", err)
+	}
+	runMPTCPKernelVM(t, []string{"TestBenchTransports"}, env, benchVMTimeout(t))
 }
 
 // cpuJiffies returns the busy time of all CPUs (user, nice, system, irq,
@@ -86,90 +99,11 @@ func cpuJiffies() (uint64, error) {
 // userHZ is the unit of /proc/stat (USER_HZ is 100 on x86).
 const userHZ = 100
 
-// measured is one direction of one transport's run.
-type measured struct {
-	mbps     float64 // MB/s (10^6 bytes)
-	cpuPerGB float64 // busy CPU seconds of the whole guest per GB moved
-}
-
-// timeIO runs fn, which moves n bytes, and measures wall time and the
-// guest's busy CPU time.
-func timeIO(t *testing.T, n int64, fn func() error) measured {
+// benchSettings returns the amount each transport writes and reads
+// sequentially, in MiB, and the length of each random pass.
+func benchSettings(t *testing.T) (mb int, randTime time.Duration) {
 	t.Helper()
-	j0, err := cpuJiffies()
-	if err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	if err := fn(); err != nil {
-		t.Fatal(err)
-	}
-	el := time.Since(start).Seconds()
-	j1, err := cpuJiffies()
-	if err != nil {
-		t.Fatal(err)
-	}
-	gb := float64(n) / 1e9
-	return measured{mbps: float64(n) / 1e6 / el, cpuPerGB: float64(j1-j0) / userHZ / gb}
-}
-
-// benchBlock is the O_DIRECT request size, the same as dd bs=1M.
-const benchBlock = 1 << 20
-
-// stampBlock makes block i of the benchmark data: base with i in its
-// first eight bytes, so that a misplaced block does not verify.
-func stampBlock(buf, base []byte, i int) {
-	copy(buf, base)
-	binary.LittleEndian.PutUint64(buf, uint64(i))
-}
-
-func benchWrite(dev string, base []byte, blocks int) error {
-	f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	buf := alignedBuf(benchBlock)
-	for i := 0; i < blocks; i++ {
-		stampBlock(buf, base, i)
-		if _, err := f.WriteAt(buf, int64(i)*benchBlock); err != nil {
-			return fmt.Errorf("write block %d: %w", i, err)
-		}
-	}
-	if err := f.Sync(); err != nil {
-		return err
-	}
-	return f.Close()
-}
-
-func benchRead(dev string, base []byte, blocks int) error {
-	f, err := os.OpenFile(dev, os.O_RDONLY|unix.O_DIRECT, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	buf := alignedBuf(benchBlock)
-	want := make([]byte, benchBlock)
-	for i := 0; i < blocks; i++ {
-		if _, err := f.ReadAt(buf, int64(i)*benchBlock); err != nil {
-			return fmt.Errorf("read block %d: %w", i, err)
-		}
-		stampBlock(want, base, i)
-		if !bytes.Equal(buf, want) {
-			return fmt.Errorf("block %d reads back different data", i)
-		}
-	}
-	return nil
-}
-
-// TestBenchTransports (guest, MPTCP kernel) writes and reads the same
-// amount sequentially with 1 MiB O_DIRECT requests through each
-// transport's device and prints throughput and CPU seconds per GB (the
-// whole guest: client, server and relay share it), with ratios to tcp.
-// Nothing is asserted but that the data reads back.
-func TestBenchTransports(t *testing.T) {
-	requireMPTCPKernel(t)
-	mb := 256
+	mb, secs := defaultBenchMB, defaultBenchSeconds
 	if s := os.Getenv(envBenchMB); s != "" {
 		v, err := strconv.Atoi(s)
 		if err != nil || v <= 0 || v > volSize>>20 {
@@ -177,26 +111,150 @@ func TestBenchTransports(t *testing.T) {
 		}
 		mb = v
 	}
-	blocks := mb
-	n := int64(blocks) * benchBlock
-	base := make([]byte, benchBlock)
-	rand.Read(base)
-
-	type row struct {
-		mode        attach.Transport
-		write, read measured
+	if s := os.Getenv(envBenchSeconds); s != "" {
+		v, err := strconv.Atoi(s)
+		if err != nil || v <= 0 {
+			t.Fatalf("%s=%q: want a positive number of seconds", envBenchSeconds, s)
+		}
+		secs = v
 	}
-	var rows []row
+	return mb, time.Duration(secs) * time.Second
+}
+
+// benchVMTimeout bounds the benchmark's VM run. It only catches a hang:
+// boot and setup, then for each of up to six transports two random
+// passes and the sequential ones at no less than 1 MB/s.
+func benchVMTimeout(t *testing.T) time.Duration {
+	mb, randTime := benchSettings(t)
+	perTransport := 2*randTime + 2*time.Duration(mb)*time.Second + time.Minute
+	return 10*time.Minute + 6*perTransport
+}
+
+// measured is one fio pass of one transport.
+type measured struct {
+	mbps     float64 // MB/s (10^6 bytes) as fio reports it
+	iops     float64
+	cpuPerGB float64 // busy CPU seconds of the whole guest per GB moved
+}
+
+// fioDirection is the part of one direction of fio's JSON job report
+// that the benchmark reads.
+type fioDirection struct {
+	IOBytes int64   `json:"io_bytes"`
+	BW      int64   `json:"bw_bytes"` // bytes/s
+	IOPS    float64 `json:"iops"`
+}
+
+// parseFioBench returns the direction of the one job in fio's JSON
+// report out that moved data in direction dir ("read" or "write").
+func parseFioBench(out []byte, dir string) (fioDirection, error) {
+	var rep struct {
+		Jobs []struct {
+			Error int          `json:"error"`
+			Read  fioDirection `json:"read"`
+			Write fioDirection `json:"write"`
+		} `json:"jobs"`
+	}
+	// fio may print notes before the report.
+	if i := bytes.IndexByte(out, '{'); i >= 0 {
+		out = out[i:]
+	}
+	if err := json.Unmarshal(out, &rep); err != nil {
+		return fioDirection{}, fmt.Errorf("fio's report: %v", err)
+	}
+	if len(rep.Jobs) != 1 {
+		return fioDirection{}, fmt.Errorf("fio's report has %d jobs, want 1", len(rep.Jobs))
+	}
+	j := rep.Jobs[0]
+	if j.Error != 0 {
+		return fioDirection{}, fmt.Errorf("fio's job failed with error %d", j.Error)
+	}
+	if dir == "read" {
+		return j.Read, nil
+	}
+	return j.Write, nil
+}
+
+// benchFioLimit bounds one fio pass. It only catches a hang, so that the
+// other transports still run; a pass takes seconds to a few minutes.
+const benchFioLimit = 10 * time.Minute
+
+// benchDepth is the queue depth of every pass.
+const benchDepth = 32
+
+// fioPass runs one fio job on dev, at queue depth benchDepth with
+// O_DIRECT through libaio, and measures it: throughput and IOPS as fio
+// reports them, busy CPU of the guest from /proc/stat around fio's run.
+// want is the number of bytes the pass must move in direction dir (0:
+// any, for time-based passes). stuck reports a pass that does not end.
+func fioPass(t *testing.T, dev, dir string, want int64, stuck func(string), job ...string) measured {
+	t.Helper()
+	args := append([]string{"--name=bench", "--filename=" + dev, "--direct=1", "--ioengine=libaio",
+		"--iodepth=" + strconv.Itoa(benchDepth), "--output-format=json"}, job...)
+	j0, err := cpuJiffies()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := startFioArgs(t, args)
+	res := r.wait(t, benchFioLimit, stuck)
+	j1, err := cpuJiffies()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.err != nil {
+		t.Fatalf("fio %s: %v\n%s", strings.Join(job, " "), res.err, tail(res.output, 30))
+	}
+	d, err := parseFioBench(r.stdout.Bytes(), dir)
+	if err != nil {
+		t.Fatalf("fio %s: %v\n%s", strings.Join(job, " "), err, tail(res.output, 30))
+	}
+	if d.IOBytes <= 0 || want > 0 && d.IOBytes != want {
+		t.Fatalf("fio %s: %s %d bytes, want %d\n%s", strings.Join(job, " "), dir, d.IOBytes, want, tail(res.output, 30))
+	}
+	gb := float64(d.IOBytes) / 1e9
+	return measured{mbps: float64(d.BW) / 1e6, iops: d.IOPS, cpuPerGB: float64(j1-j0) / userHZ / gb}
+}
+
+// benchResult is what one transport measured; failed is set when a pass
+// or the attach failed.
+type benchResult struct {
+	mode         attach.Transport
+	seqW, seqR   measured
+	randW, randR measured
+	failed       bool
+}
+
+// TestBenchTransports (guest, MPTCP kernel) runs fio on each transport's
+// device, all O_DIRECT at queue depth 32: 1 MiB sequential write of the
+// first MPNBD_BENCH_MB MiB with crc32c verify blocks, a sequential read of
+// them that checks every block (its checksum, and the offset recorded in
+// it), then 4 KiB random write and random read over the same region for
+// MPNBD_BENCH_SECONDS each. It prints throughput and CPU seconds per GB
+// (the whole guest: client, server and relay share it) with ratios to
+// tcp, one block per workload. Nothing is asserted but that the data
+// reads back.
+func TestBenchTransports(t *testing.T) {
+	requireMPTCPKernel(t)
+	if _, err := exec.LookPath("fio"); err != nil {
+		t.Fatalf("fio is not in the VM: %v", err)
+	}
+	mb, randTime := benchSettings(t)
+	n := int64(mb) << 20
+
 	modes := []attach.Transport{attach.TCP, attach.MultiConn, attach.Relay, attach.Kernel}
-	if ublk.Available() == nil {
+	if err := ublk.Available(); err == nil {
 		modes = append(modes, attach.Ublk)
 	} else {
-		t.Logf("no ublk in this kernel: %v", ublk.Available())
+		t.Logf("no ublk in this kernel: %v", err)
 	}
-	if fuse.Available() == nil {
+	if err := fuse.Available(); err == nil {
 		modes = append(modes, attach.FUSE)
+	} else {
+		t.Logf("no fuse in this VM: %v", err)
 	}
+	var rows []benchResult
 	for _, mode := range modes {
+		row := benchResult{mode: mode, failed: true}
 		t.Run(string(mode), func(t *testing.T) {
 			tp := guestTopology(t)
 			useMPTCP := mode != attach.TCP && mode != attach.MultiConn
@@ -210,30 +268,77 @@ func TestBenchTransports(t *testing.T) {
 			if useMPTCP {
 				waitSubflows(t, a, tg.VolumeID, len(tp.Paths))
 			}
-			w := timeIO(t, n, func() error { return benchWrite(att.Device, base, blocks) })
-			r := timeIO(t, n, func() error { return benchRead(att.Device, base, blocks) })
-			rows = append(rows, row{mode, w, r})
+			dev := att.Device
+			stuck := attacherStuck(t, a, tg, dev)
+			size := "--size=" + strconv.FormatInt(n, 10)
+			// The write fills every block with crc32c verify data; the read
+			// pass checks each block it reads, so a transport that loses,
+			// misplaces or corrupts a write fails here instead of posting a
+			// number.
+			verify := []string{"--bs=1M", size, "--verify=crc32c", "--verify_state_save=0"}
+			row.seqW = fioPass(t, dev, "write", n, stuck, append(verify, "--rw=write", "--do_verify=0", "--end_fsync=1")...)
+			row.seqR = fioPass(t, dev, "read", n, stuck, append(verify, "--rw=read", "--verify_fatal=1")...)
+			random := []string{"--bs=4k", size, "--time_based", "--runtime=" + strconv.Itoa(int(randTime.Seconds())),
+				"--randrepeat=0"}
+			row.randW = fioPass(t, dev, "write", 0, stuck, append(random, "--rw=randwrite", "--end_fsync=1")...)
+			row.randR = fioPass(t, dev, "read", 0, stuck, append(random, "--rw=randread")...)
 			if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
 				t.Fatal(err)
 			}
 			gone(st)
+			row.failed = false
 		})
+		rows = append(rows, row)
 	}
-	if len(rows) == 0 || rows[0].mode != attach.TCP {
+	if len(rows) == 0 || rows[0].mode != attach.TCP || rows[0].failed {
 		t.Fatalf("no tcp baseline (rows %+v)", rows)
 	}
-	base0 := rows[0]
+	table := benchTable(rows, mb, randTime)
+	t.Logf("transport benchmark:\n%s", table)
+	fmt.Print("BENCH-TABLE-BEGIN\n" + table + "BENCH-TABLE-END\n")
+}
+
+// benchTable formats rows, one block per workload, with ratios to the
+// first row (tcp).
+func benchTable(rows []benchResult, mb int, randTime time.Duration) string {
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "%d MiB sequential, 1 MiB O_DIRECT, 4 paths, under qemu TCG (ratios matter, not absolutes)\n", mb)
-	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %7s %7s %9s %9s\n", "transport", "write", "read", "w cpu", "r cpu",
-		"w/tcp", "r/tcp", "wcpu/tcp", "rcpu/tcp")
-	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %7s %7s %9s %9s\n", "", "MB/s", "MB/s", "s/GB", "s/GB", "", "", "", "")
-	for _, r := range rows {
-		fmt.Fprintf(&sb, "%-10s %9.1f %9.1f %9.2f %9.2f %7.2f %7.2f %9.2f %9.2f\n", r.mode,
-			r.write.mbps, r.read.mbps, r.write.cpuPerGB, r.read.cpuPerGB,
-			r.write.mbps/base0.write.mbps, r.read.mbps/base0.read.mbps,
-			r.write.cpuPerGB/base0.write.cpuPerGB, r.read.cpuPerGB/base0.read.cpuPerGB)
+	fmt.Fprintf(&sb, "fio, O_DIRECT, libaio, queue depth %d, 4 paths, under qemu TCG (ratios matter, not absolutes);\n", benchDepth)
+	fmt.Fprintf(&sb, "cpu = busy CPU seconds of the whole guest (client, server, relay, fio) per GB moved\n")
+	block := func(title string, iops bool, pick func(benchResult) (w, r measured)) {
+		fmt.Fprintf(&sb, "\n%s\n", title)
+		hdr := []string{"transport", "write", "read"}
+		unit := []string{"", "MB/s", "MB/s"}
+		if iops {
+			hdr = append(hdr, "write", "read")
+			unit = append(unit, "IOPS", "IOPS")
+		}
+		hdr = append(hdr, "w cpu", "r cpu", "w/tcp", "r/tcp", "wcpu/tcp", "rcpu/tcp")
+		unit = append(unit, "s/GB", "s/GB", "", "", "", "")
+		for _, line := range [][]string{hdr, unit} {
+			fmt.Fprintf(&sb, "%-10s", line[0])
+			for _, c := range line[1:] {
+				fmt.Fprintf(&sb, " %9s", c)
+			}
+			sb.WriteString("\n")
+		}
+		bw, br := pick(rows[0])
+		for _, r := range rows {
+			if r.failed {
+				fmt.Fprintf(&sb, "%-10s failed (see the log)\n", r.mode)
+				continue
+			}
+			w, rd := pick(r)
+			fmt.Fprintf(&sb, "%-10s %9.1f %9.1f", r.mode, w.mbps, rd.mbps)
+			if iops {
+				fmt.Fprintf(&sb, " %9.0f %9.0f", w.iops, rd.iops)
+			}
+			fmt.Fprintf(&sb, " %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", w.cpuPerGB, rd.cpuPerGB,
+				w.mbps/bw.mbps, rd.mbps/br.mbps, w.cpuPerGB/bw.cpuPerGB, rd.cpuPerGB/br.cpuPerGB)
+		}
 	}
-	t.Logf("transport benchmark:\n%s", sb.String())
-	fmt.Print("BENCH-TABLE-BEGIN\n" + sb.String() + "BENCH-TABLE-END\n")
+	block(fmt.Sprintf("sequential 1 MiB: write %d MiB, then read it back verified (crc32c)", mb), false,
+		func(r benchResult) (measured, measured) { return r.seqW, r.seqR })
+	block(fmt.Sprintf("random 4 KiB over the same %d MiB: write %v, then read %v", mb, randTime, randTime), true,
+		func(r benchResult) (measured, measured) { return r.randW, r.randR })
+	return sb.String()
 }

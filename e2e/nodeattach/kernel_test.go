@@ -32,14 +32,16 @@ func TestNodeAttachMPTCPKernelInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	runMPTCPKernelVM(t, selectGuestTests(t, mptcpKernelTests), nil)
+	runMPTCPKernelVM(t, selectGuestTests(t, mptcpKernelTests), nil, 15*time.Minute)
 }
 
-func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string) vm.Result {
+// runMPTCPKernelVM runs the guest tests names in the VM booted with the
+// MPTCP kernel, with env exported, for at most timeout.
+func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string, timeout time.Duration) vm.Result {
 	t.Helper()
 	cfg := vm.DefaultMPTCP(t)
 	cfg.MemoryMB = 2048
-	cfg.Timeout = 15 * time.Minute
+	cfg.Timeout = timeout
 	cfg.Env = map[string]string{envMPTCPKernel: "1"}
 	for k, v := range env {
 		cfg.Env[k] = v
