@@ -55,6 +55,15 @@ func TestDatapathHandover(t *testing.T) {
 			f := startFio(t, dev, int(time.Now().UnixNano()%1000000)+5)
 			stuck := func(what string) { reportStuck(t, dev, what, "(served by a datapath process)") }
 			for round := 1; round <= 2; round++ {
+				if !f.running() {
+					// A fast transport finished the round already: check it
+					// and start another, so the handover meets a writer.
+					if res := f.wait(t, roundLimit, stuck); !res.ok() {
+						t.Fatalf("fio before handover %d: %v\n%s", round, res, tail(res.output, 40))
+					}
+					before = writeIOs(dev)
+					f = startFio(t, dev, int(time.Now().UnixNano()%1000000)+5+round)
+				}
 				waitWrites(t, f, dev, before, 128)
 				next, dev2, taken := startChildTaken(t, cs)
 				if taken != 1 || dev2 != dev {
