@@ -23,25 +23,25 @@ const (
 
 // Operation codes (enum fuse_opcode).
 const (
-	opLookup      = 1
-	opForget      = 2
-	opGetattr     = 3
-	opSetattr     = 4
-	opOpen        = 14
-	opRead        = 15
-	opWrite       = 16
-	opStatfs      = 17
-	opRelease     = 18
-	opFsync       = 20
-	opFlush       = 25
-	opInit        = 26
-	opOpendir     = 27
-	opReaddir     = 28
-	opReleasedir  = 29
-	opInterrupt   = 36
-	opDestroy     = 38
-	opBatchForget = 42
-	opFallocate   = 43
+	fuseLookup      = 1
+	fuseForget      = 2
+	fuseGetattr     = 3
+	fuseSetattr     = 4
+	fuseOpen        = 14
+	fuseRead        = 15
+	fuseWrite       = 16
+	fuseStatfs      = 17
+	fuseRelease     = 18
+	fuseFsync       = 20
+	fuseFlush       = 25
+	fuseInit        = 26
+	fuseOpendir     = 27
+	fuseReaddir     = 28
+	fuseReleasedir  = 29
+	fuseInterrupt   = 36
+	fuseDestroy     = 38
+	fuseBatchForget = 42
+	fuseFallocate   = 43
 )
 
 // INIT flags (fuse_init_in/out.flags).

@@ -127,7 +127,7 @@ func negotiate(dev *os.File, want initParams) (initParams, error) {
 	if err != nil {
 		return initParams{}, err
 	}
-	if req.hdr.Opcode != opInit {
+	if req.hdr.Opcode != fuseInit {
 		return initParams{}, fmt.Errorf("first request has opcode %d, not INIT", req.hdr.Opcode)
 	}
 	in, err := decodeInit(req.arg)
@@ -285,11 +285,11 @@ func (s *fuseServer) serve(buf []byte, n int) {
 	}
 	h := req.hdr
 	switch h.Opcode {
-	case opForget, opBatchForget, opInterrupt:
+	case fuseForget, fuseBatchForget, fuseInterrupt:
 		// Node IDs are fixed, and requests are short: nothing to do and
 		// no reply.
 		return
-	case opRead:
+	case fuseRead:
 		if h.NodeID != fileNode {
 			s.reply(h.Unique, nodeErr(h.NodeID))
 			return
@@ -327,7 +327,7 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 	isFile, isRoot := h.NodeID == fileNode, h.NodeID == rootNode
 	errOut := func(err error) (int32, [][]byte) { return int32(errnoOf(err)), nil }
 	switch h.Opcode {
-	case opLookup:
+	case fuseLookup:
 		name, err := decodeName(req.arg)
 		if err != nil {
 			return errOut(err)
@@ -339,7 +339,7 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return int32(unix.ENOENT), nil
 		}
 		return 0, [][]byte{encodeEntryOut(s.file.attr(), attrTTL)}
-	case opGetattr:
+	case fuseGetattr:
 		switch {
 		case isRoot:
 			return 0, [][]byte{encodeAttrOut(s.rootAttr(), attrTTL)}
@@ -347,7 +347,7 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return 0, [][]byte{encodeAttrOut(s.file.attr(), attrTTL)}
 		}
 		return int32(unix.ENOENT), nil
-	case opSetattr:
+	case fuseSetattr:
 		in, err := decodeSetattr(req.arg)
 		if err != nil {
 			return errOut(err)
@@ -362,12 +362,12 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return 0, [][]byte{encodeAttrOut(s.file.attr(), attrTTL)}
 		}
 		return int32(unix.ENOENT), nil
-	case opOpendir:
+	case fuseOpendir:
 		if !isRoot {
 			return int32(unix.ENOTDIR), nil
 		}
 		return 0, [][]byte{encodeOpenOut(0)}
-	case opReaddir:
+	case fuseReaddir:
 		if !isRoot {
 			return int32(unix.ENOTDIR), nil
 		}
@@ -376,13 +376,13 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return errOut(err)
 		}
 		return 0, [][]byte{encodeDirents(s.ents, in.Offset, in.Size)}
-	case opReleasedir, opRelease, opDestroy:
+	case fuseReleasedir, fuseRelease, fuseDestroy:
 		return 0, nil
-	case opStatfs:
+	case fuseStatfs:
 		return 0, [][]byte{encodeStatfsOut(s.file.size.Load()/pageSize, pageSize)}
 	}
 	switch h.Opcode {
-	case opOpen, opWrite, opFlush, opFsync, opFallocate:
+	case fuseOpen, fuseWrite, fuseFlush, fuseFsync, fuseFallocate:
 		if !isFile {
 			return nodeErr(h.NodeID), nil
 		}
@@ -392,7 +392,7 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 		return int32(unix.ENOSYS), nil
 	}
 	switch h.Opcode {
-	case opOpen:
+	case fuseOpen:
 		flags, err := decodeOpen(req.arg)
 		if err != nil {
 			return errOut(err)
@@ -402,7 +402,7 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return int32(e), nil
 		}
 		return 0, [][]byte{encodeOpenOut(of)}
-	case opWrite:
+	case fuseWrite:
 		in, err := decodeWrite(req.arg)
 		if err != nil {
 			return errOut(err)
@@ -412,14 +412,14 @@ func (s *fuseServer) handle(req request) (int32, [][]byte) {
 			return int32(e), nil
 		}
 		return 0, [][]byte{encodeWriteOut(n)}
-	case opFlush:
+	case fuseFlush:
 		return 0, nil // close(2); durability is fsync's business
-	case opFsync:
+	case fuseFsync:
 		if len(req.arg) < fsyncInSize {
 			return errOut(errMalformed)
 		}
 		return int32(s.file.fsync()), nil
-	case opFallocate:
+	case fuseFallocate:
 		in, err := decodeFallocate(req.arg)
 		if err != nil {
 			return errOut(err)

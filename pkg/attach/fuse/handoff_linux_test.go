@@ -1,0 +1,211 @@
+package fuse
+
+import (
+	"bytes"
+	"context"
+	"os/exec"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/attach"
+)
+
+// handOver moves the volume from one Attacher to another (same state
+// directory) the way a datapath upgrade does, and returns the new
+// server's pid. The predecessor's server must be gone afterwards.
+func handOver(t *testing.T, from, to *Attacher, id string) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	old := serverPid(t, from, id)
+	start := time.Now()
+	h, err := from.HandOff(ctx, id)
+	if err != nil {
+		t.Fatalf("HandOff: %v", err)
+	}
+	att, err := to.TakeHandoff(ctx, h)
+	if err != nil {
+		if rerr := h.Resume(); rerr != nil {
+			t.Errorf("Resume: %v", rerr)
+		}
+		t.Fatalf("TakeHandoff: %v", err)
+	}
+	if att.Device != h.Attachment.Device {
+		t.Errorf("successor's device %s, predecessor's %s", att.Device, h.Attachment.Device)
+	}
+	h.Release()
+	if err := h.Start(); err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	t.Logf("handover %d -> ... took %v", old, time.Since(start).Round(time.Millisecond))
+	waitGone(t, old)
+	pid := serverPid(t, to, id)
+	if pid == old || !procAlive(pid, 0) {
+		t.Fatalf("the volume's server is %d after the handover from %d", pid, old)
+	}
+	if hl, err := to.Health(id); err != nil || !hl.Connected {
+		t.Fatalf("health after the handover: %+v, %v", hl, err)
+	}
+	return pid
+}
+
+// TestHandoffUnderFio hands a volume on twice (A -> B -> C) while fio
+// writes and verifies through the loop device: fio must not see an
+// error, each old server process must be gone, and the last Attacher
+// manages the volume as its own down to a Detach that leaves nothing.
+func TestHandoffUnderFio(t *testing.T) {
+	requireFUSE(t)
+	requireTool(t, "fio")
+	const size = 512 << 20
+	ts := localServer(t, size)
+	stateDir := t.TempDir() + "/state"
+	a := newAttacher(t, Config{StateDir: stateDir})
+	ctx := context.Background()
+	const id = "pv-handoff"
+	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := serverPid(t, a, id)
+
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	fio := exec.CommandContext(fctx, "fio", "--name=handoff", "--filename="+att.Device,
+		"--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--ioengine=libaio",
+		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_backlog=1024",
+		"--size=384M", "--randrepeat=0")
+	var out bytes.Buffer
+	fio.Stdout, fio.Stderr = &out, &out
+	if err := fio.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- fio.Wait() }()
+	running := func(when string) {
+		t.Helper()
+		select {
+		case err := <-done:
+			t.Fatalf("fio ended %s (%v): the handover did not happen under I/O\n%s", when, err, out.String())
+		default:
+		}
+	}
+
+	time.Sleep(2 * time.Second)
+	running("before the first handover")
+	b := newAttacher(t, Config{StateDir: stateDir})
+	second := handOver(t, a, b, id)
+	time.Sleep(2 * time.Second)
+	running("before the second handover")
+	c := newAttacher(t, Config{StateDir: stateDir})
+	third := handOver(t, b, c, id)
+	running("right after the second handover")
+
+	if err := <-done; err != nil {
+		t.Fatalf("fio: %v\n%s", err, out.String())
+	}
+	if s := out.String(); strings.Contains(s, "verify") && strings.Contains(s, "bad") || strings.Contains(s, "err=") && !strings.Contains(s, "err= 0") {
+		t.Fatalf("fio reports errors:\n%s", s)
+	}
+	t.Logf("servers %d -> %d -> %d; fio:\n%s", first, second, third, lastLines(out.String(), 12))
+	if pids := liveServers(t); !slices.Equal(pids, []int{third}) {
+		t.Fatalf("server processes %v, want only %d", pids, third)
+	}
+
+	// The last Attacher, and a fresh one, know the volume as their own.
+	list, err := New(Config{StateDir: stateDir}).Adopt(ctx)
+	if err != nil || len(list) != 1 || list[0].Device != att.Device {
+		t.Fatalf("Adopt: %v, %v", list, err)
+	}
+	if got, err := c.Attach(ctx, target(id, ts.addr), attach.Options{}); err != nil || got.Device != att.Device {
+		t.Fatalf("Attach after the handovers: %+v, %v", got, err)
+	}
+	if err := c.Detach(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	waitGone(t, third)
+	assertNothingLeft(t, c, id, ts)
+}
+
+func lastLines(s string, n int) string {
+	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(l[max(0, len(l)-n):], "\n")
+}
+
+// TestHandoffSuccessorFails lets the successor fail before it is ready,
+// once by not starting at all and once by dying after it said it was
+// ready but before it started: each time the predecessor resumes and the
+// writes going on meanwhile succeed and read back.
+func TestHandoffSuccessorFails(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 64<<20)
+	stateDir := t.TempDir() + "/state"
+	a := newAttacher(t, Config{StateDir: stateDir})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const id = "pv-handoff-fail"
+	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := serverPid(t, a, id)
+	w := startWriter(t, att.Device, 16)
+	w.waitWrites(t, 20)
+
+	// A successor command that exits at once.
+	broken := New(Config{StateDir: stateDir, ServeCommand: []string{"/bin/false"}})
+	h, err := a.HandOff(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := broken.TakeHandoff(ctx, h); err == nil {
+		t.Fatal("TakeHandoff with a successor that exits succeeds")
+	}
+	if err := h.Resume(); err != nil {
+		t.Fatalf("Resume: %v", err)
+	}
+	w.waitWrites(t, 20)
+
+	// A successor killed once it is ready.
+	b := New(Config{StateDir: stateDir})
+	h, err = a.HandOff(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := liveServers(t)
+	if _, err := b.TakeHandoff(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	var succ int
+	for _, p := range liveServers(t) {
+		if !slices.Contains(before, p) {
+			succ = p
+		}
+	}
+	if succ == 0 {
+		t.Fatal("no successor process")
+	}
+	syscall.Kill(succ, syscall.SIGKILL)
+	h.Abort()
+	if err := h.Resume(); err != nil {
+		t.Fatalf("Resume: %v", err)
+	}
+	if err := h.Start(); err == nil {
+		t.Fatal("Start after Abort succeeds")
+	}
+	w.waitWrites(t, 20)
+	w.finish(t)
+	w.verify(t, att.Device, ts.backend)
+	if got := serverPid(t, a, id); got != pid {
+		t.Fatalf("the volume's server is %d, want the predecessor %d", got, pid)
+	}
+	if hl, err := a.Health(id); err != nil || !hl.Connected {
+		t.Fatalf("health: %+v, %v", hl, err)
+	}
+	if err := a.Detach(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, id, ts)
+}
