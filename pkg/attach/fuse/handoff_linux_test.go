@@ -13,63 +13,25 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
-// handOver moves the volume from one Attacher to another (same state
-// directory) the way a datapath upgrade does, and returns the new
-// server's pid. The predecessor's server must be gone afterwards.
-func handOver(t *testing.T, from, to *Attacher, id string) int {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	old := serverPid(t, from, id)
-	start := time.Now()
-	h, err := from.HandOff(ctx, id)
-	if err != nil {
-		t.Fatalf("HandOff: %v", err)
-	}
-	att, err := to.TakeHandoff(ctx, h)
-	if err != nil {
-		if rerr := h.Resume(); rerr != nil {
-			t.Errorf("Resume: %v", rerr)
-		}
-		t.Fatalf("TakeHandoff: %v", err)
-	}
-	if att.Device != h.Attachment.Device {
-		t.Errorf("successor's device %s, predecessor's %s", att.Device, h.Attachment.Device)
-	}
-	h.Release()
-	if err := h.Start(); err != nil {
-		t.Fatalf("Start: %v", err)
-	}
-	t.Logf("handover %d -> ... took %v", old, time.Since(start).Round(time.Millisecond))
-	waitGone(t, old)
-	pid := serverPid(t, to, id)
-	if pid == old || !procAlive(pid, 0) {
-		t.Fatalf("the volume's server is %d after the handover from %d", pid, old)
-	}
-	if hl, err := to.Health(id); err != nil || !hl.Connected {
-		t.Fatalf("health after the handover: %+v, %v", hl, err)
-	}
-	return pid
-}
-
-// TestHandoffUnderFio hands a volume on twice (A -> B -> C) while fio
-// writes and verifies through the loop device: fio must not see an
-// error, each old server process must be gone, and the last Attacher
-// manages the volume as its own down to a Detach that leaves nothing.
+// TestHandoffUnderFio hands a volume on twice (A -> B -> C, each
+// Attacher a process of its own) while fio writes and verifies through
+// the loop device: fio must not see an error, each old server process
+// must be gone, and the last Attacher manages the volume as its own down
+// to a Detach that leaves nothing.
 func TestHandoffUnderFio(t *testing.T) {
 	requireFUSE(t)
 	requireTool(t, "fio")
 	const size = 512 << 20
 	ts := localServer(t, size)
 	stateDir := t.TempDir() + "/state"
-	a := newAttacher(t, Config{StateDir: stateDir})
+	probe := newAttacher(t, Config{StateDir: stateDir}) // detaches what is left
 	ctx := context.Background()
 	const id = "pv-handoff"
-	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	first := serverPid(t, a, id)
+	tg := target(id, ts.addr)
+	a := startAttacherProc(t, stateDir)
+	r, _ := a.call(t, helperMsg{Op: "attach", Target: &tg})
+	att := r.Attachment
+	first := serverPid(t, probe, id)
 
 	fctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
@@ -95,12 +57,12 @@ func TestHandoffUnderFio(t *testing.T) {
 
 	time.Sleep(2 * time.Second)
 	running("before the first handover")
-	b := newAttacher(t, Config{StateDir: stateDir})
-	second := handOver(t, a, b, id)
+	b := startAttacherProc(t, stateDir)
+	second := handOverProcs(t, a, b, stateDir, id)
 	time.Sleep(2 * time.Second)
 	running("before the second handover")
-	c := newAttacher(t, Config{StateDir: stateDir})
-	third := handOver(t, b, c, id)
+	c := startAttacherProc(t, stateDir)
+	third := handOverProcs(t, b, c, stateDir, id)
 	running("right after the second handover")
 
 	if err := <-done; err != nil {
@@ -119,14 +81,15 @@ func TestHandoffUnderFio(t *testing.T) {
 	if err != nil || len(list) != 1 || list[0].Device != att.Device {
 		t.Fatalf("Adopt: %v, %v", list, err)
 	}
-	if got, err := c.Attach(ctx, target(id, ts.addr), attach.Options{}); err != nil || got.Device != att.Device {
-		t.Fatalf("Attach after the handovers: %+v, %v", got, err)
+	if r, _ := c.call(t, helperMsg{Op: "attach", Target: &tg}); r.Attachment.Device != att.Device {
+		t.Fatalf("Attach after the handovers: %+v", r.Attachment)
 	}
-	if err := c.Detach(ctx, id); err != nil {
-		t.Fatal(err)
+	if sz, err := probe.Resize(ctx, id, size); err != nil || sz != size {
+		t.Fatalf("Resize after the handovers: %d, %v", sz, err)
 	}
+	c.call(t, helperMsg{Op: "detach", Volume: id})
 	waitGone(t, third)
-	assertNothingLeft(t, c, id, ts)
+	assertNothingLeft(t, probe, id, ts)
 }
 
 func lastLines(s string, n int) string {

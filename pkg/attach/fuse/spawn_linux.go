@@ -121,7 +121,13 @@ func (l *launched) next(ctx context.Context) (readyMsg, error) {
 	select {
 	case r, ok := <-l.msgs:
 		if !ok || r.err != nil {
-			return readyMsg{}, fmt.Errorf("the server process ended before it was ready (%v)", l.cmd.ProcessState)
+			// Its exit status, once Wait has it.
+			select {
+			case <-l.exited:
+				return readyMsg{}, fmt.Errorf("the server process ended before it was ready (%v)", l.cmd.ProcessState)
+			case <-time.After(exitTimeout):
+				return readyMsg{}, errors.New("the server process closed its report pipe before it was ready")
+			}
 		}
 		if r.msg.Error != nil {
 			return readyMsg{}, r.msg.Error.err()
