@@ -39,6 +39,7 @@ func TestHandoffUnderFio(t *testing.T) {
 		"--direct=1", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--ioengine=libaio",
 		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_backlog=1024",
 		"--size=384M", "--randrepeat=0")
+	fio.Dir = t.TempDir() // where it leaves its verify state
 	var out bytes.Buffer
 	fio.Stdout, fio.Stderr = &out, &out
 	if err := fio.Start(); err != nil {
