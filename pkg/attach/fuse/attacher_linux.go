@@ -49,6 +49,7 @@ type volumeLock struct {
 // detach resumes there) and are only used under the volume's lock.
 type volume struct {
 	target attach.Target
+	opts   attach.Options
 	dir    string // mount point
 	file   string // the export file inside it
 	path   *attach.Session
@@ -203,7 +204,7 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 	if err != nil {
 		return nil, dialError(t, err)
 	}
-	v := &volume{target: t, dir: dir, file: file, path: dp}
+	v := &volume{target: t, opts: o, dir: dir, file: file, path: dp}
 	fail := func(err error) (*volume, error) {
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "err", terr)

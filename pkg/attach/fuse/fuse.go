@@ -74,8 +74,10 @@
 // read /dev/fuse, listen on V.sock and write V.json. If the successor
 // fails before it is ready (or its Attacher calls Abort), Resume lets the
 // predecessor serve again; so does a predecessor that hears neither within
-// two minutes, or whose HandOff connection breaks. Volumes served in
-// process (Config.InProcess) cannot be handed over.
+// two minutes, or whose HandOff connection breaks. A volume served in
+// process (Config.InProcess) is handed off and taken the same way, minus
+// the server process: the handoff takes the volume's lock for the
+// successor, and an InProcess successor serves from its own process.
 //
 // This survives restarts of the plugin process, as long as the server
 // processes live on: I/O to the devices continues while no plugin runs.

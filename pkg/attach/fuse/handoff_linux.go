@@ -204,8 +204,8 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	}
 	unlock := a.lock(volumeID)
 	defer unlock()
-	if a.get(volumeID) != nil {
-		return nil, fmt.Errorf("%w: fuse: handoff of a volume served in process", attach.ErrUnsupported)
+	if v := a.get(volumeID); v != nil {
+		return a.handOffInProcess(v)
 	}
 	p := a.findServer(volumeID)
 	if p == nil {
@@ -248,6 +248,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		Files:      files,
 	}
 	h.Resume = func() error {
+		closeFiles(h.Files) // copies, if nobody took them
 		_, err := verdict(opResume)
 		if err != nil {
 			return fmt.Errorf("fuse: resume volume %s: %w", volumeID, err)
@@ -256,6 +257,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		return nil
 	}
 	h.Release = func() {
+		closeFiles(h.Files)
 		if _, err := verdict(opRelease); err != nil {
 			log.Warn("fuse: releasing the volume", "err", err)
 		}
@@ -383,9 +385,6 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	files := h.Files
 	h.Files = nil
 	defer closeFiles(files)
-	if a.cfg.InProcess || a.ownDial {
-		return nil, fmt.Errorf("%w: fuse: taking a handoff in process", attach.ErrUnsupported)
-	}
 	var st handoffState
 	if err := json.Unmarshal(h.State, &st); err != nil {
 		return nil, fmt.Errorf("%w: fuse: handoff state: %v", attach.ErrInvalid, err)
@@ -400,6 +399,12 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	unlock := a.lock(id)
 	defer unlock()
 	log := a.cfg.Logger.With("volume", id, "transport", string(attach.FUSE))
+	if a.cfg.InProcess {
+		return a.takeInProcess(ctx, h, st, files, log)
+	}
+	if a.ownDial {
+		return nil, fmt.Errorf("%w: fuse: Config.DialContext needs Config.InProcess", attach.ErrInvalid)
+	}
 	spec := a.specFor(h.Target, h.Options, time.Now().Add(handoffTimeout))
 	spec.Handoff = &successorSpec{State: st, Attachment: h.Attachment}
 	l, err := a.launch(spec, []*os.File{files[fileLock], files[fileFUSE]})

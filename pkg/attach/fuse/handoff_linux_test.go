@@ -173,3 +173,53 @@ func TestHandoffSuccessorFails(t *testing.T) {
 	}
 	assertNothingLeft(t, a, id, ts)
 }
+
+// TestHandoffInProcess moves a volume served in process to a server
+// process and from there back into another process's Attacher
+// (InProcess), with writes going on throughout.
+func TestHandoffInProcess(t *testing.T) {
+	requireFUSE(t)
+	ts := localServer(t, 64<<20)
+	stateDir := t.TempDir() + "/state"
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const id = "pv-handoff-inproc"
+	a := newAttacher(t, Config{StateDir: stateDir, InProcess: true})
+	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := startWriter(t, att.Device, 16)
+	w.waitWrites(t, 20)
+	move := func(from, to *Attacher) {
+		t.Helper()
+		h, err := from.HandOff(ctx, id)
+		if err != nil {
+			t.Fatalf("HandOff: %v", err)
+		}
+		if _, err := to.TakeHandoff(ctx, h); err != nil {
+			h.Resume()
+			t.Fatalf("TakeHandoff: %v", err)
+		}
+		h.Release()
+		if err := h.Start(); err != nil {
+			t.Fatalf("Start: %v", err)
+		}
+		if hl, err := to.Health(id); err != nil || !hl.Connected {
+			t.Fatalf("health after the handover: %+v, %v", hl, err)
+		}
+		w.waitWrites(t, 20)
+	}
+	b := newAttacher(t, Config{StateDir: stateDir})
+	move(a, b)
+	pid := serverPid(t, b, id)
+	c := newAttacher(t, Config{StateDir: stateDir, InProcess: true})
+	move(b, c)
+	waitGone(t, pid)
+	w.finish(t)
+	w.verify(t, att.Device, ts.backend)
+	if err := c.Detach(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, c, id, ts)
+}

@@ -86,7 +86,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 // a new connection of the predecessor's NBD session; it reads nothing
 // from the kernel yet.
 func takeOver(sp serveSpec, lockf, dev *os.File, pid int, start uint64, log *slog.Logger) (*volumeServer, error) {
-	t, hs := sp.Target, sp.Handoff.State
+	t := sp.Target
 	if t.VolumeID == "" || len(t.Addrs) == 0 || sp.StateDir == "" {
 		return nil, fmt.Errorf("%w: fuse: incomplete handoff (volume %q, %d addresses, state directory %q)", attach.ErrInvalid, t.VolumeID, len(t.Addrs), sp.StateDir)
 	}
@@ -97,7 +97,19 @@ func takeOver(sp serveSpec, lockf, dev *os.File, pid int, start uint64, log *slo
 	s := newVolumeServer(sp, lockf, pid, start, log)
 	ctx, cancel := context.WithDeadline(context.Background(), sp.Deadline)
 	defer cancel()
-	dp, err := attach.OpenSession(ctx, attach.SessionConfig{ID: hs.Session, Logger: log}, t, sp.Options)
+	v, err := volumeFromHandoff(ctx, s.cfg, t, sp.Options, sp.Handoff, dev, log)
+	if err != nil {
+		return nil, err
+	}
+	s.v = v
+	return s, nil
+}
+
+// volumeFromHandoff dials the export on the handoff's NBD session and
+// builds the volume around the FUSE connection dev, not served yet.
+func volumeFromHandoff(ctx context.Context, cfg Config, t attach.Target, o attach.Options, h *successorSpec, dev *os.File, log *slog.Logger) (*volume, error) {
+	hs := h.State
+	dp, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: cfg.DialContext, ID: hs.Session, Logger: log}, t, o)
 	if err != nil {
 		return nil, dialError(t, err)
 	}
@@ -110,16 +122,17 @@ func takeOver(sp serveSpec, lockf, dev *os.File, pid int, start uint64, log *slo
 		log:       log,
 	}
 	node.size.Store(hs.Size)
-	dir, file := volumePaths(sp.StateDir, t.VolumeID)
-	srv, err := newFuseServer(dev, hs.Init, node, filepath.Base(file), s.cfg.readers(), log)
+	dir, file := volumePaths(cfg.StateDir, t.VolumeID)
+	srv, err := newFuseServer(dev, hs.Init, node, filepath.Base(file), cfg.readers(), log)
 	if err != nil {
-		dp.Close(s.cfg.UnmountTimeout)
+		dp.Close(cfg.UnmountTimeout)
 		return nil, err
 	}
-	att := sp.Handoff.Attachment
+	att := h.Attachment
 	att.MPTCP = dp.Multipath
-	s.v = &volume{
+	return &volume{
 		target: t,
+		opts:   o,
 		dir:    dir,
 		file:   file,
 		path:   dp,
@@ -128,8 +141,7 @@ func takeOver(sp serveSpec, lockf, dev *os.File, pid int, start uint64, log *slo
 		server: srv,
 		conn:   hs.Conn,
 		dev:    hs.Device,
-	}
-	return s, nil
+	}, nil
 }
 
 // runUnpublished serves a volume nobody can reach through the socket
