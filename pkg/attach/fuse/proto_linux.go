@@ -55,12 +55,17 @@ const (
 
 // Open reply flags (fuse_open_out.open_flags).
 const (
-	fopenDirectIO                = 1 << 0
-	fopenParallelDirectWrites    = 1 << 6
-	fattrSize                    = 1 << 3 // fuse_setattr_in.valid: size is set
-	notifyInvalInode             = 2      // enum fuse_notify_code
-	pageSize                     = 4096
-	direntTypeDir, direntTypeReg = 4, 8 // DT_DIR, DT_REG
+	fopenDirectIO             = 1 << 0
+	fopenParallelDirectWrites = 1 << 6
+)
+
+// Other constants of the protocol.
+const (
+	fattrSize        = 1 << 3 // fuse_setattr_in.valid: size is set
+	notifyInvalInode = 2      // enum fuse_notify_code
+	pageSize         = 4096
+	direntTypeDir    = 4 // DT_DIR
+	direntTypeReg    = 8 // DT_REG
 )
 
 // Sizes of the structures on the wire.
