@@ -527,9 +527,9 @@ func TestMountOnFileUndone(t *testing.T) {
 	}
 	cfg := Config{}.withDefaults()
 	node := &exportFile{log: cfg.Logger}
-	srv, err := mount(p, &rootDir{name: "x", file: node}, cfg.fuseOptions("x", cfg.Logger))
+	srv, err := mountServer(p, node, "x", cfg, cfg.Logger)
 	if err == nil {
-		srv.Unmount()
+		srv.unmount(p)
 		t.Fatal("mount on a file succeeds")
 	}
 	if m := mountsUnder(t, dir); len(m) != 0 {

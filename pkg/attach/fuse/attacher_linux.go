@@ -1,11 +1,9 @@
 package fuse
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"log"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -15,8 +13,6 @@ import (
 	"sync"
 	"time"
 
-	fusefs "github.com/hanwen/go-fuse/v2/fs"
-	gofuse "github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
@@ -53,13 +49,14 @@ type volumeLock struct {
 // detach resumes there) and are only used under the volume's lock.
 type volume struct {
 	target attach.Target
+	opts   attach.Options
 	dir    string // mount point
 	file   string // the export file inside it
 	path   *attach.Session
 	node   *exportFile
 	att    attach.Attachment
 
-	server *gofuse.Server
+	server *fuseServer
 	conn   string // the FUSE connection's name under fusectl
 	dev    string
 	closed bool
@@ -207,7 +204,7 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 	if err != nil {
 		return nil, dialError(t, err)
 	}
-	v := &volume{target: t, dir: dir, file: file, path: dp}
+	v := &volume{target: t, opts: o, dir: dir, file: file, path: dp}
 	fail := func(err error) (*volume, error) {
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "err", terr)
@@ -241,7 +238,7 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 	} else if !st.IsDir() {
 		return fail(fmt.Errorf("fuse: mount point %s is not a directory", dir))
 	}
-	srv, err := mount(dir, &rootDir{name: filepath.Base(file), file: node}, cfg.fuseOptions(filepath.Base(file), log))
+	srv, err := mountServer(dir, node, filepath.Base(file), cfg, log)
 	if err != nil {
 		return fail(fmt.Errorf("fuse: mount %s: %w", dir, err))
 	}
@@ -281,23 +278,56 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 	return v, nil
 }
 
-// mount mounts and serves the file system. Unlike fs.Mount it unmounts
-// again when the mount syscall worked but the file system does not answer.
-func mount(dir string, root fusefs.InodeEmbedder, o *fusefs.Options) (*gofuse.Server, error) {
-	srv, err := gofuse.NewServer(fusefs.NewNodeFS(root, o), dir, &o.MountOptions)
+// mountServer mounts the file system on dir and serves it. It unmounts
+// again when the mount syscall worked but the file system does not come
+// up.
+func mountServer(dir string, node *exportFile, name string, cfg Config, log *slog.Logger) (*fuseServer, error) {
+	dev, err := mountDev(dir, "mpnbd:"+name, cfg.MaxWrite)
 	if err != nil {
 		return nil, err
 	}
-	go srv.Serve()
-	if err := srv.WaitMount(); err != nil {
-		if uerr := srv.Unmount(); uerr != nil {
-			// Leave nothing mounted, even if it takes a lazy unmount.
-			_ = unix.Unmount(dir, unix.MNT_DETACH)
+	p, err := negotiate(dev, cfg.wantedInit())
+	if err == nil {
+		var srv *fuseServer
+		if srv, err = newFuseServer(dev, p, node, name, cfg.readers(), log); err == nil {
+			srv.start()
+			if err = primePoll(filepath.Join(dir, name)); err == nil {
+				return srv, nil
+			}
+			srv.stop()
 		}
-		return nil, err
 	}
-	return srv, nil
+	// Closing the descriptor ends the connection; the mount goes too,
+	// even if it takes a lazy unmount.
+	dev.Close()
+	if uerr := unix.Unmount(dir, 0); uerr != nil {
+		_ = unix.Unmount(dir, unix.MNT_DETACH)
+	}
+	return nil, err
 }
+
+// primePoll polls the file once, outside the runtime's poller, so that
+// the kernel learns that the file system does not implement poll (the
+// server answers ENOSYS) and never asks again on this connection.
+// Otherwise the first os.OpenFile of the file in this process (which
+// registers it with epoll) would ask while holding the poller's epoll
+// lock, which the reader waiting for that very request needs: a
+// deadlock.
+func primePoll(file string) error {
+	fd, err := unix.Open(file, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", file, err)
+	}
+	defer unix.Close(fd)
+	if _, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0); err != nil {
+		return fmt.Errorf("poll %s: %w", file, err)
+	}
+	return nil
+}
+
+// readers is how many requests a volume's server takes at once: every
+// asynchronous one the kernel may have in flight, and a few synchronous.
+func (c Config) readers() int { return c.MaxBackground + 4 }
 
 func dialError(t attach.Target, err error) error {
 	if errors.Is(err, attach.ErrServerRefused) {
@@ -315,36 +345,7 @@ func (c Config) openFlags() uint32 {
 	}
 	// The loop device has its own page cache; the file's would hold every
 	// block a second time. Parallel direct writes spare the inode lock.
-	return gofuse.FOPEN_DIRECT_IO | gofuse.FOPEN_PARALLEL_DIRECT_WRITES
-}
-
-func (c Config) fuseOptions(name string, log *slog.Logger) *fusefs.Options {
-	ttl := time.Hour // the file never changes but by Resize, which says so
-	l := newLogAdapter(log)
-	caps := uint64(gofuse.CAP_ASYNC_DIO)
-	if c.syncDIO {
-		caps = 0
-	}
-	return &fusefs.Options{
-		MountOptions: gofuse.MountOptions{
-			FsName:            "mpnbd:" + name,
-			Name:              "mpnbd",
-			DirectMountStrict: true,
-			MaxWrite:          c.MaxWrite,
-			MaxBackground:     c.MaxBackground,
-			// Replies carry data from memory, never from a file
-			// descriptor: splicing buys nothing, and go-fuse would try to
-			// grow a pipe past pipe-max-size for each 1 MiB read.
-			DisableSplice: true,
-			DisableXAttrs: true,
-			// Let the loop driver's direct I/O stay asynchronous.
-			ExtraCapabilities: caps,
-			Logger:            l,
-		},
-		EntryTimeout: &ttl,
-		AttrTimeout:  &ttl,
-		Logger:       l,
-	}
+	return fopenDirectIO | fopenParallelDirectWrites
 }
 
 // Detach removes the loop device, unmounts the file system and closes the
@@ -445,7 +446,7 @@ func retryBusy(timeout time.Duration, f func() error) error {
 // server, alive as long as that namespace lives. The file is no longer in
 // use by then (the loop device let go of it), so the connection is
 // aborted through fusectl.
-func unmount(srv *gofuse.Server, dir, conn string, timeout time.Duration, log *slog.Logger) error {
+func unmount(srv *fuseServer, dir, conn string, timeout time.Duration, log *slog.Logger) error {
 	done := make(chan error, 1)
 	go func() { done <- unmountRetry(srv, dir, timeout) }()
 	select {
@@ -470,10 +471,10 @@ func unmount(srv *gofuse.Server, dir, conn string, timeout time.Duration, log *s
 
 // unmountRetry retries while the kernel still holds the file (a loop
 // device being released).
-func unmountRetry(srv *gofuse.Server, dir string, timeout time.Duration) error {
+func unmountRetry(srv *fuseServer, dir string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
-		err := srv.Unmount()
+		err := srv.unmount(dir)
 		if err == nil {
 			return nil
 		}
@@ -617,8 +618,8 @@ func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64
 		v.node.size.Store(size)
 		// Drop the kernel's cached attributes, then look again so the
 		// inode's size, which the loop driver reads, is the new one.
-		if errno := v.node.NotifyContent(-1, 0); errno != 0 {
-			return 0, fmt.Errorf("fuse: resize volume %s: invalidate attributes: %w", volumeID, errno)
+		if err := v.server.invalidateAttr(); err != nil {
+			return 0, fmt.Errorf("fuse: resize volume %s: invalidate attributes: %w", volumeID, err)
 		}
 		st, err := os.Stat(v.file)
 		if err != nil {
@@ -632,16 +633,4 @@ func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64
 		return 0, fmt.Errorf("fuse: resize volume %s: %w", volumeID, err)
 	}
 	return blockdev.DeviceSize(v.dev)
-}
-
-// logAdapter feeds go-fuse's line logger into slog as warnings.
-type logAdapter struct{ log *slog.Logger }
-
-func newLogAdapter(l *slog.Logger) *log.Logger {
-	return log.New(logAdapter{l}, "", 0)
-}
-
-func (w logAdapter) Write(p []byte) (int, error) {
-	w.log.Warn("go-fuse: " + string(bytes.TrimRight(p, "\n")))
-	return len(p), nil
 }

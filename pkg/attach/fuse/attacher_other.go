@@ -52,3 +52,13 @@ func ServeMain() int {
 	fmt.Fprintln(os.Stderr, unsupported())
 	return 2
 }
+
+// HandOff is only implemented on Linux.
+func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handoff, error) {
+	return nil, unsupported()
+}
+
+// TakeHandoff is only implemented on Linux.
+func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.Attachment, error) {
+	return nil, unsupported()
+}

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"net"
 	"os"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -54,6 +55,46 @@ func benchSeq(b *testing.B, qd int, op func(buf []byte, off int64) error) {
 		b.Fatal(*p)
 	}
 }
+
+// benchRand moves b.N random 4 KiB blocks with qd workers over the
+// first benchRandSpan bytes (fio's randread/randwrite with bs=4k).
+func benchRand(b *testing.B, qd int, op func(buf []byte, off int64) error) {
+	b.SetBytes(benchRandBlock)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var firstErr atomic.Pointer[error]
+	b.ResetTimer()
+	for w := 0; w < qd; w++ {
+		wg.Add(1)
+		go func(seed uint64) {
+			defer wg.Done()
+			buf := alignedBuf(benchRandBlock)
+			rand.Read(buf)
+			x := seed*0x9e3779b97f4a7c15 + 1
+			for next.Add(1) <= int64(b.N) {
+				// xorshift: cheap and without a lock between workers.
+				x ^= x << 13
+				x ^= x >> 7
+				x ^= x << 17
+				off := int64(x%(benchRandSpan/benchRandBlock)) * benchRandBlock
+				if err := op(buf, off); err != nil {
+					firstErr.CompareAndSwap(nil, &err)
+					return
+				}
+			}
+		}(uint64(w))
+	}
+	wg.Wait()
+	b.StopTimer()
+	if p := firstErr.Load(); p != nil {
+		b.Fatal(*p)
+	}
+}
+
+const (
+	benchRandBlock = 4 << 10
+	benchRandSpan  = 128 << 20
+)
 
 // benchVariant is one FUSE configuration to measure.
 type benchVariant struct {
@@ -167,6 +208,19 @@ func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, strin
 			})
 			b.Run(name+"/read-"+qs, func(b *testing.B) {
 				benchSeq(b, qd, func(buf []byte, off int64) error { _, err := f.ReadAt(buf, off); return err })
+			})
+		}
+		for _, qd := range []int{1, 16} {
+			qs := "qd" + strconv.Itoa(qd)
+			name := "fuse-loop"
+			if v.name != "default" {
+				name += "-" + v.name
+			}
+			b.Run(name+"/randwrite4k-"+qs, func(b *testing.B) {
+				benchRand(b, qd, func(buf []byte, off int64) error { _, err := f.WriteAt(buf, off); return err })
+			})
+			b.Run(name+"/randread4k-"+qs, func(b *testing.B) {
+				benchRand(b, qd, func(buf []byte, off int64) error { _, err := f.ReadAt(buf, off); return err })
 			})
 		}
 		f.Close()

@@ -25,6 +25,11 @@ const (
 	opHealth = "health"
 	opResize = "resize"
 	opDetach = "detach" // tear down, then exit
+	// opHandoff quiesces the volume and answers with the handoff and its
+	// files; the connection stays open for opResume or opRelease.
+	opHandoff = "handoff"
+	opResume  = "resume"  // serve again
+	opRelease = "release" // the successor serves: exit, leaving everything
 )
 
 type ctlRequest struct {
@@ -42,6 +47,7 @@ type ctlResponse struct {
 	Attachment *attach.Attachment `json:"attachment,omitempty"`
 	Health     *attach.Health     `json:"health,omitempty"`
 	Size       uint64             `json:"size,omitempty"`
+	Handoff    *handoffMsg        `json:"handoff,omitempty"`
 	Error      *wireError         `json:"error,omitempty"`
 }
 

@@ -1,15 +1,12 @@
 package fuse
 
 import (
-	"context"
 	"errors"
 	"log/slog"
 	"sync/atomic"
 	"syscall"
 	"time"
 
-	fusefs "github.com/hanwen/go-fuse/v2/fs"
-	gofuse "github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -23,24 +20,9 @@ type blockIO interface {
 	WriteZeroes(off, length int64, noHole bool) error
 }
 
-// rootDir is the mount's root directory; it holds the export file.
-type rootDir struct {
-	fusefs.Inode
-	name string
-	file *exportFile
-}
-
-var _ = (fusefs.NodeOnAdder)((*rootDir)(nil))
-
-func (r *rootDir) OnAdd(ctx context.Context) {
-	ch := r.NewPersistentInode(ctx, r.file, fusefs.StableAttr{Mode: unix.S_IFREG, Ino: 2})
-	r.AddChild(r.name, ch, false)
-}
-
-// exportFile is the regular file whose bytes are the export's.
+// exportFile is the regular file whose bytes are the export's. The
+// methods answer the FUSE requests about it, with the errno to reply.
 type exportFile struct {
-	fusefs.Inode
-
 	bio       blockIO
 	size      atomic.Uint64
 	readOnly  bool
@@ -53,88 +35,79 @@ type exportFile struct {
 	lastErr atomic.Pointer[error]
 }
 
-var (
-	_ = (fusefs.NodeGetattrer)((*exportFile)(nil))
-	_ = (fusefs.NodeSetattrer)((*exportFile)(nil))
-	_ = (fusefs.NodeOpener)((*exportFile)(nil))
-	_ = (fusefs.NodeReader)((*exportFile)(nil))
-	_ = (fusefs.NodeWriter)((*exportFile)(nil))
-	_ = (fusefs.NodeFsyncer)((*exportFile)(nil))
-	_ = (fusefs.NodeFlusher)((*exportFile)(nil))
-	_ = (fusefs.NodeAllocater)((*exportFile)(nil))
-)
+func (f *exportFile) attrTime() uint64     { return uint64(f.mtime.Unix()) }
+func (f *exportFile) attrTimeNsec() uint32 { return uint32(f.mtime.Nanosecond()) }
 
-func (f *exportFile) fillAttr(a *gofuse.Attr) {
+func (f *exportFile) attr() attr {
 	mode := uint32(0o600)
 	if f.readOnly {
 		mode = 0o400
 	}
 	size := f.size.Load()
-	a.Mode = unix.S_IFREG | mode
-	a.Nlink = 1
-	a.Size = size
-	a.Blocks = (size + 511) / 512
-	a.Blksize = 4096
-	a.SetTimes(nil, &f.mtime, &f.mtime)
+	return attr{
+		Ino:      fileNode,
+		Size:     size,
+		Blocks:   (size + 511) / 512,
+		Time:     f.attrTime(),
+		TimeNsec: f.attrTimeNsec(),
+		Mode:     unix.S_IFREG | mode,
+		Nlink:    1,
+		Blksize:  4096,
+	}
 }
 
-func (f *exportFile) Getattr(ctx context.Context, fh fusefs.FileHandle, out *gofuse.AttrOut) syscall.Errno {
-	f.fillAttr(&out.Attr)
-	return 0
-}
-
-// Setattr accepts everything but a size change: the export's size is the
+// setattr accepts everything but a size change: the export's size is the
 // server's to decide.
-func (f *exportFile) Setattr(ctx context.Context, fh fusefs.FileHandle, in *gofuse.SetAttrIn, out *gofuse.AttrOut) syscall.Errno {
-	if sz, ok := in.GetSize(); ok && sz != f.size.Load() {
+func (f *exportFile) setattr(hasSize bool, size uint64) syscall.Errno {
+	if hasSize && size != f.size.Load() {
 		return syscall.EPERM
 	}
-	f.fillAttr(&out.Attr)
 	return 0
 }
 
-func (f *exportFile) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
+func (f *exportFile) open(flags uint32) (uint32, syscall.Errno) {
 	if f.readOnly && flags&unix.O_ACCMODE != unix.O_RDONLY {
-		return nil, 0, syscall.EROFS
+		return 0, syscall.EROFS
 	}
-	return nil, f.openFlags, 0
+	return f.openFlags, 0
 }
 
-func (f *exportFile) Read(ctx context.Context, fh fusefs.FileHandle, dest []byte, off int64) (gofuse.ReadResult, syscall.Errno) {
-	size := int64(f.size.Load())
-	if off < 0 {
-		return nil, syscall.EINVAL
+// read fills dest from off on; it returns how much the file had.
+func (f *exportFile) read(dest []byte, off uint64) (int, syscall.Errno) {
+	size := f.size.Load()
+	if off > 1<<63-1 {
+		return 0, syscall.EINVAL
 	}
 	if off >= size {
-		return gofuse.ReadResultData(nil), 0
+		return 0, 0
 	}
-	n := min(int64(len(dest)), size-off)
-	if _, err := f.bio.ReadAt(dest[:n], off); err != nil {
-		return nil, f.errno("read", err)
+	n := min(uint64(len(dest)), size-off)
+	if _, err := f.bio.ReadAt(dest[:n], int64(off)); err != nil {
+		return 0, f.errno("read", err)
 	}
-	return gofuse.ReadResultData(dest[:n]), 0
+	return int(n), 0
 }
 
-func (f *exportFile) Write(ctx context.Context, fh fusefs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
+func (f *exportFile) write(data []byte, off uint64) (uint32, syscall.Errno) {
 	if f.readOnly {
 		return 0, syscall.EROFS
 	}
-	size := int64(f.size.Load())
-	if off < 0 {
+	size := f.size.Load()
+	if off > 1<<63-1 {
 		return 0, syscall.EINVAL
 	}
 	if off >= size {
 		return 0, syscall.ENOSPC
 	}
 	// A write running past the end is cut short at the end.
-	n := min(int64(len(data)), size-off)
-	if _, err := f.bio.WriteAt(data[:n], off); err != nil {
+	n := min(uint64(len(data)), size-off)
+	if _, err := f.bio.WriteAt(data[:n], int64(off)); err != nil {
 		return 0, f.errno("write", err)
 	}
 	return uint32(n), 0
 }
 
-func (f *exportFile) Fsync(ctx context.Context, fh fusefs.FileHandle, flags uint32) syscall.Errno {
+func (f *exportFile) fsync() syscall.Errno {
 	if f.readOnly {
 		return 0
 	}
@@ -144,18 +117,13 @@ func (f *exportFile) Fsync(ctx context.Context, fh fusefs.FileHandle, flags uint
 	return 0
 }
 
-// Flush is close(2); durability is fsync's business.
-func (f *exportFile) Flush(ctx context.Context, fh fusefs.FileHandle) syscall.Errno {
-	return 0
-}
-
-// Allocate maps fallocate(2) to the NBD commands. Both punching a hole and
+// allocate maps fallocate(2) to the NBD commands. Both punching a hole and
 // zeroing a range must read back as zeroes afterwards, which only
 // NBD_CMD_WRITE_ZEROES promises (the content of a trimmed range is
 // unspecified by the protocol): punch hole lets the server deallocate,
 // zero range (what the loop driver uses for REQ_NOUNMAP) does not. Plain
 // allocation inside the file is a no-op; the file cannot grow.
-func (f *exportFile) Allocate(ctx context.Context, fh fusefs.FileHandle, off, length uint64, mode uint32) syscall.Errno {
+func (f *exportFile) allocate(off, length uint64, mode uint32) syscall.Errno {
 	if f.readOnly {
 		return syscall.EROFS
 	}

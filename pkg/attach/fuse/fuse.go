@@ -1,7 +1,7 @@
 // Package fuse is the attach transport for nodes without an nbd driver:
-// the pipelined NBD client (over MPTCP) serves the export as a single
-// file in a FUSE file system, and a loop device on that file is the block
-// device.
+// the volume's NBD session (attach.Session: MPTCP, redial, replay) serves
+// the export as a single file in a FUSE file system, and a loop device on
+// that file is the block device.
 //
 // For volume V the file system is mounted at <StateDir>/V and holds one
 // regular file, <StateDir>/V/V, of the export's size. Reads and writes of
@@ -10,6 +10,21 @@
 // loop driver turns discards and write-zeroes requests into those). The
 // loop device accesses the file with direct I/O, so neither the loop
 // device's data nor the file's is cached twice.
+//
+// # The FUSE server
+//
+// The file system is served by a small FUSE protocol server of this
+// package (proto_linux.go, server_linux.go), mounted with mount(2). It
+// keeps no per-node or per-open state: the root is node 1, the file node
+// 2, file handles are 0. Whoever holds the /dev/fuse descriptor and the
+// parameters INIT negotiated can therefore answer every request, which is
+// what lets a volume move to another process. Several readers each take
+// one request per read(2) and answer it with one write before the next;
+// the descriptor is non-blocking and in the runtime's poller, so the
+// readers can be stopped at a request boundary with nothing taken and
+// unanswered. The kernel may keep up to Config.MaxBackground asynchronous
+// requests in flight (the loop driver's direct I/O), each of at most
+// Config.MaxWrite bytes.
 //
 // # One server process per volume
 //
@@ -22,12 +37,12 @@
 // in its PID namespace (PID 1, a subreaper) reaps it. The server dials the
 // export, mounts the file system, attaches the loop device and then
 // answers on a unix socket, <StateDir>/V.sock (mode 0600): status, health,
-// resize and detach. It holds the lock <StateDir>/V.lock for as long as it
-// lives and describes itself in <StateDir>/V.json. Detach asks it to
-// remove the loop device, unmount, disconnect (NBD_CMD_DISC) and exit,
-// and returns once it has. A server costs about 10 MiB of memory besides
-// the requests in flight (see DefaultMaxBackground), charged to the
-// plugin's cgroup.
+// resize, detach and handoff. It holds the lock <StateDir>/V.lock for as
+// long as it lives and describes itself in <StateDir>/V.json. Detach asks
+// it to remove the loop device, unmount, disconnect (NBD_CMD_DISC) and
+// exit, and returns once it has. A server costs about 10 MiB of memory
+// besides the requests in flight (see DefaultMaxBackground), charged to
+// the plugin's cgroup.
 //
 // An Attacher keeps no state that matters: a new one, in a new process,
 // finds the servers through the state directory and adopts them. Attach
@@ -37,6 +52,33 @@
 // files) is cleaned up by the next Attach or Detach of the volume; Attach
 // then starts a new server.
 //
+// # Handing a volume over
+//
+// The Attacher implements attach.HandingOver, so that a planned upgrade
+// replaces a volume's server process while the loop device, the file
+// system on it and the I/O to it go on. HandOff asks the server, on its
+// socket, to quiesce: its readers stop, every request they took is
+// answered, and the session is flushed, so that no acknowledged write
+// lives only in that process. It answers with the handoff's state (the
+// INIT parameters, the file's attributes, the NBD session's ID, the
+// device) and, over SCM_RIGHTS, two files: the /dev/fuse descriptor and
+// the volume's lock file, whose flock belongs to the open file and so passes to
+// the successor without a moment in which no process holds it. Meanwhile
+// the kernel queues the device's requests. TakeHandoff starts a successor
+// server process with both files (descriptors 4 and 5) and the state; it
+// dials the export on the predecessor's session (a later generation: from
+// its first request on the storage node fences the predecessor's
+// connection) but reads nothing from the kernel.
+// Release tells the predecessor to close its connection and exit without
+// unmounting or detaching anything; Start then tells the successor to
+// read /dev/fuse, listen on V.sock and write V.json. If the successor
+// fails before it is ready (or its Attacher calls Abort), Resume lets the
+// predecessor serve again; so does a predecessor that hears neither within
+// two minutes, or whose HandOff connection breaks. A volume served in
+// process (Config.InProcess) is handed off and taken the same way, minus
+// the server process: the handoff takes the volume's lock for the
+// successor, and an InProcess successor serves from its own process.
+//
 // This survives restarts of the plugin process, as long as the server
 // processes live on: I/O to the devices continues while no plugin runs.
 // It does not survive the death of a volume's server process: the FUSE
@@ -44,15 +86,17 @@
 // detached and attached again. Nor does it survive a restart of the
 // container the plugin runs in, when the runtime kills every process of
 // the container's cgroup (or the plugin is the PID 1 of a PID namespace,
-// whose exit kills the namespace): the servers go too. Where that
-// matters, use the relay transport on a kernel with nbd, whose devices a
-// fresh process re-adopts with nothing running in between. Config.InProcess
-// serves volumes from the attaching process instead, for tests and tools:
-// such volumes do not survive the process at all.
+// whose exit kills the namespace): the servers go too, unless they were
+// handed over to a process outside it first. Where that matters, use the
+// relay transport on a kernel with nbd, whose devices a fresh process
+// re-adopts with nothing running in between. Config.InProcess serves
+// volumes from the attaching process instead, for tests and tools: such
+// volumes do not survive the process at all.
 //
-// There is no redial either: once the connection breaks, I/O fails with
-// EIO and Health reports it (Reconnects stays 0); the dead-connection and
-// request timeouts of attach.Options do not apply.
+// While the storage node is unreachable the session redials and replays
+// what was unanswered (attach.Options.DeadConnTimeout can bound the
+// outage, after which I/O fails with EIO); Health reports the outage and
+// the reconnects.
 package fuse
 
 import (
@@ -101,9 +145,9 @@ type Config struct {
 	InProcess bool
 	// ServeCommand starts a volume's server process: the program and its
 	// arguments. It runs with ServeEnv=1 added to the environment, the
-	// attach request on standard input and two more descriptors (3 and 4)
-	// that ServeMain uses, and must end in a call of ServeMain, like a
-	// main that starts with
+	// attach request on standard input and two more descriptors (3 and 4;
+	// a successor taking a handoff a third, 5) that ServeMain uses, and
+	// must end in a call of ServeMain, like a main that starts with
 	//
 	//	if fuse.ServeRequested() {
 	//		os.Exit(fuse.ServeMain())

@@ -21,6 +21,9 @@ func TestMain(m *testing.M) {
 	if spec := os.Getenv(attachHelperEnv); spec != "" {
 		os.Exit(attachHelper(spec))
 	}
+	if dir := os.Getenv(handoffHelperEnv); dir != "" {
+		os.Exit(handoffHelper(dir))
+	}
 	// Under the race detector every process sleeps a second before it
 	// exits, which each detach would wait for.
 	if os.Getenv("GORACE") == "" {

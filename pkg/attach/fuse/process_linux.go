@@ -9,12 +9,10 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -79,6 +77,9 @@ type serveSpec struct {
 	BufferedLoop   bool           `json:"buffered_loop,omitempty"`
 	CachedFile     bool           `json:"cached_file,omitempty"`
 	SyncDIO        bool           `json:"sync_dio,omitempty"`
+	// Handoff makes the process a predecessor's successor: it serves the
+	// connection it is given (descriptor 5) once told to start.
+	Handoff *successorSpec `json:"handoff,omitempty"`
 }
 
 // readyMsg is what a server process writes on descriptor 3 once it is
@@ -352,141 +353,6 @@ func (a *Attacher) scrub(id string, log *slog.Logger) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-// spawn starts the volume's server process, handing it the volume's lock
-// lf, and waits until it serves the volume.
-func (a *Attacher) spawn(ctx context.Context, t attach.Target, o attach.Options, lf *os.File, log *slog.Logger) (*attach.Attachment, error) {
-	id := t.VolumeID
-	argv := a.cfg.ServeCommand
-	if len(argv) == 0 {
-		exe, err := os.Executable()
-		if err != nil {
-			a.dropLock(id, lf)
-			return nil, fmt.Errorf("fuse: the server command: %w", err)
-		}
-		argv = []string{exe, ServeArg}
-	}
-	deadline := time.Now().Add(startTimeout)
-	if d, ok := ctx.Deadline(); ok {
-		deadline = d
-	}
-	spec, err := json.Marshal(serveSpec{
-		Target:         t,
-		Options:        o,
-		StateDir:       a.stateDir(),
-		MaxWrite:       a.cfg.MaxWrite,
-		MaxBackground:  a.cfg.MaxBackground,
-		UnmountTimeout: a.cfg.UnmountTimeout,
-		Deadline:       deadline,
-		BufferedLoop:   a.cfg.bufferedLoop,
-		CachedFile:     a.cfg.cachedFile,
-		SyncDIO:        a.cfg.syncDIO,
-	})
-	if err != nil {
-		a.dropLock(id, lf)
-		return nil, err
-	}
-	specR, specW, err := os.Pipe()
-	if err != nil {
-		a.dropLock(id, lf)
-		return nil, err
-	}
-	readyR, readyW, err := os.Pipe()
-	if err != nil {
-		specR.Close()
-		specW.Close()
-		a.dropLock(id, lf)
-		return nil, err
-	}
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), ServeEnv+"=1")
-	cmd.Dir = "/"
-	cmd.Stdin = specR
-	// Logs go where ours go, straight to the file: nothing of this
-	// process sits in between.
-	cmd.Stderr = os.Stderr
-	cmd.ExtraFiles = []*os.File{readyW, lf}
-	// A session of its own: the process outlives ours and does not get
-	// the signals of our process group or terminal.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	err = cmd.Start()
-	specR.Close()
-	readyW.Close()
-	if err != nil {
-		specW.Close()
-		readyR.Close()
-		a.dropLock(id, lf)
-		return nil, fmt.Errorf("fuse: start the server process of volume %s: %w", id, err)
-	}
-	lf.Close() // the server holds the lock now
-	exited := make(chan struct{})
-	go func() {
-		cmd.Wait()
-		close(exited)
-	}()
-	// os.Process signals through a pidfd: this cannot hit another
-	// process, even after ours is gone.
-	kill := func() { cmd.Process.Kill() }
-	p := &serverProc{id: id, sock: a.sockPath(id), pid: cmd.Process.Pid, exited: exited}
-	log = log.With("pid", p.pid)
-	// A server that dies unread makes the write fail rather than block.
-	_, werr := specW.Write(spec)
-	specW.Close()
-	if werr != nil {
-		log.Debug("fuse: writing the server's spec", "err", werr)
-	}
-
-	type result struct {
-		msg readyMsg
-		err error
-	}
-	rc := make(chan result, 1)
-	go func() {
-		var r result
-		r.err = json.NewDecoder(readyR).Decode(&r.msg)
-		readyR.Close()
-		rc <- r
-	}()
-	// fail waits for the process to exit, killing it if it does not, and
-	// cleans up after it.
-	fail := func(err func() error) (*attach.Attachment, error) {
-		select {
-		case <-exited:
-		case <-time.After(exitTimeout):
-			kill()
-			<-exited
-		}
-		a.scrub(id, log)
-		return nil, err()
-	}
-	var r result
-	select {
-	case r = <-rc:
-	case <-ctx.Done():
-		kill()
-		return fail(func() error { return fmt.Errorf("fuse: attach volume %s: %w", id, ctx.Err()) })
-	}
-	if r.err != nil {
-		return fail(func() error {
-			return fmt.Errorf("fuse: the server process of volume %s ended before it was ready (%v)", id, cmd.ProcessState)
-		})
-	}
-	if r.msg.Error != nil {
-		return fail(r.msg.Error.err)
-	}
-	p.start = r.msg.StartTime
-	// Ready is what the server says on its socket.
-	if err := p.refresh(ctx); err != nil {
-		kill()
-		return fail(func() error {
-			return fmt.Errorf("fuse: the server process of volume %s does not answer on %s: %w", id, p.sock, err)
-		})
-	}
-	a.setServer(id, p)
-	log.Info("fuse: attached through a server process", "device", p.att.Device, "size", p.att.Size, "mptcp", p.att.MPTCP)
-	att := p.att
-	return &att, nil
 }
 
 // detachServer detaches a volume this Attacher does not serve itself:

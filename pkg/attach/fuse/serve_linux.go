@@ -44,23 +44,29 @@ func ServeMain() int {
 	if err != nil {
 		log.Warn("fuse: own start time", "err", err)
 	}
+	// report tells the attaching process how far we got; a successor
+	// reports twice (ready, serving), the others once.
 	report := func(m readyMsg) {
 		m.Pid, m.StartTime = pid, start
 		if err := json.NewEncoder(ready).Encode(m); err != nil {
 			log.Warn("fuse: reporting to the attaching process", "err", err)
 		}
-		ready.Close()
 	}
+	defer ready.Close()
 
 	var sp serveSpec
-	if err := json.NewDecoder(os.Stdin).Decode(&sp); err != nil {
+	dec := json.NewDecoder(os.Stdin)
+	if err := dec.Decode(&sp); err != nil {
 		err = fmt.Errorf("%w: fuse: reading the attach request: %v", attach.ErrInvalid, err)
 		log.Error("fuse: server", "err", err)
 		report(readyMsg{Error: encodeError(err)})
 		return 2
 	}
-	os.Stdin.Close()
 	log = log.With("volume", sp.Target.VolumeID)
+	if sp.Handoff != nil {
+		return serveSuccessor(sp, dec, report, ready, lockf, pid, start, log)
+	}
+	os.Stdin.Close()
 
 	s, err := startServer(sp, lockf, pid, start, log)
 	if err != nil {
@@ -70,6 +76,7 @@ func ServeMain() int {
 	}
 	att := s.attachment()
 	report(readyMsg{Attachment: &att})
+	ready.Close()
 	return s.run()
 }
 
@@ -96,6 +103,7 @@ type volumeServer struct {
 	pid   int
 	start uint64
 	ln    *net.UnixListener
+	opts  attach.Options
 
 	mu       sync.Mutex // serializes resize and detach
 	attMu    sync.Mutex // guards v.att, which resize changes
@@ -116,26 +124,8 @@ func startServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.
 	if sp.Deadline.IsZero() {
 		sp.Deadline = time.Now().Add(startTimeout)
 	}
-	cfg := Config{
-		StateDir:       sp.StateDir,
-		Logger:         log,
-		MaxWrite:       sp.MaxWrite,
-		MaxBackground:  sp.MaxBackground,
-		UnmountTimeout: sp.UnmountTimeout,
-		bufferedLoop:   sp.BufferedLoop,
-		cachedFile:     sp.CachedFile,
-		syncDIO:        sp.SyncDIO,
-	}.withDefaults()
-	s := &volumeServer{
-		cfg:   cfg,
-		log:   log,
-		lock:  lockf,
-		sock:  sockPathIn(sp.StateDir, t.VolumeID),
-		state: statePathIn(sp.StateDir, t.VolumeID),
-		pid:   pid,
-		start: start,
-		exit:  make(chan struct{}),
-	}
+	s := newVolumeServer(sp, lockf, pid, start, log)
+	cfg := s.cfg
 	st := serverState{VolumeID: t.VolumeID, Pid: pid, StartTime: start, Socket: s.sock, StartDeadline: sp.Deadline}
 	if err := writeState(s.state, st); err != nil {
 		return nil, fmt.Errorf("fuse: state file: %w", err)
@@ -156,19 +146,52 @@ func startServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.
 		os.Remove(s.state)
 		return nil, err
 	}
-	ln, err := listenControl(s.sock)
-	if err != nil {
-		return fail(fmt.Errorf("fuse: control socket: %w", err))
-	}
-	s.ln = ln
-	st.Ready, st.Device, st.StartDeadline = true, v.att.Device, time.Time{}
-	if err := writeState(s.state, st); err != nil {
-		ln.Close()
-		os.Remove(s.sock)
-		return fail(fmt.Errorf("fuse: state file: %w", err))
+	if err := s.publish(); err != nil {
+		return fail(err)
 	}
 	log.Info("fuse: serving", "socket", s.sock)
 	return s, nil
+}
+
+func newVolumeServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.Logger) *volumeServer {
+	cfg := Config{
+		StateDir:       sp.StateDir,
+		Logger:         log,
+		MaxWrite:       sp.MaxWrite,
+		MaxBackground:  sp.MaxBackground,
+		UnmountTimeout: sp.UnmountTimeout,
+		bufferedLoop:   sp.BufferedLoop,
+		cachedFile:     sp.CachedFile,
+		syncDIO:        sp.SyncDIO,
+	}.withDefaults()
+	return &volumeServer{
+		cfg:   cfg,
+		log:   log,
+		lock:  lockf,
+		sock:  sockPathIn(sp.StateDir, sp.Target.VolumeID),
+		state: statePathIn(sp.StateDir, sp.Target.VolumeID),
+		pid:   pid,
+		start: start,
+		opts:  sp.Options,
+		exit:  make(chan struct{}),
+	}
+}
+
+// publish listens on the control socket and says so in the state file:
+// from then on Attachers find the server.
+func (s *volumeServer) publish() error {
+	ln, err := listenControl(s.sock)
+	if err != nil {
+		return fmt.Errorf("fuse: control socket: %w", err)
+	}
+	st := serverState{VolumeID: s.v.target.VolumeID, Pid: s.pid, StartTime: s.start, Socket: s.sock, Ready: true, Device: s.v.att.Device}
+	if err := writeState(s.state, st); err != nil {
+		ln.Close()
+		os.Remove(s.sock)
+		return fmt.Errorf("fuse: state file: %w", err)
+	}
+	s.ln = ln
+	return nil
 }
 
 func (s *volumeServer) attachment() attach.Attachment {
@@ -222,8 +245,13 @@ func (s *volumeServer) handle(c net.Conn) {
 	}
 	c.SetReadDeadline(time.Now().Add(ctlTimeout))
 	var req ctlRequest
-	if err := json.NewDecoder(c).Decode(&req); err != nil {
+	dec := json.NewDecoder(c)
+	if err := dec.Decode(&req); err != nil {
 		s.log.Debug("fuse: control request", "err", err)
+		return
+	}
+	if req.Op == opHandoff {
+		s.handoff(c.(*net.UnixConn), dec)
 		return
 	}
 	resp := s.do(req)
