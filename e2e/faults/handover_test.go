@@ -25,7 +25,9 @@ type datapathProc struct {
 func startDatapath(t *testing.T, bin, state, name string) *datapathProc {
 	t.Helper()
 	p := &datapathProc{ready: filepath.Join(t.TempDir(), name+".ready"), done: make(chan struct{})}
-	p.cmd = exec.Command(filepath.Join(bin, "node"), "--node-id=n1", "--serve-datapath="+filepath.Join(state, "datapath.sock"),
+	// Each in a mount namespace of its own, as each datapath container
+	// has: the FUSE mount of one is not seen by the next.
+	p.cmd = exec.Command("unshare", "--mount", "--propagation=private", filepath.Join(bin, "node"), "--node-id=n1", "--serve-datapath="+filepath.Join(state, "datapath.sock"),
 		"--state-dir="+state, "--transports=fuse", "--ready-file="+p.ready)
 	p.cmd.Stdout, p.cmd.Stderr = os.Stderr, os.Stderr
 	if err := p.cmd.Start(); err != nil {
@@ -89,7 +91,8 @@ func waitExit(t *testing.T, pid int, what string) {
 // TestFuseDatapathHandover: the planned upgrade of the datapath component
 // with a fuse volume, with the real commands. `node --serve-datapath`
 // serves the volume (through a FUSE server process of its own) while fio
-// writes and verifies on the loop device; a second datapath starts beside
+// writes and verifies on the loop device; a second datapath (in another
+// mount namespace, as another container is) starts beside
 // it and takes the volume over (the FUSE connection's /dev/fuse and the
 // volume's lock over SCM_RIGHTS, to a new FUSE server process); the first
 // datapath is SIGKILLed, as a pod deletion after the surge would; a third
@@ -98,7 +101,7 @@ func waitExit(t *testing.T, pid int, what string) {
 // and the last datapath must report the volume connected and detach it,
 // leaving no mount and no loop device.
 func TestFuseDatapathHandover(t *testing.T) {
-	need(t, "fio")
+	need(t, "fio", "unshare")
 	s := newServer(t, "ours", 256<<20)
 	bin, err := buildOnce()
 	if err != nil {
@@ -157,9 +160,10 @@ func TestFuseDatapathHandover(t *testing.T) {
 	if strings.Contains(string(mounts), filepath.Join(state, "fuse")) {
 		t.Fatalf("a mount under the state directory is left after the detach")
 	}
-	loops, _ := exec.Command("losetup", "-a").CombinedOutput()
-	if strings.Contains(string(loops), state) {
-		t.Fatalf("a loop device is left after the detach: %s", loops)
+	// The loop device was set up in the first datapath's mount namespace:
+	// the last one must still find and release it.
+	if bf, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(att.Device), "loop", "backing_file")); err == nil {
+		t.Fatalf("%s is still bound (to %s) after the detach", att.Device, strings.TrimSpace(string(bf)))
 	}
 	t.Logf("fio wrote and verified 192 MiB across two datapath handovers with no error")
 }

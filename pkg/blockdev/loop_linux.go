@@ -315,6 +315,38 @@ func FindLoopByBackingFile(path string) ([]string, error) {
 	return out, nil
 }
 
+// FindLoopByBackingInode returns the loop devices whose backing file is
+// inode ino of the file system on device dev. It finds a loop device
+// whose backing file lies on a mount this mount namespace cannot see
+// (the kernel then reports its path relative to that mount alone).
+func FindLoopByBackingInode(dev, ino uint64) ([]string, error) {
+	ents, err := os.ReadDir("/sys/block")
+	if err != nil {
+		return nil, fmt.Errorf("blockdev: %w", err)
+	}
+	var out []string
+	for _, e := range ents {
+		name := e.Name()
+		if !strings.HasPrefix(name, "loop") {
+			continue
+		}
+		if _, err := readBackingFile(filepath.Join("/sys/block", name)); err != nil {
+			continue // not bound
+		}
+		f, err := os.OpenFile("/dev/"+name, os.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+		f.Close()
+		if err == nil && info.Device == dev && info.Inode == ino {
+			out = append(out, "/dev/"+name)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return loopNum(out[i]) < loopNum(out[j]) })
+	return out, nil
+}
+
 func loopNum(dev string) int {
 	n, _ := strconv.Atoi(strings.TrimPrefix(dev, "/dev/loop"))
 	return n

@@ -22,6 +22,9 @@ func DetachLoop(dev string) error { return unsupported() }
 // FindLoopByBackingFile is only implemented on Linux.
 func FindLoopByBackingFile(path string) ([]string, error) { return nil, unsupported() }
 
+// FindLoopByBackingInode is only implemented on Linux.
+func FindLoopByBackingInode(dev, ino uint64) ([]string, error) { return nil, unsupported() }
+
 // StatLoop is only implemented on Linux.
 func StatLoop(dev string) (LoopStatus, error) { return LoopStatus{}, unsupported() }
 

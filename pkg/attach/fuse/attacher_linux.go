@@ -383,7 +383,7 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 	if v.server != nil {
 		// Every loop device on our file, not just v.dev: after an
 		// autoclear the number may already belong to someone else.
-		if err := retryBusy(timeout, func() error { return detachLoops(v.file) }); err != nil {
+		if err := retryBusy(timeout, func() error { return detachLoops(v.file, v.conn) }); err != nil {
 			return err
 		}
 		v.dev = ""
@@ -410,10 +410,25 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 	return nil
 }
 
-func detachLoops(file string) error {
+// detachLoops detaches every loop device on the volume's file: found by
+// its path, and, where the FUSE connection conn is known, by the file's
+// device and inode (a server that took the volume over from another
+// mount namespace does not see the mount the loop device was set up on).
+func detachLoops(file, conn string) error {
 	devs, err := blockdev.FindLoopByBackingFile(file)
 	if err != nil {
 		return err
+	}
+	if minor, perr := strconv.ParseUint(conn, 10, 32); conn != "" && perr == nil {
+		more, err := blockdev.FindLoopByBackingInode(unix.Mkdev(0, uint32(minor)), fileNode)
+		if err != nil {
+			return err
+		}
+		for _, d := range more {
+			if !slices.Contains(devs, d) {
+				devs = append(devs, d)
+			}
+		}
 	}
 	for _, d := range devs {
 		if err := blockdev.DetachLoop(d); err != nil {
@@ -518,7 +533,7 @@ func abortConn(conn string) error {
 // an Attacher that knows it: loop devices on its file, the mount (whose
 // server may be dead) and the mount point.
 func cleanup(dir, file string, log *slog.Logger) error {
-	if err := detachLoops(file); err != nil {
+	if err := detachLoops(file, ""); err != nil {
 		return err
 	}
 	m, err := isMountPoint(dir)
