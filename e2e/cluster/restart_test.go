@@ -65,11 +65,13 @@ echo rounds=$n`, int(d.Seconds()))
 
 // restartScenario: a pod runs fio --verify=crc32c on a volume while the
 // node plugin's DaemonSet is restarted (kubectl rollout restart), then its
-// pod deleted, then the storage agent's pod deleted: no round sees an I/O
-// error or a verify failure, and the new plugin reports the volume
-// healthy. The volumes' data path lives in the datapath DaemonSet, which
-// none of this restarts; the storage agent's restart is ridden out by the
-// volume's NBD session (redial, replay, kept writes).
+// pod deleted, then the datapath DaemonSet restarted, then the storage
+// agent's pod deleted: no round sees an I/O error or a verify failure, and
+// the plugin reports the volume healthy. The volumes' data path lives in
+// the datapath DaemonSet, which the plugin's restarts do not touch; its
+// own restart is a surge in which the new pod takes the volume over from
+// the old one (a handover); the storage agent's restart is ridden out by
+// the volume's NBD session (redial, replay, kept writes).
 func (s *suite) restartScenario() {
 	t := s.t
 	s.apply(pvc("restart", "mpnbd-block", "256Mi", true))
@@ -85,6 +87,34 @@ func (s *suite) restartScenario() {
 		s.kubectl("rollout", "status", "daemonset/mpnbd-node", "-n", namespace, "--timeout=3m")
 	})
 	s.step("restart: the new node plugin reports the volume healthy", func() {
+		s.waitFor("a healthy volume", 2*time.Minute, func() string {
+			h, err := s.nodeVolumeHealth(id)
+			if err != nil {
+				return err.Error()
+			}
+			if len(h.GetHealthStatuses()) != 0 {
+				return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
+			}
+			return ""
+		})
+	})
+	s.step("restart: rollout restart of the datapath mid-fio (a handover)", func() {
+		old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=datapath")
+		s.kubectl("rollout", "restart", "daemonset/mpnbd-datapath", "-n", namespace)
+		s.kubectl("rollout", "status", "daemonset/mpnbd-datapath", "-n", namespace, "--timeout=4m")
+		s.waitFor("the old datapath pod to go", 2*time.Minute, func() string {
+			names := s.jsonpath("{.items[*].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=datapath")
+			if strings.Contains(names, old) {
+				return "datapath pods " + names
+			}
+			return ""
+		})
+		logs := s.kubectl("logs", "-n", namespace, "-l", "app.kubernetes.io/component=datapath", "--tail=-1")
+		if !takenOver(logs, id) {
+			t.Fatalf("the new datapath did not take the volume over from %s:\n%s", old, logs)
+		}
+	})
+	s.step("restart: the node plugin reports the volume healthy after the handover", func() {
 		s.waitFor("a healthy volume", 2*time.Minute, func() string {
 			h, err := s.nodeVolumeHealth(id)
 			if err != nil {
@@ -129,8 +159,19 @@ func (s *suite) restartScenario() {
 		if field(out, "rounds") == "" {
 			t.Fatalf("fio pod output %q", out)
 		}
-		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion and a storage agent pod deletion: %s verified rounds, 0 errors", field(out, "rounds"))
+		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion, a datapath rollout restart (handover) and a storage agent pod deletion: %s verified rounds, 0 errors", field(out, "rounds"))
 		s.kubectl("delete", "pod", "restart-fio", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "restart", "--wait=true", "--timeout=120s")
 	})
+}
+
+// takenOver reports whether a datapath's log says it took volume id
+// over from a predecessor.
+func takenOver(logs, id string) bool {
+	for _, l := range strings.Split(logs, "\n") {
+		if strings.Contains(l, "volume taken from a predecessor") && strings.Contains(l, "volume_id="+id) {
+			return true
+		}
+	}
+	return false
 }
