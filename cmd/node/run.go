@@ -55,6 +55,7 @@ type options struct {
 	datapathSocket string
 	serveDatapath  string
 	readyFile      string
+	generation     int64
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -108,6 +109,18 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
 	fs.StringVar(&o.datapathSocket, "datapath-socket", "", "drive the volumes' data path in the datapath component listening on this unix socket (its own container, which a restart of this one does not touch); empty: run it in this process")
 	fs.StringVar(&o.serveDatapath, "serve-datapath", "", "run as the datapath component: attach and serve the volumes' data path for a node plugin on this unix socket (no CSI endpoint)")
+	fs.Func("generation", "with --serve-datapath: this datapath's generation (its pod template's); it takes volumes over only from an older or unknown one, and hands them only to a newer or unknown one (empty or 0: unknown)", func(v string) error {
+		if v == "" {
+			o.generation = 0
+			return nil
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 0 {
+			return fmt.Errorf("want a generation number, not %q", v)
+		}
+		o.generation = n
+		return nil
+	})
 	fs.StringVar(&o.readyFile, "ready-file", "", "with --serve-datapath: create this file once the volumes of a running datapath were taken over and this one serves (a readiness probe's signal that the old one may go)")
 	return fs
 }
@@ -192,7 +205,16 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 			// A datapath still running (a planned upgrade: the new one
 			// starts beside it) hands its volumes over first; adoption
 			// then takes what is left, as after a crash.
-			if taken, err := datapath.TakeOver(ctx, o.serveDatapath, m, log); err != nil {
+			taken, err := datapath.TakeOverGeneration(ctx, o.serveDatapath, o.generation, m, log)
+			if errors.Is(err, datapath.ErrSuperseded) {
+				// An old pod's container restarted after its volumes went
+				// to a newer datapath: it must not take them back, nor
+				// adopt them; it idles until its pod is deleted.
+				log.Warn("a datapath of a later generation serves this node's volumes: idling", "generation", o.generation)
+				<-ctx.Done()
+				return nil
+			}
+			if err != nil {
 				log.Error("taking the volumes over from the running datapath", "error", err, "taken", len(taken))
 			}
 		}
@@ -204,7 +226,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 				}
 			}
 			log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
-			return datapath.Serve(ctx, o.serveDatapath, m, log)
+			return datapath.ServeGeneration(ctx, o.serveDatapath, m, log, o.generation)
 		}
 		mgr = m
 	}

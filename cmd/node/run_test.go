@@ -53,10 +53,21 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--node-id", "n", "--topology", "zone"}, "zone"},
 		{[]string{"--node-id", "n", "--endpoint", "csi.sock"}, "--endpoint"},
 		{[]string{"--node-id", "n", "--datapath-socket", "a", "--serve-datapath", "b"}, "--serve-datapath"},
+		{[]string{"--node-id", "n", "--generation", "seven"}, "seven"},
 	} {
 		t.Setenv("NODE_NAME", "")
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("parseArgs(%q) = %v, want an error naming %s", c.args, err, c.want)
+		}
+	}
+}
+
+// A pod without the generation label gets an empty value: unknown.
+func TestParseGeneration(t *testing.T) {
+	for arg, want := range map[string]int64{"--generation=": 0, "--generation=12": 12} {
+		o, err := parseArgs([]string{"--node-id", "n", arg})
+		if err != nil || o.generation != want {
+			t.Errorf("parseArgs(%s): generation %v, %v; want %d", arg, o, err, want)
 		}
 	}
 }

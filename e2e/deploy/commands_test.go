@@ -41,6 +41,7 @@ var fieldSamples = map[string]string{
 	"status.hostIP":      "192.0.2.10",
 	"status.hostIPs":     "192.0.2.10,2001:db8::10",
 	"status.podIP":       "192.0.2.10",
+	"metadata.labels['pod-template-generation']": "3",
 }
 
 // containers lists the containers of every workload in objs.

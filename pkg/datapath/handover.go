@@ -65,7 +65,16 @@ type handoverMsg struct {
 	Ready    *bool           `json:"ready,omitempty"`    // the successor took the handoff
 	Released bool            `json:"released,omitempty"` // the predecessor let it go
 	Done     bool            `json:"done,omitempty"`     // no more volumes
+	// Generation is the successor's, in its request; Superseded the
+	// answer to a successor older than the predecessor.
+	Generation int64 `json:"generation,omitempty"`
+	Superseded bool  `json:"superseded,omitempty"`
 }
+
+// ErrSuperseded: the running datapath is of a later generation than the
+// one asking to take over: the asking one is the stale one, and must not
+// serve.
+var ErrSuperseded = errors.New("datapath: a datapath of a later generation serves the volumes")
 
 func writeMsg(c *net.UnixConn, m handoverMsg, files []*os.File) error {
 	m.Files = len(files)
@@ -163,7 +172,7 @@ func parseRights(oob []byte) ([]*os.File, error) {
 
 // handOver serves one successor on c: every volume of h, in turn.
 // retire and unretire gate the service socket's calls.
-func handOver(ctx context.Context, c *net.UnixConn, h Handing, retire func(), unretire func(), log *slog.Logger) {
+func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire func(), unretire func(), log *slog.Logger) {
 	defer c.Close()
 	if err := checkRoot(c); err != nil {
 		log.Warn("handover refused", "error", err)
@@ -175,6 +184,11 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, retire func(), un
 	}
 	if err != nil || m.Op != "handover" {
 		log.Warn("handover: bad request", "error", err, "op", m.Op)
+		return
+	}
+	if gen > 0 && m.Generation > 0 && m.Generation < gen {
+		log.Warn("a datapath of an older generation asks for the volumes: refused", "generation", gen, "asking", m.Generation)
+		writeMsg(c, handoverMsg{Superseded: true}, nil)
 		return
 	}
 	retire()
@@ -257,6 +271,12 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 // volumes, and starts serving each on h. No predecessor is no error. It
 // returns the volumes taken.
 func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]string, error) {
+	return TakeOverGeneration(ctx, path, 0, h, log)
+}
+
+// TakeOverGeneration is TakeOver for a datapath of generation gen (see
+// ServeGeneration); ErrSuperseded says the running one is newer.
+func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, log *slog.Logger) ([]string, error) {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -270,7 +290,7 @@ func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]
 	}
 	c := nc.(*net.UnixConn)
 	defer c.Close()
-	if err := writeMsg(c, handoverMsg{Op: "handover"}, nil); err != nil {
+	if err := writeMsg(c, handoverMsg{Op: "handover", Generation: gen}, nil); err != nil {
 		return nil, fmt.Errorf("datapath: handover request: %w", err)
 	}
 	log.Info("taking the volumes over from the running datapath")
@@ -281,6 +301,8 @@ func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]
 			return taken, fmt.Errorf("datapath: handover: %w", err)
 		}
 		switch {
+		case m.Superseded:
+			return nil, ErrSuperseded
 		case m.Done:
 			log.Info("handover complete", "taken", len(taken))
 			return taken, nil

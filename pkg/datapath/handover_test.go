@@ -106,10 +106,15 @@ func (h *handing) log() (resumed, released []string) {
 
 func servePredecessor(t *testing.T, h *handing) string {
 	t.Helper()
+	return servePredecessorGen(t, h, 0)
+}
+
+func servePredecessorGen(t *testing.T, h *handing, gen int64) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "datapath.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, path, h, quiet()) }()
+	go func() { done <- ServeGeneration(ctx, path, h, quiet(), gen) }()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -249,5 +254,28 @@ func TestTakeOverWithoutPredecessor(t *testing.T) {
 	taken, err := TakeOver(t.Context(), filepath.Join(t.TempDir(), "none.sock"), newHanding(t), quiet())
 	if err != nil || taken != nil {
 		t.Fatalf("%v, %v", taken, err)
+	}
+}
+
+// A datapath of an older generation (an old pod's container restarted
+// after its volumes went on) asks the newer one for them: refused, and
+// the newer one serves on.
+func TestHandoverRefusesAnOlderGeneration(t *testing.T) {
+	pred := newHanding(t, "v1")
+	path := servePredecessorGen(t, pred, 5)
+	taken, err := TakeOverGeneration(t.Context(), path, 4, newHanding(t), quiet())
+	if !errors.Is(err, ErrSuperseded) || len(taken) != 0 {
+		t.Fatalf("an older datapath's takeover: %v, %v; want ErrSuperseded", taken, err)
+	}
+	if resumed, released := pred.log(); len(resumed)+len(released) != 0 {
+		t.Fatalf("the newer datapath touched its volume: resumed %v, released %v", resumed, released)
+	}
+	if _, _, err := (&Client{Path: path}).Health("v1"); err != nil {
+		t.Fatalf("the newer datapath stopped serving calls: %v", err)
+	}
+	// A later generation takes the volume.
+	succ := newHanding(t)
+	if taken, err := TakeOverGeneration(t.Context(), path, 6, succ, quiet()); err != nil || len(taken) != 1 {
+		t.Fatalf("a newer datapath's takeover: %v, %v", taken, err)
 	}
 }

@@ -128,6 +128,15 @@ func (s *rpcService) Available(_ None, r *AvailableReply) error {
 // readable by root only) until ctx ends. Calls run with ctx: a call in
 // flight when it ends is cancelled.
 func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) error {
+	return ServeGeneration(ctx, path, svc, log, 0)
+}
+
+// ServeGeneration is Serve for a datapath of generation gen (its pod
+// template's, counting up with every change; 0 is unknown): it hands its
+// volumes over to a successor of a later (or unknown) generation only,
+// so that a datapath of an old pod, restarted after it handed its
+// volumes on, cannot take them back.
+func ServeGeneration(ctx context.Context, path string, svc Service, log *slog.Logger, gen int64) error {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -169,7 +178,7 @@ func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) erro
 					return
 				}
 				// One successor at a time: the volumes go to the first.
-				handOver(ctx, c.(*net.UnixConn), h, rs.gate.retire, rs.gate.unretire, log)
+				handOver(ctx, c.(*net.UnixConn), h, gen, rs.gate.retire, rs.gate.unretire, log)
 			}
 		}()
 	}
