@@ -156,15 +156,22 @@ func TestHelperAttachProcess(t *testing.T) {
 			t.Fatalf("take over: %v", err)
 		}
 		fmt.Printf("TAKEN %d\n", len(taken))
-		if att, err = m.Attach(context.Background(), cs.Mode, cs.Target, attach.Options{}); err != nil {
-			t.Fatal(err)
+		for _, a := range taken {
+			if a.VolumeID == cs.Target.VolumeID {
+				att = a
+			}
+		}
+		if att == nil {
+			if att, err = m.Attach(context.Background(), cs.Mode, cs.Target, attach.Options{}); err != nil {
+				t.Fatal(err)
+			}
 		}
 		go func() {
 			if err := datapath.Serve(context.Background(), cs.Datapath, m, testLogger(t)); err != nil {
 				t.Errorf("serve: %v", err)
 			}
 		}()
-		waitDial(t, datapath.HandoverPath(cs.Datapath))
+		waitDial(t, cs.Datapath)
 	} else if cs.Adopt {
 		atts, err := a.Adopt(context.Background())
 		if err != nil || len(atts) != 1 {
@@ -210,6 +217,10 @@ func startChildTaken(t *testing.T, cs childSpec) (*exec.Cmd, string, int) {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
 			line := sc.Text()
+			if strings.Contains(line, "_test.go:") || strings.HasPrefix(line, "---") || strings.HasPrefix(line, "panic") {
+				// What the child's test says (a Fatal on the way) shows here.
+				fmt.Println("    child:", line)
+			}
 			fmt.Sscanf(line, "TAKEN %d", &taken)
 			if d, ok := strings.CutPrefix(line, "ATTACHED "); ok {
 				ch <- said{d, taken}

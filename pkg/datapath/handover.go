@@ -270,13 +270,13 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 // TakeOver asks a predecessor serving the service socket at path for its
 // volumes, and starts serving each on h. No predecessor is no error. It
 // returns the volumes taken.
-func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]string, error) {
+func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]*attach.Attachment, error) {
 	return TakeOverGeneration(ctx, path, 0, h, log)
 }
 
 // TakeOverGeneration is TakeOver for a datapath of generation gen (see
 // ServeGeneration); ErrSuperseded says the running one is newer.
-func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, log *slog.Logger) ([]string, error) {
+func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, log *slog.Logger) ([]*attach.Attachment, error) {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -294,7 +294,7 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 		return nil, fmt.Errorf("datapath: handover request: %w", err)
 	}
 	log.Info("taking the volumes over from the running datapath")
-	var taken []string
+	var taken []*attach.Attachment
 	for {
 		m, files, err := readMsg(c, quiesceTimeout+stepTimeout)
 		if err != nil {
@@ -317,7 +317,8 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 		}
 		ho := m.Handoff
 		ho.Files = files
-		if _, err := h.TakeHandoff(ctx, ho); err != nil {
+		att, err := h.TakeHandoff(ctx, ho)
+		if err != nil {
 			log.Error("cannot take a volume over; the predecessor serves it on", "volume_id", ho.VolumeID, "error", err)
 			no := false
 			if werr := writeMsg(c, handoverMsg{Ready: &no, Error: err.Error()}, nil); werr != nil {
@@ -343,7 +344,7 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 		if err := ho.Start(); err != nil {
 			log.Error("a volume taken over did not start; it is taken over again by the next attach", "volume_id", ho.VolumeID, "error", err)
 		} else {
-			taken = append(taken, ho.VolumeID)
+			taken = append(taken, att)
 		}
 		if rerr != nil {
 			return taken, fmt.Errorf("datapath: handover: the predecessor went away: %w", rerr)

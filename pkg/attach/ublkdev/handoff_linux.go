@@ -3,6 +3,7 @@ package ublkdev
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -78,14 +79,46 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 		f.Close()
 	}
 	h.Start = func() error {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
-		defer cancel()
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 		a.mu.Lock()
-		defer a.mu.Unlock()
-		_, err := a.takeOverFrom(ctx, r, true)
-		return err
+		_, err := a.takeOverFrom(tctx, r, true)
+		a.mu.Unlock()
+		cancel()
+		if err == nil {
+			return nil
+		}
+		// Kernels whose driver quiesces a device only once its server's
+		// threads have exited (not when it closes the queues) leave the
+		// device live until the predecessor process ends: take it over
+		// then.
+		a.log.Warn("ublk: the device is not quiesced yet; taking it over once the predecessor has exited", "volume_id", r.Target.VolumeID, "ublk_dev", r.DevID, "error", err)
+		go a.takeOverLater(r)
+		return nil
 	}
 	h.Abort = func() {}
 	att := h.Attachment
 	return &att, nil
+}
+
+// takeOverLater retries the takeover of a handed-off device until it
+// succeeds, the device is gone, or its state file is (a detach).
+func (a *Attacher) takeOverLater(r record) {
+	for {
+		time.Sleep(time.Second)
+		if _, ok := a.loadState(r.Target.VolumeID); !ok {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+		a.mu.Lock()
+		_, have := a.vols[r.Target.VolumeID]
+		var err error
+		if !have {
+			_, err = a.takeOverFrom(ctx, r, false)
+		}
+		a.mu.Unlock()
+		cancel()
+		if have || err == nil || errors.Is(err, errGone) {
+			return
+		}
+	}
 }
