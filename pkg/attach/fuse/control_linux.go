@@ -9,8 +9,6 @@ import (
 	"os"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -174,26 +172,12 @@ func listenControl(path string) (*net.UnixListener, error) {
 
 // checkPeer accepts root and this process's own user on the other end.
 func checkPeer(c net.Conn) error {
-	uc, ok := c.(*net.UnixConn)
-	if !ok {
-		return errors.New("not a unix socket")
-	}
-	raw, err := uc.SyscallConn()
+	uid, pid, err := attach.PeerCred(c)
 	if err != nil {
 		return err
 	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return err
-	}
-	if cerr != nil {
-		return cerr
-	}
-	if cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
-		return fmt.Errorf("peer uid %d (pid %d) is neither root nor %d", cred.Uid, cred.Pid, os.Geteuid())
+	if uid != 0 && int(uid) != os.Geteuid() {
+		return fmt.Errorf("peer uid %d (pid %d) is neither root nor %d", uid, pid, os.Geteuid())
 	}
 	return nil
 }
