@@ -285,14 +285,10 @@ func readBackingFile(sys string) (string, error) {
 	return strings.TrimSuffix(string(b), "\n"), nil
 }
 
-// FindLoopByBackingFile returns the loop devices bound to the file at path
-// (also when it was deleted since), sorted.
-func FindLoopByBackingFile(path string) ([]string, error) {
-	abs, err := filepath.Abs(path)
-	if err != nil {
-		return nil, err
-	}
-	abs = filepath.Clean(abs)
+// findBoundLoops returns, sorted, the bound loop devices for which match
+// holds; match gets the device's name and its backing file as the kernel
+// reports it.
+func findBoundLoops(match func(name, backing string) bool) ([]string, error) {
 	ents, err := os.ReadDir("/sys/block")
 	if err != nil {
 		return nil, fmt.Errorf("blockdev: %w", err)
@@ -307,7 +303,7 @@ func FindLoopByBackingFile(path string) ([]string, error) {
 		if err != nil {
 			continue // not bound, or gone meanwhile
 		}
-		if bf == abs || bf == abs+" (deleted)" {
+		if match(name, bf) {
 			out = append(out, "/dev/"+name)
 		}
 	}
@@ -315,36 +311,31 @@ func FindLoopByBackingFile(path string) ([]string, error) {
 	return out, nil
 }
 
+// FindLoopByBackingFile returns the loop devices bound to the file at path
+// (also when it was deleted since), sorted.
+func FindLoopByBackingFile(path string) ([]string, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, err
+	}
+	abs = filepath.Clean(abs)
+	return findBoundLoops(func(_, bf string) bool { return bf == abs || bf == abs+" (deleted)" })
+}
+
 // FindLoopByBackingInode returns the loop devices whose backing file is
 // inode ino of the file system on device dev. It finds a loop device
 // whose backing file lies on a mount this mount namespace cannot see
 // (the kernel then reports its path relative to that mount alone).
 func FindLoopByBackingInode(dev, ino uint64) ([]string, error) {
-	ents, err := os.ReadDir("/sys/block")
-	if err != nil {
-		return nil, fmt.Errorf("blockdev: %w", err)
-	}
-	var out []string
-	for _, e := range ents {
-		name := e.Name()
-		if !strings.HasPrefix(name, "loop") {
-			continue
-		}
-		if _, err := readBackingFile(filepath.Join("/sys/block", name)); err != nil {
-			continue // not bound
-		}
+	return findBoundLoops(func(name, _ string) bool {
 		f, err := os.OpenFile("/dev/"+name, os.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
-			continue
+			return false
 		}
+		defer f.Close()
 		info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-		f.Close()
-		if err == nil && info.Device == dev && info.Inode == ino {
-			out = append(out, "/dev/"+name)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return loopNum(out[i]) < loopNum(out[j]) })
-	return out, nil
+		return err == nil && info.Device == dev && info.Inode == ino
+	})
 }
 
 func loopNum(dev string) int {
