@@ -87,16 +87,7 @@ func (s *suite) restartScenario() {
 		s.kubectl("rollout", "status", "daemonset/mpnbd-node", "-n", namespace, "--timeout=3m")
 	})
 	s.step("restart: the new node plugin reports the volume healthy", func() {
-		s.waitFor("a healthy volume", 2*time.Minute, func() string {
-			h, err := s.nodeVolumeHealth(id)
-			if err != nil {
-				return err.Error()
-			}
-			if len(h.GetHealthStatuses()) != 0 {
-				return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
-			}
-			return ""
-		})
+		s.waitHealthy(id)
 	})
 	s.step("restart: rollout restart of the datapath mid-fio (a handover)", func() {
 		old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=datapath")
@@ -115,16 +106,7 @@ func (s *suite) restartScenario() {
 		}
 	})
 	s.step("restart: the node plugin reports the volume healthy after the handover", func() {
-		s.waitFor("a healthy volume", 2*time.Minute, func() string {
-			h, err := s.nodeVolumeHealth(id)
-			if err != nil {
-				return err.Error()
-			}
-			if len(h.GetHealthStatuses()) != 0 {
-				return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
-			}
-			return ""
-		})
+		s.waitHealthy(id)
 	})
 	s.step("restart: delete the storage agent's pod mid-fio", func() {
 		old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
@@ -174,4 +156,19 @@ func takenOver(logs, id string) bool {
 		}
 	}
 	return false
+}
+
+// waitHealthy waits (bounded) until the node plugin reports volume id
+// with no health condition.
+func (s *suite) waitHealthy(id string) {
+	s.waitFor("a healthy volume", 2*time.Minute, func() string {
+		h, err := s.nodeVolumeHealth(id)
+		if err != nil {
+			return err.Error()
+		}
+		if len(h.GetHealthStatuses()) != 0 {
+			return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
+		}
+		return ""
+	})
 }
