@@ -227,15 +227,7 @@ type rig struct {
 // nil the kernel end is left raw (no client).
 func newRig(t *testing.T, remote net.Conn, dial Dialer, info *nbd.ExportInfo, o Options) *rig {
 	t.Helper()
-	kf, local, err := NewSocketPair()
-	if err != nil {
-		t.Fatal(err)
-	}
-	kernel, err := net.FileConn(kf)
-	kf.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	kernel, local := kernelPair(t)
 	rg := &rig{t: t, kernel: kernel, done: make(chan error, 1)}
 	if o.Logger == nil {
 		o.Logger = quietLogger()
@@ -325,4 +317,20 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// kernelPair returns the two ends of a relay's local socket pair: the
+// kernel's (as a conn, for an emulated kernel) and the relay's.
+func kernelPair(t *testing.T) (kernel, local net.Conn) {
+	t.Helper()
+	kf, local, err := NewSocketPair()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kernel, err = net.FileConn(kf)
+	kf.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kernel, local
 }

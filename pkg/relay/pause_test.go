@@ -29,15 +29,7 @@ type handRig struct {
 
 func newHandRig(t *testing.T, ts *testServer, o Options) *handRig {
 	t.Helper()
-	kf, local, err := NewSocketPair()
-	if err != nil {
-		t.Fatal(err)
-	}
-	kernel, err := net.FileConn(kf)
-	kf.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	kernel, local := kernelPair(t)
 	remote, info, err := dialNegotiated(t.Context(), ts.addr, ts.mptcp)
 	if err != nil {
 		t.Fatal(err)
@@ -160,15 +152,7 @@ func TestHandOverMidWrite(t *testing.T) {
 func TestHandOverPartialFrame(t *testing.T) {
 	checkGoroutines(t)
 	ts := newTestServer(t, 1<<20, false)
-	kf, local, err := NewSocketPair()
-	if err != nil {
-		t.Fatal(err)
-	}
-	kernel, err := net.FileConn(kf)
-	kf.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	kernel, local := kernelPair(t)
 	defer kernel.Close()
 	h := &handRig{t: t, ts: ts, kernel: kernel}
 	remote, _, err := dialNegotiated(t.Context(), ts.addr, false)
