@@ -17,6 +17,8 @@
 #   MPNBD_BENCH_MB        MiB written and read sequentially per transport,
 #                         also the region of the random passes (default 256)
 #   MPNBD_BENCH_SECONDS   length of each random pass (default 20)
+#   MPNBD_BENCH_TRANSPORTS  comma-separated transports to measure beside
+#                         tcp (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "bench-vm: needs root" >&2; exit 1; }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -26,6 +27,9 @@ const (
 	envBench        = "MPNBD_VM_BENCH"
 	envBenchMB      = "MPNBD_BENCH_MB"
 	envBenchSeconds = "MPNBD_BENCH_SECONDS"
+	// envBenchOnly names the transports to measure besides tcp (the
+	// baseline, always first), comma-separated; empty means all.
+	envBenchOnly = "MPNBD_BENCH_TRANSPORTS"
 )
 
 // The defaults keep make bench-vm, boot included, to about 10 minutes
@@ -62,7 +66,7 @@ func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 		t.Skipf("a benchmark: set %s=1 (hack/bench-vm.sh)", envBench)
 	}
 	env := map[string]string{}
-	for _, k := range []string{envBenchMB, envBenchSeconds} {
+	for _, k := range []string{envBenchMB, envBenchSeconds, envBenchOnly} {
 		if v := os.Getenv(k); v != "" {
 			env[k] = v
 		}
@@ -119,6 +123,30 @@ func benchSettings(t *testing.T) (mb int, randTime time.Duration) {
 		secs = v
 	}
 	return mb, time.Duration(secs) * time.Second
+}
+
+// onlyTransports keeps tcp and the transports of the comma-separated list
+// (all of them when it is empty); a name that is not one of modes is an
+// error.
+func onlyTransports(modes []attach.Transport, list string) ([]attach.Transport, error) {
+	if strings.TrimSpace(list) == "" {
+		return modes, nil
+	}
+	want := map[attach.Transport]bool{attach.TCP: true}
+	for _, name := range strings.Split(list, ",") {
+		m := attach.Transport(strings.TrimSpace(name))
+		if !slices.Contains(modes, m) {
+			return nil, fmt.Errorf("%q is not one of %v", name, modes)
+		}
+		want[m] = true
+	}
+	var out []attach.Transport
+	for _, m := range modes {
+		if want[m] {
+			out = append(out, m)
+		}
+	}
+	return out, nil
 }
 
 // benchVMTimeout bounds the benchmark's VM run. It only catches a hang:
@@ -251,6 +279,10 @@ func TestBenchTransports(t *testing.T) {
 		modes = append(modes, attach.FUSE)
 	} else {
 		t.Logf("no fuse in this VM: %v", err)
+	}
+	modes, err := onlyTransports(modes, os.Getenv(envBenchOnly))
+	if err != nil {
+		t.Fatalf("%s: %v", envBenchOnly, err)
 	}
 	var rows []benchResult
 	for _, mode := range modes {

@@ -20,18 +20,21 @@ import (
 // process, so cpu-ns/B (process CPU time, user + system, per byte moved;
 // numerically CPU-seconds per GB) of relay minus direct is what the relay
 // costs, and relay against noretain what keeping acknowledged writes until
-// a flush covers them costs. hack/bench-relay.sh prints the ratios.
+// a flush covers them costs. "call" is the same session taking in-process
+// calls (no socket pair: the fuse and ublk transports), so call against
+// relay is what the in-process path costs. hack/bench-relay.sh prints the
+// ratios.
 func BenchmarkRelay(b *testing.B) {
 	for _, op := range []string{"read", "write"} {
 		for _, bs := range []int{4 << 10, 1 << 20} {
 			for _, qd := range []int{8, 32} {
-				for _, mode := range []string{"direct", "relay", "noretain"} {
+				for _, mode := range []string{"direct", "relay", "noretain", "call"} {
 					if mode == "noretain" && op == "read" {
 						continue // reads are not retained
 					}
 					name := fmt.Sprintf("%s/%dK/qd%d/%s", op, bs>>10, qd, mode)
 					b.Run(name, func(b *testing.B) {
-						benchmarkRelay(b, mode != "direct", mode == "noretain", op == "write", bs, qd)
+						benchmarkRelay(b, mode, op == "write", bs, qd)
 					})
 				}
 			}
@@ -45,7 +48,7 @@ func cpuTime() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-func benchmarkRelay(b *testing.B, viaRelay, noRetain, write bool, bs, qd int) {
+func benchmarkRelay(b *testing.B, mode string, write bool, bs, qd int) {
 	const size = 256 << 20
 	srv := &nbd.Server{Logger: quietLogger()}
 	srv.AddExport(&nbd.Export{Name: exportName, Backend: nbd.NewMemBackend(size)})
@@ -60,7 +63,21 @@ func benchmarkRelay(b *testing.B, viaRelay, noRetain, write bool, bs, qd int) {
 	defer cancel()
 
 	var cl *nbd.Client
-	if viaRelay {
+	switch mode {
+	case "call":
+		remote, info, err := dialNegotiated(ctx, addr, false)
+		if err != nil {
+			b.Fatal(err)
+		}
+		r := New(nil, remote, negotiatingDialer(addr, false), Options{Logger: quietLogger()})
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			r.Run(ctx)
+		}()
+		defer func() { cancel(); <-done }()
+		cl = nbd.NewClientOn(info, r, quietLogger())
+	case "relay", "noretain":
 		remote, info, err := dialNegotiated(ctx, addr, false)
 		if err != nil {
 			b.Fatal(err)
@@ -74,7 +91,7 @@ func benchmarkRelay(b *testing.B, viaRelay, noRetain, write bool, bs, qd int) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		r := New(local, remote, negotiatingDialer(addr, false), Options{Logger: quietLogger(), noRetain: noRetain})
+		r := New(local, remote, negotiatingDialer(addr, false), Options{Logger: quietLogger(), noRetain: mode == "noretain"})
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
@@ -82,7 +99,7 @@ func benchmarkRelay(b *testing.B, viaRelay, noRetain, write bool, bs, qd int) {
 		}()
 		defer func() { cancel(); <-done }()
 		cl = nbd.NewClient(info, []net.Conn{kc}, quietLogger())
-	} else {
+	default:
 		cl, err = nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: exportName, Logger: quietLogger()})
 		if err != nil {
 			b.Fatal(err)
