@@ -206,6 +206,13 @@ func (cl *Client) WriteAtFlags(p []byte, off int64, flags uint16) (int, error) {
 	})
 }
 
+// OneRequest reports whether a write of n bytes at off goes to the server
+// as one request as it is: aligned to the minimum block size and within
+// the maximum.
+func (cl *Client) OneRequest(off, n int64) bool {
+	return cl.checkAligned(off, n) == nil && n <= int64(cl.maxReq)
+}
+
 func (cl *Client) minBlock() int64 { return max(int64(cl.info.MinBlock), 1) }
 
 func (cl *Client) alignOut(off, n int64) (lo, hi int64) {

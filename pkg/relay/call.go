@@ -61,12 +61,37 @@ func (r *Relay) nextCallHandle() uint64 {
 // only for a relay without a local connection, and safe for concurrent
 // use: requests travel together.
 func (r *Relay) RoundTrip(req nbd.Request, payload, dst []byte) error {
+	return r.roundTrip(req, payload, nil, dst)
+}
+
+// Buffer returns a buffer of n bytes from the relay's pool (its capacity
+// is n rounded up to a power of two), for WriteOwned.
+func Buffer(n int) *[]byte { return getBuf(n) }
+
+// WriteOwned is RoundTrip for a write whose payload, the first req.Length
+// bytes of *buf, the relay takes instead of copying: it keeps buf until a
+// FLUSH covers the write and then recycles it, so the caller must not
+// touch buf once it called, whatever the outcome. The write counts against
+// the in-flight budget by its length, as every write does: a caller hands
+// over buffers less than twice that long (Buffer's rounding), or the relay
+// holds more memory than its budget says.
+func (r *Relay) WriteOwned(req nbd.Request, buf *[]byte) error {
+	if req.Type != nbd.CmdWrite || int(req.Length) > len(*buf) {
+		putBuf(buf)
+		return fmt.Errorf("relay: WriteOwned of %s with %d bytes for %d", nbd.CmdName(req.Type), len(*buf), req.Length)
+	}
+	return r.roundTrip(req, nil, buf, nil)
+}
+
+func (r *Relay) roundTrip(req nbd.Request, payload []byte, owned *[]byte, dst []byte) error {
 	if r.local != nil {
+		putBuf(owned)
 		return fmt.Errorf("relay: RoundTrip on a relay with a local connection")
 	}
 	switch req.Type {
 	case nbd.CmdRead, nbd.CmdWrite:
 		if req.Length > nbd.MaxRequestSize {
+			putBuf(owned)
 			return fmt.Errorf("%w: %s of %d bytes", nbd.ErrTooBig, nbd.CmdName(req.Type), req.Length)
 		}
 	case nbd.CmdDisc:
@@ -78,6 +103,7 @@ func (r *Relay) RoundTrip(req nbd.Request, payload, dst []byte) error {
 	}
 	cost := reqHeaderSize + data
 	if !r.admit(cost) {
+		putBuf(owned)
 		return r.closedErr()
 	}
 	c := &call{dst: dst, cmd: req.Type, done: make(chan error, 1)}
@@ -91,13 +117,18 @@ func (r *Relay) RoundTrip(req nbd.Request, payload, dst []byte) error {
 		r.bytes -= cost
 		r.mu.Unlock()
 		recycle(e)
+		putBuf(owned)
 		return r.closedErr()
 	}
 	req.Encode(e.hdr[:])
 	e.handle, e.cmd, e.length, e.cost = req.Handle, req.Type, req.Length, cost
 	e.flags, e.offset = req.Flags, req.Offset
 	e.call = c
-	if req.Type == nbd.CmdWrite && data > 0 {
+	switch {
+	case owned != nil:
+		e.buf = owned
+		e.payload = (*owned)[:data]
+	case req.Type == nbd.CmdWrite && data > 0:
 		// Kept for replays and retention, so it must be ours.
 		e.buf = getBuf(data)
 		e.payload = *e.buf

@@ -121,3 +121,40 @@ func TestCallsFailAfter(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestWriteOwned: a write handing its buffer over lands like any other;
+// one that is not a write, or whose buffer is shorter than its length, is
+// refused and sends nothing.
+func TestWriteOwned(t *testing.T) {
+	ts := newTestServer(t, 1<<20, false)
+	dial := sessionDialer(ts.addr, nbd.NewSessionID())
+	remote, err := dial(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := remote.(*Remote).Info
+	r := startLocal(t, remote, dial, Options{})
+	cl := nbd.NewClientOn(info, r, quietLogger())
+	want := randomData(256<<10, 5)
+	buf := Buffer(len(want))
+	copy(*buf, want)
+	if err := r.WriteOwned(nbd.Request{Type: nbd.CmdWrite, Offset: 64 << 10, Length: uint32(len(want))}, buf); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(want))
+	if _, err := cl.ReadAt(got, 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("an owned write reads back different")
+	}
+	if err := r.WriteOwned(nbd.Request{Type: nbd.CmdRead, Length: 4096}, Buffer(4096)); err == nil {
+		t.Fatal("WriteOwned took a read")
+	}
+	if err := r.WriteOwned(nbd.Request{Type: nbd.CmdWrite, Length: 8192}, Buffer(4096)); err == nil {
+		t.Fatal("WriteOwned took a buffer shorter than the write")
+	}
+	if _, err := cl.ReadAt(got[:4096], 0); err != nil || !bytes.Equal(got[:4096], make([]byte, 4096)) {
+		t.Fatalf("a refused write reached the export (err %v)", err)
+	}
+}

@@ -163,8 +163,33 @@ func newIncarnation() nbd.Incarnation {
 // each block winning; after a final FLUSH it must be on the durable
 // medium. RELAY_CRASH_POINTS sets the number of crashes (200 by default).
 func TestCrashConsistency(t *testing.T) {
-	t.Run("kernel socket", func(t *testing.T) { crashConsistency(t, false) })
-	t.Run("in-process calls", func(t *testing.T) { crashConsistency(t, true) })
+	t.Run("kernel socket", func(t *testing.T) { crashConsistency(t, viaSocket) })
+	t.Run("in-process calls", func(t *testing.T) { crashConsistency(t, viaCalls) })
+	t.Run("in-process owned writes", func(t *testing.T) { crashConsistency(t, viaOwned) })
+}
+
+// How the workload reaches the relay.
+const (
+	viaSocket = iota // a client on the kernel's end of the socket pair
+	viaCalls         // in-process calls (RoundTrip)
+	viaOwned         // in-process calls, writes handing their buffer over
+)
+
+// ownedWrites is a block client whose writes hand their buffer to the
+// relay (WriteOwned): a buffer recycled while the relay still needs it
+// shows as another write's data.
+type ownedWrites struct {
+	*nbd.Client
+	r *Relay
+}
+
+func (o ownedWrites) WriteAt(p []byte, off int64) (int, error) {
+	buf := Buffer(len(p))
+	copy(*buf, p)
+	if err := o.r.WriteOwned(nbd.Request{Type: nbd.CmdWrite, Offset: uint64(off), Length: uint32(len(p))}, buf); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }
 
 // blockClient is what the workload needs of the local side.
@@ -174,7 +199,7 @@ type blockClient interface {
 	Flush() error
 }
 
-func crashConsistency(t *testing.T, inProcess bool) {
+func crashConsistency(t *testing.T, via int) {
 	points := 200
 	if v := os.Getenv("RELAY_CRASH_POINTS"); v != "" {
 		n, err := strconv.Atoi(v)
@@ -204,9 +229,12 @@ func crashConsistency(t *testing.T, inProcess bool) {
 	o := Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RetainBytes: 512 << 10, MaxInflightBytes: 4 << 20, Logger: quietLogger()}
 	var client blockClient
 	var relay *Relay
-	if inProcess {
+	if via != viaSocket {
 		relay = startLocal(t, remote, dial, o)
 		client = nbd.NewClientOn(info, relay, quietLogger())
+		if via == viaOwned {
+			client = ownedWrites{client.(*nbd.Client), relay}
+		}
 	} else {
 		rg := newRig(t, remote, dial, &info, o)
 		client, relay = rg.client, rg.relay

@@ -28,6 +28,20 @@ type Handler interface {
 	WriteZeroes(off, n int64, noUnmap bool) error
 }
 
+// Keeper is a Handler that can keep a write's buffer instead of copying
+// its data (a session that holds acknowledged writes until a flush covers
+// them). A queue of a device served by a Keeper serves its requests from
+// buffers of the Keeper's, and hands over the buffer of every write that
+// fills at least half of it, taking a new one for the tag's next requests.
+type Keeper interface {
+	Handler
+	// Buffer returns a buffer of n bytes, not necessarily zeroed.
+	Buffer(n int) *[]byte
+	// KeepWrite is WriteAt of the first n bytes of *buf; the handler
+	// takes buf, whatever the outcome: the queue never touches it again.
+	KeepWrite(buf *[]byte, n int, off int64, fua bool) error
+}
+
 // Config describes a new device.
 type Config struct {
 	// Size of the device in bytes (a multiple of the logical block).
@@ -38,7 +52,8 @@ type Config struct {
 	// Queues and Depth: hardware queues and requests in flight per queue
 	// (zero: 1 queue of 64).
 	Queues, Depth int
-	// MaxIO is the largest request in bytes (zero: 512 KiB).
+	// MaxIO is the largest request in bytes (zero: 1 MiB, what a direct
+	// 1 MiB write or read is in one bio; the driver may round it down).
 	MaxIO int
 	// ReadOnly makes the block device read-only; Discard and WriteZeroes
 	// advertise those operations (the handler must do them).
@@ -57,7 +72,7 @@ func (c *Config) defaults() {
 		c.Depth = 64
 	}
 	if c.MaxIO <= 0 {
-		c.MaxIO = 512 << 10
+		c.MaxIO = 1 << 20
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -114,7 +129,8 @@ func Create(ctx context.Context, ctrl *Control, cfg Config, h Handler) (*Device,
 		}
 		return nil, err
 	}
-	sectors := uint32(cfg.MaxIO >> 9)
+	// The driver may have lowered the buffer size it takes.
+	sectors := min(uint32(cfg.MaxIO), info.maxIOBufBytes) >> 9
 	p := params{types: paramTypeBasic}
 	p.len = uint32(unsafe.Sizeof(p))
 	attrs := uint32(attrVolatileCache | attrFUA)
@@ -308,9 +324,14 @@ type queue struct {
 
 	ring  *iouring.Ring
 	descs []byte
-	bufs  []byte
-	efd   int
-	ebuf  []byte // the eventfd's counter is read into it
+	// bufs holds every tag's buffer, unless the handler is a Keeper:
+	// then kept[tag] is the tag's buffer, replaced whenever the handler
+	// kept it.
+	bufs []byte
+	kept []*[]byte
+	keep Keeper
+	efd  int
+	ebuf [8]byte // the eventfd's counter is read into it
 
 	mu      sync.Mutex
 	done    []completion
@@ -383,10 +404,15 @@ func (q *queue) setup() error {
 	if q.descs, err = unix.Mmap(int(q.dev.char.Fd()), descOffset(int(q.id)), descAreaSize(q.depth), unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
 		return fmt.Errorf("ublk: queue %d: map descriptors: %w", q.id, err)
 	}
-	if q.bufs, err = unix.Mmap(-1, 0, q.depth*q.maxIO+pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_NORESERVE); err != nil {
+	if k, ok := q.dev.h.(Keeper); ok {
+		q.keep = k
+		q.kept = make([]*[]byte, q.depth)
+		for tag := range q.kept {
+			q.kept[tag] = k.Buffer(q.maxIO)
+		}
+	} else if q.bufs, err = unix.Mmap(-1, 0, q.depth*q.maxIO, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE|unix.MAP_NORESERVE); err != nil {
 		return fmt.Errorf("ublk: queue %d: buffers: %w", q.id, err)
 	}
-	q.ebuf = q.bufs[q.depth*q.maxIO:]
 	if q.efd, err = unix.Eventfd(0, unix.EFD_CLOEXEC); err != nil {
 		return fmt.Errorf("ublk: queue %d: eventfd: %w", q.id, err)
 	}
@@ -416,7 +442,14 @@ func (q *queue) release() {
 	}()
 }
 
+// buf is tag's buffer. The queue's thread reads it when it hands the
+// buffer to the driver, a handler when it serves the tag's request: the
+// two never overlap (a tag's request is in its handler only between its
+// fetch and its commit).
 func (q *queue) buf(tag uint16) []byte {
+	if q.kept != nil {
+		return (*q.kept[tag])[:q.maxIO]
+	}
 	return q.bufs[int(tag)*q.maxIO : int(tag+1)*q.maxIO]
 }
 
@@ -483,11 +516,9 @@ func (q *queue) loop() {
 				}
 				live++
 			}
+			// The commits and the eventfd's read go with the next wait
+			// (one system call for both), or at once if the ring fills.
 			if err := q.armEvent(); err != nil {
-				return
-			}
-			if _, err := q.ring.Submit(0); err != nil {
-				q.dev.log.Error("ublk: submit", "queue", q.id, "error", err)
 				return
 			}
 			continue
@@ -522,7 +553,16 @@ func (q *queue) handle(tag uint16, d ioDesc) {
 		err = q.dev.h.ReadAt(q.buf(tag)[:n], off)
 		res = int32(n)
 	case opWrite:
-		err = q.dev.h.WriteAt(q.buf(tag)[:n], off, d.opFlags&ioFlagFUA != 0)
+		fua := d.opFlags&ioFlagFUA != 0
+		if q.keep != nil && 2*n >= int64(q.maxIO) {
+			// The handler keeps this buffer; the tag's next requests
+			// land in a new one.
+			b := q.kept[tag]
+			q.kept[tag] = q.keep.Buffer(q.maxIO)
+			err = q.keep.KeepWrite(b, int(n), off, fua)
+		} else {
+			err = q.dev.h.WriteAt(q.buf(tag)[:n], off, fua)
+		}
 		res = int32(n)
 	case opFlush:
 		err = q.dev.h.Flush()
@@ -537,9 +577,15 @@ func (q *queue) handle(tag uint16, d ioDesc) {
 		q.dev.log.Warn("ublk: request failed", "op", d.opFlags&0xff, "offset", off, "length", n, "error", err)
 		res = -int32(syscall.EIO)
 	}
+	// One wake for every batch: the queue's thread takes all that is done
+	// when it wakes, so a completion that finds others waiting need not
+	// wake it again.
 	q.mu.Lock()
+	first := len(q.done) == 0
 	q.done = append(q.done, completion{tag, res})
 	q.mu.Unlock()
-	q.wake()
+	if first {
+		q.wake()
+	}
 	q.handlers.Done()
 }

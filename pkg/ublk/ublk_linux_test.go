@@ -196,6 +196,84 @@ func TestDeviceIO(t *testing.T) {
 	}
 }
 
+// keeper is a memHandler that keeps the buffers of large writes, as a
+// session does, remembering what each held when it took it.
+type keeper struct {
+	*memHandler
+	mu      sync.Mutex
+	kept    []*[]byte
+	at      [][]byte // what each kept buffer held when it was taken
+	buffers atomic.Int64
+}
+
+func (k *keeper) Buffer(n int) *[]byte {
+	k.buffers.Add(1)
+	b := make([]byte, n)
+	return &b
+}
+
+func (k *keeper) KeepWrite(buf *[]byte, n int, off int64, fua bool) error {
+	k.mu.Lock()
+	k.kept = append(k.kept, buf)
+	k.at = append(k.at, bytes.Clone(*buf))
+	k.mu.Unlock()
+	return k.WriteAt((*buf)[:n], off, fua)
+}
+
+// TestKeeperBuffers: with a Keeper, every write that fills half of the
+// request buffer hands that buffer over, smaller ones are copied; the
+// queue never touches a buffer it handed over (the next requests of its
+// tag land in a new one), and every byte reads back.
+func TestKeeperBuffers(t *testing.T) {
+	requireUblk(t)
+	ctrl := openControl(t)
+	const size, maxIO = 32 << 20, 256 << 10
+	k := &keeper{memHandler: &memHandler{data: make([]byte, size)}}
+	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 1, Depth: 8, MaxIO: maxIO}, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Delete() })
+	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	want := alignedBuf(t, 16<<20)
+	rand.Read(want)
+	// Large writes (kept), then small ones over part of them (copied),
+	// then large ones again: those land in the tags' new buffers.
+	if _, err := f.WriteAt(want[:8<<20], 0); err != nil {
+		t.Fatal(err)
+	}
+	for off := 0; off < 1<<20; off += 16 << 10 {
+		rand.Read(want[off : off+16<<10])
+		if _, err := f.WriteAt(want[off:off+16<<10], int64(off)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := f.WriteAt(want[8<<20:], 8<<20); err != nil {
+		t.Fatal(err)
+	}
+	got := alignedBuf(t, len(want))
+	if _, err := f.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read back: %v (equal: %v)", err, bytes.Equal(got, want))
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if len(k.kept) < (16<<20)/maxIO {
+		t.Fatalf("%d buffers kept for %d large writes", len(k.kept), (16<<20)/maxIO)
+	}
+	if b := k.buffers.Load(); b != int64(8+len(k.kept)) {
+		t.Fatalf("%d buffers asked for: want one per tag (8) and one per kept write (%d)", b, len(k.kept))
+	}
+	for i, b := range k.kept {
+		if !bytes.Equal(*b, k.at[i]) {
+			t.Fatalf("kept buffer %d changed after the queue handed it over", i)
+		}
+	}
+}
+
 // fileHandler serves a file.
 type fileHandler struct{ f *os.File }
 

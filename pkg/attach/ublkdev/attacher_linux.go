@@ -17,6 +17,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 	"github.com/mpnbd/mpnbd/pkg/ublk"
 )
 
@@ -91,7 +92,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		return nil, err
 	}
 	info := sess.Info
-	dev, err := ublk.Create(ctx, a.ctrl, a.deviceConfig(info, o, log), handler{sess.Client, info})
+	dev, err := ublk.Create(ctx, a.ctrl, a.deviceConfig(info, o, log), newHandler(sess))
 	if err != nil {
 		sess.Close(teardownTimeout)
 		return nil, fmt.Errorf("ublk device for %s: %w", t.VolumeID, err)
@@ -167,7 +168,7 @@ func (a *Attacher) takeOverFrom(ctx context.Context, r record, handedOff bool) (
 		// The device stays quiesced, its I/O held, for the next try.
 		return nil, err
 	}
-	dev, err := ublk.Recover(ctx, a.ctrl, r.DevID, handler{sess.Client, sess.Info}, log)
+	dev, err := ublk.Recover(ctx, a.ctrl, r.DevID, newHandler(sess), log)
 	if err != nil {
 		sess.Close(teardownTimeout)
 		return nil, fmt.Errorf("ublk: take over device %d of %s: %w", r.DevID, r.Target.VolumeID, err)
@@ -386,10 +387,45 @@ func (a *Attacher) dropState(volumeID string) {
 	}
 }
 
-// handler serves a device's requests through the NBD session.
+// handler serves a device's requests through the NBD session. It is a
+// ublk.Keeper: the session keeps every acknowledged write until a FLUSH
+// covers it, so a large write's buffer goes to the session as it is
+// rather than being copied into one of the session's.
 type handler struct {
 	c    *nbd.Client
+	r    *relay.Relay
 	info nbd.ExportInfo
+}
+
+func newHandler(s *attach.Session) handler { return handler{s.Client, s.Relay, s.Info} }
+
+func (h handler) Buffer(n int) *[]byte {
+	b := relay.Buffer(n)
+	*b = (*b)[:cap(*b)]
+	return b
+}
+
+func (h handler) KeepWrite(buf *[]byte, n int, off int64, fua bool) error {
+	if !h.c.OneRequest(off, int64(n)) {
+		// A server with small limits: split (or refuse) as usual.
+		return h.WriteAt((*buf)[:n], off, fua)
+	}
+	req := nbd.Request{Type: nbd.CmdWrite, Offset: uint64(off), Length: uint32(n)}
+	flushAfter := false
+	if fua {
+		if h.info.Flags&nbd.FlagSendFUA != 0 {
+			req.Flags |= nbd.CmdFlagFUA
+		} else {
+			flushAfter = true
+		}
+	}
+	if err := h.r.WriteOwned(req, buf); err != nil {
+		return err
+	}
+	if flushAfter {
+		return h.c.Flush()
+	}
+	return nil
 }
 
 func (h handler) ReadAt(p []byte, off int64) error {
