@@ -13,7 +13,11 @@
 # Environment:
 #   MPNBD_VM_CACHE        cache root (default /var/cache/mpnbd/vm)
 #   MPNBD_VM_KERNEL_PKG   kernel package to use (default: the one the
-#                         linux-image-cloud-amd64 meta-package depends on)
+#                         meta-package below depends on)
+#   MPNBD_VM_KERNEL_META  that meta-package (default linux-image-cloud-amd64)
+#   MPNBD_VM_KERNEL_SUITE take the kernel from this suite of the Debian
+#                         archive (e.g. trixie-backports) with apt lists of
+#                         its own in the cache, instead of the host's sources
 #   MPNBD_VM_MODULES      module names to extract (space separated)
 #   MPNBD_VM_NO_INSTALL   if set, never apt-get install missing host tools
 #
@@ -22,6 +26,15 @@
 set -euo pipefail
 
 cache_root=${MPNBD_VM_CACHE:-/var/cache/mpnbd/vm}
+meta=${MPNBD_VM_KERNEL_META:-linux-image-cloud-amd64}
+suite=${MPNBD_VM_KERNEL_SUITE:-}
+# apt as this run uses it: the host's sources, or the suite's own lists.
+apt_opts=()
+if [ -n "$suite" ]; then
+	apt_dir=$cache_root/apt-$suite
+	apt_opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o Dir::Etc::sourceparts=-
+		-o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
+fi
 modules=${MPNBD_VM_MODULES:-"nbd veth sch_tbf sch_netem loop brd"}
 host_pkgs=(qemu-system-x86 e2fsprogs iproute2)
 # Any busybox will do (the harness copies a dynamic one with its
@@ -56,13 +69,14 @@ resolve_pkg() {
 	local pkg=${MPNBD_VM_KERNEL_PKG:-} info ver=
 	if [ -z "$pkg" ]; then
 		# "Depends: linux-image-6.1.0-57-cloud-amd64 (= 6.1.192-3)"
-		info=$(apt-cache show --no-all-versions linux-image-cloud-amd64 2>/dev/null || true)
-		pkg=$(sed -n 's/^Depends: \(linux-image-[0-9][^ ,]*\).*/\1/p' <<<"$info" | head -n1)
+		info=$(apt-cache "${apt_opts[@]}" show --no-all-versions "$meta" 2>/dev/null || true)
+		# (or with other packages first, as in newer meta-packages).
+		pkg=$(sed -n 's/^Depends: .*\b\(linux-image-[0-9][^ ,]*\).*/\1/p' <<<"$info" | head -n1)
 		[ -n "$pkg" ] || return 0
-		ver=$(sed -n "s/^Depends: $pkg (= \\([^)]*\\)).*/\\1/p" <<<"$info" | head -n1)
+		ver=$(sed -n "s/^Depends: .*\\b$pkg (= \\([^)]*\\)).*/\\1/p" <<<"$info" | head -n1)
 	fi
 	if [ -z "$ver" ]; then
-		info=$(apt-cache show --no-all-versions "$pkg" 2>/dev/null || true)
+		info=$(apt-cache "${apt_opts[@]}" show --no-all-versions "$pkg" 2>/dev/null || true)
 		ver=$(sed -n 's/^Version: //p' <<<"$info" | head -n1)
 	fi
 	[ -z "$ver" ] || echo "$pkg $ver"
@@ -104,28 +118,53 @@ emit() {
 	echo "PACKAGE=$(basename "$dir")"
 }
 
+# download fetches pkg=ver into $tmp.
+download() {
+	log "downloading $1=$2"
+	local dl=(apt-get "${apt_opts[@]}" download -q -o APT::Sandbox::User=root "$1=$2")
+	(cd "$tmp" && "${dl[@]}" >&2) ||
+		(cd "$tmp" && apt_update && "${dl[@]}" >&2) ||
+		die "apt-get download $1=$2 failed"
+}
+
 # populate downloads and unpacks pkg=ver into dir.
 populate() {
-	local pkg=$1 ver=$2 dir=$3 deb release moddir
+	local pkg=$1 ver=$2 dir=$3 deb release moddir part
 	tmp=$(mktemp -d "$cache_root/.tmp.XXXXXX")
-	deb=$(ls "$dir"/*.deb 2>/dev/null | head -n1 || true)
-	if [ -z "$deb" ]; then
-		log "downloading $pkg=$ver"
-		local dl=(apt-get download -q -o APT::Sandbox::User=root "$pkg=$ver")
-		(cd "$tmp" && "${dl[@]}" >&2) ||
-			(cd "$tmp" && apt-get update -qq >&2 && "${dl[@]}" >&2) ||
-			die "apt-get download $pkg=$ver failed"
-		deb=$(ls "$tmp"/*.deb | head -n1)
+	local debs=()
+	for deb in "$dir"/*.deb; do [ -e "$deb" ] && debs+=("$deb"); done
+	if ((${#debs[@]} == 0)); then
+		download "$pkg" "$ver"
+		# Newer kernels come in parts (image, modules, base files): the
+		# image package is then only their dependency.
+		for part in $(apt-cache "${apt_opts[@]}" show --no-all-versions "$pkg=$ver" 2>/dev/null |
+			sed -n 's/^Depends: //p' | tr ',' '\n' | sed -n 's/^ *\(linux-\(binary\|modules\|base\)-[^ ]*\) (= .*/\1/p'); do
+			download "$part" "$ver"
+		done
+		for deb in "$tmp"/*.deb; do debs+=("$deb"); done
 	fi
-	dpkg-deb -x "$deb" "$tmp/x"
-	release=$(ls "$tmp/x/lib/modules" | head -n1)
-	[ -n "$release" ] || die "no modules in $deb"
-	moddir=$tmp/x/lib/modules/$release
+	for deb in "${debs[@]}"; do dpkg-deb -x "$deb" "$tmp/x"; done
+	# /lib/modules, or /usr/lib/modules where /usr is merged.
+	local mods=$tmp/x/lib/modules
+	[ -d "$mods" ] || mods=$tmp/x/usr/lib/modules
+	release=$(ls "$mods" 2>/dev/null | head -n1 || true)
+	[ -n "$release" ] || die "no modules in ${debs[*]}"
+	moddir=$mods/$release
 	mkdir -p "$tmp/out/modules"
-	cp "$tmp/x/boot/vmlinuz-$release" "$tmp/out/vmlinuz"
-	cp "$tmp/x/boot/config-$release" "$tmp/out/config"
+	# The image and its config: in /boot, or (newer packages) beside the
+	# modules.
+	if [ -e "$tmp/x/boot/vmlinuz-$release" ]; then
+		cp "$tmp/x/boot/vmlinuz-$release" "$tmp/out/vmlinuz"
+		cp "$tmp/x/boot/config-$release" "$tmp/out/config"
+	else
+		cp "$moddir/vmlinuz" "$tmp/out/vmlinuz"
+		cp "$moddir/config" "$tmp/out/config"
+	fi
 	echo "$release" >"$tmp/out/release"
-	[ "$deb" = "$dir/$(basename "$deb")" ] || mv "$deb" "$tmp/out/"
+	echo "${suite:-host}" >"$tmp/out/suite"
+	for deb in "${debs[@]}"; do
+		[ "$deb" = "$dir/$(basename "$deb")" ] || mv "$deb" "$tmp/out/"
+	done
 
 	# Resolve dependencies depth-first so that each module follows the
 	# ones it needs; decompress modules the busybox insmod cannot read.
@@ -160,12 +199,37 @@ populate() {
 	[ ! -e "$dir" ] || mv "$dir" "$dir.old"
 	mv "$tmp/out" "$dir"
 	rm -rf "$dir.old" "$tmp"
-	# Without a pin, older kernels are no longer used; spare those touched
-	# recently, which a test may be about to boot.
+	# Without a pin, older kernels of the same source are no longer used;
+	# spare those touched recently, which a test may be about to boot.
 	if [ -z "${MPNBD_VM_KERNEL_PKG:-}" ]; then
-		find "$cache_root" -mindepth 1 -maxdepth 1 -name 'linux-image-*_*' ! -path "$dir" -mmin +60 \
-			-exec rm -rf {} + 2>/dev/null || true
+		local old
+		for old in $(find "$cache_root" -mindepth 1 -maxdepth 1 -name 'linux-image-*_*' ! -path "$dir" -mmin +60); do
+			[ "$(suite_of "$old")" = "${suite:-host}" ] && rm -rf "$old"
+		done
 	fi
+}
+
+# suite_of prints where a cached kernel came from ("host": the host's
+# sources; a cache entry from before this was recorded counts as such).
+suite_of() { cat "$1/suite" 2>/dev/null || echo host; }
+
+# newest_cached prints the newest complete cached kernel of this run's
+# source, or nothing.
+newest_cached() {
+	local d
+	for d in $(ls -d "$cache_root"/linux-image-*_* 2>/dev/null | sort -rV); do
+		[ "$(suite_of "$d")" = "${suite:-host}" ] && complete "$d" && { echo "$d"; return; }
+	done
+}
+
+# apt_update refreshes the lists apt uses here: the suite's own ones are
+# made on first use.
+apt_update() {
+	if [ -n "$suite" ]; then
+		mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
+		echo "deb http://deb.debian.org/debian $suite main" >"$apt_dir/sources.list"
+	fi
+	apt-get "${apt_opts[@]}" update -qq >&2
 }
 
 mkdir -p "$cache_root" 2>/dev/null || die "cannot create $cache_root (set MPNBD_VM_CACHE)"
@@ -182,15 +246,15 @@ install_host_tools
 
 read -r pkg ver < <(resolve_pkg || true) || true
 if [ -z "${pkg:-}" ] && [ "$(id -u)" = 0 ] && [ -z "${MPNBD_VM_NO_INSTALL:-}" ]; then
-	apt-get update -qq >&2 || true
+	apt_update || true
 	read -r pkg ver < <(resolve_pkg || true) || true
 fi
 
 if [ -z "${pkg:-}" ]; then
-	[ -z "${MPNBD_VM_KERNEL_PKG:-}" ] || die "apt knows no package $MPNBD_VM_KERNEL_PKG"
+	[ -z "${MPNBD_VM_KERNEL_PKG:-}" ] || die "apt knows no package $MPNBD_VM_KERNEL_PKG${suite:+ in $suite}"
 	# apt knows no kernel (no lists, no network): use the newest cached one.
-	dir=$(ls -d "$cache_root"/linux-image-*_* 2>/dev/null | sort -V | tail -n1 || true)
-	[ -n "$dir" ] && complete "$dir" || die "no kernel package known to apt and none cached in $cache_root"
+	dir=$(newest_cached)
+	[ -n "$dir" ] || die "no kernel package known to apt${suite:+ in $suite} and none cached in $cache_root"
 	emit "$dir"
 	exit 0
 fi

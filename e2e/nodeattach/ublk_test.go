@@ -32,6 +32,27 @@ func TestNodeAttachUblkInVM(t *testing.T) {
 	runGuestTests(t, cfg, names)
 }
 
+// ublkNewestTests run on the newest kernel too: the Node service's flow
+// with online expansion, attach, and recovery after a SIGKILL on that
+// driver. (All of ublkTests pass there as well; the rest stay on 6.12 to
+// keep the suite's time.)
+var ublkNewestTests = []string{"TestNodeServiceUblk", "TestUblkTransportAttach", "TestUblkProcessKilledMidWrite"}
+
+// TestNodeAttachUblkNewestInVM boots the newest kernel Debian ships
+// (backports), whose ublk driver resizes a device online, and runs
+// ublkNewestTests in it.
+func TestNodeAttachUblkNewestInVM(t *testing.T) {
+	if os.Getenv("MPNBD_IN_VM") == "1" {
+		t.Skip("already inside the VM")
+	}
+	names := selectGuestTests(t, ublkNewestTests)
+	cfg := vm.DefaultNewest(t)
+	cfg.MemoryMB = 2048
+	cfg.Timeout = 15 * time.Minute
+	addFaultTools(t, &cfg)
+	runGuestTests(t, cfg, names)
+}
+
 func requireUblkGuest(t *testing.T) {
 	t.Helper()
 	requireGuest(t)

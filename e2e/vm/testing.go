@@ -170,6 +170,34 @@ func DefaultUblk(t testing.TB) Config {
 	return configFor(t, ublkKernelInfo)
 }
 
+// NewestKernelSuite is where DefaultNewest takes its kernel: Debian 13's
+// backports, whose kernel follows the newest stable release (7.3 at the
+// time of writing), with a ublk driver that can resize a device online
+// (UBLK_F_UPDATE_SIZE, Linux 6.14 and later).
+const NewestKernelSuite = "trixie-backports"
+
+var (
+	newestKernelOnce sync.Once
+	newestKernelInfo Kernel
+	newestKernelErr  error
+)
+
+// DefaultNewest is Default on the kernel that linux-image-amd64 of
+// NewestKernelSuite depends on, with ublk_drv loaded besides Default's
+// modules.
+func DefaultNewest(t testing.TB) Config {
+	t.Helper()
+	checkHost(t)
+	newestKernelOnce.Do(func() {
+		newestKernelInfo, newestKernelErr = loadKernel("MPNBD_VM_KERNEL_SUITE="+NewestKernelSuite,
+			"MPNBD_VM_KERNEL_META=linux-image-amd64", "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4")
+	})
+	if newestKernelErr != nil {
+		unavailable(t, "no guest kernel from %s: %v", NewestKernelSuite, newestKernelErr)
+	}
+	return configFor(t, newestKernelInfo)
+}
+
 // Default returns a Config for tests: the cached Debian cloud kernel with
 // the nbd, veth, sch_tbf, sch_netem, loop and brd modules loaded (nbd with
 // nbds_max=8, brd providing a 128 MiB /dev/ram0), iproute2 and e2fsprogs
