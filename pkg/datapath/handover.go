@@ -56,6 +56,10 @@ const (
 	maxFiles    = 16
 )
 
+// retryInterval is how long a successor waits before it asks again for
+// the volumes that stayed with its predecessor.
+var retryInterval = 2 * time.Second
+
 // handoverMsg is one message of the exchange.
 type handoverMsg struct {
 	Op       string          `json:"op,omitempty"` // "handover", from the successor
@@ -215,8 +219,11 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire
 	left := len(h.Volumes())
 	log.Info("volumes handed to the successor", "moved", moved, "left", left)
 	if left > 0 {
-		// What did not move is still served here, until this process ends.
-		log.Warn("some volumes stayed with this process: they are served until it ends, then taken over as after a crash", "left", left)
+		// What did not move is still served here, calls included, until
+		// the successor asks again (it does until nothing is left) or
+		// this process ends.
+		log.Warn("some volumes stayed with this process: serving them until the successor asks again", "left", left)
+		unretire()
 	}
 }
 
@@ -276,44 +283,81 @@ func TakeOver(ctx context.Context, path string, h Handing, log *slog.Logger) ([]
 
 // TakeOverGeneration is TakeOver for a datapath of generation gen (see
 // ServeGeneration); ErrSuperseded says the running one is newer.
+//
+// A volume the predecessor cannot hand over (it could not quiesce it: its
+// storage node is away), or that h cannot take, stays with the
+// predecessor, which serves it on; TakeOverGeneration asks again every
+// retryInterval (after a broken exchange too) until no volume is left
+// there, the predecessor is gone (what it served is then adopted, as
+// after a crash) or ctx ends. It
+// never returns while a live predecessor serves a volume, so that its
+// caller, which adopts what it finds next, never serves a volume twice.
 func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, log *slog.Logger) ([]*attach.Attachment, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	var all []*attach.Attachment
+	for round := 1; ; round++ {
+		taken, left, err := takeOverRound(ctx, path, gen, h, log)
+		all = append(all, taken...)
+		switch {
+		case errors.Is(err, ErrSuperseded):
+			return all, err
+		case err == nil && left == 0:
+			return all, nil
+		case err != nil:
+			// The predecessor serves on what it did not hand over; if it
+			// is gone, the next round finds nobody and returns.
+			log.Warn("a handover round broke off; asking again", "error", err, "round", round, "taken", len(all))
+		default:
+			log.Warn("volumes stay with the running datapath; asking again (this one is not ready until they move or the other ends)",
+				"left", left, "round", round, "taken", len(all))
+		}
+		select {
+		case <-ctx.Done():
+			return all, fmt.Errorf("datapath: volumes still with the predecessor: %w", ctx.Err())
+		case <-time.After(retryInterval):
+		}
+	}
+}
+
+// takeOverRound is one exchange with the predecessor: what it took, and
+// how many volumes stayed.
+func takeOverRound(ctx context.Context, path string, gen int64, h Handing, log *slog.Logger) (taken []*attach.Attachment, left int, err error) {
 	d := net.Dialer{Timeout: 5 * time.Second}
 	nc, err := d.DialContext(ctx, "unix", HandoverPath(path))
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED) {
-		return nil, nil
+		return nil, 0, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("datapath: reach the predecessor: %w", err)
+		return nil, 0, fmt.Errorf("datapath: reach the predecessor: %w", err)
 	}
 	c := nc.(*net.UnixConn)
 	defer c.Close()
 	if err := writeMsg(c, handoverMsg{Op: "handover", Generation: gen}, nil); err != nil {
-		return nil, fmt.Errorf("datapath: handover request: %w", err)
+		return nil, 0, fmt.Errorf("datapath: handover request: %w", err)
 	}
 	log.Info("taking the volumes over from the running datapath")
-	var taken []*attach.Attachment
 	for {
 		m, files, err := readMsg(c, quiesceTimeout+stepTimeout)
 		if err != nil {
-			return taken, fmt.Errorf("datapath: handover: %w", err)
+			return taken, 0, fmt.Errorf("datapath: handover: %w", err)
 		}
 		switch {
 		case m.Superseded:
-			return nil, ErrSuperseded
+			return nil, 0, ErrSuperseded
 		case m.Done:
-			log.Info("handover complete", "taken", len(taken))
-			return taken, nil
+			log.Info("handover round complete", "taken", len(taken), "left", left)
+			return taken, left, nil
 		case m.Error != "":
 			log.Warn("a volume stays with the predecessor", "error", m.Error)
+			left++
 			continue
 		case m.Handoff == nil:
 			for _, f := range files {
 				f.Close()
 			}
-			return taken, errors.New("datapath: handover: a message with neither volume nor end")
+			return taken, 0, errors.New("datapath: handover: a message with neither volume nor end")
 		}
 		ho := m.Handoff
 		ho.Files = files
@@ -322,14 +366,15 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 			log.Error("cannot take a volume over; the predecessor serves it on", "volume_id", ho.VolumeID, "error", err)
 			no := false
 			if werr := writeMsg(c, handoverMsg{Ready: &no, Error: err.Error()}, nil); werr != nil {
-				return taken, werr
+				return taken, 0, werr
 			}
+			left++
 			continue
 		}
 		yes := true
 		if err := writeMsg(c, handoverMsg{Ready: &yes}, nil); err != nil {
 			ho.Abort()
-			return taken, fmt.Errorf("datapath: handover: %w", err)
+			return taken, 0, fmt.Errorf("datapath: handover: %w", err)
 		}
 		// Released, or the predecessor is gone after our readiness: it let
 		// the volume go (or died, which lets it go too).
@@ -339,7 +384,7 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 		}
 		if rerr == nil && !rm.Released {
 			ho.Abort()
-			return taken, errors.New("datapath: handover: expected the release")
+			return taken, 0, errors.New("datapath: handover: expected the release")
 		}
 		if err := ho.Start(); err != nil {
 			log.Error("a volume taken over did not start; it is taken over again by the next attach", "volume_id", ho.VolumeID, "error", err)
@@ -347,7 +392,7 @@ func TakeOverGeneration(ctx context.Context, path string, gen int64, h Handing, 
 			taken = append(taken, att)
 		}
 		if rerr != nil {
-			return taken, fmt.Errorf("datapath: handover: the predecessor went away: %w", rerr)
+			return taken, 0, fmt.Errorf("datapath: handover: the predecessor went away: %w", rerr)
 		}
 	}
 }

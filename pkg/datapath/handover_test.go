@@ -23,7 +23,7 @@ type handing struct {
 	*fakeService
 	mu       sync.Mutex
 	pipes    map[string]*os.File // write ends, by volume
-	refuse   map[string]bool     // HandOff fails
+	refuse   map[string]int      // HandOff fails that many more times
 	noTake   bool                // TakeHandoff fails
 	resumed  []string
 	released []string
@@ -32,7 +32,7 @@ type handing struct {
 
 func newHanding(t *testing.T, vols ...string) *handing {
 	h := &handing{fakeService: &fakeService{attached: map[string]attach.Transport{}}, pipes: map[string]*os.File{},
-		refuse: map[string]bool{}, started: map[string]*os.File{}}
+		refuse: map[string]int{}, started: map[string]*os.File{}}
 	for _, v := range vols {
 		h.attached[v] = attach.Relay
 	}
@@ -50,7 +50,13 @@ func (h *handing) Volumes() map[string]attach.Transport {
 }
 
 func (h *handing) HandOff(ctx context.Context, id string) (*attach.Handoff, error) {
-	if h.refuse[id] {
+	h.mu.Lock()
+	refuse := h.refuse[id] > 0
+	if refuse {
+		h.refuse[id]--
+	}
+	h.mu.Unlock()
+	if refuse {
 		return nil, fmt.Errorf("%s: storage node away", id)
 	}
 	r, w, err := os.Pipe()
@@ -143,19 +149,49 @@ func waitSocket(t *testing.T, p string) {
 	}
 }
 
+// fastRetries makes a successor ask again after d for what stayed.
+func fastRetries(t *testing.T, d time.Duration) {
+	old := retryInterval
+	retryInterval = d
+	t.Cleanup(func() { retryInterval = old })
+}
+
+// TestHandoverMovesVolumesWithTheirFiles: every volume moves with the very
+// file it is held by; one that cannot quiesce at first (its storage node
+// away) stays with the predecessor, which serves it on, calls included,
+// until a later round moves it too.
 func TestHandoverMovesVolumesWithTheirFiles(t *testing.T) {
+	fastRetries(t, 300*time.Millisecond) // time for calls between the rounds
 	pred := newHanding(t, "v1", "v2", "v3")
-	pred.refuse["v2"] = true
+	pred.refuse["v2"] = 2
 	path := servePredecessor(t, pred)
 	succ := newHanding(t)
+	// Between the rounds the predecessor answers the node plugin's calls
+	// for the volume it kept.
+	served := make(chan error, 1)
+	go func() {
+		c := &Client{Path: path}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			_, _, err := c.Health("v2")
+			if err == nil || time.Now().After(deadline) {
+				served <- err
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
 	taken, err := TakeOver(t.Context(), path, succ, quiet())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(taken) != 2 {
-		t.Fatalf("taken %v, want v1 and v3", taken)
+	if len(taken) != 3 {
+		t.Fatalf("taken %v, want v1, v2 and v3", taken)
 	}
-	for _, id := range []string{"v1", "v3"} {
+	if err := <-served; err != nil {
+		t.Fatalf("the predecessor did not serve calls for the volume it kept between the rounds: %v", err)
+	}
+	for _, id := range []string{"v1", "v2", "v3"} {
 		succ.mu.Lock()
 		f := succ.started[id]
 		succ.mu.Unlock()
@@ -175,11 +211,11 @@ func TestHandoverMovesVolumesWithTheirFiles(t *testing.T) {
 			t.Fatalf("%s: the successor's file reads %q, %v: not the predecessor's", id, b, err)
 		}
 	}
-	if resumed, released := pred.log(); len(released) != 2 || len(resumed) != 0 {
+	if resumed, released := pred.log(); len(released) != 3 || len(resumed) != 0 {
 		t.Fatalf("predecessor released %v, resumed %v", released, resumed)
 	}
-	if _, ok := pred.Volumes()["v2"]; !ok {
-		t.Fatal("the volume that did not quiesce left the predecessor")
+	if left := pred.Volumes(); len(left) != 0 {
+		t.Fatalf("left with the predecessor: %v", left)
 	}
 	// The predecessor sends the node plugin on to the successor.
 	c := &Client{Path: path}
@@ -188,17 +224,29 @@ func TestHandoverMovesVolumesWithTheirFiles(t *testing.T) {
 	}
 }
 
+// TestHandoverSuccessorRefuses: a successor that cannot take a volume
+// leaves it with the predecessor, and keeps asking instead of returning
+// (its caller would adopt the volume next: two servers).
 func TestHandoverSuccessorRefuses(t *testing.T) {
+	fastRetries(t, 50*time.Millisecond)
 	pred := newHanding(t, "v1")
 	path := servePredecessor(t, pred)
 	succ := newHanding(t)
 	succ.noTake = true
-	taken, err := TakeOver(t.Context(), path, succ, quiet())
-	if err != nil || len(taken) != 0 {
-		t.Fatalf("taken %v, %v", taken, err)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+	defer cancel()
+	taken, err := TakeOver(ctx, path, succ, quiet())
+	if !errors.Is(err, context.DeadlineExceeded) || len(taken) != 0 {
+		t.Fatalf("taken %v, %v; want nothing and the context's end", taken, err)
 	}
-	if resumed, released := pred.log(); len(resumed) != 1 || len(released) != 0 {
-		t.Fatalf("predecessor resumed %v, released %v; want v1 resumed", resumed, released)
+	if resumed, released := pred.log(); len(resumed) < 2 || len(released) != 0 {
+		t.Fatalf("predecessor resumed %v, released %v; want v1 resumed after each of several rounds", resumed, released)
+	}
+	if _, ok := pred.Volumes()["v1"]; !ok {
+		t.Fatal("the volume left the predecessor")
+	}
+	if _, _, err := (&Client{Path: path}).Health("v1"); err != nil {
+		t.Fatalf("the predecessor does not serve calls for the volume it kept: %v", err)
 	}
 }
 
