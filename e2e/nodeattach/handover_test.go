@@ -106,3 +106,102 @@ func TestDatapathHandover(t *testing.T) {
 		})
 	}
 }
+
+// TestDatapathHandoverDuringOutage: a planned upgrade meets a storage
+// outage. Debian's nbd-server is SIGKILLed under fio and a successor
+// datapath starts while it is down. Where the volume's data passes
+// through the datapath (relay, ublk), the predecessor cannot quiesce it
+// (what it took is unanswered, what it acknowledged unflushed), so it
+// keeps serving it and the successor waits, not ready, instead of adopting
+// it beside a live predecessor; once the server is back the volume moves
+// and the predecessor is SIGKILLed. Where the kernel holds the
+// connections and the I/O (tcp, kernel), the datapath only redials: the
+// volume moves at once, the predecessor is SIGKILLed in the outage, and
+// the successor alone brings the device back. Either way fio ends with
+// no error, every block verifies, and the device reads back the server's
+// file.
+func TestDatapathHandoverDuringOutage(t *testing.T) {
+	requireGuest(t)
+	requireFaultTools(t)
+	outage := 15 * time.Second
+	for _, mode := range handoverModes() {
+		t.Run(string(mode), func(t *testing.T) {
+			if mode == attach.Ublk && ublk.Available() != nil {
+				t.Skipf("no ublk: %v", ublk.Available())
+			}
+			tp := guestTopology(t)
+			srv := startDebianServer(t, tp, faultExportSize)
+			state := t.TempDir()
+			cs := childSpec{ClientNS: tp.ClientNS, Target: srv.target(volID(t)), StateDir: state, Mode: mode,
+				Datapath: filepath.Join(state, "datapath.sock")}
+			prev, dev, _ := startChildTaken(t, cs)
+			stuck := func(what string) { reportStuck(t, dev, what, "(served by a datapath process)") }
+			before := writeIOs(dev)
+			f := startFio(t, dev, int(time.Now().UnixNano()%1000000)+11)
+			waitWrites(t, f, dev, before, 256)
+			n := srv.kill()
+			down := time.Now()
+			t.Logf("SIGKILL nbd-server (%d processes) after %d writes; a successor datapath starts", n, writeIOs(dev)-before)
+			next, said := startChildAsync(t, cs)
+			taken := func(s childSaid) {
+				t.Helper()
+				if s.taken != 1 || s.dev != dev {
+					t.Fatalf("the successor took %d volumes, device %s; want 1, %s", s.taken, s.dev, dev)
+				}
+				prev.Process.Kill()
+				prev.Wait()
+			}
+			quiesces := mode == attach.Relay || mode == attach.Ublk
+			if quiesces {
+				// The outage lasts: the successor must not be ready in it.
+				if s, ok := awaitChild(t, said, outage); ok {
+					t.Fatalf("the successor took %d volumes (device %s) %v into the outage: the predecessor cannot have quiesced",
+						s.taken, s.dev, time.Since(down).Round(time.Millisecond))
+				}
+			} else {
+				s, ok := awaitChild(t, said, 2*time.Minute)
+				if !ok {
+					t.Fatal("the successor did not take the volume within 2 minutes")
+				}
+				taken(s)
+				t.Logf("handed over %v into the outage; predecessor SIGKILLed", time.Since(down).Round(time.Millisecond))
+				holdRunning(t, f, outage-time.Since(down), "the outage")
+			}
+			if !f.running() {
+				t.Fatalf("fio ended during the outage: %v\n%s", f.res, tail(f.res.output, 40))
+			}
+			if err := srv.start(); err != nil {
+				t.Fatalf("restart nbd-server: %v", err)
+			}
+			back := time.Now()
+			if quiesces {
+				s, ok := awaitChild(t, said, 2*time.Minute)
+				if !ok {
+					stuck("the handover after the outage")
+					t.Fatal("the successor did not take the volume within 2 minutes of the server's return")
+				}
+				taken(s)
+				t.Logf("handed over %v after the server came back (outage %v); predecessor SIGKILLed",
+					time.Since(back).Round(time.Millisecond), back.Sub(down).Round(time.Millisecond))
+			}
+			res := f.wait(t, roundLimit, stuck)
+			if !res.ok() {
+				t.Fatalf("fio across an outage with a handover in it: %v\n%s", res, tail(res.output, 40))
+			}
+			t.Logf("fio across the outage and the handover: %v", res)
+			compareWithImage(t, srv.image, dev, stuck)
+			c := &datapath.Client{Path: cs.Datapath}
+			tr, h, err := c.Health(cs.Target.VolumeID)
+			if err != nil || tr != mode || !h.Connected {
+				t.Fatalf("health from the successor: %s %+v %v", tr, h, err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			if err := c.Detach(ctx, cs.Target.VolumeID); err != nil {
+				t.Fatalf("detach through the successor: %v", err)
+			}
+			next.Process.Kill()
+			next.Wait()
+		})
+	}
+}

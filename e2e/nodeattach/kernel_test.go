@@ -22,7 +22,7 @@ const envMPTCPKernel = "MPNBD_VM_NBD_MPTCP"
 var mptcpKernelTests = []string{"TestKernelTransportAttach", "TestKernelTransportPathFlap",
 	"TestKernelTransportServerRestart", "TestKernelTransportAuto", "TestTransportsServerKills",
 	"TestTransportsLongOutage", "TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout",
-	"TestReadoptHealthyDevices", "TestUblkTransportAttach", "TestUblkProcessKilledMidWrite", "TestDatapathHandover"}
+	"TestReadoptHealthyDevices", "TestUblkTransportAttach", "TestUblkProcessKilledMidWrite", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
 
 // TestNodeAttachMPTCPKernelInVM boots the VM with the kernel whose nbd
 // accepts MPTCP sockets (built by hack/vm-kernel-mptcp.sh; the test skips

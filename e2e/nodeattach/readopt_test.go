@@ -195,6 +195,24 @@ func startChild(t *testing.T, cs childSpec) (*exec.Cmd, string) {
 // number of volumes it took over from a datapath (-1 if it said nothing).
 func startChildTaken(t *testing.T, cs childSpec) (*exec.Cmd, string, int) {
 	t.Helper()
+	cmd, ch := startChildAsync(t, cs)
+	s, ok := awaitChild(t, ch, 2*time.Minute)
+	if !ok {
+		t.Fatal("attaching process did not attach in time")
+	}
+	return cmd, s.dev, s.taken
+}
+
+// childSaid is what a child reported once it attached.
+type childSaid struct {
+	dev   string
+	taken int
+}
+
+// startChildAsync starts the child; its report arrives on the channel,
+// which is closed without one if the child exits first.
+func startChildAsync(t *testing.T, cs childSpec) (*exec.Cmd, <-chan childSaid) {
+	t.Helper()
 	spec, _ := json.Marshal(cs)
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v")
 	cmd.Env = append(os.Environ(), "MPNBD_ATTACH_CHILD="+string(spec))
@@ -207,11 +225,7 @@ func startChildTaken(t *testing.T, cs childSpec) (*exec.Cmd, string, int) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	type said struct {
-		dev   string
-		taken int
-	}
-	ch := make(chan said, 1)
+	ch := make(chan childSaid, 1)
 	go func() {
 		taken := -1
 		sc := bufio.NewScanner(out)
@@ -223,21 +237,27 @@ func startChildTaken(t *testing.T, cs childSpec) (*exec.Cmd, string, int) {
 			}
 			fmt.Sscanf(line, "TAKEN %d", &taken)
 			if d, ok := strings.CutPrefix(line, "ATTACHED "); ok {
-				ch <- said{d, taken}
+				ch <- childSaid{d, taken}
 			}
 		}
 		close(ch)
 	}()
+	return cmd, ch
+}
+
+// awaitChild waits up to d for a child's report; ok is false if none came
+// in time. A child that exits without attaching fails the test.
+func awaitChild(t *testing.T, ch <-chan childSaid, d time.Duration) (childSaid, bool) {
+	t.Helper()
 	select {
 	case s, ok := <-ch:
 		if !ok {
 			t.Fatal("attaching process exited without attaching")
 		}
-		return cmd, s.dev, s.taken
-	case <-time.After(2 * time.Minute):
-		t.Fatal("attaching process did not attach in time")
+		return s, true
+	case <-time.After(d):
+		return childSaid{}, false
 	}
-	return nil, "", 0
 }
 
 // waitDial waits for a unix socket to answer.

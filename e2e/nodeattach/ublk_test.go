@@ -15,7 +15,7 @@ import (
 )
 
 // ublkTests are the guest tests TestNodeAttachUblkInVM runs.
-var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite", "TestDatapathHandover"}
+var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
 
 // TestNodeAttachUblkInVM boots Debian's stock 6.12 kernel, which has
 // ublk_drv (and an nbd that refuses MPTCP), and runs the ublk transport's
