@@ -89,21 +89,28 @@ func TestDatapathHandover(t *testing.T) {
 			}
 			t.Logf("fio across two handovers: %v", res)
 			compareWithImage(t, st.path, dev, stuck)
-			c := &datapath.Client{Path: cs.Datapath}
-			tr, h, err := c.Health(cs.Target.VolumeID)
-			if err != nil || tr != mode || !h.Connected {
-				t.Fatalf("health from the last datapath: %s %+v %v", tr, h, err)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			if err := c.Detach(ctx, cs.Target.VolumeID); err != nil {
-				t.Fatalf("detach through the last datapath: %v", err)
-			}
+			healthyDetach(t, cs, mode)
 			waitServerConns(t, st, 0)
 			if _, err := os.Stat(dev); err == nil && mode == attach.Ublk {
 				t.Fatalf("%s still exists after the detach", dev)
 			}
 		})
+	}
+}
+
+// healthyDetach checks that the datapath serving cs's socket reports the
+// volume connected over mode, and detaches it through that datapath.
+func healthyDetach(t *testing.T, cs childSpec, mode attach.Transport) {
+	t.Helper()
+	c := &datapath.Client{Path: cs.Datapath}
+	tr, h, err := c.Health(cs.Target.VolumeID)
+	if err != nil || tr != mode || !h.Connected {
+		t.Fatalf("health from the serving datapath: %s %+v %v", tr, h, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := c.Detach(ctx, cs.Target.VolumeID); err != nil {
+		t.Fatalf("detach through the serving datapath: %v", err)
 	}
 }
 
@@ -190,16 +197,7 @@ func TestDatapathHandoverDuringOutage(t *testing.T) {
 			}
 			t.Logf("fio across the outage and the handover: %v", res)
 			compareWithImage(t, srv.image, dev, stuck)
-			c := &datapath.Client{Path: cs.Datapath}
-			tr, h, err := c.Health(cs.Target.VolumeID)
-			if err != nil || tr != mode || !h.Connected {
-				t.Fatalf("health from the successor: %s %+v %v", tr, h, err)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			if err := c.Detach(ctx, cs.Target.VolumeID); err != nil {
-				t.Fatalf("detach through the successor: %v", err)
-			}
+			healthyDetach(t, cs, mode)
 			next.Process.Kill()
 			next.Wait()
 		})

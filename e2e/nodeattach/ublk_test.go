@@ -24,12 +24,7 @@ func TestNodeAttachUblkInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	names := selectGuestTests(t, ublkTests)
-	cfg := vm.DefaultUblk(t)
-	cfg.MemoryMB = 2048
-	cfg.Timeout = 15 * time.Minute
-	addFaultTools(t, &cfg)
-	runGuestTests(t, cfg, names)
+	runUblkGuestTests(t, ublkTests, vm.DefaultUblk)
 }
 
 // ublkNewestTests run on the newest kernel too: the Node service's flow
@@ -45,8 +40,15 @@ func TestNodeAttachUblkNewestInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	names := selectGuestTests(t, ublkNewestTests)
-	cfg := vm.DefaultNewest(t)
+	runUblkGuestTests(t, ublkNewestTests, vm.DefaultNewest)
+}
+
+// runUblkGuestTests runs the selected ones of names in a VM booting the
+// kernel of kernel.
+func runUblkGuestTests(t *testing.T, names []string, kernel func(testing.TB) vm.Config) {
+	t.Helper()
+	names = selectGuestTests(t, names)
+	cfg := kernel(t)
 	cfg.MemoryMB = 2048
 	cfg.Timeout = 15 * time.Minute
 	addFaultTools(t, &cfg)

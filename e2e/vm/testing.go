@@ -146,28 +146,38 @@ func loadKernel(env ...string) (Kernel, error) {
 // names another.
 const UblkKernelPackage = "linux-image-6.12.117+deb12-amd64"
 
-var (
-	ublkKernelOnce sync.Once
-	ublkKernelInfo Kernel
-	ublkKernelErr  error
-)
+// cachedKernel is a kernel loaded once per test binary.
+type cachedKernel struct {
+	once sync.Once
+	k    Kernel
+	err  error
+}
+
+// config loads the kernel (hack/vm-kernel.sh with env) on first use and
+// returns a Config booting it, or skips (fails, with MPNBD_VM_REQUIRE)
+// saying that what is missing.
+func (c *cachedKernel) config(t testing.TB, what string, env ...string) Config {
+	t.Helper()
+	checkHost(t)
+	c.once.Do(func() { c.k, c.err = loadKernel(env...) })
+	if c.err != nil {
+		unavailable(t, "no %s: %v", what, c.err)
+	}
+	return configFor(t, c.k)
+}
+
+var ublkKernel cachedKernel
 
 // DefaultUblk is Default on UblkKernelPackage, with ublk_drv loaded
 // besides Default's modules: /dev/ublk-control exists in the guest.
 func DefaultUblk(t testing.TB) Config {
 	t.Helper()
-	checkHost(t)
-	ublkKernelOnce.Do(func() {
-		pkg := os.Getenv("MPNBD_VM_UBLK_KERNEL_PKG")
-		if pkg == "" {
-			pkg = UblkKernelPackage
-		}
-		ublkKernelInfo, ublkKernelErr = loadKernel("MPNBD_VM_KERNEL_PKG="+pkg, "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4 crc32c_generic")
-	})
-	if ublkKernelErr != nil {
-		unavailable(t, "no ublk guest kernel: %v", ublkKernelErr)
+	pkg := os.Getenv("MPNBD_VM_UBLK_KERNEL_PKG")
+	if pkg == "" {
+		pkg = UblkKernelPackage
 	}
-	return configFor(t, ublkKernelInfo)
+	return ublkKernel.config(t, "ublk guest kernel", "MPNBD_VM_KERNEL_PKG="+pkg,
+		"MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4 crc32c_generic")
 }
 
 // NewestKernelSuite is where DefaultNewest takes its kernel: Debian 13's
@@ -176,26 +186,15 @@ func DefaultUblk(t testing.TB) Config {
 // (UBLK_F_UPDATE_SIZE, Linux 6.14 and later).
 const NewestKernelSuite = "trixie-backports"
 
-var (
-	newestKernelOnce sync.Once
-	newestKernelInfo Kernel
-	newestKernelErr  error
-)
+var newestKernel cachedKernel
 
 // DefaultNewest is Default on the kernel that linux-image-amd64 of
 // NewestKernelSuite depends on, with ublk_drv loaded besides Default's
 // modules.
 func DefaultNewest(t testing.TB) Config {
 	t.Helper()
-	checkHost(t)
-	newestKernelOnce.Do(func() {
-		newestKernelInfo, newestKernelErr = loadKernel("MPNBD_VM_KERNEL_SUITE="+NewestKernelSuite,
-			"MPNBD_VM_KERNEL_META=linux-image-amd64", "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4")
-	})
-	if newestKernelErr != nil {
-		unavailable(t, "no guest kernel from %s: %v", NewestKernelSuite, newestKernelErr)
-	}
-	return configFor(t, newestKernelInfo)
+	return newestKernel.config(t, "guest kernel from "+NewestKernelSuite, "MPNBD_VM_KERNEL_SUITE="+NewestKernelSuite,
+		"MPNBD_VM_KERNEL_META=linux-image-amd64", "MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4")
 }
 
 // Default returns a Config for tests: the cached Debian cloud kernel with

@@ -32,20 +32,26 @@ func startLocal(t *testing.T, remote net.Conn, dial Dialer, o Options) *Relay {
 	return r
 }
 
-// TestCallsRideOutServerRestarts: block I/O through an in-process relay
-// sees no error while the server is killed and restarted under it, and
-// every byte reads back.
-func TestCallsRideOutServerRestarts(t *testing.T) {
-	checkGoroutines(t)
-	ts := newTestServer(t, 8<<20, false)
+// startCalls starts a test server of size bytes and, in front of it, a
+// relay without a local connection (a session) and a client on it.
+func startCalls(t *testing.T, size int64, o Options) (*testServer, *Relay, *nbd.Client) {
+	t.Helper()
+	ts := newTestServer(t, size, false)
 	dial := sessionDialer(ts.addr, nbd.NewSessionID())
 	remote, err := dial(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	info := remote.(*Remote).Info
-	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond})
-	cl := nbd.NewClientOn(info, r, quietLogger())
+	r := startLocal(t, remote, dial, o)
+	return ts, r, nbd.NewClientOn(remote.(*Remote).Info, r, quietLogger())
+}
+
+// TestCallsRideOutServerRestarts: block I/O through an in-process relay
+// sees no error while the server is killed and restarted under it, and
+// every byte reads back.
+func TestCallsRideOutServerRestarts(t *testing.T) {
+	checkGoroutines(t)
+	ts, r, cl := startCalls(t, 8<<20, Options{ReconnectBackoff: time.Millisecond})
 	want := randomData(8<<20, 3)
 	for i := 0; i < 32; i++ {
 		off := int64(i) * 256 << 10
@@ -93,17 +99,9 @@ func TestCallsRideOutServerRestarts(t *testing.T) {
 // that stays away fail with an EIO reply, and the relay serves them again
 // once the server is back.
 func TestCallsFailAfter(t *testing.T) {
-	ts := newTestServer(t, 1<<20, false)
-	dial := sessionDialer(ts.addr, nbd.NewSessionID())
-	remote, err := dial(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	info := remote.(*Remote).Info
-	r := startLocal(t, remote, dial, Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, FailAfter: 300 * time.Millisecond})
-	cl := nbd.NewClientOn(info, r, quietLogger())
+	ts, _, cl := startCalls(t, 1<<20, Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, FailAfter: 300 * time.Millisecond})
 	ts.kill()
-	_, err = cl.WriteAt(make([]byte, 4096), 0)
+	_, err := cl.WriteAt(make([]byte, 4096), 0)
 	var nerr *nbd.Error
 	if !errors.As(err, &nerr) || nerr.Errno != nbd.EIO {
 		t.Fatalf("write with the server gone: %v, want an EIO reply", err)
@@ -126,15 +124,7 @@ func TestCallsFailAfter(t *testing.T) {
 // one that is not a write, or whose buffer is shorter than its length, is
 // refused and sends nothing.
 func TestWriteOwned(t *testing.T) {
-	ts := newTestServer(t, 1<<20, false)
-	dial := sessionDialer(ts.addr, nbd.NewSessionID())
-	remote, err := dial(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	info := remote.(*Remote).Info
-	r := startLocal(t, remote, dial, Options{})
-	cl := nbd.NewClientOn(info, r, quietLogger())
+	_, r, cl := startCalls(t, 1<<20, Options{})
 	want := randomData(256<<10, 5)
 	buf := Buffer(len(want))
 	copy(*buf, want)
