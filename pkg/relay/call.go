@@ -3,6 +3,7 @@ package relay
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -17,11 +18,14 @@ import (
 // ErrClosed fails calls made after the relay ended or pending when it did.
 var ErrClosed = errors.New("relay: closed")
 
-// call is one in-process request waiting for its reply.
+// call is one in-process request waiting for its reply: a caller waits
+// on done (RoundTrip), or fn is called with the outcome (Start).
 type call struct {
 	dst  []byte
 	cmd  uint16
 	done chan error
+	fn   func(error)
+	once atomic.Bool
 }
 
 // finish and fail may race (a reply against the relay's end); the first
@@ -31,10 +35,7 @@ func (c *call) finish(errno uint32) {
 	if errno != 0 {
 		err = &nbd.Error{Cmd: c.cmd, Errno: errno}
 	}
-	select {
-	case c.done <- err:
-	default:
-	}
+	c.deliver(err)
 }
 
 func (c *call) fail(err error) {
@@ -42,6 +43,16 @@ func (c *call) fail(err error) {
 		err = ErrClosed
 	} else {
 		err = fmt.Errorf("%w: %w", ErrClosed, err)
+	}
+	c.deliver(err)
+}
+
+func (c *call) deliver(err error) {
+	if c.fn != nil {
+		if c.once.CompareAndSwap(false, true) {
+			c.fn(err)
+		}
+		return
 	}
 	select {
 	case c.done <- err:
@@ -84,6 +95,70 @@ func (r *Relay) WriteOwned(req nbd.Request, buf *[]byte) error {
 }
 
 func (r *Relay) roundTrip(req nbd.Request, payload []byte, owned *[]byte, dst []byte) error {
+	c := &call{dst: dst, cmd: req.Type, done: make(chan error, 1)}
+	if err := r.start(req, payload, owned, c); err != nil {
+		return err
+	}
+	r.flushRemote()
+	var err error
+	select {
+	case err = <-c.done:
+	case <-r.ended:
+		// Entries enqueued after the end are never answered.
+		select {
+		case err = <-c.done:
+		default:
+			err = r.closedErr()
+		}
+	}
+	if err == nil && req.Type == nbd.CmdRead {
+		r.toLocal.Add(uint64(req.Length))
+	}
+	return err
+}
+
+// Start is RoundTrip without the wait, and without the write to the
+// server: the requests started one after another go out together with
+// the next Push (or with any request written before it). done is called
+// once with what RoundTrip would return: from the goroutine that reads
+// the replies, so it must be quick and must not call the relay, or from
+// Start itself if the request fails at once. owned, when not nil, is a
+// write's payload buffer the relay takes, as in WriteOwned (payload is
+// then ignored). Start may wait while the in-flight budget is spent (it
+// writes what was started first).
+func (r *Relay) Start(req nbd.Request, payload []byte, owned *[]byte, dst []byte, done func(error)) {
+	if owned != nil && (req.Type != nbd.CmdWrite || int(req.Length) > len(*owned)) {
+		putBuf(owned)
+		done(fmt.Errorf("relay: Start of %s with an owned buffer of %d bytes for %d", nbd.CmdName(req.Type), len(*owned), req.Length))
+		return
+	}
+	c := &call{dst: dst, cmd: req.Type}
+	read := req.Type == nbd.CmdRead
+	n := uint64(req.Length)
+	c.fn = func(err error) {
+		if err == nil && read {
+			r.toLocal.Add(n)
+		}
+		done(err)
+	}
+	if err := r.start(req, payload, owned, c); err != nil {
+		c.deliver(err)
+		return
+	}
+	select {
+	case <-r.ended:
+		// Entries enqueued after the end are never answered.
+		c.deliver(r.closedErr())
+	default:
+	}
+}
+
+// Push writes the requests Start queued to the server.
+func (r *Relay) Push() { r.flushRemote() }
+
+// start admits and queues one in-process request (its reply goes to c);
+// an error says it was not queued.
+func (r *Relay) start(req nbd.Request, payload []byte, owned *[]byte, c *call) error {
 	if r.local != nil {
 		putBuf(owned)
 		return fmt.Errorf("relay: RoundTrip on a relay with a local connection")
@@ -106,7 +181,6 @@ func (r *Relay) roundTrip(req nbd.Request, payload []byte, owned *[]byte, dst []
 		putBuf(owned)
 		return r.closedErr()
 	}
-	c := &call{dst: dst, cmd: req.Type, done: make(chan error, 1)}
 	e := getEntry()
 	r.mu.Lock()
 	closing := r.closing
@@ -137,23 +211,8 @@ func (r *Relay) roundTrip(req nbd.Request, payload []byte, owned *[]byte, dst []
 	if err := r.enqueue(e); err != nil {
 		r.end(err)
 	}
-	r.flushRemote()
 	r.fromLocal.Add(uint64(cost))
-	var err error
-	select {
-	case err = <-c.done:
-	case <-r.ended:
-		// Entries enqueued after the end are never answered.
-		select {
-		case err = <-c.done:
-		default:
-			err = r.closedErr()
-		}
-	}
-	if err == nil && req.Type == nbd.CmdRead {
-		r.toLocal.Add(uint64(data))
-	}
-	return err
+	return nil
 }
 
 func (r *Relay) closedErr() error {

@@ -148,3 +148,64 @@ func TestWriteOwned(t *testing.T) {
 		t.Fatalf("a refused write reached the export (err %v)", err)
 	}
 }
+
+// TestStartAndPush: requests started one after another reach the server
+// together once pushed, each completion arrives once with its outcome (an
+// error reply as such), and a request started after Close fails at once.
+func TestStartAndPush(t *testing.T) {
+	_, r, cl := startCalls(t, 1<<20, Options{})
+	const n = 32
+	want := randomData(n*4096, 9)
+	results := make(chan error, n)
+	for i := 0; i < n; i++ {
+		var owned *[]byte
+		if i%2 == 1 {
+			owned = Buffer(4096)
+			copy(*owned, want[i*4096:(i+1)*4096])
+		}
+		r.Start(nbd.Request{Type: nbd.CmdWrite, Offset: uint64(i) * 4096, Length: 4096}, want[i*4096:(i+1)*4096], owned, nil,
+			func(err error) { results <- err })
+	}
+	r.Push()
+	for i := 0; i < n; i++ {
+		select {
+		case err := <-results:
+			if err != nil {
+				t.Fatalf("write %d: %v", i, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d of %d started writes completed in 10s", i, n)
+		}
+	}
+	got := make([]byte, len(want))
+	done := make(chan error, 2)
+	r.Start(nbd.Request{Type: nbd.CmdRead, Length: uint32(len(got))}, nil, nil, got, func(err error) { done <- err })
+	r.Start(nbd.Request{Type: nbd.CmdRead, Offset: 1 << 20, Length: 4096}, nil, nil, make([]byte, 4096), func(err error) { done <- err })
+	r.Push()
+	var nerr *nbd.Error
+	for i := 0; i < 2; i++ {
+		select {
+		case err := <-done:
+			if err != nil && !(errors.As(err, &nerr) && nerr.Errno == nbd.EINVAL) {
+				t.Fatalf("read: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a started read did not complete in 10s")
+		}
+	}
+	if nerr == nil {
+		t.Fatal("the read past the end did not get its EINVAL reply")
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("started writes read back different")
+	}
+	if err := cl.Close(); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	var after error
+	r.Start(nbd.Request{Type: nbd.CmdRead, Length: 4096}, nil, nil, make([]byte, 4096), func(err error) { calls++; after = err })
+	if calls != 1 || !errors.Is(after, ErrClosed) {
+		t.Fatalf("a request started after Close: %d completions, %v; want one, ErrClosed", calls, after)
+	}
+}

@@ -166,6 +166,7 @@ func TestCrashConsistency(t *testing.T) {
 	t.Run("kernel socket", func(t *testing.T) { crashConsistency(t, viaSocket) })
 	t.Run("in-process calls", func(t *testing.T) { crashConsistency(t, viaCalls) })
 	t.Run("in-process owned writes", func(t *testing.T) { crashConsistency(t, viaOwned) })
+	t.Run("in-process started requests", func(t *testing.T) { crashConsistency(t, viaStart) })
 }
 
 // How the workload reaches the relay.
@@ -173,6 +174,7 @@ const (
 	viaSocket = iota // a client on the kernel's end of the socket pair
 	viaCalls         // in-process calls (RoundTrip)
 	viaOwned         // in-process calls, writes handing their buffer over
+	viaStart         // Start and Push, reads and writes, every other write owned
 )
 
 // ownedWrites is a block client whose writes hand their buffer to the
@@ -182,6 +184,42 @@ type ownedWrites struct {
 	*nbd.Client
 	r *Relay
 }
+
+// startedRequests is a block client on Start and Push.
+type startedRequests struct {
+	*nbd.Client
+	r      *Relay
+	writes atomic.Int64
+}
+
+func (s *startedRequests) do(req nbd.Request, payload []byte, owned *[]byte, dst []byte) error {
+	done := make(chan error, 1)
+	s.r.Start(req, payload, owned, dst, func(err error) { done <- err })
+	s.r.Push()
+	return <-done
+}
+
+func (s *startedRequests) ReadAt(p []byte, off int64) (int, error) {
+	if err := s.do(nbd.Request{Type: nbd.CmdRead, Offset: uint64(off), Length: uint32(len(p))}, nil, nil, p); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+func (s *startedRequests) WriteAt(p []byte, off int64) (int, error) {
+	req := nbd.Request{Type: nbd.CmdWrite, Offset: uint64(off), Length: uint32(len(p))}
+	var owned *[]byte
+	if s.writes.Add(1)%2 == 0 {
+		owned = Buffer(len(p))
+		copy(*owned, p)
+	}
+	if err := s.do(req, p, owned, nil); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+func (s *startedRequests) Flush() error { return s.do(nbd.Request{Type: nbd.CmdFlush}, nil, nil, nil) }
 
 func (o ownedWrites) WriteAt(p []byte, off int64) (int, error) {
 	buf := Buffer(len(p))
@@ -232,8 +270,11 @@ func crashConsistency(t *testing.T, via int) {
 	if via != viaSocket {
 		relay = startLocal(t, remote, dial, o)
 		client = nbd.NewClientOn(info, relay, quietLogger())
-		if via == viaOwned {
+		switch via {
+		case viaOwned:
 			client = ownedWrites{client.(*nbd.Client), relay}
+		case viaStart:
+			client = &startedRequests{Client: client.(*nbd.Client), r: relay}
 		}
 	} else {
 		rg := newRig(t, remote, dial, &info, o)

@@ -42,6 +42,23 @@ type Keeper interface {
 	KeepWrite(buf *[]byte, n int, off int64, fua bool) error
 }
 
+// Starter is a Handler that can start reads and writes without waiting
+// for them: a queue's thread then starts every request of a batch itself
+// and pushes them out together, with no goroutine and no wake-up per
+// request.
+type Starter interface {
+	Handler
+	// StartIO starts a read into p (write false) or a write of p at off.
+	// kept, for a write, is p's buffer, which the handler takes (see
+	// Keeper), or nil. done is called once with the outcome, from any
+	// goroutine, and must be quick. StartIO returns false, having started
+	// and taken nothing, for a request it cannot start so: the queue then
+	// serves it through the Handler.
+	StartIO(write bool, p []byte, kept *[]byte, off int64, fua bool, done func(error)) bool
+	// Push sends out what StartIO started.
+	Push()
+}
+
 // Config describes a new device.
 type Config struct {
 	// Size of the device in bytes (a multiple of the logical block).
@@ -327,11 +344,12 @@ type queue struct {
 	// bufs holds every tag's buffer, unless the handler is a Keeper:
 	// then kept[tag] is the tag's buffer, replaced whenever the handler
 	// kept it.
-	bufs []byte
-	kept []*[]byte
-	keep Keeper
-	efd  int
-	ebuf [8]byte // the eventfd's counter is read into it
+	bufs  []byte
+	kept  []*[]byte
+	keep  Keeper
+	start Starter
+	efd   int
+	ebuf  [8]byte // the eventfd's counter is read into it
 
 	mu      sync.Mutex
 	done    []completion
@@ -404,6 +422,7 @@ func (q *queue) setup() error {
 	if q.descs, err = unix.Mmap(int(q.dev.char.Fd()), descOffset(int(q.id)), descAreaSize(q.depth), unix.PROT_READ, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
 		return fmt.Errorf("ublk: queue %d: map descriptors: %w", q.id, err)
 	}
+	q.start, _ = q.dev.h.(Starter)
 	if k, ok := q.dev.h.(Keeper); ok {
 		q.keep = k
 		q.kept = make([]*[]byte, q.depth)
@@ -495,11 +514,28 @@ func (q *queue) armEvent() error {
 // device stopped) or the queue is stopped.
 func (q *queue) loop() {
 	live := q.depth // tags with a command outstanding in the driver
+	// started: requests StartIO took that are not pushed out yet; they go
+	// when no completion is left to handle, before the thread sleeps.
+	started := false
+	defer func() {
+		if started {
+			q.start.Push()
+		}
+	}()
 	for {
-		c, err := q.ring.Wait()
-		if err != nil {
-			q.dev.log.Error("ublk: queue ring failed", "queue", q.id, "error", err)
-			return
+		c, ok := q.ring.Peek()
+		if ok {
+			q.ring.Seen()
+		} else {
+			if started {
+				q.start.Push()
+				started = false
+			}
+			var err error
+			if c, err = q.ring.Wait(); err != nil {
+				q.dev.log.Error("ublk: queue ring failed", "queue", q.id, "error", err)
+				return
+			}
 		}
 		if c.UserData == eventTag {
 			q.mu.Lock()
@@ -536,9 +572,49 @@ func (q *queue) loop() {
 			continue
 		}
 		desc := *(*ioDesc)(unsafe.Pointer(&q.descs[int(tag)*int(unsafe.Sizeof(ioDesc{}))]))
+		if q.startIO(tag, desc) {
+			started = true
+			continue
+		}
 		q.handlers.Add(1)
 		go q.handle(tag, desc)
 	}
+}
+
+// startIO starts a read or write through the Starter, if the handler is
+// one and takes it; it reports whether it did.
+func (q *queue) startIO(tag uint16, d ioDesc) bool {
+	op := d.opFlags & 0xff
+	if q.start == nil || (op != opRead && op != opWrite) {
+		return false
+	}
+	off := int64(d.startSector) << 9
+	n := int64(d.nrSectors) << 9
+	write := op == opWrite
+	p := q.buf(tag)[:n]
+	var kept *[]byte
+	if write && q.keep != nil && 2*n >= int64(q.maxIO) {
+		kept = q.kept[tag]
+	}
+	q.handlers.Add(1)
+	done := func(err error) {
+		res := int32(n)
+		if err != nil {
+			q.dev.log.Warn("ublk: request failed", "op", op, "offset", off, "length", n, "error", err)
+			res = -int32(syscall.EIO)
+		}
+		q.complete(tag, res)
+	}
+	if !q.start.StartIO(write, p, kept, off, d.opFlags&ioFlagFUA != 0, done) {
+		q.handlers.Done()
+		return false
+	}
+	if kept != nil {
+		// Taken: the tag's next requests land in a new buffer (set
+		// before this thread commits the tag, which only it does).
+		q.kept[tag] = q.keep.Buffer(q.maxIO)
+	}
+	return true
 }
 
 // handle runs one request through the handler and hands the result to
@@ -577,9 +653,13 @@ func (q *queue) handle(tag uint16, d ioDesc) {
 		q.dev.log.Warn("ublk: request failed", "op", d.opFlags&0xff, "offset", off, "length", n, "error", err)
 		res = -int32(syscall.EIO)
 	}
-	// One wake for every batch: the queue's thread takes all that is done
-	// when it wakes, so a completion that finds others waiting need not
-	// wake it again.
+	q.complete(tag, res)
+}
+
+// complete hands tag's result to the queue's thread, which commits it.
+// One wake for every batch: the thread takes all that is done when it
+// wakes, so a completion that finds others waiting need not wake it.
+func (q *queue) complete(tag uint16, res int32) {
 	q.mu.Lock()
 	first := len(q.done) == 0
 	q.done = append(q.done, completion{tag, res})

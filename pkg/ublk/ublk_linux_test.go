@@ -274,6 +274,105 @@ func TestKeeperBuffers(t *testing.T) {
 	}
 }
 
+// starter is a keeper that also starts requests, completing them later
+// from goroutines of its own, and declines every third one (by offset), which
+// the queue then serves through the Handler.
+type starter struct {
+	*keeper
+	started, declined, pushes atomic.Int64
+	mu                        sync.Mutex
+	pending                   []func()
+}
+
+func (s *starter) StartIO(write bool, p []byte, kept *[]byte, off int64, fua bool, done func(error)) bool {
+	if (off/4096)%3 == 0 {
+		s.declined.Add(1)
+		return false
+	}
+	s.started.Add(1)
+	s.mu.Lock()
+	s.pending = append(s.pending, func() {
+		var err error
+		switch {
+		case !write:
+			err = s.ReadAt(p, off)
+		case kept != nil:
+			err = s.KeepWrite(kept, len(p), off, fua)
+		default:
+			err = s.WriteAt(p, off, fua)
+		}
+		done(err)
+	})
+	s.mu.Unlock()
+	return true
+}
+
+// Push runs what was started, each in a goroutine of its own.
+func (s *starter) Push() {
+	s.pushes.Add(1)
+	s.mu.Lock()
+	run := s.pending
+	s.pending = nil
+	s.mu.Unlock()
+	for _, f := range run {
+		go f()
+	}
+}
+
+// TestStarterRequests: with a Starter, the queue's thread starts reads
+// and writes itself and pushes them out; what the Starter declines goes
+// through the Handler; every byte reads back, and nothing started is left
+// unpushed (the test would hang, bounded by the read's deadline).
+func TestStarterRequests(t *testing.T) {
+	requireUblk(t)
+	ctrl := openControl(t)
+	const size, maxIO = 32 << 20, 256 << 10
+	s := &starter{keeper: &keeper{memHandler: &memHandler{data: make([]byte, size)}}}
+	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 2, Depth: 16, MaxIO: maxIO}, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Delete() })
+	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	want := alignedBuf(t, 16<<20)
+	rand.Read(want)
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	// Small requests at many offsets, some declined.
+	for off := 0; off < 2<<20; off += 4096 {
+		if _, err := f.WriteAt(want[off:off+4096], int64(off)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := alignedBuf(t, len(want))
+	done := make(chan error, 1)
+	go func() { _, err := f.ReadAt(got, 0); done <- err }()
+	select {
+	case err := <-done:
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("read back: %v (equal: %v)", err, bytes.Equal(got, want))
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the read did not complete in a minute: started requests left unpushed?")
+	}
+	if s.started.Load() == 0 || s.declined.Load() == 0 || s.pushes.Load() == 0 {
+		t.Fatalf("started %d, declined %d, pushes %d: want all of them", s.started.Load(), s.declined.Load(), s.pushes.Load())
+	}
+	t.Logf("started %d requests in %d pushes, %d declined", s.started.Load(), s.pushes.Load(), s.declined.Load())
+	s.keeper.mu.Lock()
+	defer s.keeper.mu.Unlock()
+	for i, b := range s.kept {
+		if !bytes.Equal(*b, s.at[i]) {
+			t.Fatalf("kept buffer %d changed after the queue handed it over", i)
+		}
+	}
+}
+
 // fileHandler serves a file.
 type fileHandler struct{ f *os.File }
 

@@ -9,7 +9,7 @@ import (
 )
 
 // guestTests run in the VM.
-var guestTests = []string{"TestDeviceIO", "TestKeeperBuffers", "TestRecoverAfterKill"}
+var guestTests = []string{"TestDeviceIO", "TestKeeperBuffers", "TestStarterRequests", "TestRecoverAfterKill"}
 
 // TestUblkInVM boots Debian's stock 6.12 kernel (which has ublk_drv) and
 // runs this package's ublk tests inside it.

@@ -390,7 +390,8 @@ func (a *Attacher) dropState(volumeID string) {
 // handler serves a device's requests through the NBD session. It is a
 // ublk.Keeper: the session keeps every acknowledged write until a FLUSH
 // covers it, so a large write's buffer goes to the session as it is
-// rather than being copied into one of the session's.
+// rather than being copied into one of the session's; and a ublk.Starter:
+// a queue's thread starts its reads and writes in the session itself.
 type handler struct {
 	c    *nbd.Client
 	r    *relay.Relay
@@ -404,6 +405,30 @@ func (h handler) Buffer(n int) *[]byte {
 	*b = (*b)[:cap(*b)]
 	return b
 }
+
+// StartIO starts a read or write that goes to the server as one request
+// through the session, without a goroutine waiting for it.
+func (h handler) StartIO(write bool, p []byte, kept *[]byte, off int64, fua bool, done func(error)) bool {
+	if !h.c.OneRequest(off, int64(len(p))) {
+		return false
+	}
+	req := nbd.Request{Type: nbd.CmdRead, Offset: uint64(off), Length: uint32(len(p))}
+	if !write {
+		h.r.Start(req, nil, nil, p, done)
+		return true
+	}
+	req.Type = nbd.CmdWrite
+	if fua {
+		if h.info.Flags&nbd.FlagSendFUA == 0 {
+			return false // a write and then a flush: the Handler's way
+		}
+		req.Flags |= nbd.CmdFlagFUA
+	}
+	h.r.Start(req, p, kept, nil, done)
+	return true
+}
+
+func (h handler) Push() { h.r.Push() }
 
 func (h handler) KeepWrite(buf *[]byte, n int, off int64, fua bool) error {
 	if !h.c.OneRequest(off, int64(n)) {
