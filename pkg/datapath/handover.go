@@ -2,20 +2,16 @@ package datapath
 
 import (
 	"context"
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 )
 
 // A planned upgrade of the datapath component runs the new process beside
@@ -52,8 +48,9 @@ const (
 	quiesceTimeout = 60 * time.Second
 	// stepTimeout bounds every other wait of the exchange.
 	stepTimeout = 2 * time.Minute
-	maxMessage  = 16 << 20
-	maxFiles    = 16
+	// maxFiles bounds the files of a message (messages are bounded by
+	// fdpass.MaxFrame).
+	maxFiles = 16
 )
 
 // retryInterval is how long a successor waits before it asks again for
@@ -80,98 +77,26 @@ type handoverMsg struct {
 // serve.
 var ErrSuperseded = errors.New("datapath: a datapath of a later generation serves the volumes")
 
+// writeMsg sends m and files (fdpass.SendJSON: the length of the JSON,
+// big-endian, then the JSON, the files with the length).
 func writeMsg(c *net.UnixConn, m handoverMsg, files []*os.File) error {
 	m.Files = len(files)
-	b, err := json.Marshal(m)
-	if err != nil {
-		return err
-	}
-	frame := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(b)), uint32(len(b)))
-	frame = append(frame, b...)
-	var oob []byte
-	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fds[i] = int(f.Fd())
-		}
-		oob = unix.UnixRights(fds...)
-	}
-	c.SetWriteDeadline(time.Now().Add(stepTimeout))
-	n, _, err := c.WriteMsgUnix(frame, oob, nil)
-	if err == nil && n < len(frame) {
-		_, err = c.Write(frame[n:])
-	}
-	return err
+	return fdpass.SendJSON(c, m, files, time.Now().Add(stepTimeout))
 }
 
-// readMsg reads one message and the files that came with it (with its
-// first bytes: the sender writes each message, files attached, at once).
+// readMsg reads one message and the files that came with it, as many as
+// it announces.
 func readMsg(c *net.UnixConn, timeout time.Duration) (handoverMsg, []*os.File, error) {
 	var m handoverMsg
-	c.SetReadDeadline(time.Now().Add(timeout))
-	var hdr [4]byte
-	oob := make([]byte, unix.CmsgSpace(maxFiles*4))
-	n, oobn, _, _, err := c.ReadMsgUnix(hdr[:], oob)
+	files, err := fdpass.RecvJSON(c, &m, maxFiles, time.Now().Add(timeout))
 	if err != nil {
 		return m, nil, err
 	}
-	files, ferr := parseRights(oob[:oobn])
-	closeAll := func() {
-		for _, f := range files {
-			f.Close()
-		}
-	}
-	if ferr != nil {
-		closeAll()
-		return m, nil, ferr
-	}
-	if n < len(hdr) {
-		if _, err := io.ReadFull(c, hdr[n:]); err != nil {
-			closeAll()
-			return m, nil, err
-		}
-	}
-	size := binary.BigEndian.Uint32(hdr[:])
-	if size > maxMessage {
-		closeAll()
-		return m, nil, fmt.Errorf("datapath: handover message of %d bytes", size)
-	}
-	b := make([]byte, size)
-	if _, err := io.ReadFull(c, b); err != nil {
-		closeAll()
-		return m, nil, err
-	}
-	if err := json.Unmarshal(b, &m); err != nil {
-		closeAll()
-		return m, nil, fmt.Errorf("datapath: handover message: %w", err)
-	}
 	if m.Files != len(files) {
-		closeAll()
+		fdpass.Close(files)
 		return m, nil, fmt.Errorf("datapath: handover message announces %d files and carries %d", m.Files, len(files))
 	}
 	return m, files, nil
-}
-
-func parseRights(oob []byte) ([]*os.File, error) {
-	if len(oob) == 0 {
-		return nil, nil
-	}
-	cmsgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("datapath: handover: %w", err)
-	}
-	var files []*os.File
-	for _, cm := range cmsgs {
-		fds, err := unix.ParseUnixRights(&cm)
-		if err != nil {
-			continue
-		}
-		for _, fd := range fds {
-			unix.CloseOnExec(fd)
-			files = append(files, os.NewFile(uintptr(fd), "handed-off"))
-		}
-	}
-	return files, nil
 }
 
 // handOver serves one successor on c: every volume of h, in turn.
@@ -183,9 +108,7 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire
 		return
 	}
 	m, files, err := readMsg(c, stepTimeout)
-	for _, f := range files {
-		f.Close()
-	}
+	fdpass.Close(files)
 	if err != nil || m.Op != "handover" {
 		log.Warn("handover: bad request", "error", err, "op", m.Op)
 		return
@@ -237,21 +160,14 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 		log.Warn("volume not handed over", "volume_id", id, "error", herr)
 		return false, writeMsg(c, handoverMsg{Error: fmt.Sprintf("%s: %v", id, herr)}, nil)
 	}
-	closeFiles := func() {
-		for _, f := range ho.Files {
-			f.Close()
-		}
-	}
 	if err := writeMsg(c, handoverMsg{Handoff: ho}, ho.Files); err != nil {
-		closeFiles()
+		fdpass.Close(ho.Files)
 		ho.Resume()
 		return false, err
 	}
-	closeFiles()
+	fdpass.Close(ho.Files)
 	m, files, err := readMsg(c, stepTimeout)
-	for _, f := range files {
-		f.Close()
-	}
+	fdpass.Close(files)
 	if err != nil || m.Ready == nil {
 		// Gone before it said it was ready: the volume is still ours.
 		ho.Resume()
@@ -379,9 +295,7 @@ func takeOverRound(ctx context.Context, path string, gen int64, h Handing, log *
 		// Released, or the predecessor is gone after our readiness: it let
 		// the volume go (or died, which lets it go too).
 		rm, rfiles, rerr := readMsg(c, stepTimeout)
-		for _, f := range rfiles {
-			f.Close()
-		}
+		fdpass.Close(rfiles)
 		if rerr == nil && !rm.Released {
 			ho.Abort()
 			return taken, 0, errors.New("datapath: handover: expected the release")

@@ -2,6 +2,7 @@ package datapath
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
@@ -325,5 +328,84 @@ func TestHandoverRefusesAnOlderGeneration(t *testing.T) {
 	succ := newHanding(t)
 	if taken, err := TakeOverGeneration(t.Context(), path, 6, succ, quiet()); err != nil || len(taken) != 1 {
 		t.Fatalf("a newer datapath's takeover: %v, %v", taken, err)
+	}
+}
+
+// The handover's messages are the same between datapaths of different
+// releases: the length of the JSON (4 bytes, big-endian), then the JSON,
+// the files attached to the length's bytes.
+func TestHandoverWireFormat(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ends [2]*net.UnixConn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		c, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		ends[i] = c.(*net.UnixConn)
+	}
+	a, b := ends[0], ends[1]
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	frame := func(body string) []byte {
+		return append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+	}
+
+	if err := writeMsg(a, handoverMsg{Error: "v1: away"}, []*os.File{w}); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 1024)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	b.SetReadDeadline(time.Now().Add(10 * time.Second))
+	n, oobn, _, _, err := b.ReadMsgUnix(buf, oob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := frame(`{"files":1,"error":"v1: away"}`); string(buf[:n]) != string(want) {
+		t.Fatalf("on the wire %q, want %q", buf[:n], want)
+	}
+	cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil || len(cmsgs) != 1 {
+		t.Fatalf("control messages %v, %v", cmsgs, err)
+	}
+	got, err := unix.ParseUnixRights(&cmsgs[0])
+	if err != nil || len(got) != 1 {
+		t.Fatalf("descriptors %v, %v", got, err)
+	}
+	unix.Close(got[0])
+
+	// A request as the first datapaths wrote it: frame and file at once.
+	oob = unix.UnixRights(int(w.Fd()))
+	if _, _, err := a.WriteMsgUnix(frame(`{"op":"handover","files":1,"generation":7}`), oob, nil); err != nil {
+		t.Fatal(err)
+	}
+	m, files, err := readMsg(b, 10*time.Second)
+	if err != nil || m.Op != "handover" || m.Generation != 7 || len(files) != 1 {
+		t.Fatalf("read %+v with %d files, %v", m, len(files), err)
+	}
+	files[0].Close()
+
+	// A message whose files are not the ones it announces is refused,
+	// its files closed.
+	if _, _, err := a.WriteMsgUnix(frame(`{"done":true}`), oob, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m, files, err := readMsg(b, 10*time.Second); err == nil || files != nil {
+		t.Fatalf("read %+v with %d files, %v; want an error", m, len(files), err)
+	}
+	w.Close()
+	r.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadAll(r); err != nil {
+		t.Fatalf("a received copy of the pipe's write end is still open: %v", err)
 	}
 }

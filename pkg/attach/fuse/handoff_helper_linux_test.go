@@ -2,7 +2,6 @@ package fuse
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -13,13 +12,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 )
 
 // handoffHelperEnv, set to a state directory, makes the test binary an
-// Attacher process that a test drives over descriptor 3 (a SOCK_SEQPACKET
-// socket, one helperMsg a packet, files beside it): a datapath process of
-// its own, as in an upgrade, where the handoff's files really travel
-// from one process to the next.
+// Attacher process that a test drives over descriptor 3 (a unix stream
+// socket, one helperMsg a frame of fdpass.SendJSON, files attached): a
+// datapath process of its own, as in an upgrade, where the handoff's
+// files really travel from one process to the next.
 const handoffHelperEnv = "MPNBD_FUSE_TEST_HANDOFF"
 
 type helperMsg struct {
@@ -32,44 +32,13 @@ type helperMsg struct {
 }
 
 func sendMsg(c *net.UnixConn, m helperMsg, files []*os.File) error {
-	b, err := json.Marshal(m)
-	if err != nil {
-		return err
-	}
-	var oob []byte
-	if len(files) > 0 {
-		fds := make([]int, len(files))
-		for i, f := range files {
-			fd, err := rawFd(f)
-			if err != nil {
-				return err
-			}
-			fds[i] = fd
-		}
-		oob = unix.UnixRights(fds...)
-	}
-	_, _, err = c.WriteMsgUnix(b, oob, nil)
-	return err
+	return fdpass.SendJSON(c, m, files, time.Time{})
 }
 
 func recvMsg(c *net.UnixConn) (helperMsg, []*os.File, error) {
 	var m helperMsg
-	buf := make([]byte, 1<<20)
-	oob := make([]byte, unix.CmsgSpace(8*4))
-	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
-	if err != nil {
-		return m, nil, err
-	}
-	if n == 0 {
-		return m, nil, fmt.Errorf("peer closed")
-	}
-	var files []*os.File
-	if oobn > 0 {
-		if files, err = parseRights(oob[:oobn]); err != nil {
-			return m, files, err
-		}
-	}
-	return m, files, json.Unmarshal(buf[:n], &m)
+	files, err := fdpass.RecvJSON(c, &m, 8, time.Time{})
+	return m, files, err
 }
 
 func errString(err error) string {
@@ -127,8 +96,8 @@ func handoffHelper(stateDir string) int {
 			return 2
 		}
 		// The files went on; copies kept here would keep the lock.
-		closeFiles(out)
-		closeFiles(files)
+		fdpass.Close(out)
+		fdpass.Close(files)
 	}
 }
 
@@ -140,7 +109,7 @@ type attacherProc struct {
 
 func startAttacherProc(t *testing.T, stateDir string) *attacherProc {
 	t.Helper()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +159,7 @@ func (p *attacherProc) call(t *testing.T, m helperMsg, files ...*os.File) (helpe
 		t.Fatalf("%s: %v", m.Op, err)
 	}
 	if r.Err != "" {
-		closeFiles(got)
+		fdpass.Close(got)
 		t.Fatalf("%s: %s", m.Op, r.Err)
 	}
 	return r, got
@@ -209,7 +178,7 @@ func handOverProcs(t *testing.T, from, to *attacherProc, stateDir, id string) in
 		t.Fatalf("handoff with %d files", len(files))
 	}
 	_, _ = to.call(t, helperMsg{Op: "take", Handoff: r.Handoff}, files...)
-	closeFiles(files)
+	fdpass.Close(files)
 	from.call(t, helperMsg{Op: "release"})
 	to.call(t, helperMsg{Op: "start"})
 	t.Logf("handover from server %d took %v", old, time.Since(start).Round(time.Millisecond))

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 )
 
 // handOffInProcess is HandOff of a volume this process serves
@@ -62,7 +63,7 @@ func (a *Attacher) handOffInProcess(v *volume) (*attach.Handoff, error) {
 		once.Do(func() {
 			unlock := a.lock(id)
 			defer unlock()
-			closeFiles(h.Files)
+			fdpass.Close(h.Files)
 			v.resume()
 			err = nil
 			log.Info("fuse: serving the volume again")
@@ -73,7 +74,7 @@ func (a *Attacher) handOffInProcess(v *volume) (*attach.Handoff, error) {
 		once.Do(func() {
 			unlock := a.lock(id)
 			defer unlock()
-			closeFiles(h.Files)
+			fdpass.Close(h.Files)
 			// Everything is flushed; the mount and the loop device stay.
 			v.path.Close(a.cfg.UnmountTimeout)
 			v.closed = true

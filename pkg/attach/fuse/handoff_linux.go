@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -143,18 +144,11 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	}
 	st.StateDir, st.Pid, st.StartTime = s.cfg.StateDir, s.pid, s.start
 	resp.Handoff = &handoffMsg{Target: s.v.target, Options: s.opts, Attachment: s.attachment(), State: *st}
+	// One line of JSON, as every answer on the socket, the files with its
+	// first bytes.
 	b, err := json.Marshal(resp)
 	if err == nil {
-		b = append(b, '\n')
-		var fuseFd int
-		if fuseFd, err = rawFd(s.v.server.dev); err == nil {
-			c.SetWriteDeadline(time.Now().Add(ctlTimeout))
-			var n int
-			n, _, err = c.WriteMsgUnix(b, unix.UnixRights(fuseFd, int(s.lock.Fd())), nil)
-			if err == nil && n != len(b) {
-				err = io.ErrShortWrite
-			}
-		}
+		err = fdpass.Send(c, append(b, '\n'), []*os.File{s.v.server.dev, s.lock}, time.Now().Add(ctlTimeout))
 	}
 	if err != nil {
 		s.v.resume()
@@ -248,7 +242,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		Files:      files,
 	}
 	h.Resume = func() error {
-		closeFiles(h.Files) // copies, if nobody took them
+		fdpass.Close(h.Files) // copies, if nobody took them
 		_, err := verdict(opResume)
 		if err != nil {
 			return fmt.Errorf("fuse: resume volume %s: %w", volumeID, err)
@@ -257,7 +251,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		return nil
 	}
 	h.Release = func() {
-		closeFiles(h.Files)
+		fdpass.Close(h.Files)
 		if _, err := verdict(opRelease); err != nil {
 			log.Warn("fuse: releasing the volume", "err", err)
 		}
@@ -307,70 +301,37 @@ func (p *serverProc) callHandoff(ctx context.Context) (*net.UnixConn, io.Reader,
 	var files []*os.File
 	var data []byte
 	buf := make([]byte, 64<<10)
-	oob := make([]byte, unix.CmsgSpace(nFiles*4))
 	for !bytes.Contains(data, []byte{'\n'}) {
-		n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
-		if oobn > 0 {
-			fs, perr := parseRights(oob[:oobn])
-			files = append(files, fs...)
-			if perr != nil {
-				closeFiles(files)
-				return fail(perr)
-			}
-		}
+		n, fs, err := fdpass.Recv(c, buf, nFiles-len(files), time.Time{})
+		files = append(files, fs...)
 		data = append(data, buf[:n]...)
 		if err != nil {
-			closeFiles(files)
+			fdpass.Close(files)
 			return fail(err)
 		}
 	}
 	i := bytes.IndexByte(data, '\n')
 	var resp ctlResponse
 	if err := json.Unmarshal(data[:i], &resp); err != nil {
-		closeFiles(files)
+		fdpass.Close(files)
 		return fail(err)
 	}
 	if resp.Pid != p.pid {
-		closeFiles(files)
+		fdpass.Close(files)
 		return fail(fmt.Errorf("%s is answered by pid %d, not %d", p.sock, resp.Pid, p.pid))
 	}
 	if resp.Error != nil {
-		closeFiles(files)
+		fdpass.Close(files)
 		return fail(resp.Error.err())
 	}
 	if resp.Handoff == nil || len(files) != nFiles {
 		// Without its files the server cannot have sent a handoff.
-		closeFiles(files)
+		fdpass.Close(files)
 		return fail(fmt.Errorf("handoff answer with %d files", len(files)))
 	}
 	c.SetDeadline(time.Time{})
 	rd := io.MultiReader(bytes.NewReader(data[i+1:]), bufio.NewReader(c))
 	return c, rd, resp.Handoff, files, nil
-}
-
-func parseRights(oob []byte) ([]*os.File, error) {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, err
-	}
-	var files []*os.File
-	for _, m := range msgs {
-		fds, err := unix.ParseUnixRights(&m)
-		if err != nil {
-			return files, err
-		}
-		for _, fd := range fds {
-			unix.CloseOnExec(fd)
-			files = append(files, os.NewFile(uintptr(fd), "handoff"))
-		}
-	}
-	return files, nil
-}
-
-func closeFiles(fs []*os.File) {
-	for _, f := range fs {
-		f.Close()
-	}
 }
 
 // TakeHandoff starts a server process for a volume handed off by a
@@ -384,7 +345,7 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	}
 	files := h.Files
 	h.Files = nil
-	defer closeFiles(files)
+	defer fdpass.Close(files)
 	var st handoffState
 	if err := json.Unmarshal(h.State, &st); err != nil {
 		return nil, fmt.Errorf("%w: fuse: handoff state: %v", attach.ErrInvalid, err)
