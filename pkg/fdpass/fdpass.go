@@ -51,7 +51,7 @@ func Send(c *net.UnixConn, b []byte, files []*os.File, deadline time.Time) error
 	if len(files) > 0 {
 		fds := make([]int, len(files))
 		for i, f := range files {
-			fd, err := rawFd(f)
+			fd, err := RawFd(f)
 			if err != nil {
 				return fmt.Errorf("fdpass: file %d (%s): %w", i, f.Name(), err)
 			}
@@ -190,9 +190,10 @@ func parseRights(oob []byte) ([]*os.File, error) {
 	return files, nil
 }
 
-// rawFd is f's descriptor, without what f.Fd does besides: make it
-// blocking.
-func rawFd(f *os.File) (int, error) {
+// RawFd is f's descriptor, without what f.Fd does besides: make it
+// blocking (a descriptor whose reads another goroutine must be able to
+// interrupt, such as /dev/fuse, must stay in the poller).
+func RawFd(f *os.File) (int, error) {
 	raw, err := f.SyscallConn()
 	if err != nil {
 		return -1, err

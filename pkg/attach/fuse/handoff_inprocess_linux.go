@@ -31,7 +31,7 @@ func (a *Attacher) handOffInProcess(v *volume) (*attach.Handoff, error) {
 		lf.Close()
 		return nil, err
 	}
-	fd, err := rawFd(v.server.dev)
+	fd, err := fdpass.RawFd(v.server.dev)
 	if err == nil {
 		fd, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	}
@@ -97,7 +97,7 @@ func (a *Attacher) takeInProcess(ctx context.Context, h *attach.Handoff, st hand
 	if err := unix.Flock(int(files[fileLock].Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		return nil, fmt.Errorf("fuse: volume %s: the lock handed over is not held: %w", id, err)
 	}
-	fd, err := rawFd(files[fileFUSE])
+	fd, err := fdpass.RawFd(files[fileFUSE])
 	if err == nil {
 		fd, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	}

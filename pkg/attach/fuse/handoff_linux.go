@@ -114,7 +114,7 @@ func (v *volume) quiesce(timeout time.Duration) (*handoffState, error) {
 func (v *volume) resume() {
 	// Whoever passed the descriptor to a process (exec.Cmd) made the
 	// shared open file blocking; reads must not block past a stop.
-	if fd, err := rawFd(v.server.dev); err == nil {
+	if fd, err := fdpass.RawFd(v.server.dev); err == nil {
 		unix.SetNonblock(fd, true)
 	}
 	v.server.start()

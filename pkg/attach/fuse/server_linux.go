@@ -10,6 +10,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"golang.org/x/sys/unix"
 )
 
@@ -60,7 +61,7 @@ func newFuseServer(dev *os.File, p initParams, file *exportFile, name string, re
 	if err := dev.SetReadDeadline(time.Time{}); err != nil {
 		return nil, fmt.Errorf("fuse: /dev/fuse is not pollable: %w", err)
 	}
-	fd, err := rawFd(dev)
+	fd, err := fdpass.RawFd(dev)
 	if err != nil {
 		return nil, err
 	}
@@ -98,20 +99,6 @@ func mountDev(dir, fsName string, maxRead int) (*os.File, error) {
 	return os.NewFile(uintptr(fd), "/dev/fuse"), nil
 }
 
-// rawFd returns f's descriptor without what f.Fd does besides: that
-// would make it blocking, and stop could no longer interrupt a read.
-func rawFd(f *os.File) (int, error) {
-	raw, err := f.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd := -1
-	if err := raw.Control(func(u uintptr) { fd = int(u) }); err != nil {
-		return -1, err
-	}
-	return fd, nil
-}
-
 // negotiate answers the kernel's INIT on a freshly mounted connection.
 func negotiate(dev *os.File, want initParams) (initParams, error) {
 	buf := make([]byte, 8192)
@@ -134,7 +121,7 @@ func negotiate(dev *os.File, want initParams) (initParams, error) {
 	if err != nil {
 		return initParams{}, err
 	}
-	fd, err := rawFd(dev)
+	fd, err := fdpass.RawFd(dev)
 	if err != nil {
 		return initParams{}, err
 	}
