@@ -220,6 +220,23 @@ func (k *keeper) KeepWrite(buf *[]byte, n int, off int64, fua bool) error {
 	return k.WriteAt((*buf)[:n], off, fua)
 }
 
+// openDevice creates a device served by h, deleted when the test ends,
+// and opens its block device for direct I/O.
+func openDevice(t *testing.T, ctrl *Control, cfg Config, h Handler) *os.File {
+	t.Helper()
+	d, err := Create(context.Background(), ctrl, cfg, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Delete() })
+	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
 // TestKeeperBuffers: with a Keeper, every write that fills half of the
 // request buffer hands that buffer over, smaller ones are copied; the
 // queue never touches a buffer it handed over (the next requests of its
@@ -229,16 +246,7 @@ func TestKeeperBuffers(t *testing.T) {
 	ctrl := openControl(t)
 	const size, maxIO = 32 << 20, 256 << 10
 	k := &keeper{memHandler: &memHandler{data: make([]byte, size)}}
-	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 1, Depth: 8, MaxIO: maxIO}, k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Delete() })
-	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openDevice(t, ctrl, Config{Size: size, Queues: 1, Depth: 8, MaxIO: maxIO}, k)
 	want := alignedBuf(t, 16<<20)
 	rand.Read(want)
 	// Large writes (kept), then small ones over part of them (copied),
@@ -328,16 +336,7 @@ func TestStarterRequests(t *testing.T) {
 	ctrl := openControl(t)
 	const size, maxIO = 32 << 20, 256 << 10
 	s := &starter{keeper: &keeper{memHandler: &memHandler{data: make([]byte, size)}}}
-	d, err := Create(context.Background(), ctrl, Config{Size: size, Queues: 2, Depth: 16, MaxIO: maxIO}, s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Delete() })
-	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openDevice(t, ctrl, Config{Size: size, Queues: 2, Depth: 16, MaxIO: maxIO}, s)
 	want := alignedBuf(t, 16<<20)
 	rand.Read(want)
 	if _, err := f.WriteAt(want, 0); err != nil {
