@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
-	"github.com/mpnbd/mpnbd/pkg/blockdev"
-	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // The control socket of a server process carries one JSON request and one
@@ -46,69 +44,7 @@ type ctlResponse struct {
 	Health     *attach.Health     `json:"health,omitempty"`
 	Size       uint64             `json:"size,omitempty"`
 	Handoff    *handoffMsg        `json:"handoff,omitempty"`
-	Error      *wireError         `json:"error,omitempty"`
-}
-
-// wireError carries an error across the socket: its text, and which of
-// the sentinel errors callers test for it wraps.
-type wireError struct {
-	Message string   `json:"message"`
-	Kinds   []string `json:"kinds,omitempty"`
-}
-
-var errorKinds = []struct {
-	name string
-	err  error
-}{
-	{"invalid", attach.ErrInvalid},
-	{"not-attached", attach.ErrNotAttached},
-	{"unsupported", attach.ErrUnsupported},
-	{"wrong-volume", attach.ErrWrongVolume},
-	{"server-refused", attach.ErrServerRefused},
-	{"too-small", attach.ErrTooSmall},
-	{"unknown-export", nbd.ErrUnknownExport},
-	{"access-denied", nbd.ErrAccessDenied},
-	{"loop-busy", blockdev.ErrLoopBusy},
-	{"no-free-loop", blockdev.ErrNoFreeLoop},
-	{"deadline", context.DeadlineExceeded},
-	{"canceled", context.Canceled},
-}
-
-func encodeError(err error) *wireError {
-	if err == nil {
-		return nil
-	}
-	w := &wireError{Message: err.Error()}
-	for _, k := range errorKinds {
-		if errors.Is(err, k.err) {
-			w.Kinds = append(w.Kinds, k.name)
-		}
-	}
-	return w
-}
-
-// serverError is an error a server process reported.
-type serverError struct {
-	msg  string
-	errs []error
-}
-
-func (e *serverError) Error() string   { return e.msg }
-func (e *serverError) Unwrap() []error { return e.errs }
-
-func (w *wireError) err() error {
-	if w == nil {
-		return nil
-	}
-	e := &serverError{msg: w.Message}
-	for _, name := range w.Kinds {
-		for _, k := range errorKinds {
-			if k.name == name {
-				e.errs = append(e.errs, k.err)
-			}
-		}
-	}
-	return e
+	Error      *attach.WireError  `json:"error,omitempty"`
 }
 
 // callServer sends one request to the control socket at sock and reads

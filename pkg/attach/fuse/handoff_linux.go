@@ -132,13 +132,13 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 		return json.NewEncoder(c).Encode(resp)
 	}
 	if s.detached.Load() {
-		resp.Error = encodeError(fmt.Errorf("%w: %s (detaching)", attach.ErrNotAttached, s.v.target.VolumeID))
+		resp.Error = attach.EncodeError(fmt.Errorf("%w: %s (detaching)", attach.ErrNotAttached, s.v.target.VolumeID))
 		send()
 		return
 	}
 	st, err := s.v.quiesce(handoffFlushTimeout)
 	if err != nil {
-		resp.Error = encodeError(err)
+		resp.Error = attach.EncodeError(err)
 		send()
 		return
 	}
@@ -170,7 +170,7 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	s.log.Info("fuse: serving again after a handoff that did not happen", "op", next.Op, "err", err)
 	if err == nil {
 		if next.Op != opResume {
-			resp.Error = encodeError(fmt.Errorf("%w: fuse: %q during a handoff (resumed)", attach.ErrInvalid, next.Op))
+			resp.Error = attach.EncodeError(fmt.Errorf("%w: fuse: %q during a handoff (resumed)", attach.ErrInvalid, next.Op))
 		}
 		send()
 	}
@@ -222,7 +222,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 				return
 			}
 			if err = json.NewDecoder(rd).Decode(&resp); err == nil && resp.Error != nil {
-				err = resp.Error.err()
+				err = resp.Error.Err()
 			}
 		})
 		return resp, err
@@ -322,7 +322,7 @@ func (p *serverProc) callHandoff(ctx context.Context) (*net.UnixConn, io.Reader,
 	}
 	if resp.Error != nil {
 		fdpass.Close(files)
-		return fail(resp.Error.err())
+		return fail(resp.Error.Err())
 	}
 	if resp.Handoff == nil || len(files) != nFiles {
 		// Without its files the server cannot have sent a handoff.

@@ -158,7 +158,7 @@ func TestCallHandoffRefused(t *testing.T) {
 		{"one file", line, 1, false, "with 1 files"},
 		{"more files than room for", line, 3, false, "truncated"},
 		{"cut short", line[:len(line)/2], 2, true, "EOF"},
-		{"error", handoffLine(t, ctlResponse{Pid: os.Getpid(), Error: encodeError(attach.ErrNotAttached)}), 2, false, "not attached"},
+		{"error", handoffLine(t, ctlResponse{Pid: os.Getpid(), Error: attach.EncodeError(attach.ErrNotAttached)}), 2, false, "not attached"},
 		{"another pid", handoffLine(t, ctlResponse{Pid: 1, Handoff: &handoffMsg{}}), 2, false, "pid 1"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -88,7 +88,7 @@ type readyMsg struct {
 	Pid        int                `json:"pid"`
 	StartTime  uint64             `json:"start_time"`
 	Attachment *attach.Attachment `json:"attachment,omitempty"`
-	Error      *wireError         `json:"error,omitempty"`
+	Error      *attach.WireError  `json:"error,omitempty"`
 }
 
 // The files of volume V next to its mount point: V.lock, V.json, V.sock.
@@ -244,7 +244,7 @@ func (p *serverProc) refresh(ctx context.Context) error {
 		return err
 	}
 	if resp.Error != nil {
-		return resp.Error.err()
+		return resp.Error.Err()
 	}
 	if resp.Attachment == nil || resp.Attachment.VolumeID != p.id {
 		return fmt.Errorf("%s: status without the attachment of volume %s", p.sock, p.id)
@@ -382,7 +382,7 @@ func (a *Attacher) detachServer(ctx context.Context, id string, log *slog.Logger
 			return fmt.Errorf("fuse: detach volume %s: %w", id, err)
 		}
 		if resp.Error != nil {
-			return fmt.Errorf("fuse: detach volume %s: %w", id, resp.Error.err())
+			return fmt.Errorf("fuse: detach volume %s: %w", id, resp.Error.Err())
 		}
 		if err := a.awaitExit(ctx, p, log); err != nil {
 			return fmt.Errorf("fuse: detach volume %s: %w", id, err)
@@ -456,7 +456,7 @@ func (a *Attacher) serverHealth(id string) (attach.Health, error) {
 		return h, nil
 	}
 	if resp.Error != nil {
-		return attach.Health{}, resp.Error.err()
+		return attach.Health{}, resp.Error.Err()
 	}
 	if resp.Health == nil {
 		return attach.Health{}, fmt.Errorf("fuse: volume %s: health without an answer", id)
@@ -477,7 +477,7 @@ func (a *Attacher) serverResize(ctx context.Context, id string, newSize uint64) 
 		return 0, fmt.Errorf("fuse: resize volume %s: %w", id, err)
 	}
 	if resp.Error != nil {
-		return 0, resp.Error.err()
+		return 0, resp.Error.Err()
 	}
 	a.mu.Lock()
 	if q := a.servers[id]; q != nil && q.pid == p.pid {

@@ -489,36 +489,12 @@ func TestAttachDialRequiresInProcess(t *testing.T) {
 	}
 }
 
-func TestWireError(t *testing.T) {
-	orig := errors.Join(
-		errors.New("context"),
-		blockdev.ErrLoopBusy,
-	)
-	wrapped := encodeError(orig)
-	b, err := json.Marshal(wrapped)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var w wireError
-	if err := json.Unmarshal(b, &w); err != nil {
-		t.Fatal(err)
-	}
-	got := w.err()
-	if got.Error() != orig.Error() {
-		t.Errorf("message %q, want %q", got, orig)
-	}
-	if !errors.Is(got, blockdev.ErrLoopBusy) {
-		t.Error("the decoded error is not ErrLoopBusy")
-	}
-	if errors.Is(got, attach.ErrServerRefused) {
-		t.Error("the decoded error is ErrServerRefused")
-	}
-	refused := encodeError(dialError(target("v", "x:1"), nbd.ErrUnknownExport)).err()
+// TestDialErrorCrossesProcesses: a refused export keeps its sentinels on
+// the way from a server process to the attaching one.
+func TestDialErrorCrossesProcesses(t *testing.T) {
+	refused := attach.EncodeError(dialError(target("v", "x:1"), nbd.ErrUnknownExport)).Err()
 	if !errors.Is(refused, attach.ErrServerRefused) || !errors.Is(refused, nbd.ErrUnknownExport) {
 		t.Errorf("refusal decodes to %v without its sentinels", refused)
-	}
-	if encodeError(nil) != nil || (*wireError)(nil).err() != nil {
-		t.Error("nil does not stay nil")
 	}
 }
 

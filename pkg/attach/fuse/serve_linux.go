@@ -59,7 +59,7 @@ func ServeMain() int {
 	if err := dec.Decode(&sp); err != nil {
 		err = fmt.Errorf("%w: fuse: reading the attach request: %v", attach.ErrInvalid, err)
 		log.Error("fuse: server", "err", err)
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		return 2
 	}
 	log = log.With("volume", sp.Target.VolumeID)
@@ -71,7 +71,7 @@ func ServeMain() int {
 	s, err := startServer(sp, lockf, pid, start, log)
 	if err != nil {
 		log.Error("fuse: attach failed", "err", err)
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		return 1
 	}
 	att := s.attachment()
@@ -267,7 +267,7 @@ func (s *volumeServer) handle(c net.Conn) {
 func (s *volumeServer) do(req ctlRequest) *ctlResponse {
 	resp := &ctlResponse{Pid: s.pid, StartTime: s.start}
 	if s.detached.Load() && req.Op != opDetach {
-		resp.Error = encodeError(fmt.Errorf("%w: %s (detaching)", attach.ErrNotAttached, s.v.target.VolumeID))
+		resp.Error = attach.EncodeError(fmt.Errorf("%w: %s (detaching)", attach.ErrNotAttached, s.v.target.VolumeID))
 		return resp
 	}
 	switch req.Op {
@@ -279,11 +279,11 @@ func (s *volumeServer) do(req ctlRequest) *ctlResponse {
 		resp.Health = &h
 	case opResize:
 		size, err := s.resize(req.Size)
-		resp.Size, resp.Error = size, encodeError(err)
+		resp.Size, resp.Error = size, attach.EncodeError(err)
 	case opDetach:
-		resp.Error = encodeError(s.detach(req.UnmountTimeout))
+		resp.Error = attach.EncodeError(s.detach(req.UnmountTimeout))
 	default:
-		resp.Error = encodeError(fmt.Errorf("%w: fuse: unknown control operation %q", attach.ErrInvalid, req.Op))
+		resp.Error = attach.EncodeError(fmt.Errorf("%w: fuse: unknown control operation %q", attach.ErrInvalid, req.Op))
 	}
 	return resp
 }

@@ -130,7 +130,7 @@ func (l *launched) next(ctx context.Context) (readyMsg, error) {
 			}
 		}
 		if r.msg.Error != nil {
-			return readyMsg{}, r.msg.Error.err()
+			return readyMsg{}, r.msg.Error.Err()
 		}
 		return r.msg, nil
 	case <-ctx.Done():
@@ -184,8 +184,7 @@ func (a *Attacher) spawn(ctx context.Context, t attach.Target, o attach.Options,
 			l.kill()
 			return fail(fmt.Errorf("fuse: attach volume %s: %w", id, ctx.Err()))
 		}
-		var se *serverError
-		if errors.As(err, &se) {
+		if attach.IsRemote(err) {
 			return fail(err) // the server's own words
 		}
 		return fail(fmt.Errorf("fuse: volume %s: %w", id, err))

@@ -25,7 +25,7 @@ const successorFd = 5
 func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), ready, lockf *os.File, pid int, start uint64, log *slog.Logger) int {
 	if _, err := unix.FcntlInt(successorFd, unix.F_GETFD, 0); err != nil {
 		err = fmt.Errorf("%w: fuse: no FUSE connection on descriptor %d: %v", attach.ErrInvalid, successorFd, err)
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		return 2
 	}
 	unix.CloseOnExec(successorFd)
@@ -33,14 +33,14 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	// need it non-blocking, in the poller, so that a later handoff can
 	// stop them.
 	if err := unix.SetNonblock(successorFd, true); err != nil {
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		return 2
 	}
 	dev := os.NewFile(successorFd, "/dev/fuse")
 	s, err := takeOver(sp, lockf, dev, pid, start, log)
 	if err != nil {
 		log.Error("fuse: taking the handoff failed", "err", err)
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		return 1
 	}
 	att := s.attachment()
@@ -72,7 +72,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	if err := s.publish(); err != nil {
 		// The device is served; only the control socket is missing.
 		log.Error("fuse: serving the volume, but not its control socket", "err", err)
-		report(readyMsg{Error: encodeError(err)})
+		report(readyMsg{Error: attach.EncodeError(err)})
 		ready.Close()
 		return s.runUnpublished()
 	}
