@@ -13,6 +13,7 @@ import (
 	"syscall"
 
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 )
 
 func main() {
@@ -20,6 +21,10 @@ func main() {
 	// it must not do anything else first.
 	if fuse.ServeRequested() {
 		os.Exit(fuse.ServeMain())
+	}
+	// So is a ublk volume's server process.
+	if ublkdev.ServeRequested() {
+		os.Exit(ublkdev.ServeMain())
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)

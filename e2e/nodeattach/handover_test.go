@@ -55,22 +55,8 @@ func TestDatapathHandover(t *testing.T) {
 			f := startFio(t, dev, int(time.Now().UnixNano()%1000000)+5)
 			stuck := func(what string) { reportStuck(t, dev, what, "(served by a datapath process)") }
 			for round := 1; round <= 2; round++ {
-				// The handover must meet a writer: a fast transport may
-				// finish a round first; it is checked, and another starts.
-				deadline := time.Now().Add(time.Minute)
-				for writeIOs(dev)-before < 128 || !f.running() {
-					if !f.running() {
-						if res := f.wait(t, roundLimit, stuck); !res.ok() {
-							t.Fatalf("fio before handover %d: %v\n%s", round, res, tail(res.output, 40))
-						}
-						before = writeIOs(dev)
-						f = startFio(t, dev, int(time.Now().UnixNano()%1000000)+5+round)
-					}
-					if time.Now().After(deadline) {
-						t.Fatalf("fio completed %d writes in a minute before handover %d", writeIOs(dev)-before, round)
-					}
-					time.Sleep(20 * time.Millisecond)
-				}
+				// The handover must meet a writer.
+				f = midWrite(t, f, dev, 128, func() *fioRun { return startFio(t, dev, int(time.Now().UnixNano()%1000000)+5+round) }, stuck)
 				next, dev2, taken := startChildTaken(t, cs)
 				if taken != 1 || dev2 != dev {
 					t.Fatalf("round %d: the new datapath took %d volumes, device %s; want 1, %s", round, taken, dev2, dev)

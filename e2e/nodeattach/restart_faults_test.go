@@ -113,6 +113,29 @@ func waitWrites(t *testing.T, f *fioRun, dev string, before, n int64) {
 	}
 }
 
+// midWrite returns a fio run on dev that is running and has completed n
+// writes since the call: f, or, where f ends first (a fast transport
+// finishes a round), a new run of start once f's result checked out.
+func midWrite(t *testing.T, f *fioRun, dev string, n int64, start func() *fioRun, stuck func(string)) *fioRun {
+	t.Helper()
+	before := writeIOs(dev)
+	deadline := time.Now().Add(time.Minute)
+	for writeIOs(dev)-before < n || !f.running() {
+		if !f.running() {
+			if res := f.wait(t, roundLimit, stuck); !res.ok() {
+				t.Fatalf("fio on %s: %v\n%s", dev, res, tail(res.output, 40))
+			}
+			before = writeIOs(dev)
+			f = start()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("fio completed %d writes on %s in a minute, fewer than %d", writeIOs(dev)-before, dev, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return f
+}
+
 // holdRunning checks, for d, that fio keeps waiting (no error ends it).
 func holdRunning(t *testing.T, f *fioRun, d time.Duration, what string) {
 	t.Helper()

@@ -2,8 +2,10 @@ package nodeattach
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -15,7 +17,7 @@ import (
 )
 
 // ublkTests are the guest tests TestNodeAttachUblkInVM runs.
-var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
+var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite", "TestUblkVolumeProcessKilled", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
 
 // TestNodeAttachUblkInVM boots Debian's stock 6.12 kernel, which has
 // ublk_drv (and an nbd that refuses MPTCP), and runs the ublk transport's
@@ -63,14 +65,27 @@ func requireUblkGuest(t *testing.T) {
 	}
 }
 
-func newUblkAttacher(t *testing.T, tp *topo.Topology, stateDir string) *ublkdev.Attacher {
+// newUblkAttacher is the ublk transport as the node runs it: a process per
+// volume (this test binary again), dialing from the client namespace.
+func newUblkAttacher(t *testing.T, tp *topo.Topology, stateDir string) *ublkdev.Supervisor {
 	t.Helper()
-	a, err := ublkdev.New(ublkdev.Config{StateDir: stateDir, Logger: testLogger(t), DialContext: clientDialer(tp.ClientNS)})
+	a, err := newUblkSupervisor(tp.ClientNS, stateDir, testLogger(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
 	return a
+}
+
+// newUblkSupervisor makes a Supervisor whose volume processes run in
+// network namespace ns.
+func newUblkSupervisor(ns, stateDir string, log *slog.Logger) (*ublkdev.Supervisor, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	return ublkdev.NewSupervisor(ublkdev.Config{StateDir: stateDir, Logger: log,
+		ServeCommand: []string{"nsenter", "--net=/run/netns/" + ns, "--", exe, ublkdev.ServeArg}})
 }
 
 // TestUblkTransportAttach: a volume attaches as /dev/ublkbN over MPTCP
@@ -152,10 +167,12 @@ func TestUblkServerKills(t *testing.T) {
 	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
 }
 
-// TestUblkProcessKilledMidWrite: the process serving a ublk volume (the
-// node plugin) is SIGKILLed in the middle of a fio write+verify round; the
-// kernel holds the I/O; a new process takes the device over from the
-// state directory, and fio finishes with no error, every block verified.
+// TestUblkProcessKilledMidWrite: the process that supervises a ublk
+// volume (the datapath component) is SIGKILLed in the middle of a fio
+// write+verify round; the volume's own process, left without its
+// supervisor, stops serving and exits; the kernel holds the I/O; a new
+// supervisor takes the device over from the state directory with a new
+// volume process, and fio finishes with no error, every block verified.
 func TestUblkProcessKilledMidWrite(t *testing.T) {
 	requireUblkGuest(t)
 	requireFaultTools(t)
@@ -191,4 +208,90 @@ func TestUblkProcessKilledMidWrite(t *testing.T) {
 	if err := a.Detach(context.Background(), cs.Target.VolumeID); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
+}
+
+// TestUblkVolumeProcessKilled: the process of one ublk volume is SIGKILLed
+// three times in the middle of fio write+verify rounds, while a second
+// volume of the same supervisor runs fio of its own. Each time the kernel
+// holds the first device's I/O until the supervisor's next process takes
+// it over (user recovery); neither fio sees an error, every block of both
+// verifies, both devices read back their server's file, and the second
+// volume's process is never replaced: a volume's crash is its own.
+func TestUblkVolumeProcessKilled(t *testing.T) {
+	requireUblkGuest(t)
+	requireFaultTools(t)
+	tp := guestTopology(t)
+	stA, stB := newStorage(t, tp, faultExportSize, true), newStorage(t, tp, faultExportSize, true)
+	a := newUblkAttacher(t, tp, t.TempDir())
+	tgA, tgB := stA.target(volID(t)+"-a"), stB.target(volID(t)+"-b")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	attA, err := a.Attach(ctx, tgA, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	attB, err := a.Attach(ctx, tgB, attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	devA, devB := attA.Device, attB.Device
+	pidB := a.ServerPID(tgB.VolumeID)
+	if pidB == 0 || pidB == os.Getpid() || a.ServerPID(tgA.VolumeID) == pidB {
+		t.Fatalf("volume processes %d and %d (this process %d): want one of their own each", a.ServerPID(tgA.VolumeID), pidB, os.Getpid())
+	}
+	seed := int(time.Now().UnixNano() % 1000000)
+	stuckA := func(what string) { reportStuck(t, devA, what, "(its volume process is SIGKILLed)") }
+	stuckB := func(what string) { reportStuck(t, devB, what, "(beside a volume whose process is SIGKILLed)") }
+	fB := startFio(t, devB, seed+11)
+	fA := startFio(t, devA, seed+7)
+	for kill := 1; kill <= 3; kill++ {
+		fA = midWrite(t, fA, devA, 128, func() *fioRun { seed++; return startFio(t, devA, seed+7) }, stuckA)
+		pid := a.ServerPID(tgA.VolumeID)
+		if pid == 0 {
+			t.Fatalf("kill %d: no process serves %s", kill, tgA.VolumeID)
+		}
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			t.Fatalf("kill %d: %v", kill, err)
+		}
+		killed := time.Now()
+		for deadline := killed.Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+			if p := a.ServerPID(tgA.VolumeID); p != 0 && p != pid {
+				t.Logf("kill %d: process %d SIGKILLed; %d took the device over %v later", kill, pid, p, time.Since(killed).Round(time.Millisecond))
+				break
+			}
+			if time.Now().After(deadline) {
+				h, err := a.Health(tgA.VolumeID)
+				t.Fatalf("kill %d: no new process serves the device a minute after the SIGKILL (health %+v, %v)", kill, h, err)
+			}
+		}
+	}
+	if res := fA.wait(t, roundLimit, stuckA); !res.ok() {
+		t.Fatalf("fio across three SIGKILLs of the volume's process: %v\n%s", res, tail(res.output, 40))
+	} else {
+		t.Logf("fio across three SIGKILLs of the volume's process: %v", res)
+	}
+	if res := fB.wait(t, roundLimit, stuckB); !res.ok() {
+		t.Fatalf("fio on the other volume: %v\n%s", res, tail(res.output, 40))
+	}
+	if p := a.ServerPID(tgB.VolumeID); p != pidB {
+		t.Fatalf("the other volume's process is %d, was %d: it was replaced", p, pidB)
+	}
+	compareWithImage(t, stA.path, devA, stuckA)
+	compareWithImage(t, stB.path, devB, stuckB)
+	h, err := a.Health(tgA.VolumeID)
+	if err != nil || !h.Connected {
+		t.Fatalf("health after the kills: %+v, %v", h, err)
+	}
+	for _, tg := range []attach.Target{tgA, tgB} {
+		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Fatalf("detach %s: %v", tg.VolumeID, err)
+		}
+	}
+	for _, dev := range []string{devA, devB} {
+		if _, err := os.Stat(dev); !os.IsNotExist(err) {
+			t.Fatalf("%s after detach: %v", dev, err)
+		}
+	}
+	waitServerConns(t, stA, 0)
+	waitServerConns(t, stB, 0)
 }

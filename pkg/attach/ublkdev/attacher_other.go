@@ -35,3 +35,18 @@ func (a *Attacher) HandOff(context.Context, string) (*attach.Handoff, error) {
 func (a *Attacher) TakeHandoff(context.Context, *attach.Handoff) (*attach.Attachment, error) {
 	return nil, attach.ErrUnsupported
 }
+
+// Supervisor is the ublk transport with a process per volume; only Linux
+// has ublk.
+type Supervisor struct{ Attacher }
+
+// NewSupervisor fails: only Linux has ublk.
+func NewSupervisor(Config) (*Supervisor, error) {
+	return nil, fmt.Errorf("%w: ublk is Linux only", attach.ErrUnsupported)
+}
+
+// ServerPID is 0: no process serves a volume here.
+func (s *Supervisor) ServerPID(string) int { return 0 }
+
+// ServeMain fails: only Linux has ublk.
+func ServeMain() int { return 2 }

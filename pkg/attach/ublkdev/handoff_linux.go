@@ -62,7 +62,7 @@ func (a *Attacher) release(v *volume) {
 		a.log.Error("flush after handing a volume off: writes it acknowledged may exist only here", "volume_id", v.target.VolumeID, "error", err)
 	}
 	v.sess.Close(teardownTimeout)
-	a.log.Info("volume handed to a successor", "volume_id", v.target.VolumeID, "ublk_dev", v.dev.ID)
+	a.log.Info("volume released: the kernel holds its device for the next process", "volume_id", v.target.VolumeID, "ublk_dev", v.dev.ID)
 }
 
 // TakeHandoff prepares to take a device a predecessor hands off; Start
@@ -120,5 +120,78 @@ func (a *Attacher) takeOverLater(r record) {
 		if have || err == nil || errors.Is(err, errGone) {
 			return
 		}
+	}
+}
+
+// serveVolume attaches, or takes over, the one volume of a volume
+// process, as its spec says.
+func (a *Attacher) serveVolume(ctx context.Context, sp serveSpec) (*attach.Attachment, error) {
+	id := sp.Target.VolumeID
+	switch sp.Mode {
+	case modeAttach:
+		return a.Attach(ctx, sp.Target, sp.Options)
+	case modeRecover:
+		r, ok := a.loadState(id)
+		if !ok {
+			return nil, fmt.Errorf("%w: ublk: no state file of volume %s to take over", attach.ErrNotAttached, id)
+		}
+		// Its last server may still be leaving it (a process whose
+		// supervisor died flushes first): wait for the quiesce, bounded.
+		a.mu.Lock()
+		att, err := a.takeOverFrom(ctx, r, true)
+		a.mu.Unlock()
+		return att, goneIsNotAttached(err)
+	case modeHandoff:
+		var r record
+		if err := json.Unmarshal(sp.Record, &r); err != nil || r.Target.VolumeID != id {
+			return nil, fmt.Errorf("%w: ublk: the handoff of %s: %v", attach.ErrInvalid, id, err)
+		}
+		return a.takeOverHandedOff(ctx, r)
+	}
+	return nil, fmt.Errorf("%w: ublk: unknown mode %q", attach.ErrInvalid, sp.Mode)
+}
+
+// takeOverHandedOff takes over a device a predecessor handed off and
+// released, retrying until ctx ends: kernels whose driver quiesces a
+// device only once its server's threads have exited leave it live until
+// the predecessor process is gone.
+func (a *Attacher) takeOverHandedOff(ctx context.Context, r record) (*attach.Attachment, error) {
+	handedOff := true
+	for {
+		a.mu.Lock()
+		att, err := a.takeOverFrom(ctx, r, handedOff)
+		a.mu.Unlock()
+		if err == nil || errors.Is(err, errGone) || ctx.Err() != nil {
+			return att, goneIsNotAttached(err)
+		}
+		if handedOff {
+			a.log.Info("ublk: the device is not quiesced yet; taking it over once its predecessor has exited", "volume_id", r.Target.VolumeID, "ublk_dev", r.DevID, "error", err)
+		}
+		handedOff = false
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("ublk: take over device %d of %s: %w (%v)", r.DevID, r.Target.VolumeID, ctx.Err(), err)
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// goneIsNotAttached says ErrNotAttached for a device that is gone, the
+// sentinel that crosses to a supervisor.
+func goneIsNotAttached(err error) error {
+	if errors.Is(err, errGone) {
+		return fmt.Errorf("%w: %v", attach.ErrNotAttached, err)
+	}
+	return err
+}
+
+// releaseVolume stops serving a volume and leaves its device, held by the
+// kernel, to the next process.
+func (a *Attacher) releaseVolume(volumeID string) {
+	a.mu.Lock()
+	v, ok := a.vols[volumeID]
+	a.mu.Unlock()
+	if ok {
+		a.release(v)
 	}
 }
