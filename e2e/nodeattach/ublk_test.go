@@ -140,8 +140,8 @@ func TestUblkTransportAttach(t *testing.T) {
 
 // TestUblkServerKills: fio write+verify rounds on /dev/ublkbN while
 // Debian's nbd-server is SIGKILLed and restarted every few seconds: no
-// error, every block verifies, and the device reads back the server's
-// file.
+// error, every block verifies, the device reads back the server's file,
+// and the volume's process is the same throughout.
 func TestUblkServerKills(t *testing.T) {
 	requireUblkGuest(t)
 	requireFaultTools(t)
@@ -164,7 +164,13 @@ func TestUblkServerKills(t *testing.T) {
 			t.Errorf("detach: %v", err)
 		}
 	})
+	pid := a.ServerPID(tg.VolumeID)
 	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
+	// The storage server's deaths are the session's business: the
+	// volume's own process serves on throughout.
+	if now := a.ServerPID(tg.VolumeID); now != pid {
+		t.Fatalf("the volume's process is %d, was %d: it was replaced while only the storage server died", now, pid)
+	}
 }
 
 // TestUblkProcessKilledMidWrite: the process that supervises a ublk

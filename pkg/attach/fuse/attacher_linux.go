@@ -33,15 +33,10 @@ type Attacher struct {
 	mu      sync.Mutex
 	vols    map[string]*volume     // served by this process (InProcess)
 	servers map[string]*serverProc // served by server processes
-	locks   map[string]*volumeLock
+	locks   attach.VolumeLocks
 }
 
 var _ attach.Attacher = (*Attacher)(nil)
-
-type volumeLock struct {
-	mu   sync.Mutex
-	refs int
-}
 
 // volume is one attached volume, served by the process it lives in.
 // target, dir, file, client, node and att.MPTCP do not change once it is
@@ -69,7 +64,6 @@ func New(c Config) *Attacher {
 		ownDial: c.DialContext != nil,
 		vols:    make(map[string]*volume),
 		servers: make(map[string]*serverProc),
-		locks:   make(map[string]*volumeLock),
 	}
 }
 
@@ -85,25 +79,7 @@ func Available() error {
 	return nil
 }
 
-func (a *Attacher) lock(id string) func() {
-	a.mu.Lock()
-	l := a.locks[id]
-	if l == nil {
-		l = &volumeLock{}
-		a.locks[id] = l
-	}
-	l.refs++
-	a.mu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
-		a.mu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(a.locks, id)
-		}
-		a.mu.Unlock()
-	}
-}
+func (a *Attacher) lock(id string) func() { return a.locks.Lock(id) }
 
 func (a *Attacher) get(id string) *volume {
 	a.mu.Lock()

@@ -218,8 +218,23 @@ func processAlive(pid int) bool {
 
 // Adopt takes over every device the state directory lists.
 func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
-	files, err := filepath.Glob(filepath.Join(a.cfg.StateDir, "*.json"))
-	if err != nil || a.cfg.StateDir == "" {
+	return adoptAll(a.cfg.StateDir, func(r record) (*attach.Attachment, error) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		if _, have := a.vols[r.Target.VolumeID]; have {
+			return nil, nil
+		}
+		att, err := a.takeOver(ctx, r)
+		return att, goneIsNotAttached(err)
+	})
+}
+
+// adoptAll adopts the record of every state file of dir with one. A
+// volume one returns no attachment for, or ErrNotAttached (its device is
+// gone), is left out; the other errors are joined.
+func adoptAll(dir string, one func(record) (*attach.Attachment, error)) ([]*attach.Attachment, error) {
+	files, err := filepath.Glob(filepath.Join(dir, "*.json"))
+	if err != nil || dir == "" {
 		return nil, err
 	}
 	var out []*attach.Attachment
@@ -234,18 +249,12 @@ func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
 			errs = append(errs, fmt.Errorf("%s: %w", f, err))
 			continue
 		}
-		a.mu.Lock()
-		_, have := a.vols[r.Target.VolumeID]
-		var att *attach.Attachment
-		if !have {
-			att, err = a.takeOver(ctx, r)
-		}
-		a.mu.Unlock()
+		att, err := one(r)
 		switch {
-		case have || errors.Is(err, errGone):
+		case errors.Is(err, attach.ErrNotAttached):
 		case err != nil:
 			errs = append(errs, err)
-		default:
+		case att != nil:
 			out = append(out, att)
 		}
 	}

@@ -67,7 +67,9 @@ func serveVolumeMain(start func(serveSpec, *slog.Logger) (engine, *attach.Attach
 	// log lines beats dying of SIGPIPE.
 	signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
 	pid := os.Getpid()
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("transport", string(attach.Ublk), "pid", pid)
+	// The engine adds the transport and the volume to what it logs.
+	base := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("pid", pid)
+	log := base.With("transport", string(attach.Ublk))
 	c, err := serveConn()
 	if err != nil {
 		log.Error("ublk: this process was not started by a supervisor", "error", err)
@@ -79,12 +81,14 @@ func serveVolumeMain(start func(serveSpec, *slog.Logger) (engine, *attach.Attach
 		log.Error("ublk: reading the volume to serve", "error", err)
 		return 2
 	}
+	// From here on the socket waits as long as the supervisor lives.
+	c.SetReadDeadline(time.Time{})
 	log = log.With("volume_id", sp.Target.VolumeID)
 	report := func(m readyMsg) error {
 		m.Pid = pid
 		return fdpass.SendJSON(c, m, nil, time.Now().Add(ctlTimeout))
 	}
-	e, att, err := start(sp, log)
+	e, att, err := start(sp, base)
 	if err != nil {
 		log.Error("ublk: the volume is not served", "mode", sp.Mode, "error", err)
 		report(readyMsg{Error: attach.EncodeError(err)})

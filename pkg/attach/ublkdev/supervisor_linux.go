@@ -9,7 +9,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
@@ -51,9 +50,10 @@ type Supervisor struct {
 	log   *slog.Logger
 	local *Attacher // devices no process serves; the state files
 
+	locks attach.VolumeLocks
+
 	mu     sync.Mutex
 	vols   map[string]*supervised
-	locks  map[string]*volumeLock
 	closed bool
 }
 
@@ -82,11 +82,6 @@ type supervised struct {
 	lastExit string
 }
 
-type volumeLock struct {
-	mu   sync.Mutex
-	refs int
-}
-
 // NewSupervisor checks that the kernel has ublk (else
 // attach.ErrUnsupported) and returns a Supervisor.
 func NewSupervisor(cfg Config) (*Supervisor, error) {
@@ -107,7 +102,7 @@ func newSupervisor(cfg Config, local *Attacher) *Supervisor {
 		cfg.Logger = slog.Default()
 	}
 	return &Supervisor{cfg: cfg, log: cfg.Logger.With("transport", string(attach.Ublk)), local: local,
-		vols: map[string]*supervised{}, locks: map[string]*volumeLock{}}
+		vols: map[string]*supervised{}}
 }
 
 // detachUnserved removes the device of a volume no process serves, if
@@ -147,25 +142,7 @@ func (s *Supervisor) Close() {
 }
 
 // lock serializes the calls about one volume.
-func (s *Supervisor) lock(id string) func() {
-	s.mu.Lock()
-	l := s.locks[id]
-	if l == nil {
-		l = &volumeLock{}
-		s.locks[id] = l
-	}
-	l.refs++
-	s.mu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
-		s.mu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(s.locks, id)
-		}
-		s.mu.Unlock()
-	}
-}
+func (s *Supervisor) lock(id string) func() { return s.locks.Lock(id) }
 
 func (s *Supervisor) get(id string) *supervised {
 	s.mu.Lock()
@@ -421,32 +398,7 @@ func (s *Supervisor) ServerPID(volumeID string) int {
 // process of its own. A device whose first process fails is supervised
 // all the same: new processes try again.
 func (s *Supervisor) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
-	files, err := filepath.Glob(filepath.Join(s.cfg.StateDir, "*.json"))
-	if err != nil || s.cfg.StateDir == "" {
-		return nil, err
-	}
-	var out []*attach.Attachment
-	var errs []error
-	for _, f := range files {
-		var r record
-		b, err := os.ReadFile(f)
-		if err == nil {
-			err = json.Unmarshal(b, &r)
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", f, err))
-			continue
-		}
-		att, err := s.adopt(ctx, r)
-		switch {
-		case errors.Is(err, attach.ErrNotAttached):
-		case err != nil:
-			errs = append(errs, err)
-		case att != nil:
-			out = append(out, att)
-		}
-	}
-	return out, errors.Join(errs...)
+	return adoptAll(s.cfg.StateDir, func(r record) (*attach.Attachment, error) { return s.adopt(ctx, r) })
 }
 
 // adopt takes over the device of r unless a process of ours serves it.
