@@ -26,6 +26,7 @@ import (
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 )
 
 func main() {
@@ -103,7 +104,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "controller: %v\nRun 'controller --help' for usage.\n", err)
 		return 2
 	}
-	log := driver.NewLogger(stderr, o.logLevel, o.logFormat)
+	log := kubelog.Setup(stderr, o.logLevel, o.logFormat)
 	if err := serve(ctx, o, log); err != nil {
 		log.Error("controller failed", "error", err)
 		return 1

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 
-	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -14,6 +13,7 @@ import (
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 )
 
 // clusterAgent is the storage agent of a --cluster run.
@@ -28,7 +28,7 @@ type clusterAgent struct {
 // listener has the given port, and starts them.
 func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error) {
 	co := d.opts.cluster
-	ctrl.SetLogger(logr.FromSlogHandler(d.log.Handler()))
+	kubelog.Bridge(d.log)
 	cfg, err := kubeconfig.Load(co.kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client config: %w", err)

@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbdmetrics"
@@ -53,12 +54,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return serve(ctx, opts, newLogger(stderr, opts), hup)
 }
 
+// newLogger is the process's logger; klog and controller-runtime log
+// through it, and processes it starts log as it does.
 func newLogger(w io.Writer, o *options) *slog.Logger {
-	ho := &slog.HandlerOptions{Level: o.logLevel}
-	if o.logFormat == "json" {
-		return slog.New(slog.NewJSONHandler(w, ho))
-	}
-	return slog.New(slog.NewTextHandler(w, ho))
+	return kubelog.Setup(w, o.logLevel, o.logFormat)
 }
 
 // daemon is the state of one running server.

@@ -30,6 +30,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 	"github.com/mpnbd/mpnbd/pkg/relay"
@@ -179,7 +180,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "node: %v\nRun 'node --help' for usage.\n", err)
 		return 2
 	}
-	log := driver.NewLogger(stderr, o.logLevel, o.logFormat)
+	log := kubelog.Setup(stderr, o.logLevel, o.logFormat)
 	if err := serve(ctx, o, log); err != nil {
 		log.Error("node plugin failed", "error", err)
 		return 1

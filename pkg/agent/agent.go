@@ -277,7 +277,7 @@ func (a *Agent) closeVolume(v *volume) error {
 	case rerr != nil:
 		// The server closed the connections hard and waited for their
 		// handlers: the backend is no longer in use.
-		a.log.Warn("export connections did not drain in time and were closed", "volume", v.name, "error", rerr)
+		a.log.Warn("export connections did not drain in time and were closed", "volume_id", v.name, "error", rerr)
 		fallthrough
 	default:
 		if a.cfg.Exports != nil {

@@ -104,7 +104,7 @@ func (a *Agent) path(name string) string {
 // Reconcile makes one NBDVolume's backing store, export and publications
 // match its spec, or removes them when it is being deleted.
 func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
-	log := a.log.With("volume", req.Name)
+	log := a.log.With("volume_id", req.Name)
 	var vol v1alpha1.NBDVolume
 	if err := a.client.Get(ctx, req.NamespacedName, &vol); err != nil {
 		if apierrors.IsNotFound(err) {

@@ -210,7 +210,7 @@ func (n *Node) stage(ctx context.Context, id, staging string, c *csi.VolumeCapab
 	// without a staging path that kubelet would unstage.
 	undo := func(cause error) error {
 		if derr := n.cfg.Attacher.Detach(context.WithoutCancel(ctx), id); derr != nil {
-			log.Error("detach after failed stage", "err", derr)
+			log.Error("detach after failed stage", "error", derr)
 			return errors.Join(cause, fmt.Errorf("detach: %w", derr))
 		}
 		return cause

@@ -135,7 +135,7 @@ func (k *KubeEvents) VolumeEvent(ctx context.Context, volumeID, eventType, reaso
 	log := k.Log.With("volume_id", volumeID, "reason", reason)
 	ref, err := k.claimOf(ctx, volumeID)
 	if err != nil {
-		log.Info("no claim to record the event on", "message", message, "err", err)
+		log.Info("no claim to record the event on", "message", message, "error", err)
 		return
 	}
 	now := metav1.Now()
@@ -151,7 +151,7 @@ func (k *KubeEvents) VolumeEvent(ctx context.Context, volumeID, eventType, reaso
 		Count:          1,
 	}
 	if err := k.Client.Create(ctx, ev); err != nil {
-		log.Warn("recording an event failed", "message", message, "err", err)
+		log.Warn("recording an event failed", "message", message, "error", err)
 		return
 	}
 	log.Info("event recorded", "claim", ref.Namespace+"/"+ref.Name, "message", message)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -97,13 +96,4 @@ func Serve(ctx context.Context, s *grpc.Server, l net.Listener, grace time.Durat
 	}
 	<-errc
 	return nil
-}
-
-// NewLogger returns a text or JSON (format "json") logger at level.
-func NewLogger(w io.Writer, level slog.Level, format string) *slog.Logger {
-	ho := &slog.HandlerOptions{Level: level}
-	if format == "json" {
-		return slog.New(slog.NewJSONHandler(w, ho))
-	}
-	return slog.New(slog.NewTextHandler(w, ho))
 }

@@ -132,7 +132,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	if err := Available(); err != nil {
 		return nil, err
 	}
-	log := a.cfg.Logger.With("volume", t.VolumeID, "transport", string(attach.FUSE))
+	log := a.cfg.Logger.With("volume_id", t.VolumeID, "transport", string(attach.FUSE))
 	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("fuse: state directory: %w", err)
 	}
@@ -183,7 +183,7 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 	v := &volume{target: t, opts: o, dir: dir, file: file, path: dp}
 	fail := func(err error) (*volume, error) {
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
-			log.Error("fuse: cleaning up after a failed attach", "err", terr)
+			log.Error("fuse: cleaning up after a failed attach", "error", terr)
 		}
 		return nil, err
 	}
@@ -335,7 +335,7 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	}
 	unlock := a.lock(volumeID)
 	defer unlock()
-	log := a.cfg.Logger.With("volume", volumeID, "transport", string(attach.FUSE))
+	log := a.cfg.Logger.With("volume_id", volumeID, "transport", string(attach.FUSE))
 	v := a.get(volumeID)
 	if v == nil {
 		return a.detachServer(ctx, volumeID, log)
@@ -370,14 +370,14 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 	}
 	// Rmdir, not Remove: whatever else sits there is not ours.
 	if err := unix.Rmdir(v.dir); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENOTDIR) {
-		log.Warn("fuse: removing mount point", "dir", v.dir, "err", err)
+		log.Warn("fuse: removing mount point", "dir", v.dir, "error", err)
 	}
 	if !v.closed {
 		if v.node != nil && !v.node.readOnly && v.node.lastErr.Load() == nil {
 			// Writes nobody fsync'ed (a raw device closed without a flush)
 			// become durable before the connection goes.
 			if err := v.path.Flush(timeout); err != nil {
-				log.Warn("fuse: final flush", "err", err)
+				log.Warn("fuse: final flush", "error", err)
 			}
 		}
 		v.path.Close(timeout)

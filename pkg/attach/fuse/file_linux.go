@@ -181,7 +181,7 @@ func (f *exportFile) errno(op string, err error) syscall.Errno {
 		return syscall.EINVAL
 	}
 	if f.lastErr.Swap(&err) == nil {
-		f.log.Error("fuse: the NBD session failed a request (the storage node away past deadConnTimeout, or the session ended)", "op", op, "err", err)
+		f.log.Error("fuse: the NBD session failed a request (the storage node away past deadConnTimeout, or the session ended)", "op", op, "error", err)
 	}
 	return syscall.EIO
 }

@@ -21,7 +21,7 @@ import (
 // own. The caller holds the volume's lock.
 func (a *Attacher) handOffInProcess(v *volume) (*attach.Handoff, error) {
 	id := v.target.VolumeID
-	log := a.cfg.Logger.With("volume", id, "transport", string(attach.FUSE))
+	log := a.cfg.Logger.With("volume_id", id, "transport", string(attach.FUSE))
 	lf, err := lockFile(a.lockPath(id))
 	if err != nil || lf == nil {
 		return nil, fmt.Errorf("fuse: handoff of volume %s: its lock is held elsewhere (%v)", id, err)
@@ -140,7 +140,7 @@ func (a *Attacher) takeInProcess(ctx context.Context, h *attach.Handoff, st hand
 			// has neither.
 			for _, p := range []string{a.sockPath(id), a.statePath(id)} {
 				if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-					log.Warn("fuse: removing the predecessor's file", "path", p, "err", err)
+					log.Warn("fuse: removing the predecessor's file", "path", p, "error", err)
 				}
 			}
 			a.mu.Lock()

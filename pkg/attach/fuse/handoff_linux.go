@@ -152,7 +152,7 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	}
 	if err != nil {
 		s.v.resume()
-		s.log.Warn("fuse: sending the handoff failed; serving again", "err", err)
+		s.log.Warn("fuse: sending the handoff failed; serving again", "error", err)
 		return
 	}
 	s.log.Info("fuse: quiesced for a handoff")
@@ -167,7 +167,7 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 		return
 	}
 	s.v.resume()
-	s.log.Info("fuse: serving again after a handoff that did not happen", "op", next.Op, "err", err)
+	s.log.Info("fuse: serving again after a handoff that did not happen", "op", next.Op, "error", err)
 	if err == nil {
 		if next.Op != opResume {
 			resp.Error = attach.EncodeError(fmt.Errorf("%w: fuse: %q during a handoff (resumed)", attach.ErrInvalid, next.Op))
@@ -205,7 +205,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	if p == nil {
 		return nil, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
 	}
-	log := a.cfg.Logger.With("volume", volumeID, "transport", string(attach.FUSE), "pid", p.pid)
+	log := a.cfg.Logger.With("volume_id", volumeID, "transport", string(attach.FUSE), "pid", p.pid)
 	octx, cancel := opContext(ctx)
 	defer cancel()
 	c, rd, msg, files, err := p.callHandoff(octx)
@@ -253,7 +253,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	h.Release = func() {
 		fdpass.Close(h.Files)
 		if _, err := verdict(opRelease); err != nil {
-			log.Warn("fuse: releasing the volume", "err", err)
+			log.Warn("fuse: releasing the volume", "error", err)
 		}
 		// The successor may start once the predecessor is gone.
 		deadline := time.Now().Add(exitTimeout)
@@ -359,7 +359,7 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	id := h.VolumeID
 	unlock := a.lock(id)
 	defer unlock()
-	log := a.cfg.Logger.With("volume", id, "transport", string(attach.FUSE))
+	log := a.cfg.Logger.With("volume_id", id, "transport", string(attach.FUSE))
 	if a.cfg.InProcess {
 		return a.takeInProcess(ctx, h, st, files, log)
 	}

@@ -149,7 +149,7 @@ func lockFile(path string) (*os.File, error) {
 // dropLock removes the volume's lock file, held in lf, and lets go of it.
 func (a *Attacher) dropLock(id string, lf *os.File) {
 	if err := os.Remove(a.lockPath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		a.cfg.Logger.Warn("fuse: removing a lock file", "volume", id, "err", err)
+		a.cfg.Logger.Warn("fuse: removing a lock file", "volume_id", id, "error", err)
 	}
 	lf.Close()
 }
@@ -337,12 +337,12 @@ func (a *Attacher) scrub(id string, log *slog.Logger) {
 	for {
 		lf, err := lockFile(a.lockPath(id))
 		if err != nil {
-			log.Error("fuse: cleaning up after a failed attach", "err", err)
+			log.Error("fuse: cleaning up after a failed attach", "error", err)
 			return
 		}
 		if lf != nil {
 			if err := a.cleanupStale(id, log); err != nil {
-				log.Error("fuse: cleaning up after a failed attach", "err", err)
+				log.Error("fuse: cleaning up after a failed attach", "error", err)
 			}
 			a.dropLock(id, lf)
 			return
@@ -516,7 +516,7 @@ func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
 			att := p.att
 			out = append(out, &att)
 		} else {
-			a.cfg.Logger.Warn("fuse: a volume's server process does not answer", "volume", st.VolumeID, "pid", st.Pid, "err", err)
+			a.cfg.Logger.Warn("fuse: a volume's server process does not answer", "volume_id", st.VolumeID, "pid", st.Pid, "error", err)
 		}
 		unlock()
 	}

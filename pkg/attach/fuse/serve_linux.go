@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/logging"
 )
 
 // ServeMain is the body of a volume's server process, which an Attacher
@@ -32,24 +33,24 @@ func ServeMain() int {
 	signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
 	unix.Umask(0o077)
 	pid := os.Getpid()
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("transport", string(attach.FUSE), "pid", pid)
+	log := logging.FromEnv(os.Stderr).With("transport", string(attach.FUSE), "pid", pid)
 
 	ready, lockf, err := serveFiles()
 	if err != nil {
-		log.Error("fuse: this process was not started by an Attacher", "err", err)
+		log.Error("fuse: this process was not started by an Attacher", "error", err)
 		return 2
 	}
 	defer runtime.KeepAlive(lockf) // its lock must last as long as we do
 	_, start, err := procStat(pid)
 	if err != nil {
-		log.Warn("fuse: own start time", "err", err)
+		log.Warn("fuse: own start time", "error", err)
 	}
 	// report tells the attaching process how far we got; a successor
 	// reports twice (ready, serving), the others once.
 	report := func(m readyMsg) {
 		m.Pid, m.StartTime = pid, start
 		if err := json.NewEncoder(ready).Encode(m); err != nil {
-			log.Warn("fuse: reporting to the attaching process", "err", err)
+			log.Warn("fuse: reporting to the attaching process", "error", err)
 		}
 	}
 	defer ready.Close()
@@ -58,11 +59,11 @@ func ServeMain() int {
 	dec := json.NewDecoder(os.Stdin)
 	if err := dec.Decode(&sp); err != nil {
 		err = fmt.Errorf("%w: fuse: reading the attach request: %v", attach.ErrInvalid, err)
-		log.Error("fuse: server", "err", err)
+		log.Error("fuse: server", "error", err)
 		report(readyMsg{Error: attach.EncodeError(err)})
 		return 2
 	}
-	log = log.With("volume", sp.Target.VolumeID)
+	log = log.With("volume_id", sp.Target.VolumeID)
 	if sp.Handoff != nil {
 		return serveSuccessor(sp, dec, report, ready, lockf, pid, start, log)
 	}
@@ -70,7 +71,7 @@ func ServeMain() int {
 
 	s, err := startServer(sp, lockf, pid, start, log)
 	if err != nil {
-		log.Error("fuse: attach failed", "err", err)
+		log.Error("fuse: attach failed", "error", err)
 		report(readyMsg{Error: attach.EncodeError(err)})
 		return 1
 	}
@@ -141,7 +142,7 @@ func startServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.
 	s.v = v
 	fail := func(err error) (*volumeServer, error) {
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
-			log.Error("fuse: cleaning up after a failed attach", "err", terr)
+			log.Error("fuse: cleaning up after a failed attach", "error", terr)
 		}
 		os.Remove(s.state)
 		return nil, err
@@ -213,7 +214,7 @@ func (s *volumeServer) run() int {
 		case sig := <-sigs:
 			s.log.Info("fuse: detaching on a signal", "signal", sig.String())
 			if err := s.detach(s.cfg.UnmountTimeout); err != nil {
-				s.log.Error("fuse: detach failed; still serving", "err", err)
+				s.log.Error("fuse: detach failed; still serving", "error", err)
 				continue
 			}
 			s.log.Info("fuse: server exits")
@@ -229,7 +230,7 @@ func (s *volumeServer) accept() {
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
-			s.log.Warn("fuse: control socket", "err", err)
+			s.log.Warn("fuse: control socket", "error", err)
 			time.Sleep(100 * time.Millisecond)
 			continue
 		}
@@ -240,14 +241,14 @@ func (s *volumeServer) accept() {
 func (s *volumeServer) handle(c net.Conn) {
 	defer c.Close()
 	if err := checkPeer(c); err != nil {
-		s.log.Warn("fuse: control connection refused", "err", err)
+		s.log.Warn("fuse: control connection refused", "error", err)
 		return
 	}
 	c.SetReadDeadline(time.Now().Add(ctlTimeout))
 	var req ctlRequest
 	dec := json.NewDecoder(c)
 	if err := dec.Decode(&req); err != nil {
-		s.log.Debug("fuse: control request", "err", err)
+		s.log.Debug("fuse: control request", "error", err)
 		return
 	}
 	if req.Op == opHandoff {
@@ -257,7 +258,7 @@ func (s *volumeServer) handle(c net.Conn) {
 	resp := s.do(req)
 	c.SetWriteDeadline(time.Now().Add(ctlTimeout))
 	if err := json.NewEncoder(c).Encode(resp); err != nil {
-		s.log.Debug("fuse: control response", "op", req.Op, "err", err)
+		s.log.Debug("fuse: control response", "op", req.Op, "error", err)
 	}
 	if req.Op == opDetach && resp.Error == nil {
 		s.exitOnce.Do(func() { close(s.exit) })
@@ -321,7 +322,7 @@ func (s *volumeServer) detach(timeout time.Duration) error {
 	s.ln.Close()
 	for _, p := range []string{s.sock, s.state} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			s.log.Warn("fuse: removing a file of the server", "path", p, "err", err)
+			s.log.Warn("fuse: removing a file of the server", "path", p, "error", err)
 		}
 	}
 	s.log.Info("fuse: detached", "device", s.v.att.Device)

@@ -247,7 +247,7 @@ func (s *fuseServer) reader() {
 				continue
 			case errors.Is(err, unix.ENODEV):
 			default:
-				s.log.Error("fuse: reading /dev/fuse", "err", err)
+				s.log.Error("fuse: reading /dev/fuse", "error", err)
 			}
 			s.markGone()
 			return
@@ -264,7 +264,7 @@ func (s *fuseServer) reader() {
 func (s *fuseServer) serve(buf []byte, n int) {
 	req, err := parseRequest(buf[:n])
 	if err != nil {
-		s.log.Warn("fuse: dropping a request", "err", err)
+		s.log.Warn("fuse: dropping a request", "error", err)
 		if n >= inHeaderSize {
 			s.reply(req.hdr.Unique, int32(unix.EIO))
 		}
@@ -450,7 +450,7 @@ func (s *fuseServer) check(err error) {
 	case errors.Is(err, unix.ENODEV):
 		s.markGone()
 	default:
-		s.log.Error("fuse: writing a reply", "err", err)
+		s.log.Error("fuse: writing a reply", "error", err)
 	}
 }
 

@@ -111,7 +111,7 @@ func (a *Attacher) launch(spec serveSpec, extra []*os.File) (*launched, error) {
 	l := &launched{cmd: cmd, pid: cmd.Process.Pid, stdin: specW, msgs: msgs, exited: exited}
 	// A server that dies unread makes the write fail rather than block.
 	if _, err := specW.Write(append(b, '\n')); err != nil {
-		a.cfg.Logger.Debug("fuse: writing the server's spec", "pid", l.pid, "err", err)
+		a.cfg.Logger.Debug("fuse: writing the server's spec", "pid", l.pid, "error", err)
 	}
 	return l, nil
 }

@@ -39,7 +39,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	dev := os.NewFile(successorFd, "/dev/fuse")
 	s, err := takeOver(sp, lockf, dev, pid, start, log)
 	if err != nil {
-		log.Error("fuse: taking the handoff failed", "err", err)
+		log.Error("fuse: taking the handoff failed", "error", err)
 		report(readyMsg{Error: attach.EncodeError(err)})
 		return 1
 	}
@@ -63,7 +63,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	}
 	if err != nil {
 		// The predecessor still serves the volume: leave it all alone.
-		log.Info("fuse: the handoff was called off", "err", err)
+		log.Info("fuse: the handoff was called off", "error", err)
 		s.v.path.Close(s.cfg.UnmountTimeout)
 		return 1
 	}
@@ -71,7 +71,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	s.v.server.start()
 	if err := s.publish(); err != nil {
 		// The device is served; only the control socket is missing.
-		log.Error("fuse: serving the volume, but not its control socket", "err", err)
+		log.Error("fuse: serving the volume, but not its control socket", "error", err)
 		report(readyMsg{Error: attach.EncodeError(err)})
 		ready.Close()
 		return s.runUnpublished()

@@ -16,6 +16,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/fdpass"
+	"github.com/mpnbd/mpnbd/pkg/logging"
 	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
@@ -68,7 +69,7 @@ func serveVolumeMain(start func(serveSpec, *slog.Logger) (engine, *attach.Attach
 	signal.Ignore(syscall.SIGPIPE, syscall.SIGHUP)
 	pid := os.Getpid()
 	// The engine adds the transport and the volume to what it logs.
-	base := slog.New(slog.NewTextHandler(os.Stderr, nil)).With("pid", pid)
+	base := logging.FromEnv(os.Stderr).With("pid", pid)
 	log := base.With("transport", string(attach.Ublk))
 	c, err := serveConn()
 	if err != nil {

@@ -1,0 +1,35 @@
+package kubelog
+
+import (
+	"bytes"
+	"encoding/json"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"k8s.io/klog/v2"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+)
+
+func TestBridge(t *testing.T) {
+	var b bytes.Buffer
+	Bridge(slog.New(slog.NewJSONHandler(&b, nil)))
+	defer klog.ClearLogger()
+	klog.InfoS("from client-go", "node", "n1")
+	ctrllog.Log.WithName("agent").Info("from controller-runtime", "volume_id", "pv-1")
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("%d lines through the handler, want 2: %q", len(lines), b.String())
+	}
+	for i, want := range []map[string]string{{"msg": "from client-go", "node": "n1"}, {"msg": "from controller-runtime", "volume_id": "pv-1"}} {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(lines[i]), &m); err != nil {
+			t.Fatalf("line %d %q: %v", i, lines[i], err)
+		}
+		for k, v := range want {
+			if m[k] != v {
+				t.Errorf("line %d: %s=%v, want %q (%q)", i, k, m[k], v, lines[i])
+			}
+		}
+	}
+}
