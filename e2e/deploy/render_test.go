@@ -177,8 +177,8 @@ func TestCompareRenderingsFindsDifferences(t *testing.T) {
 func TestHelmLint(t *testing.T) {
 	h := helm(t)
 	for _, args := range [][]string{
-		{"lint", "charts/mpnbd", "--strict"},
-		{"lint", "charts/mpnbd", "--strict", "--values", "e2e/deploy/testdata/values-custom.yaml"},
+		{"lint", "charts/mpnbd", "--strict", "--kube-version", kubeVersion},
+		{"lint", "charts/mpnbd", "--strict", "--kube-version", kubeVersion, "--values", "e2e/deploy/testdata/values-custom.yaml"},
 	} {
 		out := run(t, nil, h, args...)
 		if bytes.Contains(out, []byte("[WARNING]")) || bytes.Contains(out, []byte("[ERROR]")) {

@@ -128,15 +128,33 @@ func kustomizeDeploy(t testing.TB) []byte {
 	return run(t, nil, kubectl(t), "kustomize", "deploy")
 }
 
+// kubeVersion is the Kubernetes version the chart is rendered for: the
+// cluster suite's (hack/kube-binaries.sh). The helm hack/tools.sh builds
+// from the module proxy assumes v1.20 (helm's release builds set the
+// version with -ldflags), which the chart's kubeVersion refuses.
+const kubeVersion = "1.34.4"
+
+// tryTemplate renders the chart (release mpnbd in namespace default) with
+// more helm arguments (--set, --values, --show-only...).
+func tryTemplate(t testing.TB, args ...string) ([]byte, error) {
+	t.Helper()
+	return tryRun(t, nil, helm(t), append([]string{"template", "mpnbd", "charts/mpnbd", "--namespace", "default",
+		"--kube-version", kubeVersion}, args...)...)
+}
+
 // helmTemplate renders the chart with the given values files (none: the
 // defaults), CRDs included.
 func helmTemplate(t testing.TB, valueFiles ...string) []byte {
 	t.Helper()
-	args := []string{"template", "mpnbd", "charts/mpnbd", "--namespace", "default", "--include-crds"}
+	args := []string{"--include-crds"}
 	for _, f := range valueFiles {
 		args = append(args, "--values", f)
 	}
-	return run(t, nil, helm(t), args...)
+	out, err := tryTemplate(t, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
 // parseObjects decodes a multi-document YAML stream; empty documents are

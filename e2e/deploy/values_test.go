@@ -131,13 +131,12 @@ func TestChartValues(t *testing.T) {
 // TestChartRefusesAgentWithoutAddresses: a storage agent needs the
 // addresses clients dial.
 func TestChartRefusesAgentWithoutAddresses(t *testing.T) {
-	_, err := tryRun(t, nil, helm(t), "template", "mpnbd", "charts/mpnbd", "--set", "storageAgent.storageAddressesFrom=")
+	_, err := tryTemplate(t, "--set", "storageAgent.storageAddressesFrom=")
 	if err == nil || !strings.Contains(err.Error(), "storageAddressesFrom") {
 		t.Errorf("helm template without storage addresses: %v", err)
 	}
 	// Without the agent the addresses do not matter.
-	if _, err := tryRun(t, nil, helm(t), "template", "mpnbd", "charts/mpnbd", "--set", "storageAgent.storageAddressesFrom=",
-		"--set", "storageAgent.enabled=false"); err != nil {
+	if _, err := tryTemplate(t, "--set", "storageAgent.storageAddressesFrom=", "--set", "storageAgent.enabled=false"); err != nil {
 		t.Error(err)
 	}
 }
@@ -183,5 +182,102 @@ func TestDatapathUpgradesByHandover(t *testing.T) {
 	probe, _, _ := unstructured.NestedStringSlice(c, "readinessProbe", "exec", "command")
 	if strings.Join(probe, " ") != "test -e /tmp/datapath-ready" {
 		t.Errorf("datapath readiness probe %q", probe)
+	}
+}
+
+// podSpecField returns a field of a workload's pod spec.
+func podSpecField(t *testing.T, o *unstructured.Unstructured, field string) (any, bool) {
+	t.Helper()
+	v, ok, err := unstructured.NestedFieldNoCopy(o.Object, "spec", "template", "spec", field)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v, ok
+}
+
+// TestChartPriorityAndDisruption: each workload's priorityClassName and
+// the controller's PodDisruptionBudget come from values; by default the
+// node-level DaemonSets are system-node-critical, the controller
+// system-cluster-critical, and the budget lets a drain evict the one
+// controller pod.
+func TestChartPriorityAndDisruption(t *testing.T) {
+	workloads := []struct{ kind, name, priority string }{
+		{"Deployment", "mpnbd-controller", "system-cluster-critical"},
+		{"DaemonSet", "mpnbd-node", "system-node-critical"},
+		{"DaemonSet", "mpnbd-datapath", "system-node-critical"},
+		{"DaemonSet", "mpnbd-storage-agent", "system-node-critical"},
+	}
+	objs := parseObjects(t, helmTemplate(t))
+	for _, w := range workloads {
+		if got, _ := podSpecField(t, find(t, objs, w.kind, w.name), "priorityClassName"); got != w.priority {
+			t.Errorf("%s %s: priorityClassName %v, want %s", w.kind, w.name, got, w.priority)
+		}
+	}
+	pdb := find(t, objs, "PodDisruptionBudget", "mpnbd-controller")
+	if pdb.GetAPIVersion() != "policy/v1" || pdb.GetNamespace() != "mpnbd-system" {
+		t.Errorf("PodDisruptionBudget %s in %q", pdb.GetAPIVersion(), pdb.GetNamespace())
+	}
+	spec, _, _ := unstructured.NestedMap(pdb.Object, "spec")
+	if fmt.Sprint(spec["maxUnavailable"]) != "1" || spec["minAvailable"] != nil {
+		t.Errorf("PodDisruptionBudget spec %v, want maxUnavailable 1 only (a drain must not be blocked)", spec)
+	}
+	pdbSel, _, _ := unstructured.NestedStringMap(pdb.Object, "spec", "selector", "matchLabels")
+	depSel, _, _ := unstructured.NestedStringMap(find(t, objs, "Deployment", "mpnbd-controller").Object, "spec", "selector", "matchLabels")
+	if len(pdbSel) == 0 || fmt.Sprint(pdbSel) != fmt.Sprint(depSel) {
+		t.Errorf("PodDisruptionBudget selects %v, the controller's pods are %v", pdbSel, depSel)
+	}
+
+	// Emptied: no priorityClassName, no budget.
+	out, err := tryTemplate(t, "--set", "controller.podDisruptionBudget.enabled=false", "--set", "controller.priorityClassName=",
+		"--set", "node.priorityClassName=", "--set", "datapath.priorityClassName=", "--set", "storageAgent.priorityClassName=")
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs = parseObjects(t, out)
+	for _, w := range workloads {
+		if got, ok := podSpecField(t, find(t, objs, w.kind, w.name), "priorityClassName"); ok {
+			t.Errorf("%s %s: priorityClassName %v, want none", w.kind, w.name, got)
+		}
+	}
+	for _, o := range objs {
+		if o.GetKind() == "PodDisruptionBudget" {
+			t.Errorf("controller.podDisruptionBudget.enabled=false renders %s", objectKey(o))
+		}
+	}
+}
+
+// TestChartResources: every container's resources come from values.
+func TestChartResources(t *testing.T) {
+	want := map[string]string{ // workload/container -> resources as values-custom.yaml sets them
+		"Deployment/mpnbd-controller/controller":      "map[limits:map[memory:128Mi]]",
+		"Deployment/mpnbd-controller/csi-provisioner": "map[requests:map[cpu:10m memory:32Mi]]",
+		"Deployment/mpnbd-controller/liveness-probe":  "map[requests:map[cpu:5m]]",
+		"DaemonSet/mpnbd-node/node":                   "map[requests:map[cpu:50m memory:64Mi]]",
+		"DaemonSet/mpnbd-node/node-driver-registrar":  "map[limits:map[memory:24Mi]]",
+		"DaemonSet/mpnbd-node/liveness-probe":         "map[requests:map[cpu:5m]]",
+		"DaemonSet/mpnbd-datapath/datapath":           "map[requests:map[cpu:100m memory:128Mi]]",
+		"DaemonSet/mpnbd-storage-agent/storage-agent": "map[limits:map[cpu:2 memory:1Gi]]",
+		"Deployment/mpnbd-controller/csi-attacher":    "<nil>",
+		"Deployment/mpnbd-controller/csi-resizer":     "<nil>",
+	}
+	seen := 0
+	for _, c := range containers(t, parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml"))) {
+		w, ok := want[c.workload+"/"+c.name]
+		if !ok {
+			continue
+		}
+		seen++
+		if got := fmt.Sprint(c.spec["resources"]); got != w {
+			t.Errorf("%s container %s: resources %s, want %s", c.workload, c.name, got, w)
+		}
+	}
+	if seen != len(want) {
+		t.Errorf("found %d of the %d containers", seen, len(want))
+	}
+	// Defaults: none set (nothing measured yet).
+	for _, c := range containers(t, parseObjects(t, helmTemplate(t))) {
+		if r, ok := c.spec["resources"]; ok {
+			t.Errorf("%s container %s: resources %v by default", c.workload, c.name, r)
+		}
 	}
 }

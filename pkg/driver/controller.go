@@ -164,6 +164,12 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	if err != nil {
 		return nil, err
 	}
+	if accessType == v1alpha1.AccessFilesystem {
+		fsType := volumeFSType(req.GetVolumeCapabilities(), p)
+		if size, err = fitFSMinimum(size, req.GetCapacityRange(), sizeUnit(p), fsType); err != nil {
+			return nil, err
+		}
+	}
 	params := storedParams(req.GetParameters())
 	id := VolumeIDForName(name)
 

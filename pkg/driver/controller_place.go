@@ -151,6 +151,42 @@ func volumeSize(r *csi.CapacityRange, def, unit int64) (int64, error) {
 		ErrOutOfRange, unit, req, lim)
 }
 
+// fsMinSize is the smallest device each file system's mkfs formats; a
+// file system missing here takes any size. mkfs.xfs refuses a data
+// section under 300 MiB ("Filesystem must be larger than 300MB", xfsprogs
+// 5.19 and later: 6.1 in Debian 12); exactly 300 MiB formats.
+var fsMinSize = map[string]int64{"xfs": 300 << 20}
+
+// volumeFSType is the file system NodeStageVolume formats a Filesystem
+// volume with: the capability's fs_type (which the provisioner fills in
+// from csi.storage.k8s.io/fstype or its --default-fstype) wins over the
+// fsType parameter.
+func volumeFSType(caps []*csi.VolumeCapability, p Params) string {
+	for _, vc := range caps {
+		if t := vc.GetMount().GetFsType(); t != "" {
+			return t
+		}
+	}
+	return p.FSType
+}
+
+// fitFSMinimum raises the size of a new Filesystem volume to the smallest
+// its file system can be made on (rounded up to unit), so that a small
+// claim does not fail at NodeStageVolume with mkfs's usage text. A
+// limit_bytes below that minimum is OutOfRange and names it.
+func fitFSMinimum(size int64, r *csi.CapacityRange, unit int64, fsType string) (int64, error) {
+	least, ok := fsMinSize[fsType]
+	if !ok || size >= least {
+		return size, nil
+	}
+	least, _ = roundUp(least, unit) // unit is at most 4096: no overflow
+	if lim := r.GetLimitBytes(); lim > 0 && least > lim {
+		return 0, fmt.Errorf("%w: %s volumes need at least %d bytes (%d MiB; mkfs.%s refuses smaller devices), above limit_bytes %d",
+			ErrOutOfRange, fsType, least, least>>20, fsType, lim)
+	}
+	return least, nil
+}
+
 // expandSize is the size ControllerExpandVolume grows a volume to (0 when
 // the range asks for no particular size).
 func expandSize(r *csi.CapacityRange, unit int64) (int64, error) {

@@ -406,7 +406,8 @@ func TestCreateVolumeInvalid(t *testing.T) {
 func TestCreateVolume(t *testing.T) {
 	ctl, c, _ := setup(t)
 	ctx := context.Background()
-	params := map[string]string{"fsType": "xfs", "transport": "relay", "csi.storage.k8s.io/pvc/name": "data"}
+	// ext4: an xfs volume would be raised to 300 MiB (controller_size_test.go).
+	params := map[string]string{"fsType": "ext4", "transport": "relay", "csi.storage.k8s.io/pvc/name": "data"}
 	resp, err := ctl.CreateVolume(ctx, createReq("pvc-1", 5000, params))
 	if err != nil {
 		t.Fatal(err)
@@ -415,7 +416,7 @@ func TestCreateVolume(t *testing.T) {
 	if vol.GetVolumeId() != "pvc-1" || vol.GetCapacityBytes() != 8192 {
 		t.Errorf("volume %s of %d bytes, want pvc-1 of 8192", vol.GetVolumeId(), vol.GetCapacityBytes())
 	}
-	wantCtx := map[string]string{"fsType": "xfs", "transport": "relay"}
+	wantCtx := map[string]string{"fsType": "ext4", "transport": "relay"}
 	if !maps.Equal(vol.GetVolumeContext(), wantCtx) {
 		t.Errorf("volume context %v, want %v", vol.GetVolumeContext(), wantCtx)
 	}
@@ -439,7 +440,7 @@ func TestCreateVolume(t *testing.T) {
 	// Different capacity, parameters, access type or access mode.
 	for name, req := range map[string]*csi.CreateVolumeRequest{
 		"size":   createReq("pvc-1", 2*gib, params),
-		"params": createReq("pvc-1", 5000, map[string]string{"fsType": "ext4"}),
+		"params": createReq("pvc-1", 5000, map[string]string{"fsType": "xfs"}),
 		"block":  createReq("pvc-1", 5000, params, rawCap(rwo)),
 		"multi":  createReq("pvc-1", 5000, params, fsCap(rox)),
 	} {

@@ -1,0 +1,85 @@
+package deploy
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+)
+
+// renderNotes renders templates/NOTES.txt with more helm arguments.
+// helm template does not print the notes and helm install --dry-run needs
+// a cluster, so it renders a copy of the chart in which a ConfigMap holds
+// the notes' text.
+func renderNotes(t *testing.T, args ...string) string {
+	t.Helper()
+	chart := filepath.Join(t.TempDir(), "mpnbd")
+	if err := os.CopyFS(chart, os.DirFS(filepath.Join(repoRoot(t), "charts", "mpnbd"))); err != nil {
+		t.Fatal(err)
+	}
+	notes, err := os.ReadFile(filepath.Join(chart, "templates", "NOTES.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, text := range map[string]string{
+		"_notes_test.tpl": `{{- define "notesTest" -}}` + string(notes) + `{{- end }}`,
+		"notes-test.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n  notes: {{ include \"notesTest\" . | quote }}\n",
+	} {
+		if err := os.WriteFile(filepath.Join(chart, "templates", name), []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := run(t, nil, helm(t), append([]string{"template", "mpnbd", chart, "--kube-version", kubeVersion,
+		"--show-only", "templates/notes-test.yaml"}, args...)...)
+	objs := parseObjects(t, out)
+	if len(objs) != 1 {
+		t.Fatalf("%d objects rendered, want the notes' ConfigMap", len(objs))
+	}
+	text, _, _ := unstructured.NestedString(objs[0].Object, "data", "notes")
+	return text
+}
+
+// TestChartNotes: after helm install, the notes name what the release's
+// values installed (StorageClasses, namespace, the storage-node label)
+// and how to look at the driver's objects.
+func TestChartNotes(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		args        []string
+		want, never []string
+	}{
+		{"defaults", nil,
+			[]string{"Namespace mpnbd-system", "mpnbd-ext4: fsType ext4", "mpnbd-xfs: fsType xfs", "mpnbd-block",
+				"kubectl label node <node> mpnbd.io/storage-node=true", "kubectl get pods -n mpnbd-system",
+				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
+				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs"},
+			[]string{"the default class", "ServiceMonitor", "metrics", "MPTCP endpoints:"}},
+		{"custom", []string{"--values", "e2e/deploy/testdata/values-custom.yaml"},
+			[]string{"Namespace storage-mpnbd", "fast-xfs: fsType xfs, transport relay, the default class",
+				"raw-tcp: fsType xfs, transport tcp", "kubectl label node <node> storage.example.com/pool=fast",
+				"kubectl get pods -n storage-mpnbd", "ServiceMonitor mpnbd-storage-agent", "maxUnavailable 50%",
+				"subflow endpoints on eth1, eth2, 10.10.3.0/24", "signal endpoints on eth1, eth2", ":19810/metrics"},
+			[]string{"mpnbd-system", "mpnbd-ext4", "mpnbd.io/storage-node", "No storage NICs"}},
+		{"parts off", []string{"--set", "storageAgent.enabled=false", "--set", "datapath.enabled=false",
+			"--set", "controller.podDisruptionBudget.enabled=false", "--set", "namespace.create=false",
+			"--set", "storageClasses[0].name=only-ext4", "--set", "storageClasses[0].fsType=ext4"},
+			[]string{"not created by this release", "only-ext4: fsType ext4", "runs no storage agent"},
+			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			notes := renderNotes(t, tc.args...)
+			for _, w := range tc.want {
+				if !strings.Contains(notes, w) {
+					t.Errorf("notes lack %q:\n%s", w, notes)
+				}
+			}
+			for _, n := range tc.never {
+				if strings.Contains(notes, n) {
+					t.Errorf("notes mention %q:\n%s", n, notes)
+				}
+			}
+		})
+	}
+}

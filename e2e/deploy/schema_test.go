@@ -1,0 +1,150 @@
+package deploy
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+)
+
+// schemaError starts helm's message for values its schema refuses.
+const schemaError = "don't meet the specifications of the schema"
+
+// TestValuesSchemaRejects: charts/mpnbd/values.schema.json refuses an
+// unknown key (a typo), at the top and nested, a wrong type and a value
+// outside an enum, each with an error that names where.
+func TestValuesSchemaRejects(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want []string // in helm's error
+	}{
+		{"unknown top-level key", []string{"--set", "colour=blue"}, []string{"'colour'"}},
+		{"unknown nested key", []string{"--set", "node.storageNic=eth1"}, []string{"/node", "'storageNic'"}},
+		{"unknown key deep down", []string{"--set", "sidecars.livenessProbe.resource.limits.cpu=10m"},
+			[]string{"/sidecars/livenessProbe", "'resource'"}},
+		{"unknown StorageClass parameter", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.colour=blue"},
+			[]string{"/storageClasses/0/parameters", "'colour'"}},
+		{"wrong type", []string{"--set", "node.maxVolumes=lots"}, []string{"/node/maxVolumes", "integer"}},
+		{"string for a number", []string{"--set-string", "controller.replicas=2"}, []string{"/controller/replicas", "integer"}},
+		{"string for a list", []string{"--set", "node.storageNICs=eth1"}, []string{"/node/storageNICs", "array"}},
+		{"log level", []string{"--set", "logLevel=verbose"}, []string{"/logLevel"}},
+		{"transport", []string{"--set", "node.transports={warp}"}, []string{"/node/transports/0"}},
+		{"fsType", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].fsType=btrfs"},
+			[]string{"/storageClasses/0/fsType"}},
+		{"PodDisruptionBudget", []string{"--set", "controller.podDisruptionBudget.maxUnavailable=half"},
+			[]string{"/controller/podDisruptionBudget/maxUnavailable"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := tryTemplate(t, tc.args...)
+			if err == nil {
+				t.Fatalf("helm template %q passed", tc.args)
+			}
+			msg := err.Error()
+			if !strings.Contains(msg, schemaError) {
+				t.Fatalf("helm template %q failed, but not on the schema: %v", tc.args, err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(msg, w) {
+					t.Errorf("helm's error does not name %s: %v", w, err)
+				}
+			}
+		})
+	}
+}
+
+// TestValuesSchemaAccepts: the defaults and every set of values the
+// repository installs or renders the chart with pass the schema.
+func TestValuesSchemaAccepts(t *testing.T) {
+	for _, args := range [][]string{
+		nil,
+		{"--values", "e2e/deploy/testdata/values-custom.yaml"},
+		{"--values", "e2e/deploy/testdata/values-no-datapath.yaml"},
+		{"--values", "e2e/deploy/testdata/values-cluster.yaml"},
+		// README.md and charts/mpnbd/README.md.
+		{"--set", "storageAgent.signalNICs={eth2,eth3,eth4}"},
+		{"--set", "node.storageNICs={eth1,eth2,eth3,eth4}", "--set", "storageAgent.signalNICs={eth1,eth2,eth3,eth4}"},
+		{"--set", "namespace.create=false", "--set", "namespace.name=storage"},
+		// TestChartRefusesAgentWithoutAddresses.
+		{"--set", "storageAgent.storageAddressesFrom=", "--set", "storageAgent.enabled=false"},
+		// What --set makes of numbers, and emptied defaults.
+		{"--set", "apiServer.host=10.0.0.1", "--set", "apiServer.port=6443", "--set", "image.tag=2"},
+		{"--set", "controller.podDisruptionBudget.enabled=false", "--set", "controller.priorityClassName=",
+			"--set", "node.priorityClassName=", "--set", "storageClasses=null", "--set", "storageAgent.nodeSelector=null"},
+	} {
+		if _, err := tryTemplate(t, args...); err != nil {
+			t.Errorf("helm template %q: %v", args, err)
+		}
+	}
+}
+
+// TestValuesSchemaMatchesValuesFile: the schema declares the keys of each
+// non-empty map of values.yaml, no fewer (which the defaults passing the
+// schema proves) and no more (a key the schema allows but values.yaml
+// neither sets nor documents).
+func TestValuesSchemaMatchesValuesFile(t *testing.T) {
+	root := repoRoot(t)
+	var schema map[string]any
+	b, err := os.ReadFile(filepath.Join(root, "charts/mpnbd/values.schema.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &schema); err != nil {
+		t.Fatalf("values.schema.json: %v", err)
+	}
+	if s := schema["$schema"]; s != "http://json-schema.org/draft-07/schema#" {
+		t.Errorf("$schema %v, want draft-07", s)
+	}
+	var values map[string]any
+	b, err = os.ReadFile(filepath.Join(root, "charts/mpnbd/values.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := utilyaml.Unmarshal(b, &values); err != nil {
+		t.Fatalf("values.yaml: %v", err)
+	}
+	defs, _ := schema["definitions"].(map[string]any)
+	// resolve follows a local $ref.
+	resolve := func(s map[string]any) map[string]any {
+		if ref, ok := s["$ref"].(string); ok {
+			def, _ := defs[strings.TrimPrefix(ref, "#/definitions/")].(map[string]any)
+			return def
+		}
+		return s
+	}
+	objects := 0
+	var walk func(path string, s map[string]any, v map[string]any)
+	walk = func(path string, s map[string]any, v map[string]any) {
+		s = resolve(s)
+		props, ok := s["properties"].(map[string]any)
+		if !ok || len(v) == 0 {
+			return // a free-form map (nodeSelector, labels) or an empty one
+		}
+		objects++
+		if s["additionalProperties"] != false {
+			t.Errorf("%s: the schema allows unknown keys (additionalProperties is not false)", path)
+		}
+		for k := range props {
+			if _, ok := v[k]; !ok && !(path == "" && k == "global") {
+				t.Errorf("%s.%s: in the schema, not in values.yaml", path, k)
+			}
+		}
+		for k, e := range v {
+			ps, ok := props[k].(map[string]any)
+			if !ok {
+				t.Errorf("%s.%s: in values.yaml, not in the schema", path, k)
+				continue
+			}
+			if m, ok := e.(map[string]any); ok {
+				walk(path+"."+k, ps, m)
+			}
+		}
+	}
+	walk("", schema, values)
+	if objects < 10 {
+		t.Errorf("walked only %d objects of values.yaml", objects)
+	}
+}
