@@ -259,8 +259,10 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		deadline := time.Now().Add(exitTimeout)
 		for procAlive(p.pid, p.start) {
 			if time.Now().After(deadline) {
-				log.Warn("fuse: the released server does not exit; killing it")
-				killProc(p.pid, p.start)
+				log.Warn("fuse: the released server does not exit; killing it", "pid", p.pid)
+				if err := killProc(p.pid, p.start); err != nil {
+					log.Error("fuse: killing the released server", "pid", p.pid, "error", err)
+				}
 				deadline = time.Now().Add(exitTimeout)
 			}
 			time.Sleep(10 * time.Millisecond)

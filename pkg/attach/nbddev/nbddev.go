@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
@@ -196,7 +197,7 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 	if err != nil {
 		return nil, err
 	}
-	defer closeFiles(socks)
+	defer fdpass.Close(socks)
 	defer func() {
 		if err != nil {
 			v.end()
@@ -302,7 +303,7 @@ func (a *Attacher) replaceSockets(ctx context.Context, v *volume) error {
 		v.mu.Unlock()
 		return fmt.Errorf("%w: %w", errUnreachable, err)
 	}
-	defer closeFiles(socks)
+	defer fdpass.Close(socks)
 	if err := a.cfg.Kernel.Reconfigure(v.index, nbdnl.ReconfigureOptions{Sockets: socks, BackendID: v.target.VolumeID}); err != nil {
 		v.shutdown()
 		v.mu.Lock()
@@ -415,7 +416,7 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 	for _, c := range conns {
 		f, err := c.(*net.TCPConn).File()
 		if err != nil {
-			closeFiles(files)
+			fdpass.Close(files)
 			return fail(err)
 		}
 		files = append(files, f)
@@ -798,12 +799,6 @@ func allMPTCP(conns []net.Conn) bool {
 		}
 	}
 	return true
-}
-
-func closeFiles(fs []*os.File) {
-	for _, f := range fs {
-		f.Close()
-	}
 }
 
 // Resize picks up a grown export: a fresh connection learns the export's
