@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(iproute2 nbd-server nbd-client nbdkit libnbd-bin qemu-utils qemu-system-x86 busybox-static fio mptcpd mptcpize iperf3 e2fsprogs xfsprogs util-linux etcd-server
   containerd runc containernetworking-plugins iptables conntrack debootstrap openssl
-  linux-source-6.1 flex bison libelf-dev bc libssl-dev)
+  linux-source-6.1 flex bison libelf-dev bc libssl-dev prometheus)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -13,6 +13,10 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The prometheus package is here for promtool: its server stays off.
+if [ -d /run/systemd/system ]; then
+  systemctl disable --now prometheus.service >/dev/null 2>&1 || true
 fi
 cd "$(dirname "$0")/.."
 go mod download

@@ -68,6 +68,12 @@ func TestValuesSchemaAccepts(t *testing.T) {
 		{"--set", "storageAgent.signalNICs={eth2,eth3,eth4}"},
 		{"--set", "node.storageNICs={eth1,eth2,eth3,eth4}", "--set", "storageAgent.signalNICs={eth1,eth2,eth3,eth4}"},
 		{"--set", "namespace.create=false", "--set", "namespace.name=storage"},
+		{"--set", "node.metricsPort=9811", "--set", "monitoring.podMonitors.node.enabled=true",
+			"--set", "monitoring.podMonitors.storageAgent.enabled=true",
+			"--set", "monitoring.podMonitors.additionalLabels.release=kube-prometheus-stack",
+			"--set", "monitoring.prometheusRule.enabled=true",
+			"--set", "monitoring.prometheusRule.additionalLabels.release=kube-prometheus-stack",
+			"--set", "monitoring.grafanaDashboard.enabled=true", "--set", "monitoring.grafanaDashboard.namespace=monitoring"},
 		// TestChartRefusesAgentWithoutAddresses.
 		{"--set", "storageAgent.storageAddressesFrom=", "--set", "storageAgent.enabled=false"},
 		// What --set makes of numbers, and emptied defaults.

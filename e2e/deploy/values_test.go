@@ -119,6 +119,18 @@ func TestChartValues(t *testing.T) {
 	if len(objs) == 0 || find(t, objs, "ServiceMonitor", "mpnbd-storage-agent") == nil {
 		t.Error("no ServiceMonitor")
 	}
+	rule := find(t, objs, "PrometheusRule", "mpnbd")
+	if !strings.Contains(fmt.Sprint(rule.Object["spec"]), "increase(mpnbd_node_volume_reconnects_total[10m]) > 10") ||
+		!strings.Contains(fmt.Sprint(rule.Object["spec"]), "mpnbd_server_capacity_bytes) > 90") || rule.GetLabels()["release"] != "prometheus" {
+		t.Errorf("PrometheusRule without the values' thresholds and labels: %v %v", rule.GetLabels(), rule.Object["spec"])
+	}
+	if pm := find(t, objs, "PodMonitor", "mpnbd-node"); pm.GetLabels()["release"] != "prometheus" {
+		t.Errorf("PodMonitor mpnbd-node labels %v", pm.GetLabels())
+	}
+	if cm := find(t, objs, "ConfigMap", "mpnbd-grafana-dashboard"); cm.GetLabels()["grafana"] != "main" ||
+		cm.GetAnnotations()["grafana_folder"] != "Storage" {
+		t.Errorf("dashboard ConfigMap labels %v, annotations %v", cm.GetLabels(), cm.GetAnnotations())
+	}
 
 	// Defaults: no ServiceMonitor, no Service.
 	for _, o := range parseObjects(t, helmTemplate(t)) {

@@ -51,10 +51,14 @@ const (
 // (declared selectable in the CRD).
 const storageNodeField = "spec.storageNode"
 
-// ExportObserver is told when exports come and go (metrics).
+// ExportObserver is told when exports come and go and, at every
+// capacity report, how much room the node has (metrics).
 type ExportObserver interface {
 	ExportAdded(name string)
 	ExportRemoved(name string)
+	// Capacity gets what the NBDStorageNode reports: the data directory's
+	// filesystem size and what new volumes may still take.
+	Capacity(capacityBytes, availableBytes int64)
 }
 
 // Config configures an Agent.
@@ -83,7 +87,8 @@ type Config struct {
 	// CIDRs) that get MPTCP "signal" endpoints, kept while the agent runs.
 	// Empty leaves the host's endpoints alone.
 	SignalNICs []mptcp.NICSpec
-	// Exports, when set, is told about added and removed exports.
+	// Exports, when set, is told about added and removed exports and the
+	// measured capacity.
 	Exports ExportObserver
 	// Logger receives structured logs; nil means slog.Default().
 	Logger *slog.Logger

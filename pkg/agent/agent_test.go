@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -55,7 +56,42 @@ type running struct {
 	agent *Agent
 	srv   *nbd.Server
 	addr  string
+	obs   *recordingObserver
 	stop  func()
+}
+
+// recordingObserver is an ExportObserver that keeps what it was told.
+type recordingObserver struct {
+	mu                  sync.Mutex
+	exports             map[string]bool
+	capacity, available int64
+	reports             int
+}
+
+func (o *recordingObserver) ExportAdded(name string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.exports[name] = true
+}
+
+func (o *recordingObserver) ExportRemoved(name string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.exports, name)
+}
+
+func (o *recordingObserver) Capacity(capacityBytes, availableBytes int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.capacity, o.available = capacityBytes, availableBytes
+	o.reports++
+}
+
+// last returns the last capacity report and how many there were.
+func (o *recordingObserver) last() (capacity, available int64, reports int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.capacity, o.available, o.reports
 }
 
 func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
@@ -84,6 +120,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	if err != nil {
 		t.Fatal(err)
 	}
+	obs := &recordingObserver{exports: map[string]bool{}}
 	a, err := New(Config{
 		NodeName:          testNode,
 		DataDir:           dir,
@@ -93,6 +130,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 		Topology:          map[string]string{"topology.mpnbd.io/node": testNode},
 		HeartbeatInterval: 500 * time.Millisecond,
 		DrainTimeout:      5 * time.Second,
+		Exports:           obs,
 		Logger:            log,
 	}, srv, mgr.GetClient(), mgr.GetAPIReader())
 	if err != nil {
@@ -107,7 +145,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- mgr.Start(ctx) }()
-	r := &running{agent: a, srv: srv, addr: l.Addr().String()}
+	r := &running{agent: a, srv: srv, addr: l.Addr().String(), obs: obs}
 	stopped := false
 	r.stop = func() {
 		if stopped {
@@ -328,6 +366,12 @@ func TestAgent(t *testing.T) {
 		if _, ok := r.srv.Export("vol-a"); !ok {
 			t.Fatal("no export vol-a on the server")
 		}
+		r.obs.mu.Lock()
+		added := r.obs.exports["vol-a"]
+		r.obs.mu.Unlock()
+		if !added {
+			t.Error("the observer was not told about export vol-a")
+		}
 	})
 
 	t.Run("finalizer added when missing", func(t *testing.T) {
@@ -531,6 +575,11 @@ func TestAgent(t *testing.T) {
 			st.Port != r.agent.cfg.Port || !slices.Equal(st.Addresses, []string{"127.0.0.1"}) ||
 			st.Topology["topology.mpnbd.io/node"] != testNode || st.Heartbeat.IsZero() {
 			t.Fatalf("storage node status = %+v", st)
+		}
+		// The metrics get the numbers of the status (the filesystem's size
+		// does not change; what is available may, between two reports).
+		if capacity, available, n := r.obs.last(); n == 0 || capacity != st.CapacityBytes || available <= 0 || available > capacity {
+			t.Errorf("observer: %d capacity reports, last capacity %d available %d; status capacity %d", n, capacity, available, st.CapacityBytes)
 		}
 		// A sparse volume takes its whole size from what is available.
 		volSize := min(st.AvailableBytes/4, 8<<30) &^ 4095

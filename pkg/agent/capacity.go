@@ -96,6 +96,11 @@ func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("measuring %s: %w", a.cfg.DataDir, err)
 	}
+	if a.cfg.Exports != nil {
+		// Before the API calls: the metrics stay current while the API
+		// server is out of reach.
+		a.cfg.Exports.Capacity(u.capacity, u.available())
+	}
 	var vols v1alpha1.NBDVolumeList
 	if err := a.client.List(ctx, &vols); err != nil {
 		return nil, fmt.Errorf("listing volumes: %w", err)

@@ -1,6 +1,7 @@
 // Package nbdmetrics exposes the events of an nbd.Server as Prometheus
-// metrics. Observer implements nbd.Observer; every metric it registers is
-// named mpnbd_server_*.
+// metrics. Observer implements nbd.Observer, and the storage agent's
+// observer of exports and capacity (agent.ExportObserver); every metric it
+// registers is named mpnbd_server_*.
 //
 // Label cardinality stays bounded: per-export series are keyed by export
 // name (and the small fixed sets of commands and error values), and
@@ -45,6 +46,11 @@ type Observer struct {
 	duration      *prometheus.HistogramVec
 	connsOpen     *prometheus.GaugeVec
 	connsAccepted *prometheus.CounterVec
+	// capacity and available have no labels; their one series appears
+	// with the storage agent's first report (a standalone server has
+	// none).
+	capacity  *prometheus.GaugeVec
+	available *prometheus.GaugeVec
 
 	live *connCollector
 }
@@ -78,11 +84,15 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 			"Connections currently in the transmission phase, by export.")), []string{"export"}),
 		connsAccepted: counter("connections_accepted_total",
 			"Connections that completed negotiation and attached to the export.", "export"),
+		capacity: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("capacity_bytes",
+			"Size of the filesystem holding the volumes' backing files, as the storage agent last measured it (NBDStorageNode status.capacityBytes).")), nil),
+		available: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("available_bytes",
+			"Bytes new volumes may take if every volume filled up: the filesystem's free space less what the sparse backing files may still allocate (NBDStorageNode status.availableBytes).")), nil),
 		live: newConnCollector(),
 	}
 	for _, c := range []prometheus.Collector{
 		o.readBytes, o.writtenBytes, o.requests, o.requestErrors, o.duration,
-		o.connsOpen, o.connsAccepted, o.live,
+		o.connsOpen, o.connsAccepted, o.capacity, o.available, o.live,
 	} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -111,6 +121,14 @@ func (o *Observer) ExportRemoved(export string) {
 	o.duration.DeletePartialMatch(l)
 	o.connsOpen.DeletePartialMatch(l)
 	o.connsAccepted.DeletePartialMatch(l)
+}
+
+// Capacity records the storage node's room as the storage agent measured
+// it, the numbers it reports in its NBDStorageNode, so that a node filling
+// up can be alerted on without reading the API.
+func (o *Observer) Capacity(capacityBytes, availableBytes int64) {
+	o.capacity.WithLabelValues().Set(float64(capacityBytes))
+	o.available.WithLabelValues().Set(float64(availableBytes))
 }
 
 // ConnOpened implements nbd.Observer.

@@ -315,6 +315,29 @@ func TestExportLifecycle(t *testing.T) {
 	}
 }
 
+// TestCapacity: the storage node's capacity shows from the agent's first
+// report on, and not before (a standalone server has no agent).
+func TestCapacity(t *testing.T) {
+	o, reg := newObserver(t)
+	for _, name := range []string{"mpnbd_server_capacity_bytes", "mpnbd_server_available_bytes"} {
+		if s := series(t, reg, name); len(s) != 0 {
+			t.Errorf("%s before any report: %v", name, s)
+		}
+	}
+	o.Capacity(100<<30, 40<<30)
+	o.Capacity(100<<30, 30<<30)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP mpnbd_server_available_bytes Bytes new volumes may take if every volume filled up: the filesystem's free space less what the sparse backing files may still allocate (NBDStorageNode status.availableBytes).
+# TYPE mpnbd_server_available_bytes gauge
+mpnbd_server_available_bytes 3.221225472e+10
+# HELP mpnbd_server_capacity_bytes Size of the filesystem holding the volumes' backing files, as the storage agent last measured it (NBDStorageNode status.capacityBytes).
+# TYPE mpnbd_server_capacity_bytes gauge
+mpnbd_server_capacity_bytes 1.073741824e+11
+`), "mpnbd_server_capacity_bytes", "mpnbd_server_available_bytes"); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestRegisterTwice(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	if _, err := New(reg); err != nil {

@@ -68,3 +68,45 @@ instead of the kubernetes Service; nothing when it is not set.
   value: {{ $.Values.apiServer.port | default "443" | quote }}
 {{- end }}
 {{- end }}
+
+{{/*
+A PodMonitor for the pods of a component: pass a dict with "root" (the
+chart context) and "component" (node, storage-agent), whose pods serve
+/metrics on their container port named metrics.
+*/}}
+{{- define "mpnbd.podMonitor" -}}
+{{- $pm := .root.Values.monitoring.podMonitors -}}
+apiVersion: monitoring.coreos.com/v1
+kind: PodMonitor
+metadata:
+  name: mpnbd-{{ .component }}
+  namespace: {{ include "mpnbd.namespace" .root }}
+  labels:
+    {{- include "mpnbd.labels" (dict "root" .root "component" .component) | nindent 4 }}
+    {{- with $pm.additionalLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "mpnbd.selectorLabels" .component | nindent 6 }}
+  namespaceSelector:
+    matchNames:
+      - {{ include "mpnbd.namespace" .root }}
+  podMetricsEndpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $pm.interval }}
+      relabelings:
+        {{- include "mpnbd.nodeRelabeling" . | nindent 8 }}
+{{- end }}
+
+{{/*
+The relabeling that gives every series of a scraped pod the label node,
+the node it runs on (the alerts and the dashboard name it).
+*/}}
+{{- define "mpnbd.nodeRelabeling" -}}
+- sourceLabels: [__meta_kubernetes_pod_node_name]
+  targetLabel: node
+  action: replace
+{{- end }}
