@@ -1,11 +1,13 @@
 # syntax=docker/dockerfile:1
 #
-# One image holds the driver's three commands:
+# One image holds the driver's commands:
 #
 #   /usr/local/bin/controller   CSI controller plugin (Deployment)
 #   /usr/local/bin/node         CSI node plugin (DaemonSet on every node)
 #   /usr/local/bin/nbd-server   storage agent with --cluster (DaemonSet on
 #                               storage nodes), or a standalone NBD server
+#   /usr/local/bin/mpnbdctl     the operator's view of the volumes (kubectl
+#                               exec into any of the driver's pods, or copy out)
 #
 # One image rather than three: the binaries share almost all their code and
 # the runtime tools, nodes pull and cache a single image, and the three
@@ -32,7 +34,7 @@ COPY . .
 ARG VERSION=dev
 RUN CGO_ENABLED=0 go build -trimpath \
       -ldflags "-s -w -X github.com/mpnbd/mpnbd/pkg/driver.Version=${VERSION}" \
-      -o /out/ ./cmd/controller ./cmd/node ./cmd/nbd-server
+      -o /out/ ./cmd/controller ./cmd/node ./cmd/nbd-server ./cmd/mpnbdctl
 
 FROM debian:bookworm-slim
 # The node plugin formats, checks, grows and mounts filesystems through
@@ -41,5 +43,5 @@ FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates e2fsprogs xfsprogs util-linux mount \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=build /out/controller /out/node /out/nbd-server /usr/local/bin/
+COPY --from=build /out/controller /out/node /out/nbd-server /out/mpnbdctl /usr/local/bin/
 USER 65532:65532

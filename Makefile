@@ -1,6 +1,6 @@
 GO      ?= go
 BIN     := bin
-CMDS    := nbd-server controller node
+CMDS    := nbd-server controller node mpnbdctl
 
 .PHONY: all build test soak bench bench-vm demo deps clean
 

@@ -1,0 +1,144 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/e2e/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+)
+
+// TestRunAgainstAPIServer runs the command end to end against a real API
+// server with the CRDs of deploy/crds: a volume published to two nodes,
+// one found by --metrics-url, the other by its Node's InternalIP and
+// --metrics-port, and its claim's Event found by field selector.
+func TestRunAgainstAPIServer(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	nodeA := nodePlugin(t, "node-a", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Reconnects: 1}},
+	})
+	nodeB := nodePlugin(t, "node-b", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}}},
+	})
+	b, err := url.Parse(nodeB)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	create := func(o client.Object) {
+		t.Helper()
+		status := o.DeepCopyObject().(client.Object)
+		if err := c.Create(ctx, o); err != nil {
+			t.Fatalf("creating %T %s: %v", o, o.GetName(), err)
+		}
+		// Status is a subresource of these: write it as the agent and
+		// the kubelet do.
+		switch s := status.(type) {
+		case *v1alpha1.NBDVolume:
+			s.ResourceVersion = o.GetResourceVersion()
+			if err := c.Status().Update(ctx, s); err != nil {
+				t.Fatalf("status of %s: %v", s.Name, err)
+			}
+		case *corev1.Node:
+			s.ResourceVersion = o.GetResourceVersion()
+			if err := c.Status().Update(ctx, s); err != nil {
+				t.Fatalf("status of %s: %v", s.Name, err)
+			}
+		}
+	}
+	vol := newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a", "node-b")
+	vol.Finalizers = []string{v1alpha1.Finalizer}
+	create(vol)
+	create(newVolume("pvc-2", v1alpha1.VolumeAvailable))
+	create(newPV("pvc-1", "default/data"))
+	create(newPVC("default/data", "pvc-1"))
+	create(newNode("node-a", "192.0.2.1")) // found by --metrics-url instead
+	create(newNode("node-b", "127.0.0.1"))
+	at := time.Now().Truncate(time.Second)
+	create(newClaimEvent("default/data", "node-a", driver.EventStorageUnreachable, "the storage node is unreachable (transport relay)", at))
+	// Another claim's Event, to be left out.
+	create(newClaimEvent("default/other", "node-a", driver.EventWritesResent, "other claim", at.Add(time.Minute)))
+
+	kc := apiserver.WriteKubeconfig(t, cfg)
+	mpnbdctl := func(args ...string) string {
+		t.Helper()
+		var out, errb bytes.Buffer
+		args = append([]string{"--kubeconfig", kc, "--metrics-url", "node-a=" + nodeA, "--metrics-port", b.Port()}, args...)
+		if code := run(ctx, args, &out, &errb); code != 0 {
+			t.Fatalf("mpnbdctl %q: exit %d: %s", args, code, errb.String())
+		}
+		return out.String()
+	}
+
+	rep := decodeReport(t, mpnbdctl("-o", "json"))
+	if len(rep.Volumes) != 2 || len(rep.Warnings) != 0 || len(rep.Nodes) != 2 {
+		t.Fatalf("report %+v", rep)
+	}
+	v := rep.volume(t, "pvc-1")
+	if v.PV != "pvc-1" || v.PVC != "default/data" || v.Phase != "Available" || v.StorageNode != "storage-1" ||
+		v.SizeBytes != 10<<30 || v.Health != HealthDegraded || len(v.Conditions) != 1 {
+		t.Errorf("pvc-1: %+v", v)
+	}
+	if len(v.Publications) != 2 {
+		t.Fatalf("publications %+v", v.Publications)
+	}
+	for i, want := range []struct {
+		node, health, subflows string
+	}{{"node-a", HealthDegraded, "2/4"}, {"node-b", HealthHealthy, "4/4"}} {
+		p := v.Publications[i]
+		if p.Node != want.node || p.Metrics != MetricsOK || p.Health != want.health || p.DataPath == nil ||
+			p.DataPath.Transport != "relay" || subflowsText(p.DataPath) != want.subflows {
+			t.Errorf("publication %d: %+v %+v", i, p, p.DataPath)
+		}
+	}
+	if n := rep.Nodes[1]; n.Node != "node-b" || n.URL != "http://127.0.0.1:"+b.Port()+"/metrics" || n.Status != MetricsOK {
+		t.Errorf("node-b found at %+v", n)
+	}
+	if f := v.LastFault; f == nil || f.Source != FaultDataPath || f.Node != "node-a" {
+		t.Errorf("last fault %+v", f)
+	}
+	if v := rep.volume(t, "pvc-2"); v.Health != HealthUnpublished || v.PV != "" || len(v.Publications) != 0 {
+		t.Errorf("pvc-2: %+v", v)
+	}
+
+	table := mpnbdctl()
+	for _, s := range []string{strings.Join(listColumns, "  "), "pvc-1   default/data  storage-1     10Gi  Available  node-a  ok", "2/4", "4/4", "Unpublished"} {
+		if !strings.Contains(strings.Join(strings.Fields(table), " "), strings.Join(strings.Fields(s), " ")) {
+			t.Errorf("table lacks %q:\n%s", s, table)
+		}
+	}
+
+	// Healthy on both nodes now: the claim's Event is the last fault.
+	nodeA = nodePlugin(t, "node-a", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}, Reconnects: 1}},
+	})
+	detail := mpnbdctl("volume", "default/data")
+	for _, s := range []string{
+		"Volume:               pvc-1\n",
+		"Health:               Healthy\n",
+		"Last fault:           node-a: StorageUnreachable: the storage node is unreachable (transport relay) (event, " + at.UTC().Format(time.RFC3339) + ")\n",
+		perPathNote,
+	} {
+		if !strings.Contains(detail, s) {
+			t.Errorf("detail lacks %q:\n%s", s, detail)
+		}
+	}
+
+	// A volume that is not there.
+	var out, errb bytes.Buffer
+	if code := run(ctx, []string{"--kubeconfig", kc, "volume", "pvc-x"}, &out, &errb); code != 1 || errb.String() != "mpnbdctl: NBDVolume \"pvc-x\" not found\n" {
+		t.Errorf("volume pvc-x: exit %d, stderr %q", code, errb.String())
+	}
+}

@@ -1,0 +1,247 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+)
+
+// nodePluginComponent is the source component of the Events the node
+// plugin records on claims (pkg/driver KubeEvents).
+const nodePluginComponent = "mpnbd-node"
+
+// inventory is what the API server says: the volumes to show and what
+// surrounds them. Only the NBDVolumes are required; a part that cannot be
+// read (RBAC, say) becomes a warning.
+type inventory struct {
+	volumes []v1alpha1.NBDVolume
+	// pvs are the PVs of this driver by CSI volume handle (the volume
+	// ID); nil when they could not be read.
+	pvs map[string]*corev1.PersistentVolume
+	// nodeAddrs are the InternalIPs of the Nodes by name; nil when they
+	// were not needed or could not be read.
+	nodeAddrs map[string]string
+	// events are the node plugin's Warning Events on each volume's
+	// claim, by volume ID (volume NAME only).
+	events map[string][]corev1.Event
+	// single: the volume NAME asked for, not every volume.
+	single   bool
+	warnings []string
+}
+
+// readInventory reads the volumes o asks for and what surrounds them,
+// each request within o.timeout.
+func readInventory(ctx context.Context, api client.Reader, o *options) (*inventory, error) {
+	inv := &inventory{single: o.command == cmdVolume}
+	call := func(f func(ctx context.Context) error) error {
+		ctx, cancel := context.WithTimeout(ctx, o.timeout)
+		defer cancel()
+		return f(ctx)
+	}
+	if o.command == cmdVolume {
+		id, err := resolveVolume(ctx, api, o.volume, call)
+		if err != nil {
+			return nil, err
+		}
+		var vol v1alpha1.NBDVolume
+		err = call(func(ctx context.Context) error { return api.Get(ctx, client.ObjectKey{Name: id}, &vol) })
+		if apierrors.IsNotFound(err) {
+			return nil, fmt.Errorf("NBDVolume %q not found", id)
+		}
+		if err != nil {
+			return nil, apiError("reading NBDVolume "+id, err)
+		}
+		inv.volumes = []v1alpha1.NBDVolume{vol}
+	} else {
+		var list v1alpha1.NBDVolumeList
+		if err := call(func(ctx context.Context) error { return api.List(ctx, &list) }); err != nil {
+			return nil, apiError("listing NBDVolumes", err)
+		}
+		inv.volumes = list.Items
+		slices.SortFunc(inv.volumes, func(a, b v1alpha1.NBDVolume) int { return strings.Compare(a.Name, b.Name) })
+	}
+
+	var pvs corev1.PersistentVolumeList
+	if err := call(func(ctx context.Context) error { return api.List(ctx, &pvs) }); err != nil {
+		inv.warn("PersistentVolumes not read, so no PV or claim is shown: %v", err)
+	} else {
+		inv.pvs = map[string]*corev1.PersistentVolume{}
+		for i := range pvs.Items {
+			if csi := pvs.Items[i].Spec.CSI; csi != nil && csi.Driver == driver.DriverName {
+				inv.pvs[csi.VolumeHandle] = &pvs.Items[i]
+			}
+		}
+	}
+
+	if needNodeAddrs(o, inv.volumes) {
+		var nodes corev1.NodeList
+		if err := call(func(ctx context.Context) error { return api.List(ctx, &nodes) }); err != nil {
+			inv.warn("Nodes not read, so their metrics cannot be found with --metrics-port: %v", err)
+		} else {
+			inv.nodeAddrs = map[string]string{}
+			for _, n := range nodes.Items {
+				if a := internalIP(&n); a != "" {
+					inv.nodeAddrs[n.Name] = a
+				}
+			}
+		}
+	}
+
+	if o.command == cmdVolume {
+		vol := &inv.volumes[0]
+		if pv := inv.pvs[vol.Name]; pv != nil && pv.Spec.ClaimRef != nil {
+			events, err := claimEvents(ctx, api, pv.Spec.ClaimRef, call)
+			if err != nil {
+				inv.warn("Events of claim %s/%s not read: %v", pv.Spec.ClaimRef.Namespace, pv.Spec.ClaimRef.Name, err)
+			}
+			inv.events = map[string][]corev1.Event{vol.Name: events}
+		}
+	}
+	return inv, nil
+}
+
+func (inv *inventory) warn(format string, args ...any) {
+	inv.warnings = append(inv.warnings, fmt.Sprintf(format, args...))
+}
+
+// apiError says what failed, and that the CRDs are missing when they are.
+func apiError(what string, err error) error {
+	if meta.IsNoMatchError(err) {
+		return fmt.Errorf("%s: the mpnbd CRDs are not installed (%s): %w", what, v1alpha1.GroupVersion, err)
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+// resolveVolume returns the volume ID name stands for: name itself, or
+// for NAMESPACE/CLAIM the CSI handle of the PV the claim is bound to.
+func resolveVolume(ctx context.Context, api client.Reader, name string, call func(func(context.Context) error) error) (string, error) {
+	ns, claim, ok := strings.Cut(name, "/")
+	if !ok {
+		return name, nil
+	}
+	var pvc corev1.PersistentVolumeClaim
+	if err := call(func(ctx context.Context) error {
+		return api.Get(ctx, client.ObjectKey{Namespace: ns, Name: claim}, &pvc)
+	}); err != nil {
+		return "", fmt.Errorf("claim %s: %w", name, err)
+	}
+	if pvc.Spec.VolumeName == "" {
+		return "", fmt.Errorf("claim %s is not bound to a PV yet", name)
+	}
+	var pv corev1.PersistentVolume
+	if err := call(func(ctx context.Context) error {
+		return api.Get(ctx, client.ObjectKey{Name: pvc.Spec.VolumeName}, &pv)
+	}); err != nil {
+		return "", fmt.Errorf("PV %s of claim %s: %w", pvc.Spec.VolumeName, name, err)
+	}
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver.DriverName {
+		return "", fmt.Errorf("claim %s is bound to PV %s, which is not a %s volume", name, pv.Name, driver.DriverName)
+	}
+	return pv.Spec.CSI.VolumeHandle, nil
+}
+
+// claimEvents returns the Warning Events the node plugin recorded on a
+// claim, newest first.
+func claimEvents(ctx context.Context, api client.Reader, ref *corev1.ObjectReference, call func(func(context.Context) error) error) ([]corev1.Event, error) {
+	var list corev1.EventList
+	if err := call(func(ctx context.Context) error {
+		return api.List(ctx, &list, client.InNamespace(ref.Namespace), client.MatchingFields{"involvedObject.name": ref.Name})
+	}); err != nil {
+		return nil, err
+	}
+	var out []corev1.Event
+	for _, e := range list.Items {
+		if e.InvolvedObject.Kind == "PersistentVolumeClaim" && e.InvolvedObject.Name == ref.Name &&
+			e.Source.Component == nodePluginComponent && e.Type == corev1.EventTypeWarning {
+			out = append(out, e)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b corev1.Event) int { return eventTime(&b).Compare(eventTime(&a)) })
+	return out, nil
+}
+
+// eventTime is when an Event last happened.
+func eventTime(e *corev1.Event) time.Time {
+	switch {
+	case !e.LastTimestamp.IsZero():
+		return e.LastTimestamp.Time
+	case !e.EventTime.IsZero():
+		return e.EventTime.Time
+	}
+	return e.FirstTimestamp.Time
+}
+
+// needNodeAddrs reports whether some published node's metrics are to be
+// found by its address.
+func needNodeAddrs(o *options, vols []v1alpha1.NBDVolume) bool {
+	if o.metricsPort == 0 {
+		return false
+	}
+	for _, v := range vols {
+		for _, p := range v.Spec.Publications {
+			if _, ok := o.metricsURLs[p.NodeID]; !ok {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// internalIP is the node's first InternalIP, where a hostNetwork pod
+// listens.
+func internalIP(n *corev1.Node) string {
+	for _, a := range n.Status.Addresses {
+		if a.Type == corev1.NodeInternalIP && a.Address != "" {
+			return a.Address
+		}
+	}
+	return ""
+}
+
+// publishedNodes lists the nodes the volumes are published to, sorted.
+func publishedNodes(vols []v1alpha1.NBDVolume) []string {
+	var out []string
+	for _, v := range vols {
+		for _, p := range v.Spec.Publications {
+			out = append(out, p.NodeID)
+		}
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// metricsTargets says, per published node, where its metrics are: its
+// --metrics-url, else its InternalIP and --metrics-port; a node with
+// neither gets the status why.
+func metricsTargets(o *options, inv *inventory) []NodeMetrics {
+	var out []NodeMetrics
+	for _, name := range publishedNodes(inv.volumes) {
+		t := NodeMetrics{Node: name}
+		switch addr, known := inv.nodeAddrs[name]; {
+		case o.metricsURLs[name] != "":
+			t.URL = o.metricsURLs[name]
+		case o.metricsPort == 0:
+			t.Status = MetricsOff
+		case known:
+			t.URL = "http://" + net.JoinHostPort(addr, strconv.Itoa(o.metricsPort)) + "/metrics"
+		case inv.nodeAddrs == nil:
+			t.Status, t.Error = MetricsNoAddress, "Nodes not readable"
+		default:
+			t.Status, t.Error = MetricsNoAddress, "no Node with an InternalIP by this name"
+		}
+		out = append(out, t)
+	}
+	return out
+}

@@ -1,0 +1,258 @@
+// Command mpnbdctl shows an operator where each volume of the driver
+// stands, joining two sources: the API server (NBDVolumes, the PVs and
+// claims bound to them, Nodes) and the node plugins' Prometheus metrics
+// (mpnbd_node_volume_*, pkg/driver's NodeCollector).
+//
+//	mpnbdctl [flags] [volumes]      every volume, one row per node it is published to
+//	mpnbdctl [flags] volume NAME    one volume (its ID, or NAMESPACE/CLAIM) in detail
+//
+// Per volume: its PV and claim, storage node, size, phase and publications;
+// per published node: the transport, connected, MPTCP, subflows of each
+// connection against the storage node's addresses, reconnects, outage and
+// health (degraded, inaccessible); and the last fault it can tell (a data
+// path that is down or degraded now, a failed condition of the NBDVolume,
+// a Warning Event the node plugin recorded on the claim, or past
+// reconnects).
+//
+// The node plugins serve metrics only when the chart's node.metricsPort
+// is set (0, off, by default). Give that port as --metrics-port and
+// mpnbdctl reads http://INTERNAL-IP:PORT/metrics of every node a volume is
+// published to (the node plugin runs on the host network), in parallel
+// and each within --timeout; --metrics-url NODE=URL names one node's
+// endpoint instead. Without either, it shows the API part and says the
+// metrics are off. A node that does not answer is shown as such; the
+// command still succeeds.
+//
+// Exit codes: 0 shown, 1 failed (no API server, no such volume), 2 usage.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+)
+
+func main() {
+	// controller-runtime's client logs through this; a CLI says what
+	// matters itself.
+	ctrllog.SetLogger(logr.Discard())
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// Commands.
+const (
+	cmdVolumes = "volumes"
+	cmdVolume  = "volume"
+)
+
+// Output formats.
+const (
+	outputTable = "table"
+	outputJSON  = "json"
+)
+
+type options struct {
+	kubeconfig  string
+	output      string
+	metricsPort int
+	// metricsURLs maps node names to their metrics endpoints
+	// (--metrics-url), which win over --metrics-port.
+	metricsURLs map[string]string
+	timeout     time.Duration
+
+	command string
+	volume  string // NAME of cmdVolume
+}
+
+func newFlagSet(o *options) *flag.FlagSet {
+	fs := flag.NewFlagSet("mpnbdctl", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
+	fs.StringVar(&o.output, "output", outputTable, "table or json")
+	fs.StringVar(&o.output, "o", outputTable, "short for --output")
+	fs.IntVar(&o.metricsPort, "metrics-port", 0,
+		"port of the node plugins' /metrics on each node's InternalIP: the chart's node.metricsPort (0, its default, means off)")
+	fs.Func("metrics-url", "NODE=URL: read NODE's node plugin metrics from URL (repeatable; wins over --metrics-port; a URL without a path gets /metrics)", func(s string) error {
+		node, u, err := parseMetricsURL(s)
+		if err != nil {
+			return err
+		}
+		if _, dup := o.metricsURLs[node]; dup {
+			return fmt.Errorf("node %s given twice", node)
+		}
+		if o.metricsURLs == nil {
+			o.metricsURLs = map[string]string{}
+		}
+		o.metricsURLs[node] = u
+		return nil
+	})
+	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
+	return fs
+}
+
+// parseMetricsURL splits NODE=URL and checks the URL.
+func parseMetricsURL(s string) (node, raw string, err error) {
+	node, raw, ok := strings.Cut(s, "=")
+	node, raw = strings.TrimSpace(node), strings.TrimSpace(raw)
+	if !ok || node == "" || raw == "" {
+		return "", "", fmt.Errorf("%q: want NODE=URL", s)
+	}
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return "", "", fmt.Errorf("%q: want an http:// or https:// URL", raw)
+	}
+	if u.Path == "" || u.Path == "/" {
+		u.Path = "/metrics"
+	}
+	return node, u.String(), nil
+}
+
+// parseArgs reads flags before and after the command and its argument,
+// so that both `mpnbdctl -o json volume x` and `mpnbdctl volume x -o json`
+// work.
+func parseArgs(args []string) (*options, error) {
+	o := &options{}
+	fs := newFlagSet(o)
+	var words []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			break
+		}
+		words = append(words, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+	o.command = cmdVolumes
+	if len(words) > 0 {
+		o.command, words = words[0], words[1:]
+	}
+	switch o.command {
+	case cmdVolumes:
+		if len(words) > 0 {
+			return nil, fmt.Errorf("unexpected argument %q", words[0])
+		}
+	case cmdVolume:
+		if len(words) != 1 {
+			return nil, errors.New("volume: want one NAME (a volume ID, or NAMESPACE/CLAIM)")
+		}
+		o.volume = words[0]
+	default:
+		return nil, fmt.Errorf("unknown command %q (want volumes or volume NAME)", o.command)
+	}
+	switch {
+	case o.output != outputTable && o.output != outputJSON:
+		return nil, fmt.Errorf("--output %q (want table or json)", o.output)
+	case o.metricsPort < 0 || o.metricsPort > 65535:
+		return nil, fmt.Errorf("--metrics-port %d (want 1-65535, or 0: off)", o.metricsPort)
+	case o.timeout <= 0:
+		return nil, errors.New("--timeout must be positive")
+	}
+	return o, nil
+}
+
+func usage() string {
+	var b strings.Builder
+	b.WriteString(`Usage:
+  mpnbdctl [flags] [volumes]      every volume: storage node, size, phase, and per node
+                                  it is published to its data path and health
+  mpnbdctl [flags] volume NAME    one volume in detail (NAME: volume ID, or NAMESPACE/CLAIM)
+
+The data path (transport, MPTCP subflows, reconnects, health) comes from the node
+plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name
+endpoints with --metrics-url NODE=URL.
+
+Flags:
+`)
+	fs := newFlagSet(&options{})
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	return b.String()
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, err := parseArgs(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(stdout, usage())
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "mpnbdctl: %v\nRun 'mpnbdctl --help' for usage.\n", err)
+		return 2
+	}
+	c, err := newAPIReader(o.kubeconfig)
+	if err == nil {
+		err = show(ctx, o, c, &http.Client{}, stdout)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "mpnbdctl: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// newAPIReader returns a client of the API server for the resources
+// mpnbdctl reads.
+func newAPIReader(path string) (client.Reader, error) {
+	cfg, err := kubeconfig.Load(path)
+	if err != nil && path == "" {
+		return nil, fmt.Errorf("no API server configuration (--kubeconfig, $KUBECONFIG, in-cluster, ~/.kube/config): %w", err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	cfg.UserAgent = "mpnbdctl"
+	scheme := runtime.NewScheme()
+	if err := clientgoscheme.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	if err := v1alpha1.AddToScheme(scheme); err != nil {
+		return nil, err
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
+	}
+	return c, nil
+}
+
+// show reads the API and the node plugins' metrics, joins them and writes
+// the report in o.output.
+func show(ctx context.Context, o *options, api client.Reader, hc *http.Client, w io.Writer) error {
+	inv, err := readInventory(ctx, api, o)
+	if err != nil {
+		return err
+	}
+	nodes := scrapeNodes(ctx, hc, metricsTargets(o, inv), o.timeout)
+	rep := buildReport(inv, nodes)
+	switch {
+	case o.output == outputJSON:
+		return writeJSON(w, rep)
+	case o.command == cmdVolume:
+		return writeDetail(w, rep)
+	default:
+		return writeTable(w, rep)
+	}
+}

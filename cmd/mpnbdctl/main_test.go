@@ -1,0 +1,86 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseArgs(t *testing.T) {
+	tests := []struct {
+		args    []string
+		want    options // compared when wantErr is ""
+		wantErr string
+	}{
+		{nil, options{output: "table", timeout: 5 * time.Second, command: "volumes"}, ""},
+		{[]string{"volumes", "-o", "json"}, options{output: "json", timeout: 5 * time.Second, command: "volumes"}, ""},
+		// Flags before, between and after the command and its NAME.
+		{[]string{"--kubeconfig", "/k", "volume", "--timeout", "2s", "pvc-1", "--output", "json", "--metrics-port", "9811"},
+			options{kubeconfig: "/k", output: "json", metricsPort: 9811, timeout: 2 * time.Second, command: "volume", volume: "pvc-1"}, ""},
+		{[]string{"volume", "default/data", "--metrics-url", "n1=http://10.0.0.1:9811", "--metrics-url", "n2=https://h/x/metrics"},
+			options{output: "table", timeout: 5 * time.Second, command: "volume", volume: "default/data",
+				metricsURLs: map[string]string{"n1": "http://10.0.0.1:9811/metrics", "n2": "https://h/x/metrics"}}, ""},
+		{[]string{"volume"}, options{}, "want one NAME"},
+		{[]string{"volume", "a", "b"}, options{}, "want one NAME"},
+		{[]string{"volumes", "a"}, options{}, `unexpected argument "a"`},
+		{[]string{"nodes"}, options{}, `unknown command "nodes"`},
+		{[]string{"-o", "yaml"}, options{}, `--output "yaml"`},
+		{[]string{"--metrics-port", "70000"}, options{}, "--metrics-port 70000"},
+		{[]string{"--timeout", "0s"}, options{}, "--timeout"},
+		{[]string{"--metrics-url", "n1"}, options{}, "want NODE=URL"},
+		{[]string{"--metrics-url", "=http://h"}, options{}, "want NODE=URL"},
+		{[]string{"--metrics-url", "n1=10.0.0.1:9811"}, options{}, "want an http:// or https:// URL"},
+		{[]string{"--metrics-url", "n1=http://a", "--metrics-url", "n1=http://b"}, options{}, "node n1 given twice"},
+		{[]string{"--no-such-flag"}, options{}, "no-such-flag"},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			o, err := parseArgs(tc.args)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(*o, tc.want) {
+				t.Errorf("options %+v, want %+v", *o, tc.want)
+			}
+		})
+	}
+}
+
+func TestRunExitCodes(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "missing")
+	tests := []struct {
+		args       []string
+		code       int
+		stdout     string
+		stderr     string
+		kubeconfig string // $KUBECONFIG
+	}{
+		{[]string{"--help"}, 0, "-metrics-port", "", ""},
+		{[]string{"-o", "xml"}, 2, "", "mpnbdctl: --output \"xml\" (want table or json)\nRun 'mpnbdctl --help' for usage.\n", ""},
+		{[]string{"volume"}, 2, "", "want one NAME", ""},
+		{[]string{"--kubeconfig", missing}, 1, "", "mpnbdctl: kubeconfig " + missing, ""},
+		{nil, 1, "", "mpnbdctl: no API server configuration", missing},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			t.Setenv("KUBECONFIG", tc.kubeconfig)
+			t.Setenv("KUBERNETES_SERVICE_HOST", "")
+			t.Setenv("HOME", t.TempDir())
+			var out, errb bytes.Buffer
+			code := run(context.Background(), tc.args, &out, &errb)
+			if code != tc.code || !strings.Contains(out.String(), tc.stdout) || !strings.Contains(errb.String(), tc.stderr) {
+				t.Errorf("code %d, stdout %q, stderr %q; want %d, %q, %q", code, out.String(), errb.String(), tc.code, tc.stdout, tc.stderr)
+			}
+		})
+	}
+}

@@ -1,0 +1,235 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// The node plugin's per-volume metrics (pkg/driver/node_metrics.go): each
+// has the labels volume and transport; subflows also connection. The
+// tests scrape the real NodeCollector, so a rename there fails them.
+const (
+	metricPrefix       = "mpnbd_node_volume_"
+	metricConnected    = metricPrefix + "connected"
+	metricMPTCP        = metricPrefix + "mptcp"
+	metricSubflows     = metricPrefix + "subflows"
+	metricExpected     = metricPrefix + "expected_subflows"
+	metricReconnects   = metricPrefix + "reconnects_total"
+	metricDegraded     = metricPrefix + "degraded"
+	metricInaccessible = metricPrefix + "inaccessible"
+	metricOutage       = metricPrefix + "outage_seconds"
+	metricReplayed     = metricPrefix + "replayed_requests_total"
+	metricResent       = metricPrefix + "resent_writes_total"
+	metricRetained     = metricPrefix + "retained_writes"
+)
+
+// Metrics statuses of a node (NodeMetrics.Status) and of a publication
+// (Publication.Metrics).
+const (
+	MetricsOK          = "ok"
+	MetricsNotAttached = "not-attached" // the node answered without the volume
+	MetricsOff         = "off"          // no --metrics-port or --metrics-url
+	MetricsNoAddress   = "no-address"   // no InternalIP to find the node by
+	MetricsUnreachable = "unreachable"  // no answer within --timeout
+	MetricsError       = "error"        // an answer that is not metrics
+)
+
+// maxMetricsBytes bounds what is read from one node.
+const maxMetricsBytes = 16 << 20
+
+// NodeMetrics is one node plugin's metrics endpoint and how reading it
+// went.
+type NodeMetrics struct {
+	Node   string `json:"node"`
+	URL    string `json:"url,omitempty"`
+	Status string `json:"status"`
+	Error  string `json:"error,omitempty"`
+
+	// volumes are the data paths it reports, by volume ID.
+	volumes map[string]*DataPath
+}
+
+// Connection is one NBD connection of a volume's data path.
+type Connection struct {
+	Index int `json:"index"`
+	// Subflows counts the connection's MPTCP subflows, the first
+	// included. The node plugin exports no bytes per subflow or path.
+	Subflows int `json:"subflows"`
+}
+
+// DataPath is what a node plugin reports about one attached volume.
+type DataPath struct {
+	Transport   string       `json:"transport"`
+	Connected   bool         `json:"connected"`
+	MPTCP       bool         `json:"mptcp"`
+	Connections []Connection `json:"connections"`
+	// ExpectedSubflows is the storage node's address count, what each
+	// connection should have; nil when the node plugin does not know it
+	// (it forgets across its own restarts).
+	ExpectedSubflows *int    `json:"expectedSubflows,omitempty"`
+	Reconnects       int64   `json:"reconnects"`
+	OutageSeconds    float64 `json:"outageSeconds"`
+	Degraded         bool    `json:"degraded"`
+	Inaccessible     bool    `json:"inaccessible"`
+	ReplayedRequests int64   `json:"replayedRequests"`
+	ResentWrites     int64   `json:"resentWrites"`
+	RetainedWrites   int64   `json:"retainedWrites"`
+}
+
+// scrapeNodes reads the metrics of every target with a URL, in parallel,
+// each within timeout; the others keep the status they have.
+func scrapeNodes(ctx context.Context, hc *http.Client, targets []NodeMetrics, timeout time.Duration) []NodeMetrics {
+	var wg sync.WaitGroup
+	for i := range targets {
+		t := &targets[i]
+		if t.URL == "" {
+			continue
+		}
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(ctx, timeout)
+			defer cancel()
+			vols, err := scrape(ctx, hc, t.URL)
+			var unreachable *unreachableError
+			switch {
+			case errors.As(err, &unreachable):
+				t.Status, t.Error = MetricsUnreachable, err.Error()
+			case err != nil:
+				t.Status, t.Error = MetricsError, err.Error()
+			default:
+				t.Status, t.volumes = MetricsOK, vols
+			}
+		})
+	}
+	wg.Wait()
+	return targets
+}
+
+// unreachableError is a fetch that got no answer.
+type unreachableError struct{ err error }
+
+func (e *unreachableError) Error() string { return e.err.Error() }
+func (e *unreachableError) Unwrap() error { return e.err }
+
+// scrape fetches one node plugin's metrics in the text format and returns
+// the volumes' data paths.
+func scrape(ctx context.Context, hc *http.Client, url string) (map[string]*DataPath, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Accept", string(expfmt.NewFormat(expfmt.TypeTextPlain)))
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, &unreachableError{err}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	vols, err := parseNodeMetrics(io.LimitReader(resp.Body, maxMetricsBytes))
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, &unreachableError{fmt.Errorf("GET %s: %w", url, ctx.Err())}
+		}
+		return nil, fmt.Errorf("GET %s: %w", url, err)
+	}
+	return vols, nil
+}
+
+// parseNodeMetrics reads the per-volume data paths out of a node plugin's
+// metrics in the Prometheus text format; other metrics are ignored.
+func parseNodeMetrics(r io.Reader) (map[string]*DataPath, error) {
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := p.TextToMetricFamilies(r)
+	if err != nil {
+		return nil, fmt.Errorf("metrics text: %w", err)
+	}
+	vols := map[string]*DataPath{}
+	for name, f := range families {
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			id := labels["volume"]
+			if id == "" || !strings.HasPrefix(name, metricPrefix) {
+				continue
+			}
+			dp := vols[id]
+			if dp == nil {
+				dp = &DataPath{Connections: []Connection{}}
+				vols[id] = dp
+			}
+			if t := labels["transport"]; t != "" {
+				dp.Transport = t
+			}
+			if err := dp.set(name, labels["connection"], value(m)); err != nil {
+				return nil, fmt.Errorf("%s{volume=%q}: %w", name, id, err)
+			}
+		}
+	}
+	for _, dp := range vols {
+		slices.SortFunc(dp.Connections, func(a, b Connection) int { return a.Index - b.Index })
+	}
+	return vols, nil
+}
+
+// set records one sample of a volume's metric; unknown names are ignored
+// (a newer node plugin may export more).
+func (dp *DataPath) set(name, connection string, v float64) error {
+	switch name {
+	case metricConnected:
+		dp.Connected = v == 1
+	case metricMPTCP:
+		dp.MPTCP = v == 1
+	case metricSubflows:
+		i, err := strconv.Atoi(connection)
+		if err != nil || i < 0 {
+			return fmt.Errorf("connection label %q is not an index", connection)
+		}
+		dp.Connections = append(dp.Connections, Connection{Index: i, Subflows: int(v)})
+	case metricExpected:
+		n := int(v)
+		dp.ExpectedSubflows = &n
+	case metricReconnects:
+		dp.Reconnects = int64(v)
+	case metricDegraded:
+		dp.Degraded = v == 1
+	case metricInaccessible:
+		dp.Inaccessible = v == 1
+	case metricOutage:
+		dp.OutageSeconds = v
+	case metricReplayed:
+		dp.ReplayedRequests = int64(v)
+	case metricResent:
+		dp.ResentWrites = int64(v)
+	case metricRetained:
+		dp.RetainedWrites = int64(v)
+	}
+	return nil
+}
+
+// value is a sample's value whatever its type.
+func value(m *dto.Metric) float64 {
+	switch {
+	case m.GetGauge() != nil:
+		return m.GetGauge().GetValue()
+	case m.GetCounter() != nil:
+		return m.GetCounter().GetValue()
+	case m.GetUntyped() != nil:
+		return m.GetUntyped().GetValue()
+	}
+	return 0
+}

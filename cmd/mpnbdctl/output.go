@@ -1,0 +1,270 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// listColumns are the columns of `mpnbdctl volumes`: one row per volume
+// and node it is published to.
+var listColumns = []string{
+	"VOLUME", "PVC", "STORAGE-NODE", "SIZE", "PHASE", "NODE", "METRICS", "TRANSPORT",
+	"CONNECTED", "MPTCP", "SUBFLOWS", "RECONNECTS", "OUTAGE", "HEALTH", "LAST-FAULT",
+}
+
+// pubColumns are the per-node columns of `mpnbdctl volume NAME`.
+var pubColumns = []string{
+	"NODE", "METRICS", "TRANSPORT", "CONNECTED", "MPTCP", "SUBFLOWS", "RECONNECTS", "OUTAGE",
+	"REPLAYED", "RESENT", "RETAINED", "HEALTH",
+}
+
+// perPathNote says what the metrics lack for bytes per path.
+const perPathNote = "Bytes per path: not available; the node plugin's metrics count MPTCP subflows per connection, not bytes per subflow."
+
+func writeJSON(w io.Writer, rep *Report) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(rep)
+}
+
+func newTabWriter(w io.Writer) *tabwriter.Writer {
+	return tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+}
+
+// row writes cells as one tab-separated line, "-" for an empty cell.
+func row(w io.Writer, indent string, cells ...string) {
+	out := make([]string, len(cells))
+	for i, c := range cells {
+		out[i] = c
+		if c == "" {
+			out[i] = "-"
+		}
+	}
+	fmt.Fprintln(w, indent+strings.Join(out, "\t"))
+}
+
+// writeTable writes every volume, one row per node it is published to
+// (one row for an unpublished volume), then notes on the metrics.
+func writeTable(w io.Writer, rep *Report) error {
+	if len(rep.Volumes) == 0 {
+		fmt.Fprintln(w, "No NBDVolumes.")
+		return writeNotes(w, rep)
+	}
+	tw := newTabWriter(w)
+	row(tw, "", listColumns...)
+	for _, v := range rep.Volumes {
+		head := []string{v.Name, v.PVC, v.StorageNode, formatBytes(v.SizeBytes), v.Phase}
+		if len(v.Publications) == 0 {
+			row(tw, "", append(head, "", "", "", "", "", "", "", "", v.Health, faultText(v.LastFault, ""))...)
+			continue
+		}
+		for _, p := range v.Publications {
+			cells := append(append([]string{}, head...), p.Node, p.Metrics)
+			cells = append(cells, dataPathCells(p.DataPath)...)
+			row(tw, "", append(cells, p.Health, faultText(v.LastFault, p.Node))...)
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return writeNotes(w, rep)
+}
+
+// dataPathCells are TRANSPORT CONNECTED MPTCP SUBFLOWS RECONNECTS OUTAGE.
+func dataPathCells(dp *DataPath) []string {
+	if dp == nil {
+		return make([]string, 6)
+	}
+	return []string{dp.Transport, yesNo(dp.Connected), yesNo(dp.MPTCP), subflowsText(dp),
+		strconv.FormatInt(dp.Reconnects, 10), outageText(dp.OutageSeconds)}
+}
+
+// faultText is a fault for the row of node: the volume's fault unless it
+// belongs to another node.
+func faultText(f *Fault, node string) string {
+	if f == nil || (node != "" && f.Node != "" && f.Node != node) {
+		return ""
+	}
+	if f.Node != "" && node == "" {
+		return f.Node + ": " + f.Message
+	}
+	return f.Message
+}
+
+// subflowsText is each connection's subflows against the expected
+// number: "2/4" for one connection, "4/4,3/4" for two, "2/?" when the
+// expected number is unknown.
+func subflowsText(dp *DataPath) string {
+	want := "?"
+	if dp.ExpectedSubflows != nil {
+		want = strconv.Itoa(*dp.ExpectedSubflows)
+	}
+	var parts []string
+	for _, c := range dp.Connections {
+		parts = append(parts, fmt.Sprintf("%d/%s", c.Subflows, want))
+	}
+	return strings.Join(parts, ",")
+}
+
+func outageText(s float64) string {
+	if s <= 0 {
+		return ""
+	}
+	return (time.Duration(s * float64(time.Second))).Round(time.Second).String()
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}
+
+// writeNotes says which nodes' metrics are missing and why, and the
+// warnings.
+func writeNotes(w io.Writer, rep *Report) error {
+	var notes, off []string
+	for _, n := range rep.Nodes {
+		switch n.Status {
+		case MetricsOK:
+		case MetricsOff:
+			off = append(off, fmt.Sprintf("Node %s: metrics off: no --metrics-url for it and no --metrics-port", n.Node))
+		default:
+			notes = append(notes, fmt.Sprintf("Node %s: metrics %s: %s", n.Node, n.Status, n.Error))
+		}
+	}
+	if len(off) > 0 && len(off) == len(rep.Nodes) {
+		off = []string{"Metrics off: the data path columns need the node plugins' metrics: --metrics-port " +
+			"(the chart's node.metricsPort, 0 by default: off) or --metrics-url NODE=URL. Showing the API part only."}
+	}
+	notes = append(off, notes...)
+	for _, warn := range rep.Warnings {
+		notes = append(notes, "Warning: "+warn)
+	}
+	if len(notes) == 0 {
+		return nil
+	}
+	_, err := fmt.Fprintf(w, "\n%s\n", strings.Join(notes, "\n"))
+	return err
+}
+
+// writeDetail writes one volume in detail.
+func writeDetail(w io.Writer, rep *Report) error {
+	for _, v := range rep.Volumes {
+		tw := newTabWriter(w)
+		kv := func(k, v string) {
+			if v == "" {
+				v = "-"
+			}
+			fmt.Fprintf(tw, "%s:\t%s\n", k, v)
+		}
+		kv("Volume", v.Name)
+		kv("PV", v.PV)
+		kv("Claim", v.PVC)
+		storage := v.StorageNode
+		if len(v.StorageAddresses) > 0 {
+			storage += fmt.Sprintf(" (%s; port %d)", strings.Join(v.StorageAddresses, ", "), v.StoragePort)
+		}
+		kv("Storage node", storage)
+		size := formatBytes(v.SizeBytes)
+		if v.CapacityBytes > 0 && v.CapacityBytes != v.SizeBytes {
+			size += " (capacity " + formatBytes(v.CapacityBytes) + ")"
+		}
+		kv("Size", size)
+		kv("Access type", v.AccessType)
+		kv("Transport requested", v.RequestedTransport)
+		kv("Phase", v.Phase)
+		kv("Health", v.Health)
+		kv("Last fault", detailFault(v.LastFault))
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+
+		if len(v.Conditions) > 0 {
+			fmt.Fprintln(w, "\nConditions:")
+			tw = newTabWriter(w)
+			row(tw, "  ", "TYPE", "STATUS", "REASON", "SINCE", "MESSAGE")
+			for _, c := range v.Conditions {
+				row(tw, "  ", c.Type, string(c.Status), c.Reason, timeText(c.LastTransitionTime.Time), c.Message)
+			}
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+		}
+
+		fmt.Fprintln(w, "\nPublished to:")
+		if len(v.Publications) == 0 {
+			fmt.Fprintln(w, "  no node")
+		}
+		tw = newTabWriter(w)
+		if len(v.Publications) > 0 {
+			row(tw, "  ", pubColumns...)
+		}
+		var conns [][]string
+		for _, p := range v.Publications {
+			cells := append([]string{p.Node, p.Metrics}, dataPathCells(p.DataPath)...)
+			if dp := p.DataPath; dp != nil {
+				cells = append(cells, strconv.FormatInt(dp.ReplayedRequests, 10), strconv.FormatInt(dp.ResentWrites, 10),
+					strconv.FormatInt(dp.RetainedWrites, 10))
+				for _, c := range dp.Connections {
+					want := ""
+					if dp.ExpectedSubflows != nil {
+						want = strconv.Itoa(*dp.ExpectedSubflows)
+					}
+					conns = append(conns, []string{p.Node, strconv.Itoa(c.Index), strconv.Itoa(c.Subflows), want})
+				}
+			} else {
+				cells = append(cells, "", "", "")
+			}
+			row(tw, "  ", append(cells, p.Health)...)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+
+		if len(conns) > 0 {
+			fmt.Fprintln(w, "\nConnections:")
+			tw = newTabWriter(w)
+			row(tw, "  ", "NODE", "CONNECTION", "SUBFLOWS", "EXPECTED")
+			for _, c := range conns {
+				row(tw, "  ", c...)
+			}
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+			fmt.Fprintln(w, perPathNote)
+		}
+	}
+	return writeNotes(w, rep)
+}
+
+// detailFault is a fault with its node, source and time.
+func detailFault(f *Fault) string {
+	if f == nil {
+		return "none seen"
+	}
+	s := f.Message
+	if f.Node != "" {
+		s = f.Node + ": " + s
+	}
+	where := f.Source
+	if f.Source == FaultDataPath {
+		where += ", now"
+	}
+	if f.Time != nil {
+		where += ", " + timeText(*f.Time)
+	}
+	return s + " (" + where + ")"
+}
+
+func timeText(t time.Time) string {
+	if t.IsZero() {
+		return ""
+	}
+	return t.UTC().Format(time.RFC3339)
+}

@@ -1,0 +1,495 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+)
+
+// fleet is a cluster with a volume in every state mpnbdctl tells apart:
+// node-a serves metrics (one volume degraded, 2 of 4 subflows; one
+// healthy), node-b too (one volume disconnected), node-c's endpoint is
+// down, and node-d has no metrics URL.
+type fleet struct {
+	api  client.Reader
+	urls map[string]string
+}
+
+func newFleet(t *testing.T, extra ...client.Object) *fleet {
+	t.Helper()
+	failed := newVolume("pvc-failed", v1alpha1.VolumeFailed)
+	failed.Status.Code, failed.Status.Message = "ResourceExhausted", "storage-1 has 1Gi left"
+	failed.Status.Conditions = []metav1.Condition{{Type: "Ready", Status: metav1.ConditionFalse, Reason: "ResourceExhausted",
+		Message: "storage-1 has 1Gi left", LastTransitionTime: metav1.NewTime(testTime)}}
+	objs := append([]client.Object{
+		newVolume("pvc-degraded", v1alpha1.VolumeAvailable, "node-a"),
+		newVolume("pvc-healthy", v1alpha1.VolumeAvailable, "node-a"),
+		newVolume("pvc-unpublished", v1alpha1.VolumeAvailable),
+		newVolume("pvc-inaccessible", v1alpha1.VolumeAvailable, "node-b"),
+		newVolume("pvc-notattached", v1alpha1.VolumeAvailable, "node-b"),
+		newVolume("pvc-nodedown", v1alpha1.VolumeAvailable, "node-c"),
+		newVolume("pvc-nometrics", v1alpha1.VolumeAvailable, "node-d"),
+		failed,
+		newPV("pvc-degraded", "default/data-degraded"),
+		newPVC("default/data-degraded", "pvc-degraded"),
+		newPV("pvc-healthy", "apps/data-healthy"),
+	}, extra...)
+	return &fleet{
+		api: fakeAPI(t, objs...).Build(),
+		urls: map[string]string{
+			"node-a": nodePlugin(t, "node-a", map[string]fakeVolume{
+				"pvc-degraded": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Reconnects: 1}},
+				"pvc-healthy":  {attach.Ublk, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}, Reconnects: 2, Replayed: 7, Resent: 5, Retained: 3}},
+				// Attached here but published nowhere: a warning.
+				"pvc-stray": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}}},
+			}),
+			"node-b": nodePlugin(t, "node-b", map[string]fakeVolume{
+				"pvc-inaccessible": {attach.FUSE, 4, attach.Health{Connected: false, MPTCP: true, Outage: 90 * time.Second, Reconnects: 4}},
+			}),
+			"node-c": downURL(t),
+		},
+	}
+}
+
+// options are the options of `mpnbdctl args...` with the fleet's
+// metrics URLs.
+func (f *fleet) options(t *testing.T, args ...string) *options {
+	t.Helper()
+	for _, n := range []string{"node-a", "node-b", "node-c"} {
+		args = append(args, "--metrics-url", n+"="+f.urls[n])
+	}
+	o, err := parseArgs(args)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+func (f *fleet) show(t *testing.T, o *options) string {
+	t.Helper()
+	var out bytes.Buffer
+	if err := show(context.Background(), o, f.api, &http.Client{}, &out); err != nil {
+		t.Fatal(err)
+	}
+	return out.String()
+}
+
+func decodeReport(t *testing.T, s string) *Report {
+	t.Helper()
+	var rep Report
+	dec := json.NewDecoder(strings.NewReader(s))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rep); err != nil {
+		t.Fatalf("output is not a report: %v\n%s", err, s)
+	}
+	return &rep
+}
+
+func (r *Report) volume(t *testing.T, name string) VolumeReport {
+	t.Helper()
+	for _, v := range r.Volumes {
+		if v.Name == name {
+			return v
+		}
+	}
+	t.Fatalf("no volume %s in the report", name)
+	return VolumeReport{}
+}
+
+func intp(n int) *int { return &n }
+
+func TestVolumesJSON(t *testing.T) {
+	f := newFleet(t)
+	out := f.show(t, f.options(t, "--output", "json"))
+	rep := decodeReport(t, out)
+
+	var names []string
+	for _, v := range rep.Volumes {
+		names = append(names, v.Name)
+	}
+	if want := []string{"pvc-degraded", "pvc-failed", "pvc-healthy", "pvc-inaccessible", "pvc-nodedown", "pvc-nometrics", "pvc-notattached", "pvc-unpublished"}; !slices.Equal(names, want) {
+		t.Fatalf("volumes %v, want %v", names, want)
+	}
+
+	type pubWant struct {
+		node, metrics, health string
+		dp                    *DataPath // nil: none
+	}
+	tests := []struct {
+		name, pv, pvc, phase, health string
+		pubs                         []pubWant
+		faultSource, faultNode       string
+		faultHas                     string // "": no fault
+	}{{
+		name: "pvc-degraded", pv: "pvc-degraded", pvc: "default/data-degraded", phase: "Available", health: HealthDegraded,
+		pubs: []pubWant{{"node-a", MetricsOK, HealthDegraded, &DataPath{Transport: "relay", Connected: true, MPTCP: true,
+			Connections: []Connection{{0, 2}}, ExpectedSubflows: intp(4), Reconnects: 1, Degraded: true}}},
+		faultSource: FaultDataPath, faultNode: "node-a", faultHas: "relay: connection 0 has 2 MPTCP subflows, want 4",
+	}, {
+		name: "pvc-healthy", pv: "pvc-healthy", pvc: "apps/data-healthy", phase: "Available", health: HealthHealthy,
+		pubs: []pubWant{{"node-a", MetricsOK, HealthHealthy, &DataPath{Transport: "ublk", Connected: true, MPTCP: true,
+			Connections: []Connection{{0, 4}}, ExpectedSubflows: intp(4), Reconnects: 2, ReplayedRequests: 7, ResentWrites: 5, RetainedWrites: 3}}},
+		faultSource: FaultReconnects, faultNode: "node-a", faultHas: "2 reconnects since attach",
+	}, {
+		name: "pvc-unpublished", phase: "Available", health: HealthUnpublished,
+	}, {
+		name: "pvc-inaccessible", phase: "Available", health: HealthInaccessible,
+		pubs: []pubWant{{"node-b", MetricsOK, HealthInaccessible, &DataPath{Transport: "fuse", MPTCP: true,
+			Connections: []Connection{}, ExpectedSubflows: intp(4), Reconnects: 4, OutageSeconds: 90, Inaccessible: true}}},
+		faultSource: FaultDataPath, faultNode: "node-b", faultHas: "fuse: disconnected from the storage node for 1m30s",
+	}, {
+		name: "pvc-notattached", phase: "Available", health: HealthNotAttached,
+		pubs: []pubWant{{"node-b", MetricsNotAttached, HealthNotAttached, nil}},
+	}, {
+		name: "pvc-nodedown", phase: "Available", health: HealthUnknown,
+		pubs: []pubWant{{"node-c", MetricsUnreachable, HealthUnknown, nil}},
+	}, {
+		name: "pvc-nometrics", phase: "Available", health: HealthUnknown,
+		pubs: []pubWant{{"node-d", MetricsOff, HealthUnknown, nil}},
+	}, {
+		name: "pvc-failed", phase: "Failed", health: HealthFailed,
+		faultSource: FaultCondition, faultHas: "Ready=False ResourceExhausted: storage-1 has 1Gi left",
+	}}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			v := rep.volume(t, tc.name)
+			if v.PV != tc.pv || v.PVC != tc.pvc || v.Phase != tc.phase || v.Health != tc.health {
+				t.Errorf("pv %q pvc %q phase %q health %q, want %q %q %q %q", v.PV, v.PVC, v.Phase, v.Health, tc.pv, tc.pvc, tc.phase, tc.health)
+			}
+			if v.StorageNode != "storage-1" || v.SizeBytes != 10<<30 || v.CapacityBytes != 10<<30 || v.AccessType != "Block" ||
+				v.RequestedTransport != "auto" || v.StoragePort != 10809 || len(v.StorageAddresses) != 4 {
+				t.Errorf("API part %+v", v)
+			}
+			if len(v.Publications) != len(tc.pubs) {
+				t.Fatalf("publications %+v, want %d", v.Publications, len(tc.pubs))
+			}
+			for i, w := range tc.pubs {
+				p := v.Publications[i]
+				if p.Node != w.node || p.Metrics != w.metrics || p.Health != w.health {
+					t.Errorf("publication %d: node %s metrics %s health %s, want %s %s %s", i, p.Node, p.Metrics, p.Health, w.node, w.metrics, w.health)
+				}
+				switch {
+				case w.dp == nil && p.DataPath != nil:
+					t.Errorf("publication %d: data path %+v, want none", i, p.DataPath)
+				case w.dp != nil && p.DataPath == nil:
+					t.Errorf("publication %d: no data path", i)
+				case w.dp != nil:
+					got, _ := json.Marshal(p.DataPath)
+					want, _ := json.Marshal(w.dp)
+					if !bytes.Equal(got, want) {
+						t.Errorf("publication %d: data path\n%s, want\n%s", i, got, want)
+					}
+				}
+			}
+			f := v.LastFault
+			switch {
+			case tc.faultHas == "" && f != nil:
+				t.Errorf("last fault %+v, want none", f)
+			case tc.faultHas != "" && f == nil:
+				t.Errorf("no last fault, want %q", tc.faultHas)
+			case f != nil && (f.Source != tc.faultSource || f.Node != tc.faultNode || !strings.Contains(f.Message, tc.faultHas)):
+				t.Errorf("last fault %+v, want source %s node %q and %q", f, tc.faultSource, tc.faultNode, tc.faultHas)
+			}
+		})
+	}
+
+	// The nodes' endpoints.
+	byNode := map[string]NodeMetrics{}
+	for _, n := range rep.Nodes {
+		byNode[n.Node] = n
+	}
+	for node, want := range map[string]string{"node-a": MetricsOK, "node-b": MetricsOK, "node-c": MetricsUnreachable, "node-d": MetricsOff} {
+		n := byNode[node]
+		if n.Status != want || (want == MetricsUnreachable) != (n.Error != "") {
+			t.Errorf("node %s: %+v, want status %s", node, n, want)
+		}
+	}
+	if len(rep.Warnings) != 1 || !strings.Contains(rep.Warnings[0], "node node-a has volume pvc-stray attached, but there is no NBDVolume") {
+		t.Errorf("warnings %q", rep.Warnings)
+	}
+
+	// The JSON names are the contract of scripts.
+	var raw struct {
+		Volumes []map[string]any `json:"volumes"`
+	}
+	if err := json.Unmarshal([]byte(out), &raw); err != nil {
+		t.Fatal(err)
+	}
+	pub := raw.Volumes[0]["publications"].([]any)[0].(map[string]any)
+	dp := pub["dataPath"].(map[string]any)
+	conn := dp["connections"].([]any)[0].(map[string]any)
+	if raw.Volumes[0]["lastFault"].(map[string]any)["source"] != "dataPath" || dp["expectedSubflows"] != 4.0 ||
+		conn["subflows"] != 2.0 || conn["index"] != 0.0 || dp["transport"] != "relay" || raw.Volumes[0]["storageNode"] != "storage-1" {
+		t.Errorf("JSON of pvc-degraded: %v", raw.Volumes[0])
+	}
+}
+
+func TestVolumesTable(t *testing.T) {
+	f := newFleet(t)
+	out := f.show(t, f.options(t))
+	lines := strings.Split(out, "\n")
+	header := lines[0]
+	if got := strings.Fields(header); !slices.Equal(got, listColumns) {
+		t.Fatalf("header %q, want %v", header, listColumns)
+	}
+	// Every row starts each column where the header does.
+	rows := map[string]string{}
+	for _, l := range lines[1:] {
+		if l == "" {
+			break
+		}
+		for _, col := range []string{"PVC", "STORAGE-NODE", "NODE", "METRICS", "HEALTH", "LAST-FAULT"} {
+			i := strings.Index(header, " "+col+" ") + 1
+			if col == "LAST-FAULT" {
+				i = strings.Index(header, col)
+			}
+			if len(l) <= i || l[i-1] != ' ' || l[i] == ' ' {
+				t.Errorf("column %s not aligned in %q", col, l)
+			}
+		}
+		rows[strings.Fields(l)[0]] = l
+	}
+	for vol, want := range map[string][]string{
+		"pvc-degraded":     {"default/data-degraded", "storage-1", "10Gi", "Available", "node-a", "ok", "relay", "yes", "2/4", "Degraded", "relay: connection 0 has 2 MPTCP subflows, want 4"},
+		"pvc-healthy":      {"apps/data-healthy", "node-a", "ok", "ublk", "4/4", "Healthy", "ublk: 2 reconnects since attach"},
+		"pvc-inaccessible": {"node-b", "fuse", " no ", "1m30s", "Inaccessible", "disconnected from the storage node for 1m30s"},
+		"pvc-notattached":  {"node-b", "not-attached", "NotAttached"},
+		"pvc-nodedown":     {"node-c", "unreachable", "Unknown"},
+		"pvc-nometrics":    {"node-d", "off", "Unknown"},
+		"pvc-unpublished":  {"Unpublished"},
+		"pvc-failed":       {"Failed", "Ready=False ResourceExhausted: storage-1 has 1Gi left"},
+	} {
+		r, ok := rows[vol]
+		if !ok {
+			t.Errorf("no row of %s in\n%s", vol, out)
+			continue
+		}
+		for _, s := range want {
+			if !strings.Contains(r, s) {
+				t.Errorf("row of %s lacks %q: %q", vol, s, r)
+			}
+		}
+	}
+	for _, s := range []string{
+		"Node node-d: metrics off: no --metrics-url for it and no --metrics-port",
+		"Node node-c: metrics unreachable: ",
+		"Warning: node node-a has volume pvc-stray attached",
+	} {
+		if !strings.Contains(out, s) {
+			t.Errorf("output lacks %q:\n%s", s, out)
+		}
+	}
+}
+
+func TestVolumeDetail(t *testing.T) {
+	// pvc-healthy's claim has a Warning Event of the node plugin, newer
+	// than the reconnects can tell.
+	at := testTime.Add(time.Hour)
+	f := newFleet(t,
+		newClaimEvent("apps/data-healthy", "node-a", driver.EventStorageUnreachable, "the storage node is unreachable (transport ublk); I/O waits until it is back", at),
+		newClaimEvent("apps/data-healthy", "node-a", driver.EventWritesResent, "older", at.Add(-time.Minute)),
+		newPVC("apps/data-healthy", "pvc-healthy"),
+	)
+	tests := []struct {
+		args []string
+		has  []string
+	}{
+		{[]string{"volume", "pvc-degraded"}, []string{
+			"Volume:               pvc-degraded\n",
+			"Claim:                default/data-degraded\n",
+			"Storage node:         storage-1 (10.0.0.1, 10.0.1.1, 10.0.2.1, 10.0.3.1; port 10809)\n",
+			"Health:               Degraded\n",
+			"Last fault:           node-a: relay: connection 0 has 2 MPTCP subflows, want 4 (one per storage address) (dataPath, now)\n",
+			"  Ready  True    Available  2025-03-04T05:06:07Z  exported\n",
+			"  node-a  ok       relay      yes        yes    2/4       1           -       0         0       0         Degraded\n",
+			"  NODE    CONNECTION  SUBFLOWS  EXPECTED\n  node-a  0           2         4\n",
+			perPathNote,
+		}},
+		// By claim; the last fault is the Event.
+		{[]string{"volume", "apps/data-healthy"}, []string{
+			"Volume:               pvc-healthy\n",
+			"Last fault:           node-a: StorageUnreachable: the storage node is unreachable (transport ublk); I/O waits until it is back (event, 2025-03-04T06:06:07Z)\n",
+			"  node-a  ok       ublk       yes        yes    4/4       2           -       7         5       3         Healthy\n",
+		}},
+		{[]string{"volume", "pvc-unpublished"}, []string{"Health:               Unpublished\n", "Published to:\n  no node\n", "Last fault:           none seen\n"}},
+		{[]string{"volume", "pvc-nodedown"}, []string{"  node-c  unreachable  -", "Node node-c: metrics unreachable:"}},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			out := f.show(t, f.options(t, tc.args...))
+			for _, s := range tc.has {
+				if !strings.Contains(out, s) {
+					t.Errorf("output lacks %q:\n%s", s, out)
+				}
+			}
+			if strings.Contains(out, "pvc-stray") {
+				t.Errorf("one volume's view warns of others' attachments:\n%s", out)
+			}
+		})
+	}
+
+	// JSON of one volume: the same report with one volume.
+	rep := decodeReport(t, f.show(t, f.options(t, "volume", "apps/data-healthy", "-o", "json")))
+	v := rep.volume(t, "pvc-healthy")
+	if len(rep.Volumes) != 1 || len(rep.Nodes) != 1 || v.LastFault == nil || v.LastFault.Source != FaultEvent ||
+		v.LastFault.Node != "node-a" || v.LastFault.Time == nil || !v.LastFault.Time.Equal(at) {
+		t.Errorf("report %+v, last fault %+v", rep, v.LastFault)
+	}
+}
+
+func TestMetricsFromNodeAddresses(t *testing.T) {
+	node := nodePlugin(t, "node-a", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 2, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}}},
+	})
+	u, err := url.Parse(node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hang := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	t.Cleanup(hang.Close)
+	api := fakeAPI(t,
+		newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a", "node-b", "node-c", "node-d"),
+		newNode("node-a", "127.0.0.1"), newNode("node-b", ""), newNode("node-d", "127.0.0.2"),
+	).Build()
+	o, err := parseArgs([]string{"-o", "json", "--metrics-port", u.Port(), "--timeout", "300ms", "--metrics-url", "node-d=" + hang.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	start := time.Now()
+	if err := show(context.Background(), o, api, &http.Client{}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("took %v; a hanging node should cost --timeout", d)
+	}
+	rep := decodeReport(t, out.String())
+	want := map[string]struct{ status, url, err string }{
+		"node-a": {MetricsOK, "http://127.0.0.1:" + u.Port() + "/metrics", ""},
+		"node-b": {MetricsNoAddress, "", "no Node with an InternalIP"},
+		"node-c": {MetricsNoAddress, "", "no Node with an InternalIP"},
+		"node-d": {MetricsUnreachable, hang.URL + "/metrics", "deadline exceeded"},
+	}
+	if len(rep.Nodes) != len(want) {
+		t.Fatalf("nodes %+v", rep.Nodes)
+	}
+	for _, n := range rep.Nodes {
+		w := want[n.Node]
+		if n.Status != w.status || n.URL != w.url || !strings.Contains(n.Error, w.err) {
+			t.Errorf("node %+v, want %+v", n, w)
+		}
+	}
+	if v := rep.volume(t, "pvc-1"); v.Health != HealthUnknown || v.Publications[0].Health != HealthHealthy {
+		t.Errorf("volume %+v", v)
+	}
+}
+
+func TestMetricsOff(t *testing.T) {
+	api := fakeAPI(t, newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a"), newNode("node-a", "127.0.0.1")).Build()
+	for _, output := range []string{"table", "json"} {
+		o, err := parseArgs([]string{"-o", output})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		if err := show(context.Background(), o, api, &http.Client{}, &out); err != nil {
+			t.Fatal(err)
+		}
+		if output == "table" {
+			if !strings.Contains(out.String(), "Metrics off:") || !strings.Contains(out.String(), "node-a  off ") {
+				t.Errorf("table:\n%s", out.String())
+			}
+			continue
+		}
+		rep := decodeReport(t, out.String())
+		if p := rep.Volumes[0].Publications[0]; p.Metrics != MetricsOff || p.DataPath != nil || rep.Nodes[0].Status != MetricsOff {
+			t.Errorf("report %+v", rep)
+		}
+	}
+}
+
+func TestAPIFailures(t *testing.T) {
+	forbidden := func(gr string) error {
+		return apierrors.NewForbidden(schema.GroupResource{Resource: gr}, "", nil)
+	}
+	tests := []struct {
+		name    string
+		args    []string
+		list    func(client.ObjectList) error // nil: pass through
+		wantErr string                        // "": succeeds
+		warning string
+	}{
+		{"no such volume", []string{"volume", "pvc-x"}, nil, `NBDVolume "pvc-x" not found`, ""},
+		{"claim not bound", []string{"volume", "default/unbound"}, nil, "claim default/unbound is not bound", ""},
+		{"no claim", []string{"volume", "default/nope"}, nil, "claim default/nope", ""},
+		{"volumes forbidden", nil, func(l client.ObjectList) error {
+			if _, ok := l.(*v1alpha1.NBDVolumeList); ok {
+				return forbidden("nbdvolumes")
+			}
+			return nil
+		}, "listing NBDVolumes: nbdvolumes is forbidden", ""},
+		{"PVs forbidden", nil, func(l client.ObjectList) error {
+			if _, ok := l.(*corev1.PersistentVolumeList); ok {
+				return forbidden("persistentvolumes")
+			}
+			return nil
+		}, "", "PersistentVolumes not read"},
+		{"Nodes forbidden", []string{"--metrics-port", "9811"}, func(l client.ObjectList) error {
+			if _, ok := l.(*corev1.NodeList); ok {
+				return forbidden("nodes")
+			}
+			return nil
+		}, "", "Nodes not read"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			b := fakeAPI(t, newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a"), newPV("pvc-1", "default/data"),
+				newPVC("default/unbound", ""))
+			if tc.list != nil {
+				b = b.WithInterceptorFuncs(interceptor.Funcs{List: func(ctx context.Context, c client.WithWatch, l client.ObjectList, opts ...client.ListOption) error {
+					if err := tc.list(l); err != nil {
+						return err
+					}
+					return c.List(ctx, l, opts...)
+				}})
+			}
+			o, err := parseArgs(append([]string{"-o", "json"}, tc.args...))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			err = show(context.Background(), o, b.Build(), &http.Client{}, &out)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			rep := decodeReport(t, out.String())
+			if len(rep.Warnings) != 1 || !strings.Contains(rep.Warnings[0], tc.warning) || len(rep.Volumes) != 1 {
+				t.Errorf("warnings %q, want %q", rep.Warnings, tc.warning)
+			}
+		})
+	}
+}
