@@ -18,6 +18,7 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
+	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
@@ -127,7 +128,8 @@ func TestHelperAttachProcess(t *testing.T) {
 		attach.Adopter
 	}
 	if cs.Mode == attach.Ublk {
-		u, err := newUblkSupervisor(cs.ClientNS, cs.StateDir, testLogger(t))
+		// The datapath serves ublk volumes in process (see the README).
+		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, DialContext: dial, Logger: testLogger(t)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -173,12 +173,10 @@ func TestUblkServerKills(t *testing.T) {
 	}
 }
 
-// TestUblkProcessKilledMidWrite: the process that supervises a ublk
-// volume (the datapath component) is SIGKILLed in the middle of a fio
-// write+verify round; the volume's own process, left without its
-// supervisor, stops serving and exits; the kernel holds the I/O; a new
-// supervisor takes the device over from the state directory with a new
-// volume process, and fio finishes with no error, every block verified.
+// TestUblkProcessKilledMidWrite: the process serving a ublk volume (the
+// datapath) is SIGKILLed in the middle of a fio write+verify round; the
+// kernel holds the I/O; a new process takes the device over from the
+// state directory, and fio finishes with no error, every block verified.
 func TestUblkProcessKilledMidWrite(t *testing.T) {
 	requireUblkGuest(t)
 	requireFaultTools(t)
