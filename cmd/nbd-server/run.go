@@ -167,7 +167,9 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			closeListeners()
 			if ca != nil {
 				ca.stop()
-				<-ca.done
+				if err := <-ca.done; err != nil {
+					log.Error("storage agent", "error", err)
+				}
 				ca.agent.Close()
 			}
 			d.closeBackends()
@@ -248,7 +250,9 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 	}
 	if metricsSrv != nil {
 		mctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		metricsSrv.Shutdown(mctx)
+		if err := metricsSrv.Shutdown(mctx); err != nil {
+			log.Warn("metrics server: requests did not finish in time and were closed", "error", err)
+		}
 		cancel()
 	}
 	log.Info("stopped", "exit_code", code)
@@ -288,23 +292,24 @@ func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, ready func
 		ErrorLog: errLog,
 		Registry: reg,
 	}))
+	// A probe that went away before its answer is no error of ours.
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		if !healthy.Load() {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			io.WriteString(w, "shutting down\n")
+			_, _ = io.WriteString(w, "shutting down\n")
 			return
 		}
-		io.WriteString(w, "ok\n")
+		_, _ = io.WriteString(w, "ok\n")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		if !ready() {
 			w.WriteHeader(http.StatusServiceUnavailable)
-			io.WriteString(w, "not ready\n")
+			_, _ = io.WriteString(w, "not ready\n")
 			return
 		}
-		io.WriteString(w, "ok\n")
+		_, _ = io.WriteString(w, "ok\n")
 	})
 	return &http.Server{
 		Handler:           mux,

@@ -46,7 +46,9 @@ func attach(t *testing.T, path string, o LoopOptions) string {
 	t.Cleanup(func() {
 		devs, _ := FindLoopByBackingFile(path)
 		for _, d := range devs {
-			DetachLoop(d)
+			if err := DetachLoop(d); err != nil {
+				t.Errorf("cleanup: detach %s: %v", d, err)
+			}
 		}
 	})
 	return dev
@@ -204,7 +206,7 @@ func TestLoopAutoclear(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			DetachLoop(dev)
+			_ = DetachLoop(dev) // the failure below is what counts
 			t.Fatalf("autoclear device %s still attached after the last close", dev)
 		}
 		time.Sleep(10 * time.Millisecond)

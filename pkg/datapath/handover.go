@@ -115,7 +115,9 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire
 	}
 	if gen > 0 && m.Generation > 0 && m.Generation < gen {
 		log.Warn("a datapath of an older generation asks for the volumes: refused", "generation", gen, "asking", m.Generation)
-		writeMsg(c, handoverMsg{Superseded: true}, nil)
+		if err := writeMsg(c, handoverMsg{Superseded: true}, nil); err != nil {
+			log.Warn("handover: refusal", "error", err)
+		}
 		return
 	}
 	retire()
@@ -160,9 +162,15 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 		log.Warn("volume not handed over", "volume_id", id, "error", herr)
 		return false, writeMsg(c, handoverMsg{Error: fmt.Sprintf("%s: %v", id, herr)}, nil)
 	}
+	// A volume not resumed stays quiesced: its I/O waits.
+	resume := func() {
+		if err := ho.Resume(); err != nil {
+			log.Error("volume not resumed after its handover failed", "volume_id", id, "error", err)
+		}
+	}
 	if err := writeMsg(c, handoverMsg{Handoff: ho}, ho.Files); err != nil {
 		fdpass.Close(ho.Files)
-		ho.Resume()
+		resume()
 		return false, err
 	}
 	fdpass.Close(ho.Files)
@@ -170,14 +178,14 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 	fdpass.Close(files)
 	if err != nil || m.Ready == nil {
 		// Gone before it said it was ready: the volume is still ours.
-		ho.Resume()
+		resume()
 		if err == nil {
 			err = errors.New("datapath: handover: no readiness in the answer")
 		}
 		return false, err
 	}
 	if !*m.Ready {
-		ho.Resume()
+		resume()
 		log.Warn("the successor could not take the volume; serving it on", "volume_id", id, "error", m.Error)
 		return false, nil
 	}

@@ -127,7 +127,10 @@ func servePredecessorGen(t *testing.T, h *handing, gen int64) string {
 	t.Cleanup(func() {
 		cancel()
 		select {
-		case <-done:
+		case err := <-done:
+			if err != nil {
+				t.Errorf("predecessor: %v", err)
+			}
 		case <-time.After(10 * time.Second):
 			buf := make([]byte, 1<<20)
 			t.Errorf("predecessor did not stop:\n%s", buf[:runtime.Stack(buf, true)])
@@ -404,7 +407,9 @@ func TestHandoverWireFormat(t *testing.T) {
 		t.Fatalf("read %+v with %d files, %v; want an error", m, len(files), err)
 	}
 	w.Close()
-	r.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if err := r.SetReadDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := io.ReadAll(r); err != nil {
 		t.Fatalf("a received copy of the pipe's write end is still open: %v", err)
 	}

@@ -52,7 +52,7 @@ func (m *mounter) IsBlockDevice(path string) (bool, error) {
 func (m *mounter) GetDeviceSize(path string) (uint64, error) { return blockdev.DeviceSize(path) }
 
 func (m *mounter) DeviceFromMount(mountPath string) (string, error) {
-	dev, refs, err := mount.GetDeviceNameFromMount(m.SafeFormatAndMount.Interface, mountPath)
+	dev, refs, err := mount.GetDeviceNameFromMount(m.Interface, mountPath)
 	if err != nil {
 		return "", err
 	}

@@ -47,7 +47,9 @@ func pipe(t *testing.T) (r, w *os.File) {
 // closed: a received copy left open keeps r from seeing the end.
 func requireAllClosed(t *testing.T, r *os.File) {
 	t.Helper()
-	r.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := io.ReadAll(r); err != nil {
 		t.Fatalf("a copy of the pipe's write end is still open: %v", err)
 	}
@@ -136,7 +138,9 @@ func TestFilesArriveAndWork(t *testing.T) {
 		t.Fatal(err)
 	}
 	Close(files)
-	r.SetReadDeadline(dl)
+	if err := r.SetReadDeadline(dl); err != nil {
+		t.Fatal(err)
+	}
 	if b, err := io.ReadAll(r); err != nil || string(b) != "through the socket" {
 		t.Fatalf("the pipe reads %q, %v", b, err)
 	}

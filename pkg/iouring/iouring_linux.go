@@ -161,22 +161,22 @@ func (r *Ring) mapRings(p *params) error {
 // Close unmaps the rings and closes the ring's descriptor; what was
 // submitted and not completed is cancelled by the kernel.
 func (r *Ring) Close() error {
+	var errs []error
 	if r.sqeMem != nil {
-		unix.Munmap(r.sqeMem)
+		errs = append(errs, unix.Munmap(r.sqeMem))
 	}
 	if r.cqRing != nil && unsafe.SliceData(r.cqRing) != unsafe.SliceData(r.sqRing) {
-		unix.Munmap(r.cqRing)
+		errs = append(errs, unix.Munmap(r.cqRing))
 	}
 	if r.sqRing != nil {
-		unix.Munmap(r.sqRing)
+		errs = append(errs, unix.Munmap(r.sqRing))
 	}
 	r.sqeMem, r.cqRing, r.sqRing = nil, nil, nil
 	if r.fd >= 0 {
-		err := unix.Close(r.fd)
+		errs = append(errs, unix.Close(r.fd))
 		r.fd = -1
-		return err
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // FD is the ring's file descriptor.

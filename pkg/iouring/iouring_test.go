@@ -103,7 +103,11 @@ func buffer(t *testing.T, n int) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { syscall.Munmap(b) })
+	t.Cleanup(func() {
+		if err := syscall.Munmap(b); err != nil {
+			t.Error(err)
+		}
+	})
 	return b
 }
 

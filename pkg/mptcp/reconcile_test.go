@@ -26,9 +26,7 @@ type fakeKernel struct {
 
 func newFakeKernel(eps ...Endpoint) *fakeKernel {
 	k := &fakeKernel{limits: Limits{Subflows: 2}} // the kernel's defaults
-	for _, e := range eps {
-		k.eps = append(k.eps, e)
-	}
+	k.eps = append(k.eps, eps...)
 	k.sort()
 	return k
 }

@@ -13,7 +13,9 @@ import (
 func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
 	const size = 256 << 20
 	s := &Server{Logger: quietLogger()}
-	s.AddExport(&Export{Name: "d", Backend: NewMemBackend(size)})
+	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(size)}); err != nil {
+		b.Fatal(err)
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)

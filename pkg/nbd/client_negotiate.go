@@ -181,8 +181,9 @@ func ListExports(rw io.ReadWriter) ([]string, error) {
 			}
 			names = append(names, name)
 		case r.Type == RepAck:
+			// A courtesy to the server: the list is complete either way.
 			a := option{Code: OptAbort}
-			rw.Write(a.encode())
+			_, _ = rw.Write(a.encode())
 			return names, nil
 		case r.Type&repErrBit != 0:
 			return nil, &OptionError{Option: OptList, Reply: r.Type, Msg: printable(r.Data)}

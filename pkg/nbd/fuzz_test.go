@@ -90,7 +90,9 @@ func FuzzServerNegotiate(f *testing.F) {
 	f.Add(append(append([]byte{0, 0, 0, 1}, sess.encode()...), clientOpening("d")[4:]...))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s := &Server{Logger: quietLogger(), DefaultExport: "d"}
-		s.AddExport(&Export{Name: "d", Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}})
+		if err := s.AddExport(&Export{Name: "d", Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}}); err != nil {
+			t.Fatal(err)
+		}
 		s.ServeConn(&fakeConn{r: bytes.NewReader(data)})
 	})
 }
@@ -147,12 +149,13 @@ func FuzzClientNegotiate(f *testing.F) {
 			io.Reader
 			io.Writer
 		}{bytes.NewReader(data), io.Discard}
-		Negotiate(rw, "d")
-		NegotiateWith(struct {
+		// Errors are the rule here: what the fuzzer looks for is a crash.
+		_, _ = Negotiate(rw, "d")
+		_, _ = NegotiateWith(struct {
 			io.Reader
 			io.Writer
 		}{bytes.NewReader(data), io.Discard}, "d", NegotiateOptions{Session: &Session{ID: SessionID{9}, Generation: 1}})
-		ListExports(struct {
+		_, _ = ListExports(struct {
 			io.Reader
 			io.Writer
 		}{bytes.NewReader(data), io.Discard})

@@ -104,7 +104,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 
 		case OptAbort:
 			// Best effort: the client may already have gone.
-			reply(o.Code, RepAck, nil)
+			_ = reply(o.Code, RepAck, nil)
 			bw.Flush()
 			return nil, ErrAborted
 

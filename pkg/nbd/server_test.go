@@ -241,7 +241,9 @@ func TestUnsupportedOptions(t *testing.T) {
 		}
 	}
 	o := option{Code: OptAbort}
-	c.Write(o.encode())
+	if _, err := c.Write(o.encode()); err != nil {
+		t.Fatal(err)
+	}
 	if r, err := readOptReply(c); err != nil || r.Type != RepAck {
 		t.Errorf("abort: %+v %v", r, err)
 	}
@@ -284,7 +286,10 @@ func readRep(t *testing.T, c net.Conn) Reply {
 func TestBadRequests(t *testing.T) {
 	const size = 1 << 20
 	mem := NewMemBackend(size + 4096)
-	mem.Resize(size) // keep a guard area beyond the export in the same array
+	// Keep a guard area beyond the export in the same array.
+	if err := mem.Resize(size); err != nil {
+		t.Fatal(err)
+	}
 	guard := mem.data[:size+4096][size:]
 	for i := range guard {
 		guard[i] = 0xaa
@@ -340,7 +345,9 @@ func TestBadRequests(t *testing.T) {
 
 	// Bad magic closes the connection.
 	c2 := rawSession(t, s, "d")
-	c2.Write(bytes.Repeat([]byte{0xff}, requestHeaderSize))
+	if _, err := c2.Write(bytes.Repeat([]byte{0xff}, requestHeaderSize)); err != nil {
+		t.Fatal(err)
+	}
 	c2.SetReadDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c2.Read(make([]byte, 1)); err == nil {
 		t.Fatal("connection still open after a bad magic")
@@ -383,7 +390,9 @@ func TestRepliesOutOfOrder(t *testing.T) {
 	if r.Handle != 2 {
 		t.Fatalf("first reply is for handle %d, want 2 (the unblocked request)", r.Handle)
 	}
-	io.ReadFull(c, make([]byte, 512))
+	if _, err := io.ReadFull(c, make([]byte, 512)); err != nil {
+		t.Fatal(err)
+	}
 	close(g.gate)
 	if r := readRep(t, c); r.Handle != 1 {
 		t.Fatalf("second reply for handle %d, want 1", r.Handle)
@@ -455,7 +464,9 @@ func TestRemoveExportDrains(t *testing.T) {
 	if r := readRep(t, c); r.Handle != 5 || r.Errno != 0 {
 		t.Fatalf("in-flight reply: %+v", r)
 	}
-	io.ReadFull(c, make([]byte, 4096))
+	if _, err := io.ReadFull(c, make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
@@ -542,7 +553,9 @@ func TestFileBackend(t *testing.T) {
 
 func TestShutdownRefusesNewWork(t *testing.T) {
 	s := &Server{Logger: quietLogger()}
-	s.AddExport(&Export{Name: "d", Backend: NewMemBackend(4096)})
+	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(4096)}); err != nil {
+		t.Fatal(err)
+	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -578,7 +591,10 @@ func TestShutdownRefusesNewWork(t *testing.T) {
 
 func ExampleServer() {
 	s := &Server{}
-	s.AddExport(&Export{Name: "disk", Backend: NewMemBackend(1 << 20)})
+	if err := s.AddExport(&Export{Name: "disk", Backend: NewMemBackend(1 << 20)}); err != nil {
+		fmt.Println(err)
+		return
+	}
 	l, _ := net.Listen("tcp", "127.0.0.1:0")
 	go s.Serve(l)
 	defer s.Shutdown(context.Background())
@@ -588,9 +604,15 @@ func ExampleServer() {
 		return
 	}
 	defer cl.Close()
-	cl.WriteAt([]byte("hi"), 0)
+	if _, err := cl.WriteAt([]byte("hi"), 0); err != nil {
+		fmt.Println(err)
+		return
+	}
 	b := make([]byte, 2)
-	cl.ReadAt(b, 0)
+	if _, err := cl.ReadAt(b, 0); err != nil {
+		fmt.Println(err)
+		return
+	}
 	fmt.Println(string(b), cl.Size())
 	// Output: hi 1048576
 }

@@ -142,7 +142,9 @@ func TestSessionFencesSupersededConnection(t *testing.T) {
 			// give it the time to.
 			at := func() []byte {
 				b := make([]byte, blk)
-				be.ReadAt(b, blk)
+				if _, err := be.ReadAt(b, blk); err != nil {
+					t.Fatal(err)
+				}
 				return b
 			}
 			deadline := time.Now().Add(2 * time.Second)
@@ -255,12 +257,16 @@ func TestSessionOptionMalformed(t *testing.T) {
 		t.Fatal(err)
 	}
 	o := option{Code: OptSession, Data: []byte{1, 2, 3}}
-	c.Write(o.encode())
+	if _, err := c.Write(o.encode()); err != nil {
+		t.Fatal(err)
+	}
 	if r, err := readOptReply(c); err != nil || r.Type != RepErrInvalid {
 		t.Fatalf("reply %+v, %v", r, err)
 	}
 	o = option{Code: OptAbort}
-	c.Write(o.encode())
+	if _, err := c.Write(o.encode()); err != nil {
+		t.Fatal(err)
+	}
 	if r, err := readOptReply(c); err != nil || r.Type != RepAck {
 		t.Fatalf("abort: %+v %v", r, err)
 	}
@@ -301,7 +307,10 @@ func fakeUnsupServer(c net.Conn) {
 	be.PutUint64(hello[0:], magicNBD)
 	be.PutUint64(hello[8:], magicIHaveOpt)
 	be.PutUint16(hello[16:], flagFixedNewstyle|flagNoZeroes)
-	c.Write(hello[:])
+	// A write that fails ends the exchange: the client sees the end.
+	if _, err := c.Write(hello[:]); err != nil {
+		return
+	}
 	var cf [4]byte
 	if _, err := c.Read(cf[:]); err != nil {
 		return
@@ -314,13 +323,17 @@ func fakeUnsupServer(c net.Conn) {
 		switch o.Code {
 		case OptGo:
 			r := optReply{Option: OptGo, Type: RepInfo, Data: encodeInfoExport(4096, FlagHasFlags)}
-			c.Write(r.encode())
+			if _, err := c.Write(r.encode()); err != nil {
+				return
+			}
 			r = optReply{Option: OptGo, Type: RepAck}
-			c.Write(r.encode())
+			_, _ = c.Write(r.encode())
 			return
 		default:
 			r := optReply{Option: o.Code, Type: RepErrUnsup}
-			c.Write(r.encode())
+			if _, err := c.Write(r.encode()); err != nil {
+				return
+			}
 		}
 	}
 }

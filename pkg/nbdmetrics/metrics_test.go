@@ -375,7 +375,9 @@ func TestServer(t *testing.T) {
 		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer scancel()
 		srv.Shutdown(sctx)
-		<-served
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
 	}()
 
 	cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: l.Addr().String(), Export: "disk", MPTCP: useMPTCP, Conns: 2,

@@ -158,7 +158,7 @@ func (ts *testServer) cut() {
 	}
 	for _, c := range conns {
 		if tc, ok := c.(*net.TCPConn); ok {
-			tc.SetLinger(0)
+			_ = tc.SetLinger(0) // a reset, if it can: else a FIN
 		}
 		c.Close()
 	}
@@ -177,7 +177,7 @@ func (ts *testServer) kill() {
 	ln.Close()
 	for _, c := range conns {
 		if tc, ok := c.(*net.TCPConn); ok {
-			tc.SetLinger(0)
+			_ = tc.SetLinger(0) // a reset, if it can: else a FIN
 		}
 		c.Close()
 	}

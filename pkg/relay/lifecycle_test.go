@@ -83,7 +83,9 @@ func TestBackpressure(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make([]byte, len(src))
-	ts.backend.ReadAt(got, 0)
+	if _, err := ts.backend.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
 	if sum(got) != sum(src) {
 		t.Fatal("queued writes did not all land after the restart")
 	}
@@ -160,7 +162,9 @@ func TestDisc(t *testing.T) {
 	}
 	checkDiscForwarded(t, px.upstream(0))
 	got := make([]byte, n*4096)
-	ts.backend.ReadAt(got, 4096)
+	if _, err := ts.backend.ReadAt(got, 4096); err != nil {
+		t.Fatal(err)
+	}
 	if sum(got) != sum(data[4096:]) {
 		t.Fatal("writes before DISC did not land")
 	}
@@ -197,7 +201,9 @@ func TestDiscDuringOutage(t *testing.T) {
 	}
 	checkDiscForwarded(t, px.upstream(px.accepted()-1))
 	got := make([]byte, n*4096)
-	ts.backend.ReadAt(got, 4096)
+	if _, err := ts.backend.ReadAt(got, 4096); err != nil {
+		t.Fatal(err)
+	}
 	if sum(got) != sum(data[4096:]) {
 		t.Fatal("writes replayed before DISC did not land")
 	}
@@ -243,7 +249,7 @@ func TestContextCancel(t *testing.T) {
 		rg := newServerRig(t, ts, Options{ReconnectBackoff: time.Second, MaxBackoff: time.Minute})
 		ts.kill()
 		waitFor(t, 5*time.Second, "the relay to notice", func() bool { return !rg.relay.Stats().Connected })
-		go rg.client.WriteAt(make([]byte, 4096), 0) // stays queued
+		go func() { _, _ = rg.client.WriteAt(make([]byte, 4096), 0) }() // stays queued
 		waitFor(t, 5*time.Second, "the write to be queued", func() bool { return rg.relay.Stats().InFlight == 1 })
 		start := time.Now()
 		rg.cancel()

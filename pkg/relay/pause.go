@@ -53,10 +53,12 @@ func (r *Relay) Pause(ctx context.Context) ([]byte, error) {
 		return nil, fmt.Errorf("relay: pause: %w", err)
 	}
 	r.mu.Unlock()
+	// Under mu: the loop below either waits already or sees ctx done
+	// when it next holds mu, so the wake-up is never lost.
 	stop := context.AfterFunc(ctx, func() {
 		r.mu.Lock()
-		r.mu.Unlock()
 		r.cond.Broadcast()
+		r.mu.Unlock()
 	})
 	defer stop()
 

@@ -139,7 +139,9 @@ func TestHandOverMidWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	backend := make([]byte, size)
-	ts.backend.ReadAt(backend, 0)
+	if _, err := ts.backend.ReadAt(backend, 0); err != nil {
+		t.Fatal(err)
+	}
 	if sum(backend) != sum(src) {
 		t.Fatal("sha256 of the backend differs from what was written")
 	}
@@ -210,7 +212,9 @@ func TestHandOverPartialFrame(t *testing.T) {
 		t.Fatalf("reply %+v, %v", r, err)
 	}
 	got := make([]byte, len(payload))
-	ts.backend.ReadAt(got, 4096)
+	if _, err := ts.backend.ReadAt(got, 4096); err != nil {
+		t.Fatal(err)
+	}
 	if sum(got) != sum(payload) {
 		t.Fatal("the write completed by the successor did not land")
 	}
@@ -250,7 +254,9 @@ func TestPauseTimesOutAndResumes(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make([]byte, 2*chunk)
-	ts.backend.ReadAt(got, 0)
+	if _, err := ts.backend.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
 	if sum(got[:chunk]) != sum(src) || sum(got[chunk:]) != sum(src) {
 		t.Fatal("the writes did not land")
 	}

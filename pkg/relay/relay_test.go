@@ -286,13 +286,17 @@ func TestReplayOrder(t *testing.T) {
 		return hdr[:]
 	}
 	for i := 0; i < 5; i++ {
-		rg.kernel.Write(frame(i))
+		if _, err := rg.kernel.Write(frame(i)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	waitFor(t, 5*time.Second, "the first connection to get 5 requests", func() bool { return len(fs.received(0)) == 5 })
 	fs.drop(0)
 	waitFor(t, 5*time.Second, "the relay to notice", func() bool { return !rg.relay.Stats().Connected })
 	for i := 5; i < len(handles); i++ {
-		rg.kernel.Write(frame(i))
+		if _, err := rg.kernel.Write(frame(i)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	waitFor(t, 5*time.Second, "the outage arrivals to be queued", func() bool { return rg.relay.Stats().InFlight == len(handles) })
 	close(gate)

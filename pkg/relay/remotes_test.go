@@ -97,18 +97,20 @@ func (p *proxy) handle(c net.Conn, n int) {
 				break
 			}
 		}
-		s.(*net.TCPConn).CloseWrite()
+		// A proxy: whatever fails, the other side sees the end.
+		_ = s.(*net.TCPConn).CloseWrite()
 	}()
 	limit := p.cutAfter(n)
 	if limit < 0 {
-		io.Copy(c, s)
-		c.(*net.TCPConn).CloseWrite()
+		_, _ = io.Copy(c, s)
+		_ = c.(*net.TCPConn).CloseWrite()
 	} else {
 		if k, _ := io.CopyN(c, s, limit); k == limit {
 			p.cuts.Add(1)
 		}
-		c.(*net.TCPConn).SetLinger(0)
-		s.(*net.TCPConn).SetLinger(0)
+		// A cut: a reset if it can, else a FIN.
+		_ = c.(*net.TCPConn).SetLinger(0)
+		_ = s.(*net.TCPConn).SetLinger(0)
 		c.Close()
 		s.Close()
 	}
@@ -298,7 +300,7 @@ func (f *fakeServer) serve(c net.Conn, n int, mode fakeMode) {
 			q := batch[i]
 			switch mode {
 			case fakeBogus:
-				f.reply(c, q.req.Handle^0x5a5a5a5a, 0, nil)
+				_ = f.reply(c, q.req.Handle^0x5a5a5a5a, 0, nil) // then it hangs up either way
 				return
 			case fakeShutdown:
 				if err := f.reply(c, q.req.Handle, nbd.ESHUTDOWN, nil); err != nil {

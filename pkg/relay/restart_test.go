@@ -117,7 +117,9 @@ func TestServerRestartMidWrite(t *testing.T) {
 		t.Fatal("sha256 of the data read back differs from what was written")
 	}
 	backend := make([]byte, size)
-	ts.backend.ReadAt(backend, 0)
+	if _, err := ts.backend.ReadAt(backend, 0); err != nil {
+		t.Fatal(err)
+	}
 	if sum(backend) != sum(src) {
 		t.Fatal("sha256 of the backend differs from what was written")
 	}
@@ -128,7 +130,9 @@ func TestServerRestartMidRead(t *testing.T) {
 	size := restartSize()
 	ts := newTestServer(t, int64(size), false)
 	src := randomData(size, 12)
-	ts.backend.WriteAt(src, 0)
+	if _, err := ts.backend.WriteAt(src, 0); err != nil {
+		t.Fatal(err)
+	}
 	rg := newServerRig(t, ts, Options{ReconnectBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond})
 
 	got := make([]byte, size)
@@ -156,7 +160,9 @@ func TestResetMidReadPayload(t *testing.T) {
 	size := restartSize()
 	ts := newTestServer(t, int64(size), false)
 	src := randomData(size, 13)
-	ts.backend.WriteAt(src, 0)
+	if _, err := ts.backend.WriteAt(src, 0); err != nil {
+		t.Fatal(err)
+	}
 	// Cut points land inside a payload: replies are 16 + 1 MiB bytes long
 	// and the handshake is a few hundred bytes.
 	cuts := []int64{3*chunk/2 + 777, 3*chunk + 12345, 700_000}
@@ -213,7 +219,9 @@ func TestResetMidReadPayload(t *testing.T) {
 		t.Fatal(err)
 	}
 	back := make([]byte, len(want))
-	ts.backend.ReadAt(back, 0)
+	if _, err := ts.backend.ReadAt(back, 0); err != nil {
+		t.Fatal(err)
+	}
 	if sum(back) != sum(want) {
 		t.Fatal("write through the proxy did not land")
 	}

@@ -241,7 +241,9 @@ func (r *Relay) disconnect(hdr [reqHeaderSize]byte) {
 			err = r.rw.flush()
 		}
 		if cw, ok := r.rw.conn.(interface{ CloseWrite() error }); ok && err == nil {
-			cw.CloseWrite()
+			// Only early news of our end: the server closes after the
+			// DISC all the same, and its EOF is waited for below.
+			_ = cw.CloseWrite()
 		}
 	}
 	r.wmu.Unlock()

@@ -77,9 +77,7 @@ func OpenControl() (*Control, error) {
 func (c *Control) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.ring.Close()
-	unix.Munmap(c.buf)
-	return c.f.Close()
+	return errors.Join(c.ring.Close(), unix.Munmap(c.buf), c.f.Close())
 }
 
 // CommandError is a control command the driver refused.

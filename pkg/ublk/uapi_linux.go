@@ -90,22 +90,24 @@ type ctrlCmd struct {
 	reserved   uint32
 }
 
-// devInfo is struct ublksrv_ctrl_dev_info.
+// devInfo is struct ublksrv_ctrl_dev_info. The blank fields are the
+// kernel's that we neither set nor read, named in their comments; they
+// keep the layout (TestUAPILayout).
 type devInfo struct {
 	nrHWQueues    uint16
 	queueDepth    uint16
 	state         uint16
-	pad0          uint16
+	_             uint16 // pad0
 	maxIOBufBytes uint32
 	devID         uint32
 	ublksrvPID    int32
-	pad1          uint32
+	_             uint32 // pad1
 	flags         uint64
-	ublksrvFlags  uint64
-	ownerUID      uint32
-	ownerGID      uint32
-	reserved1     uint64
-	reserved2     uint64
+	_             uint64 // ublksrv_flags
+	_             uint32 // owner_uid
+	_             uint32 // owner_gid
+	_             uint64 // reserved1
+	_             uint64 // reserved2
 }
 
 // ioDesc is struct ublksrv_io_desc, one per tag in the queue's shared
@@ -137,25 +139,27 @@ const (
 	attrFUA           = 1 << 3
 )
 
+// paramBasic is struct ublk_param_basic; blank fields as in devInfo.
 type paramBasic struct {
-	attrs            uint32
-	logicalBSShift   uint8
-	physicalBSShift  uint8
-	ioOptShift       uint8
-	ioMinShift       uint8
-	maxSectors       uint32
-	chunkSectors     uint32
-	devSectors       uint64
-	virtBoundaryMask uint64
+	attrs           uint32
+	logicalBSShift  uint8
+	physicalBSShift uint8
+	ioOptShift      uint8
+	ioMinShift      uint8
+	maxSectors      uint32
+	_               uint32 // chunk_sectors
+	devSectors      uint64
+	_               uint64 // virt_boundary_mask
 }
 
+// paramDiscard is struct ublk_param_discard; blank fields as in devInfo.
 type paramDiscard struct {
-	discardAlignment      uint32
+	_                     uint32 // discard_alignment
 	discardGranularity    uint32
 	maxDiscardSectors     uint32
 	maxWriteZeroesSectors uint32
 	maxDiscardSegments    uint16
-	reserved0             uint16
+	_                     uint16 // reserved0
 }
 
 // params is the head of struct ublk_params: its basic and discard parts

@@ -108,7 +108,11 @@ func alignedBuf(t *testing.T, n int) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { unix.Munmap(b) })
+	t.Cleanup(func() {
+		if err := unix.Munmap(b); err != nil {
+			t.Error(err)
+		}
+	})
 	return b
 }
 
@@ -139,7 +143,9 @@ func TestDeviceIO(t *testing.T) {
 	deleted := false
 	t.Cleanup(func() {
 		if !deleted {
-			d.Delete()
+			if err := d.Delete(); err != nil {
+				t.Logf("cleanup: delete device %d: %v", d.ID, err)
+			}
 		}
 	})
 	if st, err := ctrl.State(d.ID); err != nil || st != StateLive {
@@ -228,7 +234,11 @@ func openDevice(t *testing.T, ctrl *Control, cfg Config, h Handler) *os.File {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { d.Delete() })
+	t.Cleanup(func() {
+		if err := d.Delete(); err != nil {
+			t.Logf("cleanup: delete device %d: %v", d.ID, err)
+		}
+	})
 	f, err := os.OpenFile(d.BlockPath(), os.O_RDWR|unix.O_DIRECT, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -486,7 +496,11 @@ func TestRecoverAfterKill(t *testing.T) {
 	}
 	first, id := startHelper(t, helperSpec{File: file, Size: size, Recover: -1})
 	ctrl := openControl(t)
-	t.Cleanup(func() { ctrl.Remove(id) })
+	t.Cleanup(func() {
+		if err := ctrl.Remove(id); err != nil {
+			t.Logf("cleanup: remove device %d: %v", id, err)
+		}
+	})
 	dev := BlockPath(id)
 	data := make([]byte, 32<<20)
 	rand.Read(data)
@@ -503,7 +517,7 @@ func TestRecoverAfterKill(t *testing.T) {
 			errc <- err
 			return
 		}
-		defer unix.Munmap(buf)
+		defer func() { _ = unix.Munmap(buf) }() // ours: it cannot fail
 		for off := 0; off < len(data); off += len(buf) {
 			copy(buf, data[off:])
 			if _, err := f.WriteAt(buf, int64(off)); err != nil {

@@ -242,7 +242,9 @@ func TestServerGoneAndBack(t *testing.T) {
 		t.Run(map[bool]string{false: "hard", true: "bounded"}[bounded], func(t *testing.T) {
 			ts := localServer(t, 16<<20)
 			want := bytes.Repeat([]byte{0x5a}, 4096)
-			ts.backend.WriteAt(want, 0)
+			if _, err := ts.backend.WriteAt(want, 0); err != nil {
+				t.Fatal(err)
+			}
 			a := newAttacher(t, Config{})
 			o := attach.Options{}
 			if bounded {
@@ -391,7 +393,9 @@ func TestAttachMountFails(t *testing.T) {
 			dialed = true
 			// Put a file where the mount point goes, after the stale
 			// state check removed whatever was there.
-			os.WriteFile(dir, nil, 0o600)
+			if err := os.WriteFile(dir, nil, 0o600); err != nil {
+				t.Errorf("a file at the mount point: %v", err)
+			}
 		}
 		return c, err
 	}
@@ -529,7 +533,9 @@ func TestMountOnFileUndone(t *testing.T) {
 	node := &exportFile{log: cfg.Logger}
 	srv, err := mountServer(p, node, "x", cfg, cfg.Logger)
 	if err == nil {
-		srv.unmount(p)
+		if err := srv.unmount(p); err != nil {
+			t.Errorf("unmount: %v", err)
+		}
 		t.Fatal("mount on a file succeeds")
 	}
 	if m := mountsUnder(t, dir); len(m) != 0 {

@@ -104,7 +104,12 @@ func (a *Attacher) takeInProcess(ctx context.Context, h *attach.Handoff, st hand
 	if err != nil {
 		return nil, err
 	}
-	unix.SetNonblock(fd, true)
+	// Non-blocking, for the runtime's poller: or a stop would wait for
+	// the next request.
+	if err := unix.SetNonblock(fd, true); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("fuse: volume %s: /dev/fuse: %w", id, err)
+	}
 	dev := os.NewFile(uintptr(fd), "/dev/fuse")
 	cfg := a.cfg
 	cfg.StateDir = a.stateDir()

@@ -114,8 +114,12 @@ func (v *volume) quiesce(timeout time.Duration) (*handoffState, error) {
 func (v *volume) resume() {
 	// Whoever passed the descriptor to a process (exec.Cmd) made the
 	// shared open file blocking; reads must not block past a stop.
-	if fd, err := fdpass.RawFd(v.server.dev); err == nil {
-		unix.SetNonblock(fd, true)
+	fd, err := fdpass.RawFd(v.server.dev)
+	if err == nil {
+		err = unix.SetNonblock(fd, true)
+	}
+	if err != nil {
+		v.server.log.Error("fuse: /dev/fuse stays blocking: a stop will wait for the next request", "error", err)
 	}
 	v.server.start()
 }
@@ -127,9 +131,13 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	resp := &ctlResponse{Pid: s.pid, StartTime: s.start}
-	send := func() error {
+	// An answer that cannot be sent leaves the caller with a closed
+	// connection or a timeout: an error there too.
+	send := func() {
 		c.SetWriteDeadline(time.Now().Add(ctlTimeout))
-		return json.NewEncoder(c).Encode(resp)
+		if err := json.NewEncoder(c).Encode(resp); err != nil {
+			s.log.Warn("fuse: answering a handoff request", "error", err)
+		}
 	}
 	if s.detached.Load() {
 		resp.Error = attach.EncodeError(fmt.Errorf("%w: %s (detaching)", attach.ErrNotAttached, s.v.target.VolumeID))
@@ -229,8 +237,12 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	}
 	state, err := json.Marshal(msg.State)
 	if err != nil {
-		verdict(opResume)
-		return nil, err
+		// Our copies of the files go too: the lock's would hold it.
+		fdpass.Close(files)
+		if _, rerr := verdict(opResume); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("resume: %w", rerr))
+		}
+		return nil, fmt.Errorf("fuse: handoff of volume %s: %w", volumeID, err)
 	}
 	h := &attach.Handoff{
 		VolumeID:   volumeID,

@@ -198,7 +198,9 @@ func TestHandoffInProcess(t *testing.T) {
 			t.Fatalf("HandOff: %v", err)
 		}
 		if _, err := to.TakeHandoff(ctx, h); err != nil {
-			h.Resume()
+			if rerr := h.Resume(); rerr != nil {
+				t.Errorf("Resume: %v", rerr)
+			}
 			t.Fatalf("TakeHandoff: %v", err)
 		}
 		h.Release()

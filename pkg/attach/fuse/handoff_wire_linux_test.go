@@ -68,7 +68,8 @@ func fakeHandoffServer(t *testing.T, reply []byte, files []*os.File, closeAfter 
 		if req.Op != opResume {
 			t.Errorf("verdict %q, want %q", req.Op, opResume)
 		}
-		json.NewEncoder(c).Encode(ctlResponse{Pid: os.Getpid()})
+		// A failure shows in the test's read of the answer.
+		_ = json.NewEncoder(c).Encode(ctlResponse{Pid: os.Getpid()})
 	}()
 	return sock
 }
@@ -84,7 +85,9 @@ func handoffLine(t *testing.T, resp ctlResponse) []byte {
 
 // pipeAllClosed reports whether every write end of r's pipe is closed.
 func pipeAllClosed(r *os.File) error {
-	r.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		return err
+	}
 	_, err := io.ReadAll(r)
 	return err
 }
@@ -138,7 +141,9 @@ func TestCallHandoffWire(t *testing.T) {
 		t.Fatalf("the verdict's answer %+v, %v", resp, err)
 	}
 	w.Close()
-	r.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if err := r.SetReadDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		t.Fatal(err)
+	}
 	if b, err := io.ReadAll(r); err != nil || string(b) != "fuse" {
 		t.Fatalf("the pipe reads %q, %v", b, err)
 	}

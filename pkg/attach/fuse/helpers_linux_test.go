@@ -172,7 +172,9 @@ func newAttacher(t testing.TB, c Config) *Attacher {
 		for _, st := range serverStates(t, a.cfg.StateDir) {
 			if procAlive(st.Pid, st.StartTime) {
 				t.Errorf("cleanup: killing the server process %d of volume %s", st.Pid, st.VolumeID)
-				killProc(st.Pid, st.StartTime)
+				if err := killProc(st.Pid, st.StartTime); err != nil {
+					t.Errorf("cleanup: kill %d: %v", st.Pid, err)
+				}
 			}
 		}
 	})

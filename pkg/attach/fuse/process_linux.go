@@ -419,7 +419,9 @@ func (a *Attacher) awaitExit(ctx context.Context, p *serverProc, log *slog.Logge
 				return fmt.Errorf("server process %d does not exit", p.pid)
 			}
 			log.Warn("fuse: the server process does not exit after the detach; killing it", "pid", p.pid)
-			killProc(p.pid, p.start)
+			if err := killProc(p.pid, p.start); err != nil {
+				log.Error("fuse: killing the server process", "pid", p.pid, "error", err)
+			}
 			killed = true
 			deadline = time.Now().Add(exitTimeout)
 		}

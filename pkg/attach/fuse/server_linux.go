@@ -105,7 +105,9 @@ func negotiate(dev *os.File, want initParams) (initParams, error) {
 	if err := dev.SetReadDeadline(time.Now().Add(initTimeout)); err != nil {
 		return initParams{}, fmt.Errorf("/dev/fuse is not pollable: %w", err)
 	}
-	defer dev.SetReadDeadline(time.Time{})
+	// dev polls (checked just above): clearing the deadline cannot fail
+	// but on a closed file.
+	defer func() { _ = dev.SetReadDeadline(time.Time{}) }()
 	n, err := dev.Read(buf)
 	if err != nil {
 		return initParams{}, fmt.Errorf("waiting for INIT: %w", err)
@@ -126,7 +128,8 @@ func negotiate(dev *os.File, want initParams) (initParams, error) {
 		return initParams{}, err
 	}
 	if in.Major != protoMajor || in.Minor < protoMinMinor {
-		writeReply(fd, req.hdr.Unique, int32(unix.EPROTO))
+		// The mount fails either way: the error says why.
+		_ = writeReply(fd, req.hdr.Unique, int32(unix.EPROTO))
 		return initParams{}, fmt.Errorf("kernel speaks FUSE %d.%d, need %d.%d or later", in.Major, in.Minor, protoMajor, protoMinMinor)
 	}
 	p := want
@@ -179,7 +182,9 @@ func (s *fuseServer) start() {
 		return
 	}
 	s.stopping.Store(false)
-	s.dev.SetReadDeadline(time.Time{})
+	// dev polls (newFuseServer checked): this fails only once it is
+	// closed, which the readers see.
+	_ = s.dev.SetReadDeadline(time.Time{})
 	s.running = true
 	for range s.readers {
 		s.wg.Add(1)
@@ -197,8 +202,9 @@ func (s *fuseServer) stop() {
 	}
 	s.stopping.Store(true)
 	// A deadline in the past wakes the readers waiting in the poller;
-	// the others see stopping once they have answered.
-	s.dev.SetReadDeadline(time.Unix(1, 0))
+	// the others see stopping once they have answered. It fails only on
+	// a closed file, whose reads fail too.
+	_ = s.dev.SetReadDeadline(time.Unix(1, 0))
 	s.wg.Wait()
 	s.running = false
 }

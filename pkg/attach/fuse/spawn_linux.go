@@ -31,8 +31,9 @@ type readyResult struct {
 }
 
 // kill ends the process. os.Process signals through a pidfd: this cannot
-// hit another process, even after ours is gone.
-func (l *launched) kill() { l.cmd.Process.Kill() }
+// hit another process, even after ours is gone, and fails only for one
+// that is gone (os.ErrProcessDone).
+func (l *launched) kill() { _ = l.cmd.Process.Kill() }
 
 // awaitExit waits for the process to exit, killing it if it takes longer
 // than exitTimeout.
@@ -91,7 +92,8 @@ func (a *Attacher) launch(spec serveSpec, extra []*os.File) (*launched, error) {
 	}
 	exited := make(chan struct{})
 	go func() {
-		cmd.Wait()
+		// Its exit status is in cmd.ProcessState.
+		_ = cmd.Wait()
 		close(exited)
 	}()
 	msgs := make(chan readyResult, 2)

@@ -8,6 +8,7 @@ import (
 	"os"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -71,7 +72,9 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	}
 	b, err := json.Marshal(st)
 	if err != nil {
-		h.Resume()
+		// The copy of the kernel's socket goes too, or it would stay open.
+		fdpass.Close(h.Files)
+		_ = h.Resume() // ours, above: it cannot fail
 		return nil, err
 	}
 	h.State = b

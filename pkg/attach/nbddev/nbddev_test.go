@@ -39,11 +39,14 @@ type fakeKernel struct {
 
 // take marks sockets taken as the real kernel does: it sets them to send
 // with the device's request timeout.
-func take(files []*os.File) {
+func take(files []*os.File) error {
 	for _, f := range files {
 		tv := syscall.Timeval{Sec: 30}
-		syscall.SetsockoptTimeval(int(f.Fd()), syscall.SOL_SOCKET, syscall.SO_SNDTIMEO, &tv)
+		if err := syscall.SetsockoptTimeval(int(f.Fd()), syscall.SOL_SOCKET, syscall.SO_SNDTIMEO, &tv); err != nil {
+			return err
+		}
 	}
+	return nil
 }
 
 func (k *fakeKernel) hold(files []*os.File) {
@@ -86,8 +89,9 @@ func (k *fakeKernel) Reconfigure(i uint32, o nbdnl.ReconfigureOptions) error {
 	k.reconfigs = append(k.reconfigs, o)
 	err := k.reconfigErr
 	if err == nil && !k.healthy {
-		take(o.Sockets)
-		k.hold(o.Sockets)
+		if err = take(o.Sockets); err == nil {
+			k.hold(o.Sockets)
+		}
 	}
 	k.mu.Unlock()
 	k.reconfigured <- struct{}{}
@@ -325,7 +329,9 @@ func TestStateAndAdopt(t *testing.T) {
 	// A fresh process: the device still exists under its identifier.
 	d.backends["pvc-9"] = 0
 	d.backends["other"] = 1
-	os.WriteFile(dir+"/gone.json", []byte(`{"mode":"tcp","target":{"VolumeID":"gone","Export":"vol","Addrs":["x"]}}`), 0o600)
+	if err := os.WriteFile(dir+"/gone.json", []byte(`{"mode":"tcp","target":{"VolumeID":"gone","Export":"vol","Addrs":["x"]}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	b, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir})
 	if err != nil {
 		t.Fatal(err)

@@ -250,7 +250,9 @@ func TestAdoptWhileServerDown(t *testing.T) {
 	dir := t.TempDir()
 	k := newFakeKernel()
 	d := &fakeDevices{backends: map[string]uint32{"pvc-1": 3}}
-	os.WriteFile(dir+"/pvc-1.json", []byte(`{"mode":"tcp","target":{"VolumeID":"pvc-1","Export":"vol","Addrs":["`+addr+`"]}}`), 0o600)
+	if err := os.WriteFile(dir+"/pvc-1.json", []byte(`{"mode":"tcp","target":{"VolumeID":"pvc-1","Export":"vol","Addrs":["`+addr+`"]}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: d, Logger: quiet(), StateDir: dir, DialTimeout: time.Second})
 	if err != nil {
 		t.Fatal(err)

@@ -52,11 +52,13 @@ func stillConnected(c net.Conn) bool {
 		return false
 	}
 	est := false
-	raw.Control(func(fd uintptr) {
+	if err := raw.Control(func(fd uintptr) {
 		if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
 			est = info.State == unix.BPF_TCP_ESTABLISHED
 		}
-	})
+	}); err != nil {
+		return false // closed
+	}
 	return est
 }
 

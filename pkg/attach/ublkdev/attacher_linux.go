@@ -99,8 +99,12 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	}
 	v := &volume{target: t, opts: o, sess: sess, dev: dev}
 	if err := a.saveState(v); err != nil {
-		a.remove(v)
-		return nil, fmt.Errorf("ublk: state of %s: %w", t.VolumeID, err)
+		err = fmt.Errorf("ublk: state of %s: %w", t.VolumeID, err)
+		if rerr := a.remove(v); rerr != nil {
+			// The device stays, served, with no state to find it by.
+			err = errors.Join(err, rerr)
+		}
+		return nil, err
 	}
 	att := a.register(v)
 	log.Info("volume attached", "device", att.Device, "size", att.Size, "mptcp", att.MPTCP, "queues", a.cfg.Queues, "depth", a.cfg.Depth)

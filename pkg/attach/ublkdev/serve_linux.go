@@ -92,7 +92,8 @@ func serveVolumeMain(start func(serveSpec, *slog.Logger) (engine, *attach.Attach
 	e, att, err := start(sp, base)
 	if err != nil {
 		log.Error("ublk: the volume is not served", "mode", sp.Mode, "error", err)
-		report(readyMsg{Error: attach.EncodeError(err)})
+		// Not heard, this error reaches the supervisor as our exit.
+		_ = report(readyMsg{Error: attach.EncodeError(err)})
 		return 1
 	}
 	defer e.Close()

@@ -568,7 +568,8 @@ func (s *Supervisor) spawn(ctx context.Context, sp serveSpec) (*server, *attach.
 	}
 	srv := &server{pid: cmd.Process.Pid, cmd: cmd, conn: conn, started: time.Now(), exited: make(chan struct{}), calls: map[uint64]chan response{}}
 	go func() {
-		cmd.Wait()
+		// Its exit status is in cmd.ProcessState (exitStatus).
+		_ = cmd.Wait()
 		conn.Close()
 		close(srv.exited)
 	}()
@@ -678,8 +679,9 @@ func (srv *server) call(ctx context.Context, req request) (response, error) {
 }
 
 // kill ends the process. os.Process signals through a pidfd: this cannot
-// hit another process, even after ours is gone.
-func (srv *server) kill() { srv.cmd.Process.Kill() }
+// hit another process, even after ours is gone, and fails only for one
+// that is gone (os.ErrProcessDone).
+func (srv *server) kill() { _ = srv.cmd.Process.Kill() }
 
 // awaitExit waits for the process to exit, killing it if it takes longer
 // than exitTimeout.
