@@ -65,7 +65,9 @@ func TestRunTinyMatrix(t *testing.T) {
 		t.Fatal(err)
 	}
 	var table bytes.Buffer
-	WriteTable(&table, rep.Cells)
+	if err := WriteTable(&table, rep.Cells); err != nil {
+		t.Fatal(err)
+	}
 	t.Logf("table:\n%s", table.String())
 
 	if len(rep.Runs) != 4 || len(rep.Cells) != 4 {

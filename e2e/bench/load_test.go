@@ -138,7 +138,9 @@ func TestRunLoadVerify(t *testing.T) {
 	want := make([]byte, 16<<10)
 	FillPattern(want, 42, 5*16<<10)
 	got := make([]byte, len(want))
-	spy.MemBackend.ReadAt(got, 5*16<<10)
+	if _, err := spy.MemBackend.ReadAt(got, 5*16<<10); err != nil {
+		t.Fatal(err)
+	}
 	if !bytes.Equal(got, want) {
 		t.Fatal("backend does not hold the pattern")
 	}

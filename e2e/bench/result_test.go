@@ -157,7 +157,9 @@ func TestDemo(t *testing.T) {
 		t.Fatalf("rows %+v", rows)
 	}
 	var b bytes.Buffer
-	WriteDemoTable(&b, rows)
+	if err := WriteDemoTable(&b, rows); err != nil {
+		t.Fatal(err)
+	}
 	if out := b.String(); !strings.Contains(out, "3.80x") || !strings.Contains(out, "FAILED") || !strings.Contains(out, "90.4") {
 		t.Errorf("demo table:\n%s", out)
 	}

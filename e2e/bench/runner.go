@@ -75,7 +75,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	for _, msg := range cleanLeftovers(o.Name, o.TmpDir) {
 		r.logf("leftover of an earlier run: %s", msg)
 	}
-	defer r.down()
+	defer func() {
+		if err := r.down(); err != nil {
+			r.logf("tearing the topology down: %v", err)
+		}
+	}()
 	for _, n := range o.Matrix.Networks {
 		if err := ctx.Err(); err != nil {
 			return finish(err)
@@ -168,7 +172,11 @@ func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name str
 		}
 		return nil
 	}
-	defer func() { srv.stop() }()
+	defer func() {
+		if err := srv.stop(); err != nil {
+			r.logf("network %s: server %s: %v", n.Name, name, err)
+		}
+	}()
 	for _, w := range r.o.Matrix.Workloads {
 		for rep := 1; rep <= r.o.Repeat; rep++ {
 			for _, c := range r.o.Matrix.Clients {
@@ -177,7 +185,9 @@ func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name str
 				}
 				if !srv.alive() {
 					r.logf("network %s: server %s died (%s); restarting it", n.Name, name, srv.log)
-					srv.stop()
+					if err := srv.stop(); err != nil {
+						r.logf("network %s: server %s: %v", n.Name, name, err)
+					}
 					if srv, err = start(); err != nil {
 						r.logf("%v", err)
 						srv = &serverProc{name: name}

@@ -95,7 +95,7 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 	s.file = filepath.Join(e.tmpDir, leftoverMarker(e.tag)+name+".img")
 	defer func() {
 		if err != nil {
-			s.stop()
+			err = errors.Join(err, s.stop())
 		}
 	}()
 	if err := createSparse(s.file, ExportSize); err != nil {
@@ -129,7 +129,7 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 	s.pid = s.cmd.Process.Pid
 	s.done = make(chan struct{})
 	go func() {
-		s.cmd.Wait()
+		_ = s.cmd.Wait() // how it ended is in its log
 		close(s.done)
 	}()
 	return s, waitListening(ctx, e, s)
@@ -256,33 +256,34 @@ func (s *serverProc) settle() {
 func (s *serverProc) stop() error {
 	var errs []error
 	if s.cmd != nil && s.cmd.Process != nil && s.done != nil {
-		s.cmd.Process.Signal(syscall.SIGTERM)
+		// Signals fail only for processes that are gone already.
+		_ = s.cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-s.done:
 		case <-time.After(5 * time.Second):
-			syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+			_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
 			<-s.done
 			errs = append(errs, fmt.Errorf("%s ignored SIGTERM for 5s; killed", s.name))
 		}
 	} else if s.cmd == nil && s.pid > 0 {
 		// nbd-server's daemon and its per-connection children.
 		kids := Descendants(allProcs(), s.pid)
-		syscall.Kill(s.pid, syscall.SIGTERM)
+		_ = syscall.Kill(s.pid, syscall.SIGTERM)
 		for _, k := range kids {
-			syscall.Kill(k.PID, syscall.SIGTERM)
+			_ = syscall.Kill(k.PID, syscall.SIGTERM)
 		}
 		deadline := time.Now().Add(5 * time.Second)
 		for s.alive() && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		if s.alive() {
-			syscall.Kill(s.pid, syscall.SIGKILL)
+			_ = syscall.Kill(s.pid, syscall.SIGKILL)
 			errs = append(errs, fmt.Errorf("%s ignored SIGTERM for 5s; killed", s.name))
 		}
 		for _, k := range kids {
 			// Only if the pid was not reused in the meantime.
 			if st, err := ReadProcStat(k.PID); err == nil && st.Comm == k.Comm {
-				syscall.Kill(k.PID, syscall.SIGKILL)
+				_ = syscall.Kill(k.PID, syscall.SIGKILL)
 			}
 		}
 	}

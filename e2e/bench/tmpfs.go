@@ -34,7 +34,7 @@ func EnsureTmpfs(dir string) (string, func(), error) {
 		return "", nil, fmt.Errorf("%s is not a tmpfs and mounting one failed: %w", dir, err)
 	}
 	return mnt, func() {
-		unix.Unmount(mnt, unix.MNT_DETACH)
+		_ = unix.Unmount(mnt, unix.MNT_DETACH) // lazy: fails only if not mounted
 		os.Remove(mnt)
 	}, nil
 }

@@ -100,7 +100,7 @@ func (c *Cluster) start(name, bin string, args ...string) error {
 	}
 	p := &proc{name: name, cmd: cmd, done: make(chan struct{}), log: f}
 	go func() {
-		cmd.Wait()
+		_ = cmd.Wait() // how it ended is in its log
 		close(p.done)
 	}()
 	c.procs = append(c.procs, p)
@@ -170,7 +170,7 @@ func Up(ctx context.Context, cfg Config) (_ *Cluster, err error) {
 	c := &Cluster{cfg: cfg, NodeName: cfg.NodeName, sysctls: map[string]string{}}
 	defer func() {
 		if err != nil {
-			c.Down()
+			err = errors.Join(err, c.Down())
 		}
 	}()
 	if err := os.MkdirAll(cfg.Dir, 0o755); err != nil {
@@ -340,5 +340,3 @@ func (c *Cluster) Kubectl(ctx context.Context, args ...string) (string, error) {
 	}
 	return string(out), nil
 }
-
-var errNotReady = errors.New("not ready")

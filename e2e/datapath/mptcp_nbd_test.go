@@ -209,7 +209,7 @@ func TestPathDownAndBack(t *testing.T) {
 	cl := dialClient(t, tp, addr, true, 1)
 	writeAndVerify(t, cl, 16<<20) // let the subflows come up
 
-	done := make(chan error, 1)
+	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		for i := 0; i < 4; i++ {

@@ -157,7 +157,7 @@ func TestServerRestartMidWrite(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer a.Detach(context.Background(), tg.VolumeID)
+			defer detach(t, a, tg.VolumeID)
 			run(t, "mkfs.ext4", "-q", "-F", att.Device)
 			mnt := t.TempDir()
 			run(t, "mount", att.Device, mnt)
@@ -208,7 +208,7 @@ func TestPathDownMidRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Detach(context.Background(), tg.VolumeID)
+	defer detach(t, a, tg.VolumeID)
 	data := make([]byte, dataSize)
 	rand.Read(data)
 	if err := writeDevice(att.Device, data); err != nil {
@@ -216,13 +216,16 @@ func TestPathDownMidRead(t *testing.T) {
 	}
 	var wg sync.WaitGroup
 	wg.Add(1)
+	var linkErr error // read after wg.Wait
 	go func() {
 		defer wg.Done()
 		time.Sleep(300 * time.Millisecond)
 		link := tp.Paths[1].ClientIf
-		topo.Exec(tp.ClientNS, "ip", "link", "set", link, "down").Run()
+		if linkErr = topo.Exec(tp.ClientNS, "ip", "link", "set", link, "down").Run(); linkErr != nil {
+			return
+		}
 		time.Sleep(time.Second)
-		topo.Exec(tp.ClientNS, "ip", "link", "set", link, "up").Run()
+		linkErr = topo.Exec(tp.ClientNS, "ip", "link", "set", link, "up").Run()
 	}()
 	for i := 0; i < 3; i++ {
 		got, err := readDevice(att.Device, len(data))
@@ -234,6 +237,9 @@ func TestPathDownMidRead(t *testing.T) {
 		}
 	}
 	wg.Wait()
+	if linkErr != nil {
+		t.Fatalf("taking path 1 down and up: %v", linkErr)
+	}
 }
 
 // TestWrongVolumeRefused: re-adopting a device with another volume's
@@ -248,7 +254,7 @@ func TestWrongVolumeRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Detach(context.Background(), tg.VolumeID)
+	defer detach(t, a, tg.VolumeID)
 	idx := indexOf(t, att.Device)
 	f, err := dialTCPFile(t, tp, st)
 	if err != nil {
@@ -307,7 +313,9 @@ func TestMeasureTransports(t *testing.T) {
 			t.Fatalf("%s: data differs", mode)
 		}
 		rows = append(rows, row{mode, w, r})
-		a.Detach(context.Background(), tg.VolumeID)
+		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Fatal(err)
+		}
 	}
 	t.Logf("%-10s %10s %10s %8s %8s", "transport", "write MB/s", "read MB/s", "w/tcp", "r/tcp")
 	for _, r := range rows {

@@ -191,6 +191,15 @@ func clientDialer(ns string) func(ctx context.Context, d *net.Dialer, network, a
 
 // newAttacher makes an attacher whose data sockets are dialled from the
 // client namespace while netlink stays in the initial one.
+// detach detaches a volume at the end of a test (deferred); one the test
+// detached already is no error.
+func detach(t *testing.T, a *nbddev.Attacher, id string) {
+	t.Helper()
+	if err := a.Detach(context.Background(), id); err != nil {
+		t.Errorf("detach %s: %v", id, err)
+	}
+}
+
 func newAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (*nbddev.Attacher, *nbdnl.Client) {
 	t.Helper()
 	nl, err := nbdnl.Dial()

@@ -173,7 +173,7 @@ func TestKernelTransportPathFlap(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Detach(context.Background(), tg.VolumeID)
+	defer detach(t, a, tg.VolumeID)
 	waitSubflows(t, a, tg.VolumeID, len(tp.Paths))
 
 	run(t, "mkfs.ext4", "-q", "-F", att.Device)
@@ -239,7 +239,7 @@ func TestKernelTransportServerRestart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Detach(context.Background(), tg.VolumeID)
+	defer detach(t, a, tg.VolumeID)
 	idx := indexOf(t, att.Device)
 	run(t, "mkfs.ext4", "-q", "-F", att.Device)
 	mnt := t.TempDir()

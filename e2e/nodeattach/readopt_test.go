@@ -236,7 +236,7 @@ func startChildAsync(t *testing.T, cs childSpec) (*exec.Cmd, <-chan childSaid) {
 				// What the child's test says (a Fatal on the way) shows here.
 				fmt.Println("    child:", line)
 			}
-			fmt.Sscanf(line, "TAKEN %d", &taken)
+			_, _ = fmt.Sscanf(line, "TAKEN %d", &taken) // most lines are not that one
 			if d, ok := strings.CutPrefix(line, "ATTACHED "); ok {
 				ch <- childSaid{d, taken}
 			}

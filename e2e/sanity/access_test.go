@@ -89,7 +89,9 @@ func TestAccessControl(t *testing.T) {
 		}
 		id := resp.GetVolume().GetVolumeId()
 		t.Cleanup(func() {
-			ctl.ControllerUnpublishVolume(context.Background(), &csi.ControllerUnpublishVolumeRequest{VolumeId: id})
+			if _, err := ctl.ControllerUnpublishVolume(context.Background(), &csi.ControllerUnpublishVolumeRequest{VolumeId: id}); err != nil {
+				t.Errorf("unpublish %s: %v", id, err)
+			}
 			if _, err := ctl.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 				t.Errorf("delete %s: %v", id, err)
 			}

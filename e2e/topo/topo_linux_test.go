@@ -420,7 +420,11 @@ func TestUpRemovesLeftovers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer topo.Down()
+	defer func() {
+		if err := topo.Down(); err != nil {
+			t.Error(err)
+		}
+	}()
 	out, err := output("ip", "-n", topo.ServerNS, "-o", "link", "show")
 	if err != nil {
 		t.Fatal(err)

@@ -203,7 +203,9 @@ func TestConsoleMarkers(t *testing.T) {
 	input := "[    1.0] kernel says hi\r\nMPNBD-VM-START-N\r\nhello\r\nMPNBD-VM-EXIT-X=9\r\nworld\r\n[  2.0] oops MPNBD-VM-EXIT-N=42\r\n[ 3.0] reboot: Power down\r\n"
 	// Feed in awkward chunks.
 	for i := 0; i < len(input); i += 7 {
-		c.Write([]byte(input[i:min(i+7, len(input))]))
+		if _, err := c.Write([]byte(input[i:min(i+7, len(input))])); err != nil {
+			t.Fatal(err)
+		}
 	}
 	select {
 	case <-c.exited:
@@ -227,7 +229,9 @@ func TestConsoleMarkers(t *testing.T) {
 	}
 
 	c = newConsole("N", nil)
-	c.Write([]byte("MPNBD-VM-SETUP-ERROR-N: insmod nbd.ko\nnot terminated"))
+	if _, err := c.Write([]byte("MPNBD-VM-SETUP-ERROR-N: insmod nbd.ko\nnot terminated")); err != nil {
+		t.Fatal(err)
+	}
 	c.flush()
 	if _, ok, setupErr := c.status(); ok || setupErr != "insmod nbd.ko" {
 		t.Errorf("status = %v %q", ok, setupErr)

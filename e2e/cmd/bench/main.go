@@ -168,7 +168,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	code := 0
 	if demo {
 		rows := bench.DemoRows(rep.Cells)
-		bench.WriteDemoTable(stdout, rows)
+		if err := bench.WriteDemoTable(stdout, rows); err != nil {
+			fmt.Fprintln(stderr, "bench:", err)
+			code = 1
+		}
 		sub := fmt.Sprintf("our nbd-server and client (pkg/nbd), 1 MiB requests, queue depth 8, %v per run; paths of 1 Gbit/s each", *duration)
 		if err := os.MkdirAll(filepath.Dir(*svgPath), 0o755); err == nil {
 			err = os.WriteFile(*svgPath, []byte(bench.DemoSVG(rows, sub)), 0o644)
@@ -192,7 +195,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			}
 		}
 	} else {
-		bench.WriteTable(stdout, rep.Cells)
+		if err := bench.WriteTable(stdout, rep.Cells); err != nil {
+			fmt.Fprintln(stderr, "bench:", err)
+			code = 1
+		}
 		fmt.Fprintln(stdout)
 		writeLegend(stdout, rep, *duration, *repeat)
 		if err := bench.WriteJSON(*outPath, rep); err != nil {

@@ -207,5 +207,7 @@ func TestStaleSocketReplaced(t *testing.T) {
 		return err
 	})
 	cancel()
-	<-done
+	if err := <-done; err != nil {
+		t.Fatalf("run after the cancel: %v", err)
+	}
 }

@@ -169,7 +169,10 @@ func TestProvisionerAgainstAPIServer(t *testing.T) {
 	defer func() {
 		cancel()
 		select {
-		case <-done:
+		case err := <-done:
+			if err != nil {
+				t.Errorf("run after the cancel: %v", err)
+			}
 		case <-time.After(30 * time.Second):
 			t.Error("the provisioner did not stop")
 		}

@@ -394,7 +394,7 @@ func (p *provisioner) Provision(ctx context.Context, o controller.ProvisionOptio
 		"capacity_bytes", resp.GetVolume().GetCapacityBytes(), "duration", time.Since(start))
 	if resp.GetVolume().GetCapacityBytes() != 0 && resp.GetVolume().GetCapacityBytes() < requested.Value() {
 		// The claim would never bind; the volume is of no use.
-		p.deleteVolume(ctx, resp.GetVolume().GetVolumeId())
+		_ = p.deleteVolume(ctx, resp.GetVolume().GetVolumeId()) // it logs a failure
 		return nil, controller.ProvisioningFinished, fmt.Errorf("volume of %d bytes is smaller than the %d requested", resp.GetVolume().GetCapacityBytes(), requested.Value())
 	}
 	pv := buildPV(pvSpec{

@@ -75,7 +75,10 @@ func TestHealthz(t *testing.T) {
 	defer func() {
 		cancel()
 		select {
-		case <-done:
+		case err := <-done:
+			if err != nil {
+				t.Errorf("run after the cancel: %v", err)
+			}
 		case <-time.After(30 * time.Second):
 			t.Error("livenessprobe did not stop")
 		}

@@ -159,14 +159,15 @@ func TestGuestNBDDevice(t *testing.T) {
 			}
 			dev = strings.TrimSpace(run(t, "losetup", "-f"))
 			run(t, "losetup", dev, img)
-			defer exec.Command("losetup", "-d", dev).Run()
+			// Best effort, as the other cleanups here: the VM goes away.
+			defer func() { _ = exec.Command("losetup", "-d", dev).Run() }()
 		}
 		run(t, "mkfs.ext4", "-q", "-F", dev)
 		mnt := t.TempDir()
 		if err := unix.Mount(dev, mnt, "ext4", 0, ""); err != nil {
 			t.Fatalf("mount %s: %v", dev, err)
 		}
-		defer unix.Unmount(mnt, 0)
+		defer func() { _ = unix.Unmount(mnt, 0) }()
 		if err := os.WriteFile(mnt+"/hello", []byte("hello"), 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -181,10 +182,10 @@ func TestGuestNBDDevice(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		defer exec.Command("ip", "netns", "del", "vmsmoke").Run()
+		defer func() { _ = exec.Command("ip", "netns", "del", "vmsmoke").Run() }()
 		run(t, "ip", "netns", "add", "vmsmoke")
 		run(t, "ip", "link", "add", "vsa", "type", "veth", "peer", "name", "vsb", "netns", "vmsmoke")
-		defer exec.Command("ip", "link", "del", "vsa").Run()
+		defer func() { _ = exec.Command("ip", "link", "del", "vsa").Run() }()
 		run(t, "ip", "addr", "add", "10.99.0.1/24", "dev", "vsa")
 		run(t, "ip", "link", "set", "vsa", "up")
 		run(t, "ip", "-n", "vmsmoke", "addr", "add", "10.99.0.2/24", "dev", "vsb")

@@ -195,7 +195,13 @@ func Serve(t testing.TB, p *Plugin) string {
 	srv := grpc.NewServer()
 	csi.RegisterIdentityServer(srv, p)
 	csi.RegisterControllerServer(srv, p)
-	go srv.Serve(lis)
+	// Serve returns nil once stopped: an error is a failure while the
+	// test runs.
+	go func() {
+		if err := srv.Serve(lis); err != nil {
+			t.Errorf("fake CSI driver: %v", err)
+		}
+	}()
 	t.Cleanup(func() {
 		srv.Stop()
 		os.RemoveAll(dir)
