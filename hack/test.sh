@@ -27,8 +27,9 @@ if [ "$(id -u)" = 0 ]; then
   echo "== packaging tools (helm, cached)"
   bash hack/tools.sh
   export MPNBD_DEPLOY_REQUIRE=${MPNBD_DEPLOY_REQUIRE:-1}
-  echo "== cluster suite: Kubernetes binaries, the image's Debian rootfs, CSI sidecars (cached)"
+  echo "== cluster suite: Kubernetes binaries, the Dockerfile's base images, a Debian rootfs, CSI sidecars (cached)"
   KUBE_BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl" bash hack/kube-binaries.sh
+  bash hack/image.sh --base-only
   bash hack/rootfs.sh
   bash hack/sidecars.sh
   export MPNBD_CLUSTER_REQUIRE=${MPNBD_CLUSTER_REQUIRE:-1}

@@ -3,21 +3,72 @@ package cluster
 import (
 	"archive/tar"
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"maps"
 	"os"
+	"os/exec"
 	"path"
+	"path/filepath"
 	"slices"
+	"strings"
+	"syscall"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
 )
 
-// Image describes an OCI image built from files on this machine.
+// BuildDockerfileImage builds the driver's image from the repository's
+// Dockerfile, as users build it, with hack/image.sh (buildah, base images
+// made on this machine), tagged ref, its commands stamped with version
+// (the Dockerfile's VERSION build arg), and writes it to out as a
+// docker-archive tarball that `ctr images import` takes. The build's
+// output goes to log.
+func BuildDockerfileImage(ctx context.Context, ref, version, out string, log io.Writer) error {
+	root, err := repo.Root()
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "hack", "image.sh"),
+		"--tag", ref, "--version", version, "--out", out)
+	cmd.Dir = root
+	cmd.Stderr = log
+	// Cancelled, buildah and everything else the script started stop too.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
+	cmd.WaitDelay = 30 * time.Second
+	stdout, err := cmd.Output()
+	if err != nil {
+		return fmt.Errorf("hack/image.sh: %w", err)
+	}
+	for _, l := range strings.Split(string(stdout), "\n") {
+		if v, ok := strings.CutPrefix(l, "IMAGE_TAR="); ok {
+			if v != out {
+				return fmt.Errorf("hack/image.sh wrote %s, want %s", v, out)
+			}
+			_, err := os.Stat(out)
+			return err
+		}
+	}
+	return fmt.Errorf("hack/image.sh printed no IMAGE_TAR=: %s", stdout)
+}
+
+// lastLines returns the last n lines of a build's log.
+func lastLines(b []byte, n int) string {
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// Image describes an OCI image built from files on this machine, for the
+// images the suite needs beside the driver's (the driver's own comes from
+// its Dockerfile: BuildDockerfileImage).
 type Image struct {
 	// Ref names it, e.g. "mpnbd/mpnbd:e2e".
 	Ref string

@@ -34,6 +34,9 @@ spec:
     - name: main
       image: %s
       imagePullPolicy: Never
+      # As root: the image's default user is the controller's (65532),
+      # and a claim's new filesystem belongs to root.
+      securityContext: {runAsUser: 0}
       command: ["/bin/sh", "-c", %q]
 %s
   volumes: [{name: data, persistentVolumeClaim: {claimName: %s}}]

@@ -169,13 +169,23 @@ func TestDriverOnCluster(t *testing.T) {
 		}
 	}()
 
-	var bins string
-	s.step("build the commands", func() {
-		bins = filepath.Join(s.dir, "bin")
-		if err := repo.BuildCommands(bins); err != nil {
-			t.Fatal(err)
+	// The driver's image builds from its Dockerfile, as users build it
+	// (hack/image.sh: buildah), while the cluster comes up. Its version is
+	// one no earlier build had, which the driver's pods must log.
+	imageVersion := fmt.Sprintf("e2e-%d", time.Now().UnixNano())
+	driverTar := filepath.Join(s.dir, "mpnbd-image.tar")
+	driverBuildLog := filepath.Join(s.dir, "mpnbd-image-build.log")
+	driverBuilt := make(chan error, 1)
+	go func() {
+		f, err := os.Create(driverBuildLog)
+		if err != nil {
+			driverBuilt <- err
+			return
 		}
-	})
+		err = BuildDockerfileImage(ctx, driverImage, imageVersion, driverTar, f)
+		f.Close()
+		driverBuilt <- err
+	}()
 	restoreMPTCP := hostMPTCPLimits(t, paths-1)
 	defer restoreMPTCP()
 
@@ -202,15 +212,16 @@ func TestDriverOnCluster(t *testing.T) {
 
 	sidecarImages := map[string]string{}
 	s.step("build and import the images", func() {
-		images := []Image{{
-			Ref:        driverImage,
-			BaseLayers: []string{rootfs},
-			Files: map[string]string{
-				"/usr/local/bin/controller": filepath.Join(bins, "controller"),
-				"/usr/local/bin/node":       filepath.Join(bins, "node"),
-				"/usr/local/bin/nbd-server": filepath.Join(bins, "nbd-server"),
-			},
-		}}
+		err := <-driverBuilt
+		build, _ := os.ReadFile(driverBuildLog)
+		if err != nil {
+			t.Fatalf("the driver's image: %v\n%s", err, lastLines(build, 60))
+		}
+		t.Logf("the driver's image: %s", lastLines(build, 1))
+		if err := s.c.ImportImage(ctx, driverTar); err != nil {
+			t.Fatal(err)
+		}
+		var images []Image
 		fio, err := fioFiles()
 		if err != nil {
 			t.Fatal(err)
@@ -312,6 +323,18 @@ storageAgent:
 			}
 			return ""
 		})
+	})
+
+	s.step("the driver runs the image just built", func() {
+		for _, w := range []string{"deploy/mpnbd-controller", "ds/mpnbd-node"} {
+			s.waitFor(w+" logging version "+imageVersion, time.Minute, func() string {
+				out, err := s.c.Kubectl(ctx, "logs", "-n", namespace, w, "--all-containers")
+				if err != nil || !strings.Contains(out, imageVersion) {
+					return fmt.Sprintf("%v: %s", err, lastLines([]byte(out), 5))
+				}
+				return ""
+			})
+		}
 	})
 
 	s.filesystemScenario()
