@@ -117,6 +117,38 @@ type NBDVolumeStatus struct {
 	// +listType=map
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+	// Attachments are the nodes that have the volume attached, with their
+	// data path. Each entry is written by its own node's plugin alone
+	// (server-side apply, field manager mpnbd-node/<node>), so the agent's
+	// status writes and the other nodes' never touch it.
+	// +optional
+	// +listType=map
+	// +listMapKey=nodeID
+	Attachments []NodeAttachment `json:"attachments,omitempty"`
+}
+
+// NodeAttachment is one node's data path to a volume, as its node plugin
+// sees it: written when the volume is staged, updated when the transport,
+// subflows or connectivity change, removed when it is unstaged.
+type NodeAttachment struct {
+	// NodeID is the CSI node ID (the Kubernetes node name).
+	// +kubebuilder:validation:MinLength=1
+	NodeID string `json:"nodeID"`
+	// Transport is how the node attached the volume (kernel, ublk, relay,
+	// multiconn, tcp or fuse).
+	Transport string `json:"transport"`
+	// Subflows are the MPTCP subflows of each of the volume's connections
+	// against the number a healthy one has (the storage node's
+	// addresses): "4/4", or "4/4,3/4" for two connections; "?" when the
+	// node does not know that number. Empty when the data path does not
+	// run over MPTCP or has no connection.
+	// +optional
+	Subflows string `json:"subflows,omitempty"`
+	// Connected says whether the data path reaches the storage node (I/O
+	// waits while it does not).
+	Connected bool `json:"connected"`
+	// LastUpdateTime is when the node last changed this entry.
+	LastUpdateTime metav1.Time `json:"lastUpdateTime"`
 }
 
 // NBDVolume is one CSI volume: a backing store on a storage node served as
@@ -129,6 +161,8 @@ type NBDVolumeStatus struct {
 // +kubebuilder:printcolumn:name="Size",type=integer,JSONPath=`.spec.sizeBytes`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
 // +kubebuilder:printcolumn:name="Published",type=string,JSONPath=`.spec.publications[*].nodeID`
+// +kubebuilder:printcolumn:name="Transport",type=string,JSONPath=`.status.attachments[*].transport`,priority=1
+// +kubebuilder:printcolumn:name="Subflows",type=string,JSONPath=`.status.attachments[*].subflows`,priority=1
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 type NBDVolume struct {
 	metav1.TypeMeta   `json:",inline"`

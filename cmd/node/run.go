@@ -239,14 +239,19 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		go publishAddresses(ctx, o, log)
 	}
 
-	node, err := driver.NewNode(driver.NodeConfig{
+	cfg := driver.NodeConfig{
 		NodeID:     o.nodeID,
 		Topology:   o.topology,
 		MaxVolumes: o.maxVolumes,
 		Attacher:   mgr,
 		Mounter:    driver.NewMounter(),
 		Logger:     log,
-	})
+	}
+	watch := newVolumeWatch(o, log)
+	if watch != nil {
+		cfg.Observer = watch
+	}
+	node, err := driver.NewNode(cfg)
 	if err != nil {
 		return err
 	}
@@ -255,7 +260,9 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 			return err
 		}
 	}
-	go watchVolumes(ctx, o, node, mgr, log)
+	if watch != nil {
+		go watch.Run(ctx, node, mgr)
+	}
 	l, err := driver.Listen(o.endpoint)
 	if err != nil {
 		return err
@@ -368,27 +375,35 @@ func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
 	}
 }
 
-// watchVolumes records Events on the claims of this node's volumes when
-// their data path changes (storage node lost, found again, writes sent
-// again), if the API server is reachable.
-func watchVolumes(ctx context.Context, o *options, node *driver.Node, mgr driver.VolumeLister, log *slog.Logger) {
+// newVolumeWatch returns what tells users of this node's volumes' data
+// paths (Events on their claims, this node's entry in their NBDVolume's
+// status), or nil without API server access.
+func newVolumeWatch(o *options, log *slog.Logger) *driver.VolumeWatch {
 	cfg, err := kubeconfig.Load(o.kubeconfig)
 	if err != nil {
-		log.Info("no Events on claims: no API server access", "error", err)
-		return
+		log.Info("no Events on claims nor status of volumes: no API server access", "error", err)
+		return nil
 	}
 	c, err := client.New(cfg, client.Options{})
 	if err != nil {
-		log.Warn("no Events on claims", "error", err)
-		return
+		log.Warn("no Events on claims nor status of volumes", "error", err)
+		return nil
 	}
-	sink := &driver.KubeEvents{Client: c, NodeID: o.nodeID, Log: log}
-	driver.WatchVolumeHealth(ctx, node, mgr, sink, volumeWatchInterval)
+	return &driver.VolumeWatch{
+		Events: &driver.KubeEvents{Client: c, NodeID: o.nodeID, Log: log},
+		Status: &driver.KubeAttachmentStatus{Client: c, NodeID: o.nodeID},
+		Every:  volumeWatchInterval,
+		Hold:   pathsHold,
+		Log:    log,
+	}
 }
 
-// volumeWatchInterval is how often the data paths are looked at for
-// Events.
+// volumeWatchInterval is how often the data paths are looked at.
 const volumeWatchInterval = 5 * time.Second
+
+// pathsHold is how long a volume's MPTCP paths stay degraded (or
+// restored) before an Event says so: three looks.
+const pathsHold = 3 * volumeWatchInterval
 
 // publishAddresses annotates this node's Node object with its storage
 // addresses, retrying until it works or ctx ends.

@@ -100,6 +100,24 @@ type Attachment struct {
 	Size   uint64
 	// MPTCP reports whether the data path runs over MPTCP.
 	MPTCP bool
+	// Choice says how the manager came to Transport; nil unless this
+	// call attached the volume (a repeated attach, an adopted volume).
+	Choice *Choice
+}
+
+// Choice is how a volume's transport was chosen, for the node plugin to
+// tell the user.
+type Choice struct {
+	// Requested is what the volume asked for: auto, or the transport its
+	// StorageClass names.
+	Requested Transport
+	// Skipped are the transports auto passed over before this one, in
+	// order, each with its reason: refused now, or refused by an earlier
+	// attach on this node.
+	Skipped []Fallback
+	// Missing are the transports auto prefers to this one that the node
+	// does not have (no nbd driver, no ublk, or left out by --transports).
+	Missing []Transport
 }
 
 // Health is a volume's data-path state, for volume stats and conditions.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 )
 
@@ -18,6 +19,7 @@ type Manager struct {
 
 	mu             sync.Mutex
 	kernelRefused  bool
+	kernelRefusal  string // the first refusal's reason
 	chosen         map[string]Transport
 	fallbackEvents []Fallback
 }
@@ -49,31 +51,68 @@ func (m *Manager) Available() []Transport {
 	return out
 }
 
-// candidates resolves a requested transport to what will be tried, in order.
-func (m *Manager) candidates(tr Transport) ([]Transport, error) {
-	if tr == "" {
-		tr = Auto
-	}
+// candidates resolves a requested transport to what will be tried, in
+// order; for auto also the transports passed over without a try (missing
+// on this node, or the kernel's known refusal), in auto's order.
+func (m *Manager) candidates(tr Transport) (out []Transport, passed []passedOver, err error) {
 	if tr != Auto {
 		if _, ok := m.attachers[tr]; !ok {
-			return nil, fmt.Errorf("%w: %s (this node has %v)", ErrUnsupported, tr, m.Available())
+			return nil, nil, fmt.Errorf("%w: %s (this node has %v)", ErrUnsupported, tr, m.Available())
 		}
-		return []Transport{tr}, nil
+		return []Transport{tr}, nil, nil
 	}
 	m.mu.Lock()
-	refused := m.kernelRefused
+	refused, refusal := m.kernelRefused, m.kernelRefusal
 	m.mu.Unlock()
-	var out []Transport
 	for _, t := range []Transport{Kernel, Ublk, Relay, FUSE} {
-		if _, ok := m.attachers[t]; !ok || (t == Kernel && refused) {
-			continue
+		switch _, ok := m.attachers[t]; {
+		case !ok:
+			passed = append(passed, passedOver{t, ""})
+		case t == Kernel && refused:
+			passed = append(passed, passedOver{t, "refused by an earlier attach on this node: " + refusal})
+		default:
+			out = append(out, t)
 		}
-		out = append(out, t)
 	}
 	if len(out) == 0 {
-		return nil, fmt.Errorf("%w: no transport for auto on this node", ErrUnsupported)
+		return nil, nil, fmt.Errorf("%w: no transport for auto on this node", ErrUnsupported)
 	}
-	return out, nil
+	return out, passed, nil
+}
+
+// passedOver is a transport auto did not try: missing on the node
+// (reason empty) or known to refuse.
+type passedOver struct {
+	t      Transport
+	reason string
+}
+
+// choice says how a volume came to transport c, given what auto passed
+// over without a try and the fallbacks of this attach.
+func choice(requested, c Transport, passed []passedOver, fallbacks []Fallback) *Choice {
+	ch := &Choice{Requested: requested}
+	for _, p := range passed {
+		if slices.Index(Transports, p.t) > slices.Index(Transports, c) {
+			continue // auto never reached it
+		}
+		if p.reason == "" {
+			ch.Missing = append(ch.Missing, p.t)
+		} else {
+			ch.Skipped = append(ch.Skipped, Fallback{From: p.t, Reason: p.reason})
+		}
+	}
+	ch.Skipped = append(ch.Skipped, fallbacks...)
+	// A known refusal skipped without a try falls back to the first
+	// transport tried.
+	for i := range ch.Skipped {
+		if ch.Skipped[i].To == "" {
+			ch.Skipped[i].To = c
+			if i+1 < len(ch.Skipped) {
+				ch.Skipped[i].To = ch.Skipped[i+1].From
+			}
+		}
+	}
+	return ch
 }
 
 // Attach attaches t with the requested transport (auto falls back on
@@ -88,11 +127,15 @@ func (m *Manager) Attach(ctx context.Context, tr Transport, t Target, o Options)
 		return m.attachers[prev].Attach(ctx, t, o)
 	}
 	m.mu.Unlock()
-	cands, err := m.candidates(tr)
+	if tr == "" {
+		tr = Auto
+	}
+	cands, passed, err := m.candidates(tr)
 	if err != nil {
 		return nil, err
 	}
 	var errs []error
+	var fallbacks []Fallback
 	for i, c := range cands {
 		att, err := m.attachers[c].Attach(ctx, t, o)
 		if err == nil {
@@ -100,19 +143,21 @@ func (m *Manager) Attach(ctx context.Context, tr Transport, t Target, o Options)
 			m.chosen[t.VolumeID] = c
 			m.mu.Unlock()
 			m.log.Info("transport chosen", "volume_id", t.VolumeID, "requested", string(tr), "transport", string(c), "device", att.Device)
-			return att, nil
+			// A copy: the transport may keep att.
+			a := *att
+			a.Choice = choice(tr, c, passed, fallbacks)
+			return &a, nil
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", c, err))
 		if !errors.Is(err, ErrUnsupported) || i == len(cands)-1 {
 			break
 		}
-		if c == Kernel {
-			m.mu.Lock()
-			m.kernelRefused = true
-			m.mu.Unlock()
-		}
 		fb := Fallback{VolumeID: t.VolumeID, From: c, To: cands[i+1], Reason: err.Error()}
+		fallbacks = append(fallbacks, fb)
 		m.mu.Lock()
+		if c == Kernel && !m.kernelRefused {
+			m.kernelRefused, m.kernelRefusal = true, fb.Reason
+		}
 		m.fallbackEvents = append(m.fallbackEvents, fb)
 		m.mu.Unlock()
 		m.log.Warn("transport unsupported, falling back", "volume_id", t.VolumeID, "from", string(fb.From), "to", string(fb.To), "reason", fb.Reason)

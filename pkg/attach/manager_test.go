@@ -3,8 +3,11 @@ package attach
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -206,5 +209,67 @@ func TestManagerResizeAndAdopt(t *testing.T) {
 	}
 	if n, err := m.Resize(ctx, "pv-new", 20); err != nil || n != 20 {
 		t.Fatalf("Resize of a fuse volume = %d, %v", n, err)
+	}
+}
+
+// TestAttachChoice: a fresh attach says how its transport was chosen
+// (for the claim's Events); a repeated attach says nothing.
+func TestAttachChoice(t *testing.T) {
+	refusing := func() *fakeAttacher { return &fakeAttacher{err: fmt.Errorf("%w: EINVAL", ErrUnsupported)} }
+	cases := []struct {
+		name      string
+		ts        map[Transport]*fakeAttacher
+		requested Transport
+		want      Transport
+		skipped   string // from>to per fallback
+		missing   []Transport
+	}{
+		{"auto, first choice", map[Transport]*fakeAttacher{Kernel: {}, Relay: {}}, Auto, Kernel, "", nil},
+		{"auto, only fuse", map[Transport]*fakeAttacher{FUSE: {}}, "", FUSE, "", []Transport{Kernel, Ublk, Relay}},
+		{"auto, kernel refused", map[Transport]*fakeAttacher{Kernel: refusing(), Relay: {}, FUSE: {}}, Auto, Relay, "kernel>relay", []Transport{Ublk}},
+		{"auto, two refused", map[Transport]*fakeAttacher{Kernel: refusing(), Ublk: refusing(), FUSE: {}}, Auto, FUSE, "kernel>ublk ublk>fuse", []Transport{Relay}},
+		{"pinned", map[Transport]*fakeAttacher{Kernel: {}, TCP: {}}, TCP, TCP, "", nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			m := newTestManager(tc.ts)
+			att, err := m.Attach(context.Background(), tc.requested, target, Options{})
+			if err != nil || att.Transport != tc.want || att.Choice == nil {
+				t.Fatalf("attach = %+v, %v", att, err)
+			}
+			req := tc.requested
+			if req == "" {
+				req = Auto
+			}
+			var skipped []string
+			for _, f := range att.Choice.Skipped {
+				skipped = append(skipped, string(f.From)+">"+string(f.To))
+				if f.Reason == "" {
+					t.Errorf("fallback %+v without a reason", f)
+				}
+			}
+			if c := att.Choice; c.Requested != req || strings.Join(skipped, " ") != tc.skipped || !slices.Equal(c.Missing, tc.missing) {
+				t.Fatalf("choice %+v (skipped %v), want requested %s, skipped %q, missing %v", c, skipped, req, tc.skipped, tc.missing)
+			}
+			again, err := m.Attach(context.Background(), tc.requested, target, Options{})
+			if err != nil || again.Choice != nil {
+				t.Fatalf("repeated attach = %+v, %v; want no choice", again, err)
+			}
+		})
+	}
+
+	// A kernel refusal learnt from an earlier volume is a fallback of the
+	// next one too, with the reason it was refused.
+	k := refusing()
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Relay: {}})
+	if _, err := m.Attach(context.Background(), Auto, target, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	att, err := m.Attach(context.Background(), Auto, Target{VolumeID: "v2"}, Options{})
+	if err != nil || k.calls != 1 {
+		t.Fatalf("second attach: %v, kernel tried %d times", err, k.calls)
+	}
+	if s := att.Choice.Skipped; len(s) != 1 || s[0].From != Kernel || s[0].To != Relay || !strings.Contains(s[0].Reason, "earlier") || !strings.Contains(s[0].Reason, "EINVAL") {
+		t.Fatalf("skipped %+v, want kernel>relay refused earlier with EINVAL", s)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"path/filepath"
+	"reflect"
 	"sync"
 	"testing"
 	"time"
@@ -39,7 +40,8 @@ func (f *fakeService) Attach(ctx context.Context, tr attach.Transport, t attach.
 	f.mu.Lock()
 	f.attached[t.VolumeID] = tr
 	f.mu.Unlock()
-	return &attach.Attachment{VolumeID: t.VolumeID, Transport: tr, Device: "/dev/ublkb3", Size: o.BlockSize << 20, MPTCP: true}, nil
+	return &attach.Attachment{VolumeID: t.VolumeID, Transport: tr, Device: "/dev/ublkb3", Size: o.BlockSize << 20, MPTCP: true,
+		Choice: &attach.Choice{Requested: attach.Auto, Skipped: []attach.Fallback{{VolumeID: t.VolumeID, From: attach.Kernel, To: tr, Reason: "EINVAL"}}, Missing: []attach.Transport{attach.Relay}}}, nil
 }
 
 func (f *fakeService) Detach(ctx context.Context, id string) error {
@@ -128,9 +130,11 @@ func TestRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := attach.Attachment{VolumeID: "v1", Transport: attach.Ublk, Device: "/dev/ublkb3", Size: 4096 << 20, MPTCP: true}
-	if *att != want {
-		t.Fatalf("attachment %+v, want %+v", *att, want)
+	want := attach.Attachment{VolumeID: "v1", Transport: attach.Ublk, Device: "/dev/ublkb3", Size: 4096 << 20, MPTCP: true,
+		Choice: &attach.Choice{Requested: attach.Auto, Skipped: []attach.Fallback{{VolumeID: "v1", From: attach.Kernel, To: attach.Ublk, Reason: "EINVAL"}}, Missing: []attach.Transport{attach.Relay}}}
+	// The node plugin tells the user how the transport was chosen.
+	if !reflect.DeepEqual(*att, want) {
+		t.Fatalf("attachment %+v (choice %+v), want %+v", *att, att.Choice, want)
 	}
 	if _, err := c.Attach(ctx, attach.Relay, attach.Target{VolumeID: "bad"}, attach.Options{}); !errors.Is(err, attach.ErrInvalid) {
 		t.Fatalf("attach error %v, want ErrInvalid", err)

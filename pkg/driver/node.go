@@ -75,6 +75,18 @@ type NodeConfig struct {
 	Attacher   Attacher
 	Mounter    Mounter
 	Logger     *slog.Logger
+	// Observer, when set, hears of every volume staged and unstaged (to
+	// tell the user: *VolumeWatch).
+	Observer StageObserver
+}
+
+// StageObserver hears of the volumes the node stages and unstages. Its
+// methods return at once: a CSI call never waits for what it does.
+type StageObserver interface {
+	// Staged: the volume is attached and staged; att.Choice says how its
+	// transport was chosen when this stage attached it.
+	Staged(att *attach.Attachment)
+	Unstaged(volumeID string)
 }
 
 // Node serves the CSI Node service.
@@ -192,19 +204,32 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	}
 	defer unlock()
 
-	if err := n.stage(ctx, id, staging, capability, spec); err != nil {
+	att, err := n.stage(ctx, id, staging, capability, spec)
+	if err != nil {
 		return nil, toStatus(err)
 	}
 	n.addrs.Store(id, len(spec.Target.Addrs))
+	if n.cfg.Observer != nil {
+		n.cfg.Observer.Staged(att)
+	}
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
-func (n *Node) stage(ctx context.Context, id, staging string, c *csi.VolumeCapability, spec attachSpec) error {
+func (n *Node) stage(ctx context.Context, id, staging string, c *csi.VolumeCapability, spec attachSpec) (*attach.Attachment, error) {
 	log := n.log.With("volume_id", id, "staging_target_path", staging)
 	att, err := n.cfg.Attacher.Attach(ctx, spec.Transport, spec.Target, spec.Options)
 	if err != nil {
-		return fmt.Errorf("attach volume %s: %w", id, err)
+		return nil, fmt.Errorf("attach volume %s: %w", id, err)
 	}
+	if err := n.mountStaged(ctx, log, id, staging, c, spec, att); err != nil {
+		return nil, err
+	}
+	return att, nil
+}
+
+// mountStaged makes the staging path of an attached volume: the device's
+// name (Block) or its file system mounted there.
+func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging string, c *csi.VolumeCapability, spec attachSpec, att *attach.Attachment) error {
 	log = log.With("device", att.Device, "transport", string(att.Transport))
 	// undo detaches after a failed stage, so that no attach is left
 	// without a staging path that kubelet would unstage.
@@ -285,6 +310,9 @@ func (n *Node) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolume
 		return nil, toStatus(fmt.Errorf("detach volume %s: %w", id, err))
 	}
 	n.addrs.Delete(id)
+	if n.cfg.Observer != nil {
+		n.cfg.Observer.Unstaged(id)
+	}
 	n.log.Info("volume unstaged", "volume_id", id, "staging_target_path", staging)
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
@@ -534,12 +562,17 @@ const (
 // fewer subflows than the storage node has addresses; no entry when it
 // is healthy.
 func (n *Node) health(id string) *csi.VolumeHealth {
+	tr, h, err := n.cfg.Attacher.Health(id)
+	return n.volumeHealth(id, tr, h, err)
+}
+
+// volumeHealth is health for what the attacher said of the volume.
+func (n *Node) volumeHealth(id string, tr attach.Transport, h attach.Health, err error) *csi.VolumeHealth {
 	vh := &csi.VolumeHealth{VolumeId: id}
 	add := func(st csi.VolumeHealthErrorType, reason, msg string) *csi.VolumeHealth {
 		vh.HealthStatuses = append(vh.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{Status: st, Reason: reason, Message: msg})
 		return vh
 	}
-	tr, h, err := n.cfg.Attacher.Health(id)
 	if err != nil {
 		return add(csi.VolumeHealthErrorType_INACCESSIBLE, HealthNotAttached, fmt.Sprintf("data path unknown: %v", err))
 	}
@@ -550,9 +583,9 @@ func (n *Node) health(id string) *csi.VolumeHealth {
 		}
 		return add(csi.VolumeHealthErrorType_INACCESSIBLE, HealthDisconnected, msg)
 	}
-	if want, ok := n.addrs.Load(id); ok && h.MPTCP {
+	if want, ok := n.expectedSubflows(id); ok && h.MPTCP {
 		for i, got := range h.Subflows {
-			if got < want.(int) {
+			if got < want {
 				add(csi.VolumeHealthErrorType_DEGRADED, HealthMissingSubflows, fmt.Sprintf(
 					"%s: connection %d has %d MPTCP subflows, want %d (one per storage address)", tr, i, got, want))
 				break
@@ -560,6 +593,17 @@ func (n *Node) health(id string) *csi.VolumeHealth {
 		}
 	}
 	return vh
+}
+
+// expectedSubflows is how many MPTCP subflows each connection of a
+// healthy volume has: the storage addresses it was staged with; unknown
+// after a restart of this process.
+func (n *Node) expectedSubflows(id string) (int, bool) {
+	want, ok := n.addrs.Load(id)
+	if !ok {
+		return 0, false
+	}
+	return want.(int), true
 }
 
 func (n *Node) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,6 +20,20 @@ const (
 	EventStorageUnreachable = "StorageUnreachable"
 	EventStorageReconnected = "StorageReconnected"
 	EventWritesResent       = "WritesResent"
+	// EventIOFailing: the outage outlasted the volume's deadConnTimeout;
+	// I/O fails until the storage node is back.
+	EventIOFailing = "IOFailing"
+	// EventTransportChosen names the transport a stage attached the
+	// volume with, and why; EventTransportFallback, one per transport
+	// passed over before it, says why that one was not used.
+	EventTransportChosen   = "TransportChosen"
+	EventTransportFallback = "TransportFallback"
+	// EventPathsDegraded: a connection has fewer MPTCP subflows than the
+	// storage node has addresses (the node plugin's DEGRADED health);
+	// EventPathsRestored: every connection has them all again. Both only
+	// once the state has held for VolumeWatch.Hold.
+	EventPathsDegraded = "PathsDegraded"
+	EventPathsRestored = "PathsRestored"
 )
 
 // EventSink records an Event about the claim of a volume.
@@ -52,6 +67,10 @@ func healthEvents(prev, cur attach.Health, tr attach.Transport) []volumeEvent {
 		out = append(out, volumeEvent{corev1.EventTypeNormal, EventStorageReconnected,
 			fmt.Sprintf("reconnected to the storage node (%d reconnects since attach)", cur.Reconnects)})
 	}
+	if cur.Failing && !prev.Failing && !cur.Connected {
+		out = append(out, volumeEvent{corev1.EventTypeWarning, EventIOFailing,
+			fmt.Sprintf("%s (transport %s); the data path keeps reconnecting", cur.OutageMessage(), tr)})
+	}
 	if n := cur.Resent - prev.Resent; n > 0 {
 		out = append(out, volumeEvent{corev1.EventTypeWarning, EventWritesResent,
 			fmt.Sprintf("%d acknowledged writes sent again to a storage server that may have lost them (it restarted, or cannot tell); nothing was lost", n)})
@@ -59,39 +78,78 @@ func healthEvents(prev, cur attach.Health, tr attach.Transport) []volumeEvent {
 	return out
 }
 
-// WatchVolumeHealth looks at the data path of every attached volume each
-// interval and records Events on transitions (healthEvents) until ctx
-// ends.
-func WatchVolumeHealth(ctx context.Context, n *Node, vols VolumeLister, sink EventSink, every time.Duration) {
-	last := map[string]attach.Health{}
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		seen := map[string]bool{}
-		for id, tr := range vols.Volumes() {
-			_, h, err := n.cfg.Attacher.Health(id)
-			if err != nil {
-				continue
-			}
-			seen[id] = true
-			if prev, ok := last[id]; ok {
-				for _, e := range healthEvents(prev, h, tr) {
-					sink.VolumeEvent(ctx, id, e.typ, e.reason, e.message)
-				}
-			}
-			last[id] = h
+// choiceEvents says how a stage's attach came to its transport: a
+// TransportFallback per transport passed over, then TransportChosen. A
+// repeated stage (no Choice) says nothing.
+func choiceEvents(att *attach.Attachment) []volumeEvent {
+	c := att.Choice
+	if c == nil {
+		return nil
+	}
+	var out []volumeEvent
+	var refused []string
+	for _, f := range c.Skipped {
+		out = append(out, volumeEvent{corev1.EventTypeWarning, EventTransportFallback,
+			fmt.Sprintf("transport %s not used, %s tried next: %s", f.From, f.To, f.Reason)})
+		refused = append(refused, string(f.From))
+	}
+	var why []string
+	switch {
+	case c.Requested != attach.Auto && c.Requested != "":
+		why = append(why, "the transport the volume's StorageClass asks for")
+	case len(refused) == 0 && len(c.Missing) == 0:
+		why = append(why, "auto's first choice")
+	default:
+		if len(refused) > 0 {
+			why = append(why, fmt.Sprintf("auto, after %s refused (see TransportFallback)", strings.Join(refused, ", ")))
+		} else {
+			why = append(why, "auto")
 		}
-		for id := range last {
-			if !seen[id] {
-				delete(last, id)
+		if len(c.Missing) > 0 {
+			var m []string
+			for _, t := range c.Missing {
+				m = append(m, string(t))
 			}
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+			why = append(why, fmt.Sprintf("this node has no %s transport", strings.Join(m, ", ")))
 		}
 	}
+	path := "over MPTCP"
+	if !att.MPTCP {
+		path = "without MPTCP"
+	}
+	out = append(out, volumeEvent{corev1.EventTypeNormal, EventTransportChosen,
+		fmt.Sprintf("attached with transport %s, %s, device %s: %s", att.Transport, path, att.Device, strings.Join(why, "; "))})
+	return out
+}
+
+// pathState is what a volume's MPTCP paths were last reported as, and
+// since when the looks have disagreed with it.
+type pathState struct {
+	degraded bool
+	since    time.Time
+}
+
+// pathsEvents reports a change of a connected volume's paths once it has
+// held for hold: PathsDegraded when this look finds a connection with
+// fewer subflows than expected (msg says which), PathsRestored when all
+// have them again. A dip that is gone by a later look within hold says
+// nothing, nor does one that comes and goes on every look.
+func pathsEvents(s *pathState, degraded bool, msg string, now time.Time, hold time.Duration) []volumeEvent {
+	if degraded == s.degraded {
+		s.since = time.Time{}
+		return nil
+	}
+	if s.since.IsZero() {
+		s.since = now
+	}
+	if now.Sub(s.since) < hold {
+		return nil
+	}
+	s.degraded, s.since = degraded, time.Time{}
+	if degraded {
+		return []volumeEvent{{corev1.EventTypeWarning, EventPathsDegraded, msg + "; I/O goes on over the other paths"}}
+	}
+	return []volumeEvent{{corev1.EventTypeNormal, EventPathsRestored, msg}}
 }
 
 // KubeEvents records volume Events on the claim bound to the volume's PV

@@ -20,6 +20,7 @@ import (
 func TestHealthEvents(t *testing.T) {
 	up := attach.Health{Connected: true, Reconnects: 1}
 	down := attach.Health{Connected: false, Reconnects: 1, Outage: 42 * time.Second, Message: "waiting"}
+	failing := attach.Health{Connected: false, Reconnects: 1, Outage: 90 * time.Second, Failing: true}
 	cases := []struct {
 		name      string
 		prev, cur attach.Health
@@ -31,6 +32,10 @@ func TestHealthEvents(t *testing.T) {
 		{"back", down, attach.Health{Connected: true, Reconnects: 2}, []string{EventStorageReconnected}},
 		{"blip between looks", up, attach.Health{Connected: true, Reconnects: 3}, []string{EventStorageReconnected}},
 		{"back with writes resent", down, attach.Health{Connected: true, Reconnects: 2, Resent: 9}, []string{EventStorageReconnected, EventWritesResent}},
+		{"wait outlasted", down, failing, []string{EventIOFailing}},
+		{"still failing", failing, failing, nil},
+		{"lost and failing at once", up, failing, []string{EventStorageUnreachable, EventIOFailing}},
+		{"back after failing", failing, attach.Health{Connected: true, Reconnects: 2}, []string{EventStorageReconnected}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -51,6 +56,105 @@ func TestHealthEvents(t *testing.T) {
 	}
 }
 
+func TestChoiceEvents(t *testing.T) {
+	fb := func(from, to attach.Transport) attach.Fallback {
+		return attach.Fallback{From: from, To: to, Reason: string(from) + " said no"}
+	}
+	cases := []struct {
+		name    string
+		att     attach.Attachment
+		reasons []string
+		// chosen holds what TransportChosen's message must say.
+		chosen []string
+	}{
+		{"repeated stage", attach.Attachment{Transport: attach.Relay}, nil, nil},
+		{"first choice", attach.Attachment{Transport: attach.Kernel, MPTCP: true, Choice: &attach.Choice{Requested: attach.Auto}},
+			[]string{EventTransportChosen}, []string{"kernel", "over MPTCP", "first choice"}},
+		{"pinned", attach.Attachment{Transport: attach.TCP, Choice: &attach.Choice{Requested: attach.TCP}},
+			[]string{EventTransportChosen}, []string{"tcp", "without MPTCP", "StorageClass"}},
+		{"only fuse on the node", attach.Attachment{Transport: attach.FUSE, MPTCP: true, Choice: &attach.Choice{Requested: attach.Auto, Missing: []attach.Transport{attach.Kernel, attach.Ublk, attach.Relay}}},
+			[]string{EventTransportChosen}, []string{"fuse", "no kernel, ublk, relay transport"}},
+		{"two refused", attach.Attachment{Transport: attach.Relay, MPTCP: true, Choice: &attach.Choice{Requested: attach.Auto,
+			Skipped: []attach.Fallback{fb(attach.Kernel, attach.Ublk), fb(attach.Ublk, attach.Relay)}}},
+			[]string{EventTransportFallback, EventTransportFallback, EventTransportChosen}, []string{"relay", "after kernel, ublk refused"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			evs := choiceEvents(&tc.att)
+			var got []string
+			for _, e := range evs {
+				got = append(got, e.reason)
+			}
+			if strings.Join(got, ",") != strings.Join(tc.reasons, ",") {
+				t.Fatalf("events %v, want %v", got, tc.reasons)
+			}
+			for i, e := range evs {
+				switch e.reason {
+				case EventTransportFallback:
+					f := tc.att.Choice.Skipped[i]
+					if e.typ != corev1.EventTypeWarning || !strings.Contains(e.message, f.Reason) || !strings.Contains(e.message, string(f.To)) {
+						t.Errorf("fallback %+v: event %+v", f, e)
+					}
+				case EventTransportChosen:
+					if e.typ != corev1.EventTypeNormal {
+						t.Errorf("%s is %s", e.reason, e.typ)
+					}
+					for _, w := range tc.chosen {
+						if !strings.Contains(e.message, w) {
+							t.Errorf("TransportChosen %q does not say %q", e.message, w)
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+func TestPathsEvents(t *testing.T) {
+	const hold = 15 * time.Second
+	// Each look: seconds since the start, and whether it found the
+	// volume degraded; want is the Event the look records, if any.
+	type look struct {
+		at       int
+		degraded bool
+		want     string
+	}
+	cases := []struct {
+		name  string
+		looks []look
+	}{
+		{"healthy", []look{{0, false, ""}, {5, false, ""}, {60, false, ""}}},
+		{"dip between two looks", []look{{0, false, ""}, {5, true, ""}, {10, false, ""}, {15, false, ""}, {30, false, ""}}},
+		{"dip shorter than the hold", []look{{0, true, ""}, {5, true, ""}, {10, true, ""}, {15, false, ""}, {20, true, ""}, {25, false, ""}}},
+		{"degraded, then restored", []look{{0, true, ""}, {5, true, ""}, {10, true, ""}, {15, true, EventPathsDegraded}, {20, true, ""},
+			{25, false, ""}, {30, true, ""}, {35, false, ""}, {40, false, ""}, {45, false, ""}, {50, false, EventPathsRestored}, {55, false, ""}}},
+		{"looks far apart", []look{{0, true, ""}, {20, true, EventPathsDegraded}, {40, false, ""}, {60, false, EventPathsRestored}}},
+	}
+	start := time.Unix(1_700_000_000, 0)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var s pathState
+			for _, l := range tc.looks {
+				evs := pathsEvents(&s, l.degraded, "connection 0 has 2 MPTCP subflows, want 4", start.Add(time.Duration(l.at)*time.Second), hold)
+				var got string
+				for _, e := range evs {
+					got += e.reason
+					wantType := corev1.EventTypeNormal
+					if e.reason == EventPathsDegraded {
+						wantType = corev1.EventTypeWarning
+					}
+					if e.typ != wantType || e.message == "" {
+						t.Errorf("event %+v", e)
+					}
+				}
+				if got != l.want {
+					t.Fatalf("look at %ds (degraded %v): events %q, want %q", l.at, l.degraded, got, l.want)
+				}
+			}
+		})
+	}
+}
+
 type sinkRecorder struct {
 	mu      sync.Mutex
 	reasons []string
@@ -66,51 +170,6 @@ func (s *sinkRecorder) get() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]string(nil), s.reasons...)
-}
-
-func TestWatchVolumeHealth(t *testing.T) {
-	f := newNodeFixture(t)
-	if _, err := f.node.NodeStageVolume(context.Background(), f.stageReq("pv-1", mountCap(rwo, ""))); err != nil {
-		t.Fatal(err)
-	}
-	f.att.mu.Lock()
-	f.att.health["pv-1"] = attach.Health{Connected: true}
-	f.att.mu.Unlock()
-	sink := &sinkRecorder{}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		WatchVolumeHealth(ctx, f.node, fakeLister{"pv-1": attach.FUSE}, sink, 10*time.Millisecond)
-	}()
-	defer func() { cancel(); <-done }()
-	set := func(h attach.Health) {
-		f.att.mu.Lock()
-		f.att.health["pv-1"] = h
-		f.att.mu.Unlock()
-	}
-	wait := func(want string) {
-		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			r := sink.get()
-			if len(r) > 0 && r[len(r)-1] == want {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("events %v, want the last to be %s", r, want)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
-	}
-	time.Sleep(50 * time.Millisecond)
-	if r := sink.get(); len(r) != 0 {
-		t.Fatalf("events for a steady volume: %v", r)
-	}
-	set(attach.Health{Connected: false})
-	wait("pv-1:" + EventStorageUnreachable)
-	set(attach.Health{Connected: true, Reconnects: 1})
-	wait("pv-1:" + EventStorageReconnected)
 }
 
 func TestKubeEventsOnClaim(t *testing.T) {

@@ -53,7 +53,10 @@ func (f *fakeAttacher) Attach(ctx context.Context, tr attach.Transport, t attach
 	a := &attach.Attachment{VolumeID: t.VolumeID, Transport: attach.FUSE, Device: fmt.Sprintf("/dev/fake%d", len(f.attached)), Size: 1 << 30}
 	f.attached[t.VolumeID] = a
 	f.opts[t.VolumeID] = o
-	return a, nil
+	// Like the manager's: only the attach that made it says how.
+	fresh := *a
+	fresh.Choice = &attach.Choice{Requested: tr, Missing: []attach.Transport{attach.Kernel, attach.Ublk, attach.Relay}}
+	return &fresh, nil
 }
 
 func (f *fakeAttacher) Detach(ctx context.Context, volumeID string) error {

@@ -75,8 +75,8 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		for i, n := range h.Subflows {
 			ch <- prometheus.MustNewConstMetric(c.subflows, prometheus.GaugeValue, float64(n), id, t, strconv.Itoa(i))
 		}
-		if want, ok := c.node.addrs.Load(id); ok {
-			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want.(int)), id, t)
+		if want, ok := c.node.expectedSubflows(id); ok {
+			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want), id, t)
 		}
 		ch <- prometheus.MustNewConstMetric(c.reconnects, prometheus.CounterValue, float64(h.Reconnects), id, t)
 		ch <- prometheus.MustNewConstMetric(c.outage, prometheus.GaugeValue, h.Outage.Seconds(), id, t)
