@@ -161,8 +161,50 @@ func (s *suite) filesystemScenario() {
 			}
 			return ""
 		})
+		// What a user sees: the claim's Events say which transport the
+		// stage chose, and -o wide shows it with the subflows.
+		s.waitFor("TransportChosen on the claim", time.Minute, func() string {
+			out := s.kubectl("describe", "pvc", "fs")
+			if !strings.Contains(out, "TransportChosen") || !strings.Contains(out, "attached with transport fuse") {
+				return "describe pvc:\n" + out
+			}
+			return ""
+		})
+		s.waitFor("transport and subflows in kubectl get nbdvol -o wide", time.Minute, func() string {
+			out := s.kubectl("get", "nbdvol", id, "-o", "wide")
+			if cells := wideCells(out, "TRANSPORT", "SUBFLOWS"); cells[0] != "fuse" || cells[1] != fmt.Sprintf("%d/%d", paths, paths) {
+				return "get nbdvol -o wide:\n" + out
+			}
+			return ""
+		})
 		s.kubectl("delete", "pod", "fs-app", "--wait=true", "--timeout=120s")
+		s.waitFor("the node's status entry removed at unstage", 2*time.Minute, func() string {
+			if a := s.jsonpath("{.status.attachments}", "get", "nbdvol", id); a != "" {
+				return "attachments " + a
+			}
+			return ""
+		})
 	})
+}
+
+// wideCells returns the cells of the named columns in the first row of
+// kubectl's table output (a cell starts where its header does).
+func wideCells(out string, names ...string) []string {
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	cells := make([]string, len(names))
+	if len(lines) < 2 {
+		return cells
+	}
+	for i, n := range names {
+		at := strings.Index(lines[0], n)
+		if at < 0 || at >= len(lines[1]) {
+			continue
+		}
+		if f := strings.Fields(lines[1][at:]); len(f) > 0 {
+			cells[i] = f[0]
+		}
+	}
+	return cells
 }
 
 // nodeMetrics scrapes the node plugin's metrics.
