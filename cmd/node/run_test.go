@@ -241,7 +241,9 @@ func TestDatapathComponent(t *testing.T) {
 		t.Fatalf("fsync with the plugin stopped: %v", err)
 	}
 	got := make([]byte, len(want))
-	backend.ReadAt(got, 0)
+	if _, err := backend.ReadAt(got, 0); err != nil {
+		t.Fatalf("read the backend: %v", err)
+	}
 	if !bytes.Equal(got, want) {
 		t.Fatal("the write did not reach the server with the plugin stopped")
 	}

@@ -85,11 +85,15 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 		slices.Reverse(mps)
 		for _, mp := range mps {
 			if !strings.HasPrefix(mp, f.stateDir) {
-				unix.Unmount(mp, unix.MNT_DETACH)
+				if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+					t.Logf("cleanup: unmount %s: %v", mp, err)
+				}
 			}
 		}
 		for _, e := range exports {
-			f.mgr.Detach(context.Background(), volumeOf(e))
+			if err := f.mgr.Detach(context.Background(), volumeOf(e)); err != nil {
+				t.Logf("cleanup: detach %s: %v", volumeOf(e), err)
+			}
 		}
 	})
 	return f

@@ -94,6 +94,6 @@ func Serve(ctx context.Context, s *grpc.Server, l net.Listener, grace time.Durat
 	case <-time.After(grace):
 		s.Stop()
 	}
-	<-errc
-	return nil
+	// Serve returns nil once stopped, unless the listener failed first.
+	return <-errc
 }
