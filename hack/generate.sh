@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 CONTROLLER_GEN=${CONTROLLER_GEN:-sigs.k8s.io/controller-tools/cmd/controller-gen@v0.20.1}
 go run "$CONTROLLER_GEN" object paths=./api/...
 go run "$CONTROLLER_GEN" crd paths=./api/... output:crd:dir=deploy/crds
-# The Helm chart ships the same CRD files (e2e/deploy checks they match).
-rm -f charts/mpnbd/crds/*.yaml
-cp deploy/crds/*.yaml charts/mpnbd/crds/
+# The Helm chart ships the same CRD files, templated by
+# templates/crds.yaml so that helm upgrade applies them (e2e/deploy checks
+# they match).
+rm -f charts/mpnbd/files/crds/*.yaml
+cp deploy/crds/*.yaml charts/mpnbd/files/crds/

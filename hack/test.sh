@@ -13,12 +13,17 @@ fi
 
 echo "== generated code is up to date"
 bash hack/generate.sh
-if ! git diff --quiet -- api deploy/crds charts/mpnbd/crds 2>/dev/null; then
-  echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds charts/mpnbd/crds; exit 1
+if ! git diff --quiet -- api deploy/crds charts/mpnbd/files/crds 2>/dev/null; then
+  echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds charts/mpnbd/files/crds; exit 1
 fi
 
 echo "== go vet"
 go vet ./...
+
+echo "== golangci-lint"
+GOLANGCI_LINT=$(bash hack/golangci-lint.sh | sed -n 's/^GOLANGCI_LINT=//p')
+[ -n "$GOLANGCI_LINT" ] || { echo "hack/golangci-lint.sh gave no path"; exit 1; }
+"$GOLANGCI_LINT" run ./...
 
 if [ "$(id -u)" = 0 ]; then
   echo "== test API server (etcd + kube-apiserver, cached)"

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -140,5 +141,38 @@ func TestRunAgainstAPIServer(t *testing.T) {
 	var out, errb bytes.Buffer
 	if code := run(ctx, []string{"--kubeconfig", kc, "volume", "pvc-x"}, &out, &errb); code != 1 || errb.String() != "mpnbdctl: NBDVolume \"pvc-x\" not found\n" {
 		t.Errorf("volume pvc-x: exit %d, stderr %q", code, errb.String())
+	}
+}
+
+// TestUninstallCheckAgainstAPIServer: uninstall-check fails while a
+// volume exists, naming it and its claim, and passes once none is left.
+func TestUninstallCheckAgainstAPIServer(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	kc := apiserver.WriteKubeconfig(t, cfg)
+	check := func() (int, string) {
+		var out, errb bytes.Buffer
+		code := run(ctx, []string{"--kubeconfig", kc, "uninstall-check"}, &out, &errb)
+		return code, out.String() + errb.String()
+	}
+	if code, out := check(); code != 0 || !strings.Contains(out, "no volumes") {
+		t.Fatalf("with no volume: exit %d:\n%s", code, out)
+	}
+	for _, o := range []client.Object{newVolume("pvc-9", v1alpha1.VolumeAvailable, "node-a"), newPV("pvc-9", "apps/db")} {
+		if err := c.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	code, out := check()
+	if code != 1 || !strings.Contains(out, "1 volume(s) still exist") || !strings.Contains(out, "pvc-9\tapps/db\t") ||
+		!strings.Contains(out, "published to node-a") {
+		t.Errorf("with a volume: exit %d, want 1 and the volume with its claim:\n%s", code, out)
+	}
+	if err := c.Delete(ctx, &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "pvc-9"}}); err != nil {
+		t.Fatal(err)
+	}
+	if code, out := check(); code != 0 {
+		t.Errorf("after the volume went: exit %d:\n%s", code, out)
 	}
 }

@@ -5,6 +5,7 @@
 //
 //	mpnbdctl [flags] [volumes]      every volume, one row per node it is published to
 //	mpnbdctl [flags] volume NAME    one volume (its ID, or NAMESPACE/CLAIM) in detail
+//	mpnbdctl [flags] uninstall-check  fails, listing them, while volumes exist
 //
 // Per volume: its PV and claim, storage node, size, phase and publications;
 // per published node: the transport, connected, MPTCP, subflows of each
@@ -23,7 +24,11 @@
 // metrics are off. A node that does not answer is shown as such; the
 // command still succeeds.
 //
-// Exit codes: 0 shown, 1 failed (no API server, no such volume), 2 usage.
+// uninstall-check is the chart's pre-delete hook: helm uninstall refuses
+// while volumes exist.
+//
+// Exit codes: 0 shown, 1 failed (no API server, no such volume, volumes
+// exist for uninstall-check), 2 usage.
 package main
 
 import (
@@ -62,8 +67,9 @@ func main() {
 
 // Commands.
 const (
-	cmdVolumes = "volumes"
-	cmdVolume  = "volume"
+	cmdVolumes        = "volumes"
+	cmdVolume         = "volume"
+	cmdUninstallCheck = "uninstall-check"
 )
 
 // Output formats.
@@ -150,7 +156,7 @@ func parseArgs(args []string) (*options, error) {
 		o.command, words = words[0], words[1:]
 	}
 	switch o.command {
-	case cmdVolumes:
+	case cmdVolumes, cmdUninstallCheck:
 		if len(words) > 0 {
 			return nil, fmt.Errorf("unexpected argument %q", words[0])
 		}
@@ -160,7 +166,7 @@ func parseArgs(args []string) (*options, error) {
 		}
 		o.volume = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes or volume NAME)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME or uninstall-check)", o.command)
 	}
 	switch {
 	case o.output != outputTable && o.output != outputJSON:
@@ -179,6 +185,9 @@ func usage() string {
   mpnbdctl [flags] [volumes]      every volume: storage node, size, phase, and per node
                                   it is published to its data path and health
   mpnbdctl [flags] volume NAME    one volume in detail (NAME: volume ID, or NAMESPACE/CLAIM)
+  mpnbdctl [flags] uninstall-check
+                                  fails, listing them, while volumes exist (the chart's
+                                  pre-delete hook: helm uninstall refuses meanwhile)
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name
@@ -203,7 +212,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	c, err := newAPIReader(o.kubeconfig)
-	if err == nil {
+	if err == nil && o.command == cmdUninstallCheck {
+		if err = uninstallCheck(ctx, o, c, stdout); errors.Is(err, errVolumesExist) {
+			return 1
+		}
+	} else if err == nil {
 		err = show(ctx, o, c, &http.Client{}, stdout)
 	}
 	if err != nil {

@@ -96,6 +96,12 @@ func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
 	return err
 }
 
+// TagImage gives the image src the reference dst too.
+func (c *Cluster) TagImage(ctx context.Context, src, dst string) error {
+	_, err := c.ctr(ctx, "images", "tag", "--force", src, dst)
+	return err
+}
+
 func (c *Cluster) importPause(ctx context.Context) error {
 	bin := c.path("images", "pause")
 	if err := os.MkdirAll(filepath.Dir(bin), 0o755); err != nil {

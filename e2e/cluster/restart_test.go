@@ -111,37 +111,11 @@ func (s *suite) restartScenario() {
 	s.step("restart: delete the storage agent's pod mid-fio", func() {
 		old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
 		s.kubectl("delete", "pod", "-n", namespace, old, "--wait=true", "--timeout=2m")
-		delPaths()
-		s.waitFor("the new storage agent's pod IP", 3*time.Minute, func() string {
-			name := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
-			ip := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
-			if name == old || ip == "" {
-				return "no new pod IP yet"
-			}
-			return ""
-		})
-		// The suite's storage paths go into the agent's network namespace:
-		// give the new one its paths.
-		addPaths(t, netnsWithAddr(t, s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")))
+		s.followStorageAgent(old)
 	})
 	s.step("restart: fio finishes, every block verified", func() {
-		s.waitFor("pod restart-fio to finish", 6*time.Minute, func() string {
-			switch p := s.jsonpath("{.status.phase}", "get", "pod", "restart-fio"); p {
-			case "Succeeded":
-				return ""
-			case "Failed":
-				out, _ := s.c.Kubectl(s.ctx, "logs", "restart-fio")
-				t.Fatalf("fio failed across the restarts: %s", out)
-			default:
-				return "phase " + p
-			}
-			return ""
-		})
-		out := s.kubectl("logs", "restart-fio")
-		if field(out, "rounds") == "" {
-			t.Fatalf("fio pod output %q", out)
-		}
-		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion, a datapath rollout restart (handover) and a storage agent pod deletion: %s verified rounds, 0 errors", field(out, "rounds"))
+		rounds := s.waitFio("restart-fio", 6*time.Minute)
+		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion, a datapath rollout restart (handover) and a storage agent pod deletion: %s verified rounds, 0 errors", rounds)
 		s.kubectl("delete", "pod", "restart-fio", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "restart", "--wait=true", "--timeout=120s")
 	})

@@ -24,7 +24,7 @@ const (
 	paths       = 4
 	rateMbit    = 1000
 	driverImage = "mpnbd.local/mpnbd:e2e"
-	namespace   = "mpnbd-system"
+	namespace   = "storage"
 	// nodeMetricsPort is the node plugin's metrics port (host network).
 	nodeMetricsPort = 19811
 )
@@ -43,6 +43,12 @@ type suite struct {
 	dir     string
 	ctx     context.Context
 	timings []timing
+	helmBin string
+	// values is the values file of the release.
+	values string
+	// previousChart is the previous release's packaged chart, installed
+	// first and then upgraded from.
+	previousChart string
 }
 
 type timing struct {
@@ -157,7 +163,11 @@ func TestDriverOnCluster(t *testing.T) {
 	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	s := &suite{t: t, dir: t.TempDir(), ctx: ctx}
+	prev, err := previousChart()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &suite{t: t, dir: t.TempDir(), ctx: ctx, helmBin: helm, previousChart: prev}
 	before := hostState(t)
 	defer func() {
 		for _, tm := range s.timings {
@@ -202,8 +212,14 @@ func TestDriverOnCluster(t *testing.T) {
 			// Let the driver release what it attached before the
 			// cluster goes: pods first, then claims.
 			bg := context.Background()
-			s.c.Kubectl(bg, "delete", "pods", "--all", "-n", "default", "--timeout=90s")
-			s.c.Kubectl(bg, "delete", "pvc", "--all", "-n", "default", "--timeout=120s")
+			for _, args := range [][]string{
+				{"delete", "pods", "--all", "-n", "default", "--timeout=90s"},
+				{"delete", "pvc", "--all", "-n", "default", "--timeout=120s"},
+			} {
+				if _, err := s.c.Kubectl(bg, args...); err != nil {
+					t.Logf("cleanup: kubectl %s: %v", strings.Join(args, " "), err)
+				}
+			}
 		}
 		if err := s.c.Down(); err != nil {
 			t.Errorf("down: %v", err)
@@ -246,7 +262,6 @@ func TestDriverOnCluster(t *testing.T) {
 	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
 	dataDir := filepath.Join(s.dir, "volumes")
 	s.step("helm install", func() {
-		root, _ := repo.Root()
 		var storageAddrs []string
 		for i := 1; i <= paths; i++ {
 			storageAddrs = append(storageAddrs, pathAddr(i, false))
@@ -282,10 +297,13 @@ storageAgent:
 		if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		cmd := exec.CommandContext(ctx, helm, "install", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
-			"--kubeconfig", s.c.Kubeconfig, "--values", vf, "--wait=false")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("helm install: %v\n%s", err, out)
+		s.values = vf
+		// As a platform team installs it: the previous release (upgraded
+		// to this chart under I/O by upgradeScenario) into a namespace of
+		// its own that Helm creates (the cluster enforces no Pod Security
+		// level).
+		if out, err := s.helm("install", "mpnbd", s.previousChart, "--create-namespace", "--values", vf, "--wait=false"); err != nil {
+			t.Fatalf("helm install %s: %v\n%s", filepath.Base(s.previousChart), err, out)
 		}
 	})
 
@@ -337,11 +355,15 @@ storageAgent:
 		}
 	})
 
+	s.upgradeScenario()
 	s.filesystemScenario()
 	s.expandScenario()
 	s.blockScenario()
+	s.measureResources("after the upgrade, the filesystem, expansion and block scenarios")
 	s.restartScenario()
+	s.uninstallRefusedScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
+	s.uninstallScenario()
 }
 
 // hostAddrs are the node's storage addresses.
@@ -410,7 +432,7 @@ func addPaths(t *testing.T, ns string) {
 // delPaths removes the host ends (and with them the pairs).
 func delPaths() {
 	for i := 1; i <= paths; i++ {
-		exec.Command("ip", "link", "del", fmt.Sprintf("mpe2e%d", i)).Run()
+		_ = exec.Command("ip", "link", "del", fmt.Sprintf("mpe2e%d", i)).Run() // absent after a failed setup
 	}
 }
 

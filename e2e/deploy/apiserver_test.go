@@ -26,7 +26,7 @@ const monitoringGroup = "monitoring.coreos.com"
 func TestServerDryRun(t *testing.T) {
 	kust := parseObjects(t, kustomizeDeploy(t))
 	chartDefault := parseObjects(t, helmTemplate(t))
-	chartCustom := parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml"))
+	chartCustom := parseObjects(t, customTemplate(t))
 	kc := kubectl(t)
 
 	cfg, c := apiserver.Start(t)
@@ -77,5 +77,36 @@ func TestServerDryRun(t *testing.T) {
 	bad := `{"apiVersion":"storage.k8s.io/v1","kind":"CSIDriver","metadata":{"name":"nbd.mptcp.mpnbd.io"},"spec":{"fsGroupPolicy":"Sometimes"}}`
 	if out, err := tryRun(t, strings.NewReader(bad), kc, "--kubeconfig", kubeconfig, "apply", "--dry-run=server", "-f", "-"); err == nil {
 		t.Errorf("an invalid CSIDriver passed the server dry run:\n%s", out)
+	}
+}
+
+// TestNotesWarnOfRestrictedNamespace: installed into a namespace whose Pod
+// Security level refuses privileged pods, the release's notes say so and
+// how to allow them; into one that allows them, they do not (helm install
+// --dry-run=server looks the namespace up on a real API server).
+func TestNotesWarnOfRestrictedNamespace(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	kubeconfig := apiserver.WriteKubeconfig(t, cfg)
+	ctx := context.Background()
+	for ns, level := range map[string]string{"storage-baseline": "baseline", "storage-privileged": "privileged"} {
+		err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns,
+			Labels: map[string]string{"pod-security.kubernetes.io/enforce": level}}})
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
+	}
+	warning := `WARNING: namespace storage-baseline enforces the Pod Security level "baseline"`
+	for ns, want := range map[string]bool{"storage-baseline": true, "storage-privileged": false} {
+		out := string(run(t, nil, helm(t), "install", "mpnbd", "charts/mpnbd", "--namespace", ns, "--kubeconfig", kubeconfig,
+			"--dry-run=server", "--set", "crds.install=false")) // the test server has the CRDs
+		if !strings.Contains(out, "Namespace "+ns+" holds:") {
+			t.Fatalf("helm install --dry-run=server -n %s printed no notes for the namespace:\n%s", ns, out)
+		}
+		if got := strings.Contains(out, "WARNING: namespace"); got != want {
+			t.Errorf("namespace %s: the notes warn of its Pod Security level: %v, want %v:\n%s", ns, got, want, out)
+		}
+		if want && !strings.Contains(out, warning) {
+			t.Errorf("the notes lack %q:\n%s", warning, out)
+		}
 	}
 }

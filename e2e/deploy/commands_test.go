@@ -260,7 +260,7 @@ func TestKustomizeCommandArgs(t *testing.T) {
 // non-default values (NICs, addresses, transports, ports...).
 func TestChartCommandArgs(t *testing.T) {
 	checkCommandArgs(t, parseObjects(t, helmTemplate(t)), "controller", "node", "nbd-server")
-	checkCommandArgs(t, parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml")), "controller", "node", "nbd-server")
+	checkCommandArgs(t, parseObjects(t, customTemplate(t)), "controller", "node", "nbd-server")
 }
 
 // TestCommandArgsCheckCanFail feeds the check an unknown flag and a bad
@@ -359,7 +359,7 @@ func TestDockerfileBuildsEveryCommand(t *testing.T) {
 	for _, objs := range [][]*unstructured.Unstructured{
 		parseObjects(t, kustomizeDeploy(t)),
 		parseObjects(t, helmTemplate(t)),
-		parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml")),
+		parseObjects(t, customTemplate(t)),
 	} {
 		for name, cs := range ours(t, containers(t, objs)) {
 			if !slices.Contains(built, name) || !slices.Contains(copied, name) {

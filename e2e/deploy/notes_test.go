@@ -32,7 +32,7 @@ func renderNotes(t *testing.T, args ...string) string {
 		}
 	}
 	out := run(t, nil, helm(t), append([]string{"template", "mpnbd", chart, "--kube-version", kubeVersion,
-		"--show-only", "templates/notes-test.yaml"}, args...)...)
+		"--namespace", "mpnbd-system", "--show-only", "templates/notes-test.yaml"}, args...)...)
 	objs := parseObjects(t, out)
 	if len(objs) != 1 {
 		t.Fatalf("%d objects rendered, want the notes' ConfigMap", len(objs))
@@ -56,7 +56,7 @@ func TestChartNotes(t *testing.T) {
 				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
 				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs"},
 			[]string{"the default class", "ServiceMonitor", "metrics", "MPTCP endpoints:"}},
-		{"custom", []string{"--values", "e2e/deploy/testdata/values-custom.yaml"},
+		{"custom", []string{"--values", "e2e/deploy/testdata/values-custom.yaml", "--namespace", "storage-mpnbd"},
 			[]string{"Namespace storage-mpnbd", "fast-xfs: fsType xfs, transport relay, the default class",
 				"raw-tcp: fsType xfs, transport tcp", "kubectl label node <node> storage.example.com/pool=fast",
 				"kubectl get pods -n storage-mpnbd", "ServiceMonitor mpnbd-storage-agent", "maxUnavailable 50%",
@@ -65,9 +65,9 @@ func TestChartNotes(t *testing.T) {
 				"ConfigMap mpnbd-grafana-dashboard: the Grafana dashboard"},
 			[]string{"mpnbd-system", "mpnbd-ext4", "mpnbd.io/storage-node", "No storage NICs", "PodMonitor mpnbd-storage-agent", "(in namespace"}},
 		{"parts off", []string{"--set", "storageAgent.enabled=false", "--set", "datapath.enabled=false",
-			"--set", "controller.podDisruptionBudget.enabled=false", "--set", "namespace.create=false",
+			"--set", "controller.podDisruptionBudget.enabled=false",
 			"--set", "storageClasses[0].name=only-ext4", "--set", "storageClasses[0].fsType=ext4"},
-			[]string{"not created by this release", "only-ext4: fsType ext4", "runs no storage agent"},
+			[]string{"only-ext4: fsType ext4", "runs no storage agent"},
 			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/version"
 )
 
 // helmOnlyLabels are the labels the chart adds to identify its release;
@@ -20,6 +21,10 @@ var helmOnlyLabels = []string{
 	"app.kubernetes.io/instance",
 	"app.kubernetes.io/version",
 }
+
+// helmOnlyAnnotations are the annotations the chart adds for Helm: its
+// CRDs are kept by helm uninstall.
+var helmOnlyAnnotations = []string{"helm.sh/resource-policy"}
 
 // normalize drops what may differ between the two renderings without
 // changing the object (Helm's labels, null fields) and returns the object
@@ -34,6 +39,12 @@ func normalize(t testing.TB, objs []*unstructured.Unstructured) map[string]strin
 				delete(labels, l)
 			}
 			o.SetLabels(labels)
+		}
+		if ann := o.GetAnnotations(); ann != nil {
+			for _, a := range helmOnlyAnnotations {
+				delete(ann, a)
+			}
+			o.SetAnnotations(ann)
 		}
 		obj := dropNulls(o.Object).(map[string]any)
 		b, err := json.MarshalIndent(obj, "", "  ")
@@ -133,11 +144,28 @@ func compareRenderings(want, got map[string]string) []string {
 	return problems
 }
 
-// TestChartDefaultsMatchKustomize: the chart with default values renders
-// the objects of deploy/, the same names and the same specs.
+// TestChartDefaultsMatchKustomize: the chart with default values,
+// installed as release mpnbd in namespace mpnbd-system, renders the
+// objects of deploy/, the same names and the same specs, but the
+// Namespace: the chart installs into the release's namespace, which Helm
+// or the user creates.
 func TestChartDefaultsMatchKustomize(t *testing.T) {
-	kust := parseObjects(t, kustomizeDeploy(t))
-	chart := parseObjects(t, helmTemplate(t))
+	var kust []*unstructured.Unstructured
+	for _, o := range parseObjects(t, kustomizeDeploy(t)) {
+		if o.GetKind() == "Namespace" {
+			if o.GetName() != "mpnbd-system" {
+				t.Errorf("deploy/ has the Namespace %s, not mpnbd-system", o.GetName())
+			}
+			continue
+		}
+		kust = append(kust, o)
+	}
+	var chart []*unstructured.Unstructured
+	for _, o := range parseObjects(t, helmTemplate(t)) {
+		if _, hook := o.GetAnnotations()["helm.sh/hook"]; !hook { // Helm's alone (uninstall-check)
+			chart = append(chart, o)
+		}
+	}
 	if len(kust) < 20 {
 		t.Fatalf("kubectl kustomize deploy rendered only %d objects", len(kust))
 	}
@@ -202,21 +230,56 @@ func TestChartCRDsMatchDeploy(t *testing.T) {
 		slices.Sort(m)
 		return m
 	}
-	want, got := names("deploy/crds"), names("charts/mpnbd/crds")
+	want, got := names("deploy/crds"), names("charts/mpnbd/files/crds")
 	if len(want) == 0 || !slices.Equal(want, got) {
-		t.Fatalf("deploy/crds has %v, charts/mpnbd/crds has %v; run hack/generate.sh", want, got)
+		t.Fatalf("deploy/crds has %v, charts/mpnbd/files/crds has %v; run hack/generate.sh", want, got)
 	}
 	for _, n := range want {
 		a, err := os.ReadFile(filepath.Join(root, "deploy/crds", n))
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, err := os.ReadFile(filepath.Join(root, "charts/mpnbd/crds", n))
+		b, err := os.ReadFile(filepath.Join(root, "charts/mpnbd/files/crds", n))
 		if err != nil {
 			t.Fatal(err)
 		}
 		if !bytes.Equal(a, b) {
-			t.Errorf("charts/mpnbd/crds/%s differs from deploy/crds/%s; run hack/generate.sh", n, n)
+			t.Errorf("charts/mpnbd/files/crds/%s differs from deploy/crds/%s; run hack/generate.sh", n, n)
 		}
 	}
+}
+
+// TestPreviousReleaseChart: the cluster suite upgrades from the previous
+// release's packaged chart (e2e/cluster/testdata/mpnbd-<version>.tgz):
+// exactly one, older than this chart, and it still renders.
+func TestPreviousReleaseChart(t *testing.T) {
+	root := repoRoot(t)
+	m, _ := filepath.Glob(filepath.Join(root, "e2e", "cluster", "testdata", "mpnbd-*.tgz"))
+	if len(m) != 1 {
+		t.Fatalf("want one e2e/cluster/testdata/mpnbd-*.tgz, found %v", m)
+	}
+	h := helm(t)
+	chartVersion := func(chart string) *version.Version {
+		t.Helper()
+		out := run(t, nil, h, "show", "chart", chart)
+		for _, l := range strings.Split(string(out), "\n") {
+			if v, ok := strings.CutPrefix(l, "version: "); ok {
+				sv, err := version.ParseSemantic(strings.TrimSpace(v))
+				if err != nil {
+					t.Fatalf("%s: version %q: %v", chart, v, err)
+				}
+				return sv
+			}
+		}
+		t.Fatalf("%s has no version:\n%s", chart, out)
+		return nil
+	}
+	prev, cur := chartVersion(m[0]), chartVersion(filepath.Join(root, "charts", "mpnbd"))
+	if !prev.LessThan(cur) {
+		t.Errorf("the previous release's chart %s is version %s, not older than charts/mpnbd's %s", filepath.Base(m[0]), prev, cur)
+	}
+	if want := "mpnbd-" + prev.String() + ".tgz"; filepath.Base(m[0]) != want {
+		t.Errorf("%s holds version %s; name it %s", filepath.Base(m[0]), prev, want)
+	}
+	run(t, nil, h, "template", "mpnbd", m[0], "--namespace", "storage", "--kube-version", kubeVersion)
 }

@@ -67,7 +67,7 @@ func TestValuesSchemaAccepts(t *testing.T) {
 		// README.md and charts/mpnbd/README.md.
 		{"--set", "storageAgent.signalNICs={eth2,eth3,eth4}"},
 		{"--set", "node.storageNICs={eth1,eth2,eth3,eth4}", "--set", "storageAgent.signalNICs={eth1,eth2,eth3,eth4}"},
-		{"--set", "namespace.create=false", "--set", "namespace.name=storage"},
+		{"--namespace", "storage", "--set", "crds.install=false"},
 		{"--set", "node.metricsPort=9811", "--set", "monitoring.podMonitors.node.enabled=true",
 			"--set", "monitoring.podMonitors.storageAgent.enabled=true",
 			"--set", "monitoring.podMonitors.additionalLabels.release=kube-prometheus-stack",
@@ -134,7 +134,7 @@ func TestValuesSchemaMatchesValuesFile(t *testing.T) {
 			t.Errorf("%s: the schema allows unknown keys (additionalProperties is not false)", path)
 		}
 		for k := range props {
-			if _, ok := v[k]; !ok && !(path == "" && k == "global") {
+			if _, ok := v[k]; !ok && (path != "" || k != "global") {
 				t.Errorf("%s.%s: in the schema, not in values.yaml", path, k)
 			}
 		}

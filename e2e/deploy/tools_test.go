@@ -134,11 +134,11 @@ func kustomizeDeploy(t testing.TB) []byte {
 // version with -ldflags), which the chart's kubeVersion refuses.
 const kubeVersion = "1.34.4"
 
-// tryTemplate renders the chart (release mpnbd in namespace default) with
-// more helm arguments (--set, --values, --show-only...).
+// tryTemplate renders the chart (release mpnbd in namespace mpnbd-system)
+// with more helm arguments (--set, --values, --namespace, --show-only...).
 func tryTemplate(t testing.TB, args ...string) ([]byte, error) {
 	t.Helper()
-	return tryRun(t, nil, helm(t), append([]string{"template", "mpnbd", "charts/mpnbd", "--namespace", "default",
+	return tryRun(t, nil, helm(t), append([]string{"template", "mpnbd", "charts/mpnbd", "--namespace", "mpnbd-system",
 		"--kube-version", kubeVersion}, args...)...)
 }
 
@@ -151,6 +151,23 @@ func helmTemplate(t testing.TB, valueFiles ...string) []byte {
 		args = append(args, "--values", f)
 	}
 	out, err := tryTemplate(t, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// customValues sets every knob of the chart to something other than its
+// default; the tests render it as a release in customNamespace.
+const (
+	customValues    = "e2e/deploy/testdata/values-custom.yaml"
+	customNamespace = "storage-mpnbd"
+)
+
+// customTemplate renders the chart with customValues in customNamespace.
+func customTemplate(t testing.TB) []byte {
+	t.Helper()
+	out, err := tryTemplate(t, "--values", customValues, "--namespace", customNamespace)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,15 +23,14 @@ func argsOf(t *testing.T, objs []*unstructured.Unstructured, kind, name, ctr str
 
 // TestChartValues: non-default values reach the objects they configure.
 func TestChartValues(t *testing.T) {
-	objs := parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml"))
+	objs := parseObjects(t, customTemplate(t))
 	for _, o := range objs {
-		if ns := o.GetNamespace(); ns != "" && ns != "storage-mpnbd" {
-			t.Errorf("%s: namespace %q, want storage-mpnbd", objectKey(o), ns)
+		if ns := o.GetNamespace(); ns != "" && ns != customNamespace {
+			t.Errorf("%s: namespace %q, want the release's, %s", objectKey(o), ns, customNamespace)
 		}
-	}
-	ns := find(t, objs, "Namespace", "storage-mpnbd")
-	if ns.GetLabels()["pod-security.kubernetes.io/enforce"] != "privileged" {
-		t.Errorf("namespace labels %v", ns.GetLabels())
+		if o.GetKind() == "Namespace" {
+			t.Errorf("the chart renders the Namespace %s: the release's namespace is Helm's or the user's to make", o.GetName())
+		}
 	}
 
 	has := func(what string, args []string, want ...string) {
@@ -93,6 +92,10 @@ func TestChartValues(t *testing.T) {
 	}
 	if hn, _, _ := unstructured.NestedBool(ctl.Object, "spec", "template", "spec", "hostNetwork"); !hn {
 		t.Error("controller.hostNetwork=true not rendered")
+	}
+	// On the host network a surge pod could not start beside the old one.
+	if surge, _, _ := unstructured.NestedFieldNoCopy(ctl.Object, "spec", "strategy", "rollingUpdate", "maxSurge"); fmt.Sprint(surge) != "0" {
+		t.Errorf("controller on the host network: maxSurge %v, want 0", surge)
 	}
 	for _, c := range containers(t, []*unstructured.Unstructured{ctl}) {
 		if c.name == "controller" && c.image != "registry.example.com/mpnbd/mpnbd:v0.2.0" {
@@ -273,7 +276,7 @@ func TestChartResources(t *testing.T) {
 		"Deployment/mpnbd-controller/csi-resizer":     "<nil>",
 	}
 	seen := 0
-	for _, c := range containers(t, parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml"))) {
+	for _, c := range containers(t, parseObjects(t, customTemplate(t))) {
 		w, ok := want[c.workload+"/"+c.name]
 		if !ok {
 			continue
@@ -291,5 +294,40 @@ func TestChartResources(t *testing.T) {
 		if r, ok := c.spec["resources"]; ok {
 			t.Errorf("%s container %s: resources %v by default", c.workload, c.name, r)
 		}
+	}
+}
+
+// TestSelectorsNameTheRelease: every workload selects its pods by the
+// release's instance label besides name and component, its pod template
+// carries them, and the PDB selects the controller's pods the same way.
+func TestSelectorsNameTheRelease(t *testing.T) {
+	out := run(t, nil, helm(t), "template", "blue", "charts/mpnbd", "--namespace", "storage", "--kube-version", kubeVersion)
+	n := 0
+	for _, o := range parseObjects(t, out) {
+		switch o.GetKind() {
+		case "Deployment", "DaemonSet", "PodDisruptionBudget":
+		default:
+			continue
+		}
+		n++
+		sel, _, _ := unstructured.NestedStringMap(o.Object, "spec", "selector", "matchLabels")
+		if sel["app.kubernetes.io/instance"] != "blue" || sel["app.kubernetes.io/name"] != "mpnbd" || sel["app.kubernetes.io/component"] == "" {
+			t.Errorf("%s selects %v, want name, component and instance=blue", objectKey(o), sel)
+		}
+		if o.GetKind() == "PodDisruptionBudget" {
+			continue
+		}
+		tmpl, _, _ := unstructured.NestedStringMap(o.Object, "spec", "template", "metadata", "labels")
+		for k, v := range sel {
+			if tmpl[k] != v {
+				t.Errorf("%s: its pod template's labels %v lack %s=%s of its selector", objectKey(o), tmpl, k, v)
+			}
+		}
+		if l := o.GetLabels(); l["app.kubernetes.io/instance"] != "blue" || l["app.kubernetes.io/version"] == "" {
+			t.Errorf("%s is labelled %v, want instance=blue and a version", objectKey(o), l)
+		}
+	}
+	if n < 5 {
+		t.Errorf("found %d workloads and PDBs, want controller, PDB, node, datapath, storage agent", n)
 	}
 }

@@ -1,6 +1,9 @@
-{{/* The namespace of the driver's namespaced objects. */}}
+{{/*
+The namespace of the driver's namespaced objects: the release's
+(helm install -n <namespace>).
+*/}}
 {{- define "mpnbd.namespace" -}}
-{{ .Values.namespace.name }}
+{{ .Release.Namespace }}
 {{- end }}
 
 {{/*
@@ -9,17 +12,24 @@ optionally, "component".
 */}}
 {{- define "mpnbd.labels" -}}
 app.kubernetes.io/name: mpnbd
+app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- with .component }}
 app.kubernetes.io/component: {{ . }}
 {{- end }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
-{{/* Pod selector labels of a component (the name passed). */}}
+{{/*
+Pod selector labels of a component: pass a dict with "root" (the chart
+context) and "component". Selectors are immutable: a change here makes
+helm upgrade fail on the Deployment and the DaemonSets.
+*/}}
 {{- define "mpnbd.selectorLabels" -}}
 app.kubernetes.io/name: mpnbd
-app.kubernetes.io/component: {{ . }}
+app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 
 {{/* The driver's image. */}}
@@ -89,7 +99,7 @@ metadata:
 spec:
   selector:
     matchLabels:
-      {{- include "mpnbd.selectorLabels" .component | nindent 6 }}
+      {{- include "mpnbd.selectorLabels" . | nindent 6 }}
   namespaceSelector:
     matchNames:
       - {{ include "mpnbd.namespace" .root }}
@@ -109,4 +119,42 @@ the node it runs on (the alerts and the dashboard name it).
 - sourceLabels: [__meta_kubernetes_pod_node_name]
   targetLabel: node
   action: replace
+{{- end }}
+
+{{/*
+What the controller's pods and the chart's hook Job share: the controller's
+ServiceAccount, placement, host network and the restricted pod security
+context.
+*/}}
+{{- define "mpnbd.controllerPod" -}}
+serviceAccountName: mpnbd-controller
+{{- with .Values.controller.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- if .Values.controller.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.controller.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.controller.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.controller.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  runAsGroup: 65532
+  seccompProfile:
+    type: RuntimeDefault
 {{- end }}

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+)
+
+// errVolumesExist: uninstall-check found volumes.
+var errVolumesExist = errors.New("volumes exist")
+
+// uninstallCheck says whether the driver can go without stranding a
+// volume: it fails, listing them, while any NBDVolume exists. The chart
+// runs it as a pre-delete hook, so that helm uninstall refuses instead of
+// removing the storage agents and the node plugins from under volumes in
+// use (their backing files would stay, their NBDVolumes stuck behind the
+// agent's finalizer, the pods using them with I/O errors).
+func uninstallCheck(ctx context.Context, o *options, api client.Reader, w io.Writer) error {
+	inv, err := readInventory(ctx, api, o)
+	if err != nil {
+		if meta.IsNoMatchError(errors.Unwrap(err)) || meta.IsNoMatchError(err) {
+			fmt.Fprintln(w, "no volumes: the mpnbd CRDs are not installed")
+			return nil
+		}
+		return err
+	}
+	if len(inv.volumes) == 0 {
+		fmt.Fprintln(w, "no volumes: the driver can be uninstalled")
+		return nil
+	}
+	rep := buildReport(inv, nil)
+	fmt.Fprintf(w, "%d volume(s) still exist; uninstalling the driver now would strand them, and the pods using them:\n", len(rep.Volumes))
+	for _, v := range rep.Volumes {
+		claim := v.PVC
+		if claim == "" {
+			claim = "no claim"
+		}
+		var nodes []string
+		for _, p := range v.Publications {
+			nodes = append(nodes, p.Node)
+		}
+		pub := "not published"
+		if len(nodes) > 0 {
+			pub = "published to " + strings.Join(nodes, ",")
+		}
+		fmt.Fprintf(w, "  %s\t%s\tstorage node %s\t%s\n", v.Name, claim, v.StorageNode, pub)
+	}
+	fmt.Fprintln(w, "Delete the claims (and the PVs a Retain reclaim policy keeps), wait until `kubectl get nbdvol` lists none, then uninstall.")
+	fmt.Fprintln(w, "`helm uninstall --no-hooks` skips this check and leaves them behind.")
+	return errVolumesExist
+}
