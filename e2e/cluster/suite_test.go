@@ -154,8 +154,9 @@ func (s *suite) jsonpath(path string, args ...string) string {
 // TestDriverOnCluster installs the driver with its Helm chart on a real
 // single-node cluster and uses it as a user would: Filesystem and Block
 // PVCs through pods, data surviving a pod's replacement, online
-// expansion, deletion leaving nothing behind, and one volume using the
-// four MPTCP paths to the storage agent.
+// expansion, deletion leaving nothing behind, one volume using the
+// four MPTCP paths to the storage agent, and the CSI sidecars' metrics and
+// health endpoints answering.
 func TestDriverOnCluster(t *testing.T) {
 	requireCluster(t)
 	helm := cachedTool(t, "tools.sh", "HELM")
@@ -243,6 +244,9 @@ func TestDriverOnCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		images = append(images, Image{Ref: fioImage, BaseLayers: []string{rootfs}, Files: fio})
+		// The real csi-provisioner, csi-attacher and csi-resizer at the
+		// chart's versions; stand-ins of the registrar and the
+		// livenessprobe (hack/sidecars.sh).
 		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-node-driver-registrar", "livenessprobe"} {
 			ref := "mpnbd.local/" + name + ":e2e"
 			sidecarImages[name] = ref
@@ -358,6 +362,7 @@ storageAgent:
 	s.upgradeScenario()
 	s.filesystemScenario()
 	s.expandScenario()
+	s.sidecarEndpointsScenario()
 	s.blockScenario()
 	s.measureResources("after the upgrade, the filesystem, expansion and block scenarios")
 	s.restartScenario()

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/mpnbd/mpnbd/e2e/standins/internal/sidecar"
@@ -39,7 +40,7 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	fs.StringVar(&o.csiAddress, "csi-address", "/run/csi/socket", "CSI endpoint of the node plugin (path or unix:// URL)")
 	fs.StringVar(&o.kubeletRegPath, "kubelet-registration-path", "", "path of the plugin's CSI socket on the host, as the kubelet sees it")
 	fs.StringVar(&o.pluginRegPath, "plugin-registration-path", "/registration", "directory of the kubelet's plugin registration sockets")
-	fs.StringVar(&o.httpEndpoint, "http-endpoint", "", "address of the /healthz endpoint (empty: none)")
+	fs.StringVar(&o.httpEndpoint, "http-endpoint", "", "address ([host]:port) of /healthz (empty: none)")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (4 and up: debug)")
 	if err := sidecar.Parse(fs, args); err != nil {
 		return o, err
@@ -73,7 +74,8 @@ type registrar struct {
 }
 
 func (r *registrar) GetInfo(context.Context, *registerapi.InfoRequest) (*registerapi.PluginInfo, error) {
-	r.log.Info("kubelet asks for the plugin info")
+	// The kubelet asks, and so does every health check.
+	r.log.Debug("asked for the plugin info")
 	return &registerapi.PluginInfo{
 		Type:              registerapi.CSIPlugin,
 		Name:              r.driver,
@@ -104,15 +106,46 @@ func (r *registrar) isRegistered() bool {
 	return r.registered
 }
 
-// healthz answers 200 while the registration socket exists.
-func healthz(sock string) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		if _, err := os.Lstat(sock); err != nil {
+// healthz answers, as the real one does, 200 while the registration
+// socket exists and answers GetInfo with the driver's name, 404 once the
+// socket is gone, 500 otherwise.
+func healthz(log *slog.Logger, sock, driver string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := os.Lstat(sock); errors.Is(err, os.ErrNotExist) {
+			log.Warn("health check failed: the registration socket is gone", "socket", sock)
+			http.Error(w, "registration socket does not exist", http.StatusNotFound)
+			return
+		} else if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if err := checkRegistrationSocket(r.Context(), sock, driver); err != nil {
+			log.Warn("health check failed", "error", err)
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		fmt.Fprintln(w, "ok")
 	})
+}
+
+// checkRegistrationSocket asks the registration socket for the plugin
+// info, as the kubelet would.
+func checkRegistrationSocket(ctx context.Context, sock, driver string) error {
+	cc, err := grpc.NewClient("unix:"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	info, err := registerapi.NewRegistrationClient(cc).GetInfo(ctx, &registerapi.InfoRequest{})
+	if err != nil {
+		return fmt.Errorf("GetInfo on the registration socket: %w", err)
+	}
+	if info.GetName() != driver {
+		return fmt.Errorf("the registration socket answers for %q, not %q", info.GetName(), driver)
+	}
+	return nil
 }
 
 func run(ctx context.Context, log *slog.Logger, o options) error {
@@ -147,7 +180,7 @@ func run(ctx context.Context, log *slog.Logger, o options) error {
 
 	if o.httpEndpoint != "" {
 		mux := http.NewServeMux()
-		mux.Handle("/healthz", healthz(sock))
+		mux.Handle("/healthz", healthz(log, sock, driver))
 		hs := &http.Server{Addr: o.httpEndpoint, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() {
 			if err := hs.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {

@@ -33,7 +33,7 @@ func TestParseFlagsChartArgs(t *testing.T) {
 			t.Fatalf("chart args %q: %v", args, err)
 		}
 		if o.csiAddress != "/csi/csi.sock" || o.kubeletRegPath != "/var/lib/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock" ||
-			o.pluginRegPath != "/registration" || o.verbosity != 2 || o.httpEndpoint != "" {
+			o.pluginRegPath != "/registration" || o.verbosity != 2 || o.httpEndpoint != ":9815" {
 			t.Errorf("chart args %q parsed as %+v", args, o)
 		}
 	}
@@ -148,7 +148,33 @@ func TestRegistration(t *testing.T) {
 		return nil
 	})
 
-	// SIGTERM (the context) stops it cleanly and removes the socket.
+	// Without its socket it is unhealthy (the kubelet no longer sees the
+	// plugin); the kubelet then restarts it.
+	if err := os.Remove(filepath.Join(regDir, testDriver+"-reg.sock")); err != nil {
+		t.Fatal(err)
+	}
+	if code, err := get("http://" + health + "/healthz"); err != nil || code != http.StatusNotFound {
+		t.Errorf("healthz without the socket: %d %v, want 404", code, err)
+	}
+
+	// SIGTERM (the context) stops it cleanly.
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("run: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the registrar did not stop")
+	}
+}
+
+// TestStopRemovesSocket: SIGTERM removes the registration socket.
+func TestStopRemovesSocket(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	regDir, _, done := start(t, ctx)
+	kubelet(t, regDir)
 	cancel()
 	select {
 	case err := <-done:
@@ -161,6 +187,15 @@ func TestRegistration(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(regDir, testDriver+"-reg.sock")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("socket left after stop: %v", err)
 	}
+}
+
+func get(url string) (int, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	return resp.StatusCode, nil
 }
 
 func TestRegistrationRefused(t *testing.T) {

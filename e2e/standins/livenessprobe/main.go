@@ -1,7 +1,9 @@
 // Command livenessprobe stands in for the CSI livenessprobe sidecar in
-// the cluster suite: GET /healthz on --health-port answers 200 while the
-// plugin's Probe succeeds and reports ready, 500 otherwise. It takes the
-// flags the chart passes and refuses any other.
+// the cluster suite: GET /healthz on --http-endpoint (or, without it, on
+// all addresses at --health-port, deprecated in the real one) answers 200
+// while the plugin's Probe succeeds and reports ready, 500 otherwise; with
+// --http-endpoint, /metrics counts the probes. It takes the flags the
+// chart passes and refuses any other.
 package main
 
 import (
@@ -15,12 +17,15 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/mpnbd/mpnbd/e2e/standins/internal/sidecar"
 )
+
+const defaultHealthPort = 9808
 
 type options struct {
 	csiAddress   string
@@ -34,15 +39,20 @@ func parseFlags(args []string, out io.Writer) (options, error) {
 	var o options
 	fs := sidecar.NewFlagSet("livenessprobe", out)
 	fs.StringVar(&o.csiAddress, "csi-address", "/run/csi/socket", "CSI endpoint of the plugin (path or unix:// URL)")
-	fs.IntVar(&o.healthPort, "health-port", 9808, "port of /healthz on all addresses (unless --http-endpoint)")
+	fs.IntVar(&o.healthPort, "health-port", defaultHealthPort, "(deprecated) port of /healthz on all addresses; not with --http-endpoint")
 	fs.DurationVar(&o.probeTimeout, "probe-timeout", time.Second, "timeout of the Probe call")
-	fs.StringVar(&o.httpEndpoint, "http-endpoint", "", "address of /healthz (host:port); overrides --health-port")
+	fs.StringVar(&o.httpEndpoint, "http-endpoint", "", "address ([host]:port) of /healthz and /metrics")
 	fs.IntVar(&o.verbosity, "v", 0, "log verbosity (4 and up: debug)")
 	if err := sidecar.Parse(fs, args); err != nil {
 		return o, err
 	}
 	if o.healthPort <= 0 || o.healthPort > 65535 {
 		return o, fmt.Errorf("--health-port %d: want 1-65535", o.healthPort)
+	}
+	// As the real one: --health-port other than its default and
+	// --http-endpoint exclude each other.
+	if o.healthPort != defaultHealthPort && o.httpEndpoint != "" {
+		return o, errors.New("only one of --health-port and --http-endpoint can be set")
 	}
 	if o.probeTimeout <= 0 {
 		return o, errors.New("--probe-timeout must be positive")
@@ -63,6 +73,18 @@ type prober struct {
 	log     *slog.Logger
 	ids     csi.IdentityClient
 	timeout time.Duration
+
+	mu     sync.Mutex
+	counts map[string]int // probes by result: ok, not_ready, error
+}
+
+func (p *prober) count(result string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.counts == nil {
+		p.counts = map[string]int{}
+	}
+	p.counts[result]++
 }
 
 func (p *prober) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -71,15 +93,30 @@ func (p *prober) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	resp, err := p.ids.Probe(ctx, &csi.ProbeRequest{})
 	switch {
 	case err != nil:
+		p.count("error")
 		p.log.Warn("health check failed", "error", err)
 		http.Error(w, "probe: "+err.Error(), http.StatusInternalServerError)
 	case resp.GetReady() != nil && !resp.GetReady().GetValue():
 		// An absent ready field means ready (CSI spec).
+		p.count("not_ready")
 		p.log.Warn("health check failed: the driver is not ready")
 		http.Error(w, "driver is not ready", http.StatusInternalServerError)
 	default:
+		p.count("ok")
 		p.log.Debug("health check succeeded")
 		fmt.Fprintln(w, "ok")
+	}
+}
+
+// metrics serves the probe counts in the Prometheus text format.
+func (p *prober) metrics(w http.ResponseWriter, _ *http.Request) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+	fmt.Fprintln(w, "# HELP livenessprobe_probes_total Probe calls /healthz made, by result.")
+	fmt.Fprintln(w, "# TYPE livenessprobe_probes_total counter")
+	for _, r := range []string{"ok", "not_ready", "error"} {
+		fmt.Fprintf(w, "livenessprobe_probes_total{result=%q} %d\n", r, p.counts[r])
 	}
 }
 
@@ -96,7 +133,11 @@ func run(ctx context.Context, log *slog.Logger, o options) error {
 		return err
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", &prober{log: log, ids: csi.NewIdentityClient(cc), timeout: o.probeTimeout})
+	p := &prober{log: log, ids: csi.NewIdentityClient(cc), timeout: o.probeTimeout}
+	mux.Handle("/healthz", p)
+	if o.httpEndpoint != "" {
+		mux.HandleFunc("/metrics", p.metrics)
+	}
 	lis, err := net.Listen("tcp", o.addr())
 	if err != nil {
 		return err
@@ -106,7 +147,7 @@ func run(ctx context.Context, log *slog.Logger, o options) error {
 		<-ctx.Done()
 		srv.Close()
 	}()
-	log.Info("serving /healthz", "driver", driver, "address", lis.Addr().String())
+	log.Info("serving", "driver", driver, "address", lis.Addr().String(), "metrics", o.httpEndpoint != "")
 	if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -30,19 +31,26 @@ func TestParseFlagsChartArgs(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%s args %q: %v", file, args, err)
 			}
-			if o.csiAddress != "/csi/csi.sock" || o.healthPort != port || o.addr() != fmt.Sprintf(":%d", port) {
+			if o.csiAddress != "/csi/csi.sock" || o.httpEndpoint != fmt.Sprintf(":%d", port) || o.addr() != fmt.Sprintf(":%d", port) {
 				t.Errorf("%s args %q parsed as %+v", file, args, o)
 			}
 		}
 	}
-	for _, args := range [][]string{{"--metrics-address=:1"}, {"--health-port=0"}, {"--probe-timeout=0s"}, {"x"}} {
+	for _, args := range [][]string{{"--metrics-address=:1"}, {"--health-port=0"}, {"--probe-timeout=0s"}, {"x"},
+		{"--http-endpoint=:1234", "--health-port=9809"}} {
 		if _, err := parseFlags(args, io.Discard); err == nil {
 			t.Errorf("%q accepted", args)
 		}
 	}
+	// The default --health-port given explicitly is no conflict (as with
+	// the real one).
 	o, err := parseFlags([]string{"--http-endpoint=127.0.0.1:1234", "--health-port=9808"}, io.Discard)
 	if err != nil || o.addr() != "127.0.0.1:1234" {
 		t.Errorf("--http-endpoint: %v %v", o.addr(), err)
+	}
+	o, err = parseFlags([]string{"--health-port=9809"}, io.Discard)
+	if err != nil || o.addr() != ":9809" {
+		t.Errorf("--health-port: %v %v", o.addr(), err)
 	}
 }
 
@@ -64,7 +72,7 @@ func TestHealthz(t *testing.T) {
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	o, err := parseFlags([]string{"--csi-address=unix://" + sock, fmt.Sprintf("--health-port=%d", port), "--probe-timeout=2s"}, io.Discard)
+	o, err := parseFlags([]string{"--csi-address=unix://" + sock, fmt.Sprintf("--http-endpoint=127.0.0.1:%d", port), "--probe-timeout=2s"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,6 +120,23 @@ func TestHealthz(t *testing.T) {
 	expect(http.StatusInternalServerError)
 	plugin.SetReady(true, nil)
 	expect(http.StatusOK)
+
+	// /metrics counts them.
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"# TYPE livenessprobe_probes_total counter", `livenessprobe_probes_total{result="not_ready"} `,
+		`livenessprobe_probes_total{result="error"} `} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %q:\n%s", want, body)
+		}
+	}
+	if m := regexp.MustCompile(`livenessprobe_probes_total\{result="ok"\} ([0-9]+)`).FindStringSubmatch(string(body)); m == nil || m[1] == "0" {
+		t.Errorf("/metrics counts no successful probe:\n%s", body)
+	}
 }
 
 func TestHealthzPluginGone(t *testing.T) {

@@ -1,6 +1,6 @@
 // Package sidecar holds what the CSI sidecar stand-ins of the cluster
 // suite share: strict flag parsing, slog logging (klog routed into it),
-// the CSI socket connection and the driver's name, and the API client.
+// the CSI socket connection and the driver's name, and the chart's args.
 package sidecar
 
 import (
@@ -20,11 +20,7 @@ import (
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
-
-	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 )
 
 // NewFlagSet returns a flag set that reports errors instead of exiting,
@@ -57,7 +53,7 @@ func Level(v int) slog.Level {
 }
 
 // NewLogger returns a text logger on w at the level for verbosity v, and
-// routes klog (client-go, the provisioner library) into it.
+// routes klog (client-go, the gRPC libraries) into it.
 func NewLogger(w io.Writer, v int) *slog.Logger {
 	h := slog.NewTextHandler(w, &slog.HandlerOptions{Level: Level(v)})
 	klog.SetLogger(logr.FromSlogHandler(h))
@@ -113,18 +109,6 @@ func DriverName(ctx context.Context, log *slog.Logger, cc grpc.ClientConnInterfa
 		case <-time.After(time.Second):
 		}
 	}
-}
-
-// Client returns a clientset for the kubeconfig at path (kubeconfig.Load:
-// the file, else $KUBECONFIG, in-cluster, ~/.kube/config).
-func Client(path, userAgent string) (kubernetes.Interface, error) {
-	cfg, err := kubeconfig.Load(path)
-	if err != nil {
-		return nil, err
-	}
-	cfg = rest.CopyConfig(cfg)
-	cfg.UserAgent = userAgent
-	return kubernetes.NewForConfig(cfg)
 }
 
 // Fatal logs err and exits non-zero.

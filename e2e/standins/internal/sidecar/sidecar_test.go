@@ -4,9 +4,6 @@ import (
 	"io"
 	"log/slog"
 	"testing"
-
-	"github.com/container-storage-interface/spec/lib/go/csi"
-	corev1 "k8s.io/api/core/v1"
 )
 
 func TestManifestArgs(t *testing.T) {
@@ -40,28 +37,5 @@ func TestTargetAndLevel(t *testing.T) {
 	}
 	if Level(2) != slog.LevelInfo || Level(4) != slog.LevelDebug || Level(5) != slog.LevelDebug {
 		t.Error("level")
-	}
-}
-
-func TestAccessMode(t *testing.T) {
-	for _, tc := range []struct {
-		m    corev1.PersistentVolumeAccessMode
-		snmw bool
-		want csi.VolumeCapability_AccessMode_Mode
-	}{
-		{corev1.ReadWriteOnce, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER},
-		{corev1.ReadWriteOnce, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		{corev1.ReadWriteOncePod, true, csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER},
-		{corev1.ReadWriteOncePod, false, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		{corev1.ReadOnlyMany, true, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY},
-		{corev1.ReadWriteMany, false, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
-	} {
-		got, err := AccessMode(tc.m, tc.snmw)
-		if err != nil || got != tc.want {
-			t.Errorf("%s snmw=%v: %v %v, want %v", tc.m, tc.snmw, got, err, tc.want)
-		}
-	}
-	if _, err := AccessMode("Sometimes", true); err == nil {
-		t.Error("unknown mode accepted")
 	}
 }
