@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"testing"
 	"time"
 )
 
@@ -28,8 +29,12 @@ func httpGet(host string, port int, path string) (int, string, error) {
 func csiCallsOK(body, method string) int {
 	n := 0
 	for _, l := range strings.Split(body, "\n") {
-		labels, value, ok := strings.Cut(strings.TrimPrefix(l, "csi_sidecar_operations_seconds_count"), " ")
-		if !ok || labels == l || !strings.Contains(labels, `method_name="`+method+`"`) || !strings.Contains(labels, `grpc_status_code="OK"`) {
+		rest, ok := strings.CutPrefix(l, "csi_sidecar_operations_seconds_count{")
+		if !ok {
+			continue
+		}
+		labels, value, ok := strings.Cut(rest, "} ")
+		if !ok || !strings.Contains(labels, `method_name="`+method+`"`) || !strings.Contains(labels, `grpc_status_code="OK"`) {
 			continue
 		}
 		v, _ := strconv.ParseFloat(value, 64)
@@ -109,4 +114,21 @@ func (s *suite) sidecarEndpointsScenario() {
 			}
 		}
 	})
+}
+
+func TestCSICallsOK(t *testing.T) {
+	body := `# TYPE csi_sidecar_operations_seconds histogram
+csi_sidecar_operations_seconds_bucket{driver_name="d",grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume",le="0.1"} 1
+csi_sidecar_operations_seconds_bucket{driver_name="d",grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume",le="+Inf"} 2
+csi_sidecar_operations_seconds_sum{driver_name="d",grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume"} 0.5
+csi_sidecar_operations_seconds_count{driver_name="d",grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume"} 2
+csi_sidecar_operations_seconds_count{driver_name="d",grpc_status_code="DeadlineExceeded",method_name="/csi.v1.Controller/CreateVolume"} 3
+csi_sidecar_operations_seconds_count{driver_name="d",grpc_status_code="OK",method_name="/csi.v1.Controller/DeleteVolume"} 4
+`
+	if n := csiCallsOK(body, "/csi.v1.Controller/CreateVolume"); n != 2 {
+		t.Errorf("CreateVolume: %d, want 2", n)
+	}
+	if n := csiCallsOK(body, "/csi.v1.Controller/ControllerExpandVolume"); n != 0 {
+		t.Errorf("ControllerExpandVolume: %d, want 0", n)
+	}
 }
