@@ -124,6 +124,11 @@ func TestValuesSchemaMatchesValuesFile(t *testing.T) {
 	objects := 0
 	var walk func(path string, s map[string]any, v map[string]any)
 	walk = func(path string, s map[string]any, v map[string]any) {
+		// Kubernetes' own types: values.yaml sets some of their keys.
+		switch s["$ref"] {
+		case "#/definitions/resources", "#/definitions/affinity", "#/definitions/tolerations", "#/definitions/nodeSelector":
+			return
+		}
 		s = resolve(s)
 		props, ok := s["properties"].(map[string]any)
 		if !ok || len(v) == 0 {

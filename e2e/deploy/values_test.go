@@ -261,19 +261,26 @@ func TestChartPriorityAndDisruption(t *testing.T) {
 	}
 }
 
-// TestChartResources: every container's resources come from values.
+// TestChartResources: every container's resources come from values, merged
+// with the defaults as Helm merges maps (null clears them), and the
+// defaults request CPU and memory everywhere, limit memory only where an
+// OOM kill stalls no volume's I/O, and never limit CPU.
 func TestChartResources(t *testing.T) {
+	const (
+		ctl   = "map[limits:map[memory:512Mi] requests:map[cpu:10m memory:32Mi]]"
+		small = "map[limits:map[memory:64Mi] requests:map[cpu:5m memory:16Mi]]"
+	)
 	want := map[string]string{ // workload/container -> resources as values-custom.yaml sets them
-		"Deployment/mpnbd-controller/controller":      "map[limits:map[memory:128Mi]]",
-		"Deployment/mpnbd-controller/csi-provisioner": "map[requests:map[cpu:10m memory:32Mi]]",
-		"Deployment/mpnbd-controller/liveness-probe":  "map[requests:map[cpu:5m]]",
+		"Deployment/mpnbd-controller/controller":      "map[limits:map[memory:128Mi] requests:map[cpu:10m memory:32Mi]]",
+		"Deployment/mpnbd-controller/csi-provisioner": "map[limits:map[memory:512Mi] requests:map[cpu:20m memory:48Mi]]",
+		"Deployment/mpnbd-controller/liveness-probe":  "<nil>",
 		"DaemonSet/mpnbd-node/node":                   "map[requests:map[cpu:50m memory:64Mi]]",
-		"DaemonSet/mpnbd-node/node-driver-registrar":  "map[limits:map[memory:24Mi]]",
-		"DaemonSet/mpnbd-node/liveness-probe":         "map[requests:map[cpu:5m]]",
-		"DaemonSet/mpnbd-datapath/datapath":           "map[requests:map[cpu:100m memory:128Mi]]",
-		"DaemonSet/mpnbd-storage-agent/storage-agent": "map[limits:map[cpu:2 memory:1Gi]]",
-		"Deployment/mpnbd-controller/csi-attacher":    "<nil>",
-		"Deployment/mpnbd-controller/csi-resizer":     "<nil>",
+		"DaemonSet/mpnbd-node/node-driver-registrar":  "map[limits:map[memory:24Mi] requests:map[cpu:5m memory:16Mi]]",
+		"DaemonSet/mpnbd-node/liveness-probe":         "<nil>",
+		"DaemonSet/mpnbd-datapath/datapath":           "map[requests:map[cpu:200m memory:256Mi]]",
+		"DaemonSet/mpnbd-storage-agent/storage-agent": "map[limits:map[cpu:2 memory:1Gi] requests:map[cpu:100m memory:128Mi]]",
+		"Deployment/mpnbd-controller/csi-attacher":    ctl,
+		"Deployment/mpnbd-controller/csi-resizer":     ctl,
 	}
 	seen := 0
 	for _, c := range containers(t, parseObjects(t, customTemplate(t))) {
@@ -289,11 +296,33 @@ func TestChartResources(t *testing.T) {
 	if seen != len(want) {
 		t.Errorf("found %d of the %d containers", seen, len(want))
 	}
-	// Defaults: none set (nothing measured yet).
+	defaults := map[string]string{
+		"Deployment/mpnbd-controller/controller":      ctl,
+		"Deployment/mpnbd-controller/csi-provisioner": ctl,
+		"Deployment/mpnbd-controller/csi-attacher":    ctl,
+		"Deployment/mpnbd-controller/csi-resizer":     ctl,
+		"Deployment/mpnbd-controller/liveness-probe":  small,
+		"DaemonSet/mpnbd-node/node":                   "map[requests:map[cpu:10m memory:32Mi]]",
+		"DaemonSet/mpnbd-node/node-driver-registrar":  small,
+		"DaemonSet/mpnbd-node/liveness-probe":         small,
+		"DaemonSet/mpnbd-datapath/datapath":           "map[requests:map[cpu:100m memory:128Mi]]",
+		"DaemonSet/mpnbd-storage-agent/storage-agent": "map[requests:map[cpu:100m memory:128Mi]]",
+	}
+	seen = 0
 	for _, c := range containers(t, parseObjects(t, helmTemplate(t))) {
-		if r, ok := c.spec["resources"]; ok {
-			t.Errorf("%s container %s: resources %v by default", c.workload, c.name, r)
+		key := c.workload + "/" + c.name
+		w, ok := defaults[key]
+		if !ok {
+			t.Errorf("%s: a container this test does not know; give it default resources here", key)
+			continue
 		}
+		seen++
+		if got := fmt.Sprint(c.spec["resources"]); got != w {
+			t.Errorf("%s: default resources %s, want %s", key, got, w)
+		}
+	}
+	if seen != len(defaults) {
+		t.Errorf("found %d of the %d containers in the default rendering", seen, len(defaults))
 	}
 }
 
