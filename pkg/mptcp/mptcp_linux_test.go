@@ -171,3 +171,58 @@ func TestNotTCP(t *testing.T) {
 		t.Error("IsMPTCP(nil) = true")
 	}
 }
+
+// TestLoopbackSubflows reads the single subflow of a loopback connection
+// with MPTCP_FULL_INFO and with the older options.
+func TestLoopbackSubflows(t *testing.T) {
+	requireMPTCP(t)
+	client, server := pair(t, true, true)
+	for _, read := range []struct {
+		name string
+		fn   func(net.Conn) ([]SubflowInfo, error)
+	}{{"full-info", GetSubflows}, {"legacy", getSubflowsLegacy}} {
+		for name, c := range map[string]net.Conn{"client": client, "server": server} {
+			subs, err := read.fn(c)
+			if err != nil {
+				t.Fatalf("%s %s: %v", read.name, name, err)
+			}
+			t.Logf("%s %s: %+v", read.name, name, subs)
+			if len(subs) != 1 {
+				t.Fatalf("%s %s: %d subflows, want 1", read.name, name, len(subs))
+			}
+			s := subs[0]
+			local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+			remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+			if s.Local != local || s.Remote != remote {
+				t.Errorf("%s %s: %s -> %s, want %s -> %s", read.name, name, s.Local, s.Remote, local, remote)
+			}
+			// The pair exchanged 16 bytes each way.
+			if s.BytesSent < 16 || s.BytesAcked < 16 || s.BytesReceived < 16 {
+				t.Errorf("%s %s: counters %+v, want at least 16 each", read.name, name, s)
+			}
+			if s.State != 1 {
+				t.Errorf("%s %s: TCP state %d, want 1 (established)", read.name, name, s.State)
+			}
+		}
+	}
+}
+
+func TestSubflowsNotMPTCP(t *testing.T) {
+	client, _ := pair(t, false, false)
+	if _, err := GetSubflows(client); !errors.Is(err, ErrNotMPTCP) {
+		t.Errorf("plain TCP: %v", err)
+	}
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	if _, err := GetSubflows(a); !errors.Is(err, ErrNotMPTCP) {
+		t.Errorf("pipe: %v", err)
+	}
+	if err := Available(); err != nil {
+		return
+	}
+	fell, _ := pair(t, false, true)
+	if _, err := GetSubflows(fell); !errors.Is(err, ErrNotMPTCP) {
+		t.Errorf("fallen back to TCP: %v", err)
+	}
+}
