@@ -18,8 +18,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/mpnbd/mpnbd/pkg/relay"
+	"net"
+	"net/netip"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // Transport names a way of attaching.
@@ -127,6 +131,10 @@ type Health struct {
 	// Subflows is the number of MPTCP subflows (including the first) of
 	// each connection; empty when unknown.
 	Subflows []int
+	// Paths are the MPTCP subflows of every connection, each with its
+	// addresses and the bytes it carried; empty when unknown (no MPTCP,
+	// or a kernel that does not list subflows).
+	Paths []PathStats `json:"paths,omitempty"`
 	// Reconnects counts redials since the attach.
 	Reconnects int
 	// Outage is how long the volume has been waiting for its storage node
@@ -141,6 +149,37 @@ type Health struct {
 	// (deadConnTimeout), so I/O fails until the storage node is back.
 	Failing bool
 	Message string
+}
+
+// PathStats is the traffic of one MPTCP subflow of a volume's connection:
+// the path it takes, from a local address of this node to one of the
+// storage node's, and the bytes it carried. The counters are the
+// subflow's own: they start at zero when the subflow (or its connection)
+// is replaced.
+type PathStats struct {
+	// Connection is the connection's index in Health.Subflows.
+	Connection int            `json:"connection"`
+	Local      netip.AddrPort `json:"local"`
+	Remote     netip.AddrPort `json:"remote"`
+	// SentBytes counts the bytes sent, retransmissions included;
+	// ReceivedBytes the bytes received.
+	SentBytes     uint64 `json:"sentBytes"`
+	ReceivedBytes uint64 `json:"receivedBytes"`
+}
+
+// ConnPaths is the subflows of c, a volume's connection number conn, as
+// PathStats; nil when c does not run MPTCP or they cannot be read.
+func ConnPaths(conn int, c net.Conn) []PathStats {
+	subs, err := mptcp.GetSubflows(c)
+	if err != nil {
+		return nil
+	}
+	paths := make([]PathStats, 0, len(subs))
+	for _, s := range subs {
+		paths = append(paths, PathStats{Connection: conn, Local: s.Local, Remote: s.Remote,
+			SentBytes: s.BytesSent, ReceivedBytes: s.BytesReceived})
+	}
+	return paths
 }
 
 // SessionHealth is the health of a data path that runs through a relay

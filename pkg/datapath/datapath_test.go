@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"path/filepath"
 	"reflect"
 	"sync"
@@ -51,6 +52,12 @@ func (f *fakeService) Detach(ctx context.Context, id string) error {
 	return nil
 }
 
+// testPaths are the bytes per path the fake service reports.
+var testPaths = []attach.PathStats{
+	{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1 << 40, ReceivedBytes: 7},
+	{Connection: 0, Local: netip.MustParseAddrPort("[fd00::1]:40001"), Remote: netip.MustParseAddrPort("[fd00::2]:10900")},
+}
+
 func (f *fakeService) Health(id string) (attach.Transport, attach.Health, error) {
 	f.mu.Lock()
 	tr, ok := f.attached[id]
@@ -58,7 +65,7 @@ func (f *fakeService) Health(id string) (attach.Transport, attach.Health, error)
 	if !ok {
 		return "", attach.Health{}, fmt.Errorf("%w: %s", attach.ErrNotAttached, id)
 	}
-	return tr, attach.Health{Connected: true, Subflows: []int{4}, Outage: 1500 * time.Millisecond, Failing: true, Message: "m"}, nil
+	return tr, attach.Health{Connected: true, Subflows: []int{4}, Paths: testPaths, Outage: 1500 * time.Millisecond, Failing: true, Message: "m"}, nil
 }
 
 func (f *fakeService) Resize(ctx context.Context, id string, n uint64) (uint64, error) {
@@ -142,6 +149,9 @@ func TestRoundTrip(t *testing.T) {
 	tr, h, err := c.Health("v1")
 	if err != nil || tr != attach.Ublk || !h.Connected || h.Outage != 1500*time.Millisecond || !h.Failing || len(h.Subflows) != 1 || h.Subflows[0] != 4 {
 		t.Fatalf("health %s %+v %v", tr, h, err)
+	}
+	if !reflect.DeepEqual(h.Paths, testPaths) {
+		t.Fatalf("health paths %+v, want %+v", h.Paths, testPaths)
 	}
 	if _, _, err := c.Health("nope"); !errors.Is(err, attach.ErrNotAttached) {
 		t.Fatalf("health of an unknown volume: %v, want ErrNotAttached", err)

@@ -561,6 +561,7 @@ func (v *volume) health() attach.Health {
 			h.Subflows = append(h.Subflows, 0)
 		} else {
 			h.Subflows = append(h.Subflows, info.TotalSubflows())
+			h.Paths = attach.ConnPaths(0, st.Remote)
 		}
 	}
 	if p := v.node.lastErr.Load(); p != nil {

@@ -661,6 +661,7 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	h.MPTCP = len(conns) > 0 && allMPTCP(conns)
 	for _, c := range conns {
 		if info, err := mptcp.GetInfo(c); err == nil {
+			h.Paths = append(h.Paths, attach.ConnPaths(len(h.Subflows), c)...)
 			h.Subflows = append(h.Subflows, info.TotalSubflows())
 		}
 	}

@@ -321,6 +321,7 @@ func (a *Attacher) Health(volumeID string) (attach.Health, error) {
 	} else if st.Remote != nil && nbd.IsMultipathTCP(st.Remote) {
 		if info, err := mptcp.GetInfo(st.Remote); err == nil {
 			h.Subflows = []int{info.TotalSubflows()}
+			h.Paths = attach.ConnPaths(0, st.Remote)
 		}
 	}
 	return h, nil

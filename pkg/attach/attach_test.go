@@ -1,0 +1,51 @@
+package attach
+
+import (
+	"encoding/json"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// TestHealthJSON: Health crosses process boundaries as JSON (the FUSE
+// control socket, the datapath socket); Paths must round-trip, be left
+// out when empty, and a reply without them must still decode.
+func TestHealthJSON(t *testing.T) {
+	h := Health{Connected: true, MPTCP: true, Subflows: []int{2}, Paths: []PathStats{
+		{Connection: 0, Local: netip.MustParseAddrPort("10.0.1.1:40000"), Remote: netip.MustParseAddrPort("10.0.1.2:10809"), SentBytes: 1 << 50, ReceivedBytes: 3},
+		{Connection: 0, Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2"), SentBytes: 5},
+	}}
+	b, err := json.Marshal(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`"paths":[`, `"local":"10.0.1.1:40000"`, `"remote":"[fd00::2]:2"`, `"sentBytes":1125899906842624`, `"receivedBytes":3`, `"connection":0`} {
+		if !strings.Contains(string(b), want) {
+			t.Errorf("%s lacks %s", b, want)
+		}
+	}
+	var back Health
+	if err := json.Unmarshal(b, &back); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(back, h) {
+		t.Errorf("round trip: %+v, want %+v", back, h)
+	}
+
+	b, err = json.Marshal(Health{Connected: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(b), "paths") {
+		t.Errorf("empty paths marshalled: %s", b)
+	}
+	// What an earlier process sends.
+	var old Health
+	if err := json.Unmarshal([]byte(`{"Connected":true,"MPTCP":true,"Subflows":[4],"Reconnects":1}`), &old); err != nil {
+		t.Fatal(err)
+	}
+	if !old.Connected || len(old.Subflows) != 1 || old.Paths != nil {
+		t.Errorf("old reply decoded as %+v", old)
+	}
+}
