@@ -351,8 +351,8 @@ type dashboardPanel struct {
 
 // TestGrafanaDashboard: every query of every panel of the dashboard (and
 // of its variables) names only metrics and labels the code exports, on
-// the dashboard's data source variable; the dashboard shows throughput,
-// latency, subflows, reconnects and capacity.
+// the dashboard's data source variable; the dashboard shows throughput
+// (per volume and per path), latency, subflows, reconnects and capacity.
 func TestGrafanaDashboard(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join(repoRoot(t), dashboardFile))
 	if err != nil {
@@ -423,10 +423,11 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	walk(d.Panels)
-	// What the dashboard is for: throughput, latency, subflows (connected
-	// vs expected), reconnects, capacity.
+	// What the dashboard is for: throughput (per volume and per path),
+	// latency, subflows (connected vs expected), reconnects, capacity.
 	for _, m := range []string{"mpnbd_server_read_bytes_total", "mpnbd_server_written_bytes_total",
 		"mpnbd_server_request_duration_seconds_bucket", "mpnbd_node_volume_subflows", "mpnbd_node_volume_expected_subflows",
+		"mpnbd_node_volume_path_sent_bytes_total", "mpnbd_node_volume_path_received_bytes_total",
 		"mpnbd_node_volume_reconnects_total", "mpnbd_server_capacity_bytes", "mpnbd_server_available_bytes"} {
 		if !used[m] {
 			t.Errorf("no panel shows %s", m)

@@ -349,4 +349,9 @@ func TestExportedMetrics(t *testing.T) {
 	if l := known["mpnbd_node_volume_subflows"]; !slices.Equal(l, []string{"volume", "transport", "connection"}) {
 		t.Errorf("mpnbd_node_volume_subflows labels %v", l)
 	}
+	for _, n := range []string{"mpnbd_node_volume_path_sent_bytes_total", "mpnbd_node_volume_path_received_bytes_total"} {
+		if l := known[n]; !slices.Equal(l, []string{"volume", "transport", "connection", "local", "remote"}) {
+			t.Errorf("%s labels %v", n, l)
+		}
+	}
 }

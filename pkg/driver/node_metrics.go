@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"net/netip"
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,7 +20,7 @@ var _ VolumeLister = (*attach.Manager)(nil)
 // NodeCollector exposes the data path of every attached volume as
 // Prometheus metrics (mpnbd_node_*), read when the registry is scraped:
 // connected, MPTCP subflows per connection against the storage node's
-// addresses, reconnects, and the health the node reports
+// addresses, the bytes each path carried, reconnects, and the health the node reports
 // (NodeGetVolumeHealth), so degraded volumes can be alerted on.
 type NodeCollector struct {
 	node    *Node
@@ -27,6 +28,7 @@ type NodeCollector struct {
 
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
 	outage, replayed, resent, retained                                       *prometheus.Desc
+	pathSent, pathReceived                                                   *prometheus.Desc
 }
 
 // NewNodeCollector returns a collector over the node service's volumes.
@@ -48,11 +50,15 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		replayed:     d("replayed_requests_total", "Unanswered requests sent again after reconnects (userspace transports)."),
 		resent:       d("resent_writes_total", "Acknowledged writes sent again to a storage server that may have lost them (userspace transports)."),
 		retained:     d("retained_writes", "Acknowledged writes kept until a completed FLUSH covers them (userspace transports)."),
+		pathSent: d("path_sent_bytes_total", "Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; "+
+			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
+		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
+			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 	}
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.pathSent, c.pathReceived} {
 		ch <- d
 	}
 }
@@ -75,6 +81,11 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		for i, n := range h.Subflows {
 			ch <- prometheus.MustNewConstMetric(c.subflows, prometheus.GaugeValue, float64(n), id, t, strconv.Itoa(i))
 		}
+		for _, p := range pathTotals(h.Paths) {
+			conn := strconv.Itoa(p.conn)
+			ch <- prometheus.MustNewConstMetric(c.pathSent, prometheus.CounterValue, float64(p.sent), id, t, conn, p.local, p.remote)
+			ch <- prometheus.MustNewConstMetric(c.pathReceived, prometheus.CounterValue, float64(p.received), id, t, conn, p.local, p.remote)
+		}
 		if want, ok := c.node.expectedSubflows(id); ok {
 			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want), id, t)
 		}
@@ -95,4 +106,48 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.degraded, prometheus.GaugeValue, b(degraded), id, t)
 		ch <- prometheus.MustNewConstMetric(c.inaccessible, prometheus.GaugeValue, b(inaccessible), id, t)
 	}
+}
+
+// pathLabels are the labels of the bytes-per-path counters, after volume
+// and transport: the connection's index and the path's local and remote
+// IP addresses (no ports, which change with every subflow).
+var pathLabels = []string{"connection", "local", "remote"}
+
+// pathTotal is the bytes of the subflows of one connection between one
+// pair of addresses.
+type pathTotal struct {
+	conn           int
+	local, remote  string
+	sent, received uint64
+}
+
+// pathTotals sums paths by connection and address pair, in the order the
+// pairs first appear.
+func pathTotals(paths []attach.PathStats) []pathTotal {
+	type key struct {
+		conn          int
+		local, remote netip.Addr
+	}
+	var totals []pathTotal
+	index := map[key]int{}
+	for _, p := range paths {
+		k := key{p.Connection, p.Local.Addr(), p.Remote.Addr()}
+		i, ok := index[k]
+		if !ok {
+			i = len(totals)
+			index[k] = i
+			totals = append(totals, pathTotal{conn: p.Connection, local: addrLabel(k.local), remote: addrLabel(k.remote)})
+		}
+		totals[i].sent += p.SentBytes
+		totals[i].received += p.ReceivedBytes
+	}
+	return totals
+}
+
+// addrLabel is an address as a label value: empty when unknown.
+func addrLabel(a netip.Addr) string {
+	if !a.IsValid() {
+		return ""
+	}
+	return a.String()
 }

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -26,7 +27,14 @@ func TestNodeCollector(t *testing.T) {
 	reg.MustRegister(c)
 
 	f.att.mu.Lock()
-	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replayed: 7, Resent: 5, Retained: 4}
+	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replayed: 7, Resent: 5, Retained: 4,
+		Paths: []attach.PathStats{
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1000, ReceivedBytes: 2000},
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40001"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 3000, ReceivedBytes: 4000},
+			// A second subflow between the same addresses: summed.
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40002"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 5, ReceivedBytes: 6},
+			{Connection: 1, Local: netip.MustParseAddrPort("[fd00::1]:40003"), Remote: netip.MustParseAddrPort("[fd00::2]:10809"), SentBytes: 1 << 40},
+		}}
 	f.att.mu.Unlock()
 	want := `
 # HELP mpnbd_node_volume_connected 1 when the volume's data path is connected to its storage node.
@@ -47,6 +55,16 @@ mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1
 # HELP mpnbd_node_volume_outage_seconds How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected.
 # TYPE mpnbd_node_volume_outage_seconds gauge
 mpnbd_node_volume_outage_seconds{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_path_received_bytes_total Bytes received over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
+# TYPE mpnbd_node_volume_path_received_bytes_total counter
+mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 2000
+mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 4006
+mpnbd_node_volume_path_received_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_path_sent_bytes_total Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
+# TYPE mpnbd_node_volume_path_sent_bytes_total counter
+mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 1000
+mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 3005
+mpnbd_node_volume_path_sent_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 1.099511627776e+12
 # HELP mpnbd_node_volume_replayed_requests_total Unanswered requests sent again after reconnects (userspace transports).
 # TYPE mpnbd_node_volume_replayed_requests_total counter
 mpnbd_node_volume_replayed_requests_total{transport="fuse",volume="pv-1"} 7
