@@ -130,7 +130,7 @@ func TestRunAgainstAPIServer(t *testing.T) {
 		"Volume:               pvc-1\n",
 		"Health:               Healthy\n",
 		"Last fault:           node-a: StorageUnreachable: the storage node is unreachable (transport relay) (event, " + at.UTC().Format(time.RFC3339) + ")\n",
-		perPathNote,
+		noPathsNote,
 	} {
 		if !strings.Contains(detail, s) {
 			t.Errorf("detail lacks %q:\n%s", s, detail)

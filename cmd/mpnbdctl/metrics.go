@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -18,8 +19,9 @@ import (
 )
 
 // The node plugin's per-volume metrics (pkg/driver/node_metrics.go): each
-// has the labels volume and transport; subflows also connection. The
-// tests scrape the real NodeCollector, so a rename there fails them.
+// has the labels volume and transport; subflows also connection, the
+// bytes per path connection, local and remote. The tests scrape the real
+// NodeCollector, so a rename there fails them.
 const (
 	metricPrefix       = "mpnbd_node_volume_"
 	metricConnected    = metricPrefix + "connected"
@@ -33,6 +35,8 @@ const (
 	metricReplayed     = metricPrefix + "replayed_requests_total"
 	metricResent       = metricPrefix + "resent_writes_total"
 	metricRetained     = metricPrefix + "retained_writes"
+	metricPathSent     = metricPrefix + "path_sent_bytes_total"
+	metricPathReceived = metricPrefix + "path_received_bytes_total"
 )
 
 // Metrics statuses of a node (NodeMetrics.Status) and of a publication
@@ -65,8 +69,22 @@ type NodeMetrics struct {
 type Connection struct {
 	Index int `json:"index"`
 	// Subflows counts the connection's MPTCP subflows, the first
-	// included. The node plugin exports no bytes per subflow or path.
+	// included.
 	Subflows int `json:"subflows"`
+	// Paths are the bytes the connection's subflows carried, per pair of
+	// local and remote address; empty when the node plugin reports none
+	// (no MPTCP, or a kernel that does not list subflows).
+	Paths []Path `json:"paths"`
+}
+
+// Path is the traffic of a connection's MPTCP subflows between one local
+// address of the node and one address of the storage node, counted since
+// those subflows were opened.
+type Path struct {
+	Local         string `json:"local"`
+	Remote        string `json:"remote"`
+	SentBytes     uint64 `json:"sentBytes"`
+	ReceivedBytes uint64 `json:"receivedBytes"`
 }
 
 // DataPath is what a node plugin reports about one attached volume.
@@ -175,31 +193,46 @@ func parseNodeMetrics(r io.Reader) (map[string]*DataPath, error) {
 			if t := labels["transport"]; t != "" {
 				dp.Transport = t
 			}
-			if err := dp.set(name, labels["connection"], value(m)); err != nil {
+			if err := dp.set(name, labels, value(m)); err != nil {
 				return nil, fmt.Errorf("%s{volume=%q}: %w", name, id, err)
 			}
 		}
 	}
 	for _, dp := range vols {
 		slices.SortFunc(dp.Connections, func(a, b Connection) int { return a.Index - b.Index })
+		for i := range dp.Connections {
+			slices.SortFunc(dp.Connections[i].Paths, func(a, b Path) int {
+				return cmp.Or(cmp.Compare(a.Local, b.Local), cmp.Compare(a.Remote, b.Remote))
+			})
+		}
 	}
 	return vols, nil
 }
 
-// set records one sample of a volume's metric; unknown names are ignored
-// (a newer node plugin may export more).
-func (dp *DataPath) set(name, connection string, v float64) error {
+// set records one sample of a volume's metric, labels its labels;
+// unknown names are ignored (a newer node plugin may export more).
+func (dp *DataPath) set(name string, labels map[string]string, v float64) error {
 	switch name {
+	case metricSubflows, metricPathSent, metricPathReceived:
+		i, err := strconv.Atoi(labels["connection"])
+		if err != nil || i < 0 {
+			return fmt.Errorf("connection label %q is not an index", labels["connection"])
+		}
+		c := dp.connection(i)
+		if name == metricSubflows {
+			c.Subflows = int(v)
+			return nil
+		}
+		p := c.path(labels["local"], labels["remote"])
+		if name == metricPathSent {
+			p.SentBytes = uint64(v)
+		} else {
+			p.ReceivedBytes = uint64(v)
+		}
 	case metricConnected:
 		dp.Connected = v == 1
 	case metricMPTCP:
 		dp.MPTCP = v == 1
-	case metricSubflows:
-		i, err := strconv.Atoi(connection)
-		if err != nil || i < 0 {
-			return fmt.Errorf("connection label %q is not an index", connection)
-		}
-		dp.Connections = append(dp.Connections, Connection{Index: i, Subflows: int(v)})
 	case metricExpected:
 		n := int(v)
 		dp.ExpectedSubflows = &n
@@ -219,6 +252,28 @@ func (dp *DataPath) set(name, connection string, v float64) error {
 		dp.RetainedWrites = int64(v)
 	}
 	return nil
+}
+
+// connection is the connection of index i, added if new.
+func (dp *DataPath) connection(i int) *Connection {
+	for k := range dp.Connections {
+		if dp.Connections[k].Index == i {
+			return &dp.Connections[k]
+		}
+	}
+	dp.Connections = append(dp.Connections, Connection{Index: i, Paths: []Path{}})
+	return &dp.Connections[len(dp.Connections)-1]
+}
+
+// path is the connection's path from local to remote, added if new.
+func (c *Connection) path(local, remote string) *Path {
+	for k := range c.Paths {
+		if c.Paths[k].Local == local && c.Paths[k].Remote == remote {
+			return &c.Paths[k]
+		}
+	}
+	c.Paths = append(c.Paths, Path{Local: local, Remote: remote})
+	return &c.Paths[len(c.Paths)-1]
 }
 
 // value is a sample's value whatever its type.

@@ -55,6 +55,15 @@ mpnbd_node_volume_subflows{connection="0",transport="fuse",volume="pv-1"} 2
 mpnbd_node_volume_subflows{connection="1",transport="fuse",volume="pv-1"} 1
 mpnbd_node_volume_subflows{connection="1",transport="kernel",volume="pv-2"} 3
 mpnbd_node_volume_subflows{connection="0",transport="kernel",volume="pv-2"} 4
+# HELP mpnbd_node_volume_path_received_bytes_total Bytes received over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
+# TYPE mpnbd_node_volume_path_received_bytes_total counter
+mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 4006
+mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 2000
+# HELP mpnbd_node_volume_path_sent_bytes_total Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
+# TYPE mpnbd_node_volume_path_sent_bytes_total counter
+mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 1000
+mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 3005
+mpnbd_node_volume_path_sent_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 1.099511627776e+12
 # HELP mpnbd_node_volume_future_thing Something a newer node plugin exports.
 # TYPE mpnbd_node_volume_future_thing gauge
 mpnbd_node_volume_future_thing{transport="fuse",volume="pv-1"} 9
@@ -66,10 +75,17 @@ func TestParseNodeMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]*DataPath{
-		"pv-1": {Transport: "fuse", Connected: true, MPTCP: true, Connections: []Connection{{0, 2}, {1, 1}}, ExpectedSubflows: intp(2),
+		"pv-1": {Transport: "fuse", Connected: true, MPTCP: true, Connections: []Connection{
+			{Index: 0, Subflows: 2, Paths: []Path{
+				{Local: "10.77.1.1", Remote: "10.77.1.2", SentBytes: 1000, ReceivedBytes: 2000},
+				{Local: "10.77.2.1", Remote: "10.77.2.2", SentBytes: 3005, ReceivedBytes: 4006},
+			}},
+			// Sent only: the received counter is not there.
+			{Index: 1, Subflows: 1, Paths: []Path{{Local: "fd00::1", Remote: "fd00::2", SentBytes: 1 << 40}}},
+		}, ExpectedSubflows: intp(2),
 			Reconnects: 3, Degraded: true, ReplayedRequests: 7, ResentWrites: 5, RetainedWrites: 4},
 		// No expected_subflows: the node plugin restarted since staging.
-		"pv-2": {Transport: "kernel", Connected: true, MPTCP: true, Connections: []Connection{{0, 4}, {1, 3}}},
+		"pv-2": {Transport: "kernel", Connected: true, MPTCP: true, Connections: []Connection{{Index: 0, Subflows: 4, Paths: []Path{}}, {Index: 1, Subflows: 3, Paths: []Path{}}}},
 	}
 	g, _ := json.Marshal(got)
 	w, _ := json.Marshal(want)
@@ -83,6 +99,7 @@ func TestParseNodeMetrics(t *testing.T) {
 	for name, text := range map[string]string{
 		"not metrics":        "<html>hello</html>\n",
 		"connection label":   "mpnbd_node_volume_subflows{connection=\"x\",transport=\"fuse\",volume=\"pv-1\"} 2\n",
+		"path connection":    "mpnbd_node_volume_path_sent_bytes_total{connection=\"-1\",local=\"a\",remote=\"b\",transport=\"fuse\",volume=\"pv-1\"} 2\n",
 		"truncated mid-line": "mpnbd_node_volume_connected{transport=\"fuse\",volume=",
 	} {
 		if _, err := parseNodeMetrics(strings.NewReader(text)); err == nil {

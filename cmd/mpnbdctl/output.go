@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -23,8 +24,11 @@ var pubColumns = []string{
 	"REPLAYED", "RESENT", "RETAINED", "HEALTH",
 }
 
-// perPathNote says what the metrics lack for bytes per path.
-const perPathNote = "Bytes per path: not available; the node plugin's metrics count MPTCP subflows per connection, not bytes per subflow."
+// noPathsNote says why no bytes per path show.
+const noPathsNote = "Bytes per path: none reported; the node plugin reads them from the kernel's MPTCP subflows (Linux 5.16+), on MPTCP connections only."
+
+// pathColumns are the columns of the paths of `mpnbdctl volume NAME`.
+var pathColumns = []string{"NODE", "CONNECTION", "LOCAL", "REMOTE", "SENT", "RECEIVED"}
 
 func writeJSON(w io.Writer, rep *Report) error {
 	enc := json.NewEncoder(w)
@@ -205,7 +209,7 @@ func writeDetail(w io.Writer, rep *Report) error {
 		if len(v.Publications) > 0 {
 			row(tw, "  ", pubColumns...)
 		}
-		var conns [][]string
+		var conns, paths [][]string
 		for _, p := range v.Publications {
 			cells := append([]string{p.Node, p.Metrics}, dataPathCells(p.DataPath)...)
 			if dp := p.DataPath; dp != nil {
@@ -217,6 +221,10 @@ func writeDetail(w io.Writer, rep *Report) error {
 						want = strconv.Itoa(*dp.ExpectedSubflows)
 					}
 					conns = append(conns, []string{p.Node, strconv.Itoa(c.Index), strconv.Itoa(c.Subflows), want})
+					for _, pa := range c.Paths {
+						paths = append(paths, []string{p.Node, strconv.Itoa(c.Index), pa.Local, pa.Remote,
+							counterBytes(pa.SentBytes), counterBytes(pa.ReceivedBytes)})
+					}
 				}
 			} else {
 				cells = append(cells, "", "", "")
@@ -237,10 +245,27 @@ func writeDetail(w io.Writer, rep *Report) error {
 			if err := tw.Flush(); err != nil {
 				return err
 			}
-			fmt.Fprintln(w, perPathNote)
+		}
+		if len(paths) > 0 {
+			fmt.Fprintln(w, "\nPaths (bytes since each subflow opened):")
+			tw = newTabWriter(w)
+			row(tw, "  ", pathColumns...)
+			for _, p := range paths {
+				row(tw, "  ", p...)
+			}
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+		} else if len(conns) > 0 {
+			fmt.Fprintln(w, noPathsNote)
 		}
 	}
 	return writeNotes(w, rep)
+}
+
+// counterBytes is a byte counter in binary units ("1.5Gi").
+func counterBytes(n uint64) string {
+	return formatBytes(int64(min(n, math.MaxInt64)))
 }
 
 // detailFault is a fault with its node, source and time.

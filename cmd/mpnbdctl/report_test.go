@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"net/url"
 	"slices"
 	"strings"
@@ -56,8 +57,11 @@ func newFleet(t *testing.T, extra ...client.Object) *fleet {
 		api: fakeAPI(t, objs...).Build(),
 		urls: map[string]string{
 			"node-a": nodePlugin(t, "node-a", map[string]fakeVolume{
-				"pvc-degraded": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Reconnects: 1}},
-				"pvc-healthy":  {attach.Ublk, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}, Reconnects: 2, Replayed: 7, Resent: 5, Retained: 3}},
+				"pvc-degraded": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Reconnects: 1, Paths: []attach.PathStats{
+					{Connection: 0, Local: netip.MustParseAddrPort("10.0.1.2:40001"), Remote: netip.MustParseAddrPort("10.0.1.1:10809"), SentBytes: 2048, ReceivedBytes: 512},
+					{Connection: 0, Local: netip.MustParseAddrPort("10.0.0.2:40000"), Remote: netip.MustParseAddrPort("10.0.0.1:10809"), SentBytes: 3 << 30, ReceivedBytes: 1 << 20},
+				}}},
+				"pvc-healthy": {attach.Ublk, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}, Reconnects: 2, Replayed: 7, Resent: 5, Retained: 3}},
 				// Attached here but published nowhere: a warning.
 				"pvc-stray": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}}},
 			}),
@@ -141,12 +145,15 @@ func TestVolumesJSON(t *testing.T) {
 	}{{
 		name: "pvc-degraded", pv: "pvc-degraded", pvc: "default/data-degraded", phase: "Available", health: HealthDegraded,
 		pubs: []pubWant{{"node-a", MetricsOK, HealthDegraded, &DataPath{Transport: "relay", Connected: true, MPTCP: true,
-			Connections: []Connection{{0, 2}}, ExpectedSubflows: intp(4), Reconnects: 1, Degraded: true}}},
+			Connections: []Connection{{Index: 0, Subflows: 2, Paths: []Path{
+				{Local: "10.0.0.2", Remote: "10.0.0.1", SentBytes: 3 << 30, ReceivedBytes: 1 << 20},
+				{Local: "10.0.1.2", Remote: "10.0.1.1", SentBytes: 2048, ReceivedBytes: 512},
+			}}}, ExpectedSubflows: intp(4), Reconnects: 1, Degraded: true}}},
 		faultSource: FaultDataPath, faultNode: "node-a", faultHas: "relay: connection 0 has 2 MPTCP subflows, want 4",
 	}, {
 		name: "pvc-healthy", pv: "pvc-healthy", pvc: "apps/data-healthy", phase: "Available", health: HealthHealthy,
 		pubs: []pubWant{{"node-a", MetricsOK, HealthHealthy, &DataPath{Transport: "ublk", Connected: true, MPTCP: true,
-			Connections: []Connection{{0, 4}}, ExpectedSubflows: intp(4), Reconnects: 2, ReplayedRequests: 7, ResentWrites: 5, RetainedWrites: 3}}},
+			Connections: []Connection{{Index: 0, Subflows: 4, Paths: []Path{}}}, ExpectedSubflows: intp(4), Reconnects: 2, ReplayedRequests: 7, ResentWrites: 5, RetainedWrites: 3}}},
 		faultSource: FaultReconnects, faultNode: "node-a", faultHas: "2 reconnects since attach",
 	}, {
 		name: "pvc-unpublished", phase: "Available", health: HealthUnpublished,
@@ -240,6 +247,10 @@ func TestVolumesJSON(t *testing.T) {
 		conn["subflows"] != 2.0 || conn["index"] != 0.0 || dp["transport"] != "relay" || raw.Volumes[0]["storageNode"] != "storage-1" {
 		t.Errorf("JSON of pvc-degraded: %v", raw.Volumes[0])
 	}
+	path := conn["paths"].([]any)[0].(map[string]any)
+	if path["local"] != "10.0.0.2" || path["remote"] != "10.0.0.1" || path["sentBytes"] != float64(3<<30) || path["receivedBytes"] != float64(1<<20) {
+		t.Errorf("JSON of pvc-degraded's first path: %v", path)
+	}
 }
 
 func TestVolumesTable(t *testing.T) {
@@ -321,13 +332,17 @@ func TestVolumeDetail(t *testing.T) {
 			"  Ready  True    Available  2025-03-04T05:06:07Z  exported\n",
 			"  node-a  ok       relay      yes        yes    2/4       1           -       0         0       0         Degraded\n",
 			"  NODE    CONNECTION  SUBFLOWS  EXPECTED\n  node-a  0           2         4\n",
-			perPathNote,
+			"\nPaths (bytes since each subflow opened):\n" +
+				"  NODE    CONNECTION  LOCAL     REMOTE    SENT  RECEIVED\n" +
+				"  node-a  0           10.0.0.2  10.0.0.1  3Gi   1Mi\n" +
+				"  node-a  0           10.0.1.2  10.0.1.1  2Ki   512\n",
 		}},
 		// By claim; the last fault is the Event.
 		{[]string{"volume", "apps/data-healthy"}, []string{
 			"Volume:               pvc-healthy\n",
 			"Last fault:           node-a: StorageUnreachable: the storage node is unreachable (transport ublk); I/O waits until it is back (event, 2025-03-04T06:06:07Z)\n",
 			"  node-a  ok       ublk       yes        yes    4/4       2           -       7         5       3         Healthy\n",
+			noPathsNote,
 		}},
 		{[]string{"volume", "pvc-unpublished"}, []string{"Health:               Unpublished\n", "Published to:\n  no node\n", "Last fault:           none seen\n"}},
 		{[]string{"volume", "pvc-nodedown"}, []string{"  node-c  unreachable  -", "Node node-c: metrics unreachable:"}},
