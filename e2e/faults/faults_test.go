@@ -266,7 +266,7 @@ func attachFuse(t *testing.T, s server) string {
 
 func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 	t.Helper()
-	a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true})
+	a := fuse.New(fuse.Config{StateDir: t.TempDir()})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}, o)

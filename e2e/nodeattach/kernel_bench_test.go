@@ -47,11 +47,24 @@ func benchAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (atta
 	case attach.Ublk:
 		return newUblkAttacher(t, tp, t.TempDir()), func(st *storage) { waitServerConns(t, st, 0) }
 	case attach.FUSE:
-		a := fuse.New(fuse.Config{StateDir: t.TempDir(), InProcess: true, Logger: testLogger(t), DialContext: clientDialer(tp.ClientNS)})
+		a := newFuseAttacher(t, tp, t.TempDir())
 		return a, func(st *storage) { waitServerConns(t, st, 0) }
 	}
 	a, nl := newAttacher(t, tp, mode)
 	return a, func(st *storage) { waitGone(t, nl, st) }
+}
+
+// newFuseAttacher makes a fuse Attacher whose volume server processes
+// (this test binary, see TestMain) run in the topology's client network
+// namespace.
+func newFuseAttacher(t *testing.T, tp *topo.Topology, stateDir string) *fuse.Attacher {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fuse.New(fuse.Config{StateDir: stateDir, Logger: testLogger(t),
+		ServeCommand: []string{"nsenter", "--net=/run/netns/" + tp.ClientNS, "--", exe, fuse.ServeArg}})
 }
 
 // TestBenchTransportsMPTCPKernelInVM boots the MPTCP kernel and prints

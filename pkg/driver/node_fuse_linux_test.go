@@ -27,7 +27,8 @@ import (
 )
 
 // fuseNode is a Node over a real NBD server on the loopback address, the
-// fuse transport served in-process and the real mounter.
+// fuse transport (its server processes are this test binary, see
+// TestMain) and the real mounter.
 type fuseNode struct {
 	node     *Node
 	mgr      *attach.Manager
@@ -73,7 +74,7 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 	f := &fuseNode{root: root, stateDir: filepath.Join(root, "fuse"), addr: l.Addr().String()}
 	log := slog.New(slog.DiscardHandler)
 	f.mgr = attach.NewManager(map[attach.Transport]attach.Attacher{
-		attach.FUSE: fuse.New(fuse.Config{StateDir: f.stateDir, InProcess: true, Logger: log}),
+		attach.FUSE: fuse.New(fuse.Config{StateDir: f.stateDir, Logger: log}),
 	}, log)
 	f.node, err = NewNode(NodeConfig{NodeID: "node-1", Attacher: f.mgr, Mounter: NewMounter(), Logger: log})
 	if err != nil {

@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -42,26 +41,11 @@ func openDirect(t testing.TB, dev string, flag int) *os.File {
 	return f
 }
 
-// modes are the two ways of serving a volume.
-var modes = []struct {
-	name string
-	cfg  Config
-}{
-	{"server", Config{}},
-	{"inprocess", Config{InProcess: true}},
-}
-
 func TestAttachLocal(t *testing.T) {
-	for _, m := range modes {
-		t.Run(m.name, func(t *testing.T) { testAttachLocal(t, m.cfg) })
-	}
-}
-
-func testAttachLocal(t *testing.T, cfg Config) {
 	requireFUSE(t)
 	const size = 64 << 20
 	ts := localServer(t, size)
-	a := newAttacher(t, cfg)
+	a := newAttacher(t, Config{})
 	ctx := context.Background()
 
 	att, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
@@ -83,9 +67,7 @@ func testAttachLocal(t *testing.T, cfg Config) {
 		t.Errorf("backing file %q, want %q", st.BackingFile, file)
 	}
 	ts.conns.waitConns(t, "vol", 1)
-	if !cfg.InProcess {
-		checkServerProcess(t, a, "pv-local")
-	}
+	checkServerProcess(t, a, "pv-local")
 
 	// Same volume again: the same attachment, no second connection.
 	again, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
@@ -380,56 +362,34 @@ func TestAttachMountFails(t *testing.T) {
 	}
 	ts.conns.waitConns(t, "vol", 0)
 
-	// The mount itself fails (the mount point is a file), after the dial.
-	a = newAttacher(t, Config{InProcess: true})
-	dir, _ := a.paths("pv-nomount")
-	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	dialed := false
-	a.cfg.DialContext = func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-		c, err := d.DialContext(ctx, network, addr)
-		if err == nil {
-			dialed = true
-			// Put a file where the mount point goes, after the stale
-			// state check removed whatever was there.
-			if err := os.WriteFile(dir, nil, 0o600); err != nil {
-				t.Errorf("a file at the mount point: %v", err)
-			}
-		}
-		return c, err
-	}
-	if _, err := a.Attach(context.Background(), target("pv-nomount", ts.addr), attach.Options{}); err == nil {
-		t.Fatal("Attach succeeds although the mount point is a file")
-	} else {
-		t.Logf("attach error: %v", err)
-	}
-	if !dialed {
-		t.Fatal("the attach failed before dialling")
-	}
-	ts.conns.waitConns(t, "vol", 0)
-	if m := mountsUnder(t, a.cfg.StateDir); len(m) != 0 {
-		t.Errorf("mounts left: %v", m)
-	}
-	os.Remove(dir)
-	assertNothingLeft(t, a, "pv-nomount", ts)
-
-	// The same in a server process: the file is there before the attach,
-	// which leaves it alone (it is not ours) and fails after the dial.
+	// The mount itself fails, after the dial: a file is where the mount
+	// point goes before the attach, which leaves it alone (it is not
+	// ours). The server process has dialed, and closes the connection
+	// again.
 	a = newAttacher(t, Config{})
-	dir, _ = a.paths("pv-nomount")
+	dir, _ := a.paths("pv-nomount")
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(dir, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	dials := ts.conns.opened("vol")
 	if _, err := a.Attach(context.Background(), target("pv-nomount", ts.addr), attach.Options{}); err == nil {
 		t.Fatal("Attach succeeds although the mount point is a file")
 	} else {
 		t.Logf("attach error: %v", err)
 	}
+	if ts.conns.opened("vol") == dials {
+		t.Fatal("the attach failed before dialling")
+	}
 	ts.conns.waitConns(t, "vol", 0)
+	if m := mountsUnder(t, a.cfg.StateDir); len(m) != 0 {
+		t.Errorf("mounts left: %v", m)
+	}
+	if st, err := os.Lstat(dir); err != nil || !st.Mode().IsRegular() {
+		t.Errorf("the file at the mount point: %v, %v", st, err)
+	}
 	os.Remove(dir)
 	assertNothingLeft(t, a, "pv-nomount", ts)
 }
@@ -449,39 +409,40 @@ func TestAttachLoopFails(t *testing.T) {
 	assertNothingLeft(t, a, "pv-noloop", ts)
 }
 
-// TestStaleAttachment leaves an attachment served in process behind as a
-// process that died would (mount, loop device) and checks that a new
-// Attacher cleans it up, both on Detach and on Attach (which then starts
-// a server process).
+// TestStaleAttachment leaves an attachment behind that no server process
+// owns (no lock, socket or state file), with its mount still served and
+// its loop device, and checks that a new Attacher cleans it up, both on
+// Detach and on Attach (which then starts a server process).
 func TestStaleAttachment(t *testing.T) {
 	requireFUSE(t)
 	ts := localServer(t, 16<<20)
 	state := filepath.Join(t.TempDir(), "state")
-	old := newAttacher(t, Config{StateDir: state, InProcess: true})
-	forget := func() *volume {
-		old.mu.Lock()
-		defer old.mu.Unlock()
-		v := old.vols["pv-stale"]
-		delete(old.vols, "pv-stale")
+	fresh := newAttacher(t, Config{StateDir: state})
+	// leave serves the volume from this process, as a server process
+	// does, but holds none of the files by which Attachers find one.
+	leave := func() *volume {
+		t.Helper()
+		if err := os.MkdirAll(state, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		dir, file := fresh.paths("pv-stale")
+		log := fresh.cfg.Logger.With("volume_id", "pv-stale")
+		v, err := startVolume(context.Background(), fresh.cfg, target("pv-stale", ts.addr), attach.Options{}, dir, file, log)
+		if err != nil {
+			t.Fatal(err)
+		}
 		return v
 	}
 	ctx := context.Background()
 
-	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	v := forget()
-	fresh := newAttacher(t, Config{StateDir: state})
+	v := leave()
 	if err := fresh.Detach(ctx, "pv-stale"); err != nil {
 		t.Fatalf("detach of a stale attachment: %v", err)
 	}
 	v.path.Close(time.Second)
 	assertNothingLeft(t, fresh, "pv-stale", ts)
 
-	if _, err := old.Attach(ctx, target("pv-stale", ts.addr), attach.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	v = forget()
+	v = leave()
 	att, err := fresh.Attach(ctx, target("pv-stale", ts.addr), attach.Options{})
 	if err != nil {
 		t.Fatalf("attach over a stale attachment: %v", err)

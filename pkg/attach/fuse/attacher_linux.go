@@ -26,19 +26,16 @@ import (
 // one volume are serialized.
 type Attacher struct {
 	cfg Config
-	// ownDial records that Config.DialContext was set, which needs
-	// InProcess.
-	ownDial bool
 
 	mu      sync.Mutex
-	vols    map[string]*volume     // served by this process (InProcess)
-	servers map[string]*serverProc // served by server processes
+	servers map[string]*serverProc // the volumes' server processes
 	locks   attach.VolumeLocks
 }
 
 var _ attach.Attacher = (*Attacher)(nil)
 
-// volume is one attached volume, served by the process it lives in.
+// volume is one attached volume, served by the server process it lives
+// in.
 // target, dir, file, client, node and att.MPTCP do not change once it is
 // stored; server, dev and closed record how far teardown got (so a failed
 // detach resumes there) and are only used under the volume's lock.
@@ -61,8 +58,6 @@ type volume struct {
 func New(c Config) *Attacher {
 	return &Attacher{
 		cfg:     c.withDefaults(),
-		ownDial: c.DialContext != nil,
-		vols:    make(map[string]*volume),
 		servers: make(map[string]*serverProc),
 	}
 }
@@ -80,12 +75,6 @@ func Available() error {
 }
 
 func (a *Attacher) lock(id string) func() { return a.locks.Lock(id) }
-
-func (a *Attacher) get(id string) *volume {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.vols[id]
-}
 
 // stateDir returns the state directory resolved through symlinks, so
 // that paths in it match what the loop driver reports as a backing file.
@@ -112,7 +101,7 @@ func volumePaths(stateDir, volumeID string) (dir, file string) {
 }
 
 // Attach dials the export, mounts its file and attaches a loop device,
-// in a server process of the volume's own unless Config.InProcess.
+// in a server process of the volume's own.
 func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options) (*attach.Attachment, error) {
 	if t.VolumeID == "" {
 		return nil, fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
@@ -120,15 +109,8 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	if len(t.Addrs) == 0 {
 		return nil, fmt.Errorf("%w: no server address for volume %s", attach.ErrInvalid, t.VolumeID)
 	}
-	if a.ownDial && !a.cfg.InProcess {
-		return nil, fmt.Errorf("%w: fuse: Config.DialContext needs Config.InProcess", attach.ErrInvalid)
-	}
 	unlock := a.lock(t.VolumeID)
 	defer unlock()
-	if v := a.get(t.VolumeID); v != nil {
-		att := v.att
-		return &att, nil
-	}
 	if err := Available(); err != nil {
 		return nil, err
 	}
@@ -154,29 +136,13 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		att := p.att
 		return &att, nil
 	}
-	if !a.cfg.InProcess {
-		return a.spawn(ctx, t, o, lf, log)
-	}
-	dir, file := a.paths(t.VolumeID)
-	v, err := startVolume(ctx, a.cfg, t, o, dir, file, log)
-	if err != nil {
-		a.dropLock(t.VolumeID, lf)
-		return nil, err
-	}
-	// The lock keeps other attaches out only while this one runs: the
-	// volume lives and dies with this process, not with a lock holder.
-	lf.Close()
-	a.mu.Lock()
-	a.vols[t.VolumeID] = v
-	a.mu.Unlock()
-	att := v.att
-	return &att, nil
+	return a.spawn(ctx, t, o, lf, log)
 }
 
 // startVolume dials the export, mounts its file at dir and attaches a
 // loop device on file. On failure it undoes what it did.
 func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Options, dir, file string, log *slog.Logger) (*volume, error) {
-	dp, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: cfg.DialContext, Logger: log}, t, o)
+	dp, err := attach.OpenSession(ctx, attach.SessionConfig{Logger: log}, t, o)
 	if err != nil {
 		return nil, dialError(t, err)
 	}
@@ -325,10 +291,10 @@ func (c Config) openFlags() uint32 {
 }
 
 // Detach removes the loop device, unmounts the file system and closes the
-// connection, through the volume's server process if it has one, and
-// waits for that process to exit. A volume this Attacher does not know is
-// still looked for on disk (left by an earlier process) and cleaned up;
-// nothing found is fine.
+// connection, through the volume's server process, and waits for that
+// process to exit. What a dead server process left of the volume (a
+// mount, a loop device, its files) is cleaned up as well; nothing found
+// is fine.
 func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	if volumeID == "" {
 		return fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
@@ -336,21 +302,7 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	unlock := a.lock(volumeID)
 	defer unlock()
 	log := a.cfg.Logger.With("volume_id", volumeID, "transport", string(attach.FUSE))
-	v := a.get(volumeID)
-	if v == nil {
-		return a.detachServer(ctx, volumeID, log)
-	}
-	if err := teardown(v, a.cfg.UnmountTimeout, log); err != nil {
-		return fmt.Errorf("fuse: detach volume %s: %w", volumeID, err)
-	}
-	a.mu.Lock()
-	delete(a.vols, volumeID)
-	a.mu.Unlock()
-	if lf, err := lockFile(a.lockPath(volumeID)); err == nil && lf != nil {
-		a.dropLock(volumeID, lf)
-	}
-	log.Info("fuse: detached", "device", v.att.Device)
-	return nil
+	return a.detachServer(ctx, volumeID, log)
 }
 
 // teardown undoes whatever of an attach is in place, last step first.
@@ -542,9 +494,6 @@ func isMountPoint(dir string) (bool, error) {
 // MPTCP and their subflows. A volume whose server process is gone or does
 // not answer is reported as not connected.
 func (a *Attacher) Health(volumeID string) (attach.Health, error) {
-	if v := a.get(volumeID); v != nil {
-		return v.health(), nil
-	}
 	return a.serverHealth(volumeID)
 }
 
@@ -581,22 +530,11 @@ func (v *volume) health() attach.Health {
 func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) (uint64, error) {
 	unlock := a.lock(volumeID)
 	defer unlock()
-	v := a.get(volumeID)
-	if v == nil {
-		return a.serverResize(ctx, volumeID, newSize)
-	}
-	got, err := v.resize(ctx, a.cfg, newSize)
-	if err != nil {
-		return 0, err
-	}
-	a.mu.Lock()
-	v.att.Size = got
-	a.mu.Unlock()
-	return got, nil
+	return a.serverResize(ctx, volumeID, newSize)
 }
 
-// resize is Resize of a volume served here; the caller records the new
-// size in v.att.
+// resize is Resize in the volume's server process; the caller records
+// the new size in v.att.
 func (v *volume) resize(ctx context.Context, cfg Config, newSize uint64) (uint64, error) {
 	volumeID := v.target.VolumeID
 	size, err := v.path.ProbeSize(ctx, v.target)

@@ -129,7 +129,7 @@ func benchVariants() []benchVariant {
 func BenchmarkThroughput(b *testing.B) {
 	requireFUSE(b)
 	tp, ts, _ := fourPaths(b, "fb", benchSize)
-	benchThroughput(b, inClient(tp), ts.addr, 4)
+	benchThroughput(b, inClient(tp), inClientServe(b, tp), ts.addr, 4)
 }
 
 // BenchmarkThroughputLoopback is BenchmarkThroughput over the unshaped
@@ -138,12 +138,14 @@ func BenchmarkThroughput(b *testing.B) {
 func BenchmarkThroughputLoopback(b *testing.B) {
 	requireFUSE(b)
 	ts := localServer(b, benchSize)
-	benchThroughput(b, nil, ts.addr, 1)
+	benchThroughput(b, nil, nil, ts.addr, 1)
 }
 
 // benchThroughput compares the raw client with the FUSE device; dial
-// (nil: the default) makes the connections of both.
-func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, string, string) (net.Conn, error), addr string, subflows int) {
+// (nil: the default) makes the client's connections, and the server
+// processes run serve (nil: the default ServeCommand), which must dial
+// from where dial does.
+func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, string, string) (net.Conn, error), serve []string, addr string, subflows int) {
 	ctx := context.Background()
 	x := attach.ExportDialer{DialContext: dial}
 	c, info, err := x.DialExport(ctx, addr, "", "vol", true, nil)
@@ -171,8 +173,7 @@ func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, strin
 
 	for _, v := range benchVariants() {
 		cfg := v.cfg
-		cfg.DialContext = dial
-		cfg.InProcess = true // the data path is the same in a server process
+		cfg.ServeCommand = serve
 		a := newAttacher(b, cfg)
 		id := "pv-bench-" + v.name
 		att, err := a.Attach(ctx, target(id, addr), attach.Options{})

@@ -74,10 +74,7 @@
 // read /dev/fuse, listen on V.sock and write V.json. If the successor
 // fails before it is ready (or its Attacher calls Abort), Resume lets the
 // predecessor serve again; so does a predecessor that hears neither within
-// two minutes, or whose HandOff connection breaks. A volume served in
-// process (Config.InProcess) is handed off and taken the same way, minus
-// the server process: the handoff takes the volume's lock for the
-// successor, and an InProcess successor serves from its own process.
+// two minutes, or whose HandOff connection breaks.
 //
 // This survives restarts of the plugin process, as long as the server
 // processes live on: I/O to the devices continues while no plugin runs.
@@ -89,9 +86,7 @@
 // whose exit kills the namespace): the servers go too, unless they were
 // handed over to a process outside it first. Where that matters, use the
 // relay transport on a kernel with nbd, whose devices a fresh process
-// re-adopts with nothing running in between. Config.InProcess serves
-// volumes from the attaching process instead, for tests and tools: such
-// volumes do not survive the process at all.
+// re-adopts with nothing running in between.
 //
 // While the storage node is unreachable the session redials and replays
 // what was unanswered (attach.Options.DeadConnTimeout can bound the
@@ -100,12 +95,9 @@
 package fuse
 
 import (
-	"context"
 	"log/slog"
 	"os"
 	"time"
-
-	"net"
 )
 
 // DefaultStateDir is where volumes are mounted unless Config.StateDir says
@@ -140,9 +132,6 @@ type Config struct {
 	// It is created, mode 0700, when missing. Every Attacher of the node
 	// must use the same one.
 	StateDir string
-	// InProcess serves the volumes from the attaching process instead of
-	// one server process per volume: they fail when the process exits.
-	InProcess bool
 	// ServeCommand starts a volume's server process: the program and its
 	// arguments. It runs with ServeEnv=1 added to the environment, the
 	// attach request on standard input and two more descriptors (3 and 4;
@@ -158,11 +147,6 @@ type Config struct {
 	// --net=PATH, to dial from another network namespace).
 	ServeCommand []string
 
-	// DialContext makes the volume's connections (dialing with d); nil
-	// means d.DialContext. Only an InProcess Attacher can use another: a
-	// server process always dials itself, and Attach without InProcess
-	// refuses a Config with DialContext set.
-	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	// Logger receives warnings and events; nil means slog.Default(). The
 	// server processes log to the attaching process's standard error.
 	Logger *slog.Logger

@@ -206,9 +206,6 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	}
 	unlock := a.lock(volumeID)
 	defer unlock()
-	if v := a.get(volumeID); v != nil {
-		return a.handOffInProcess(v)
-	}
 	p := a.findServer(volumeID)
 	if p == nil {
 		return nil, fmt.Errorf("%w: %s", attach.ErrNotAttached, volumeID)
@@ -374,12 +371,6 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	unlock := a.lock(id)
 	defer unlock()
 	log := a.cfg.Logger.With("volume_id", id, "transport", string(attach.FUSE))
-	if a.cfg.InProcess {
-		return a.takeInProcess(ctx, h, st, files, log)
-	}
-	if a.ownDial {
-		return nil, fmt.Errorf("%w: fuse: Config.DialContext needs Config.InProcess", attach.ErrInvalid)
-	}
 	spec := a.specFor(h.Target, h.Options, time.Now().Add(handoffTimeout))
 	spec.Handoff = &successorSpec{State: st, Attachment: h.Attachment}
 	l, err := a.launch(spec, []*os.File{files[fileLock], files[fileFUSE]})

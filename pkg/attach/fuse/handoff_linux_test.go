@@ -174,25 +174,27 @@ func TestHandoffSuccessorFails(t *testing.T) {
 	assertNothingLeft(t, a, id, ts)
 }
 
-// TestHandoffInProcess moves a volume served in process to a server
-// process and from there back into another process's Attacher
-// (InProcess), with writes going on throughout.
-func TestHandoffInProcess(t *testing.T) {
+// TestHandoffBetweenAttachers moves a volume twice (A -> B -> C, three
+// Attachers of this process, each starting a new server process) with
+// writes going on throughout; each predecessor's server exits.
+func TestHandoffBetweenAttachers(t *testing.T) {
 	requireFUSE(t)
 	ts := localServer(t, 64<<20)
 	stateDir := t.TempDir() + "/state"
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	const id = "pv-handoff-inproc"
-	a := newAttacher(t, Config{StateDir: stateDir, InProcess: true})
+	const id = "pv-handoff-attachers"
+	a := newAttacher(t, Config{StateDir: stateDir})
 	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	first := serverPid(t, a, id)
 	w := startWriter(t, att.Device, 16)
 	w.waitWrites(t, 20)
-	move := func(from, to *Attacher) {
+	move := func(from, to *Attacher) int {
 		t.Helper()
+		pred := serverPid(t, from, id)
 		h, err := from.HandOff(ctx, id)
 		if err != nil {
 			t.Fatalf("HandOff: %v", err)
@@ -210,14 +212,22 @@ func TestHandoffInProcess(t *testing.T) {
 		if hl, err := to.Health(id); err != nil || !hl.Connected {
 			t.Fatalf("health after the handover: %+v, %v", hl, err)
 		}
+		waitGone(t, pred)
+		succ := serverPid(t, to, id)
+		if succ == pred {
+			t.Fatalf("the same server process %d after the handover", succ)
+		}
+		if pids := liveServers(t); !slices.Equal(pids, []int{succ}) {
+			t.Fatalf("server processes %v, want only %d", pids, succ)
+		}
 		w.waitWrites(t, 20)
+		return succ
 	}
 	b := newAttacher(t, Config{StateDir: stateDir})
-	move(a, b)
-	pid := serverPid(t, b, id)
-	c := newAttacher(t, Config{StateDir: stateDir, InProcess: true})
-	move(b, c)
-	waitGone(t, pid)
+	second := move(a, b)
+	c := newAttacher(t, Config{StateDir: stateDir})
+	third := move(b, c)
+	t.Logf("servers %d -> %d -> %d", first, second, third)
 	w.finish(t)
 	w.verify(t, att.Device, ts.backend)
 	if err := c.Detach(ctx, id); err != nil {

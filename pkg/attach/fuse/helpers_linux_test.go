@@ -38,10 +38,12 @@ func requireTool(t testing.TB, name string) {
 	}
 }
 
-// connCounter is a server Observer counting open connections per export.
+// connCounter is a server Observer counting open connections per export,
+// and every connection ever opened.
 type connCounter struct {
-	mu   sync.Mutex
-	open map[string]int
+	mu    sync.Mutex
+	open  map[string]int
+	total map[string]int
 }
 
 func (c *connCounter) ConnOpened(_ nbd.ConnInfo, export string) {
@@ -49,8 +51,17 @@ func (c *connCounter) ConnOpened(_ nbd.ConnInfo, export string) {
 	defer c.mu.Unlock()
 	if c.open == nil {
 		c.open = map[string]int{}
+		c.total = map[string]int{}
 	}
 	c.open[export]++
+	c.total[export]++
+}
+
+// opened is the number of connections to export opened so far.
+func (c *connCounter) opened(export string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.total[export]
 }
 
 func (c *connCounter) ConnClosed(_ nbd.ConnInfo, export string) {
@@ -154,9 +165,6 @@ func newAttacher(t testing.TB, c Config) *Attacher {
 	t.Cleanup(func() {
 		ids := map[string]bool{}
 		a.mu.Lock()
-		for id := range a.vols {
-			ids[id] = true
-		}
 		for id := range a.servers {
 			ids[id] = true
 		}

@@ -318,8 +318,7 @@ func (a *Attacher) claim(ctx context.Context, id string, kill bool, log *slog.Lo
 	}
 }
 
-// cleanupStale removes what a dead server (or an earlier process serving
-// in process) left of the volume. The caller holds the volume's lock.
+// cleanupStale removes what a dead server left of the volume. The caller holds the volume's lock.
 func (a *Attacher) cleanupStale(id string, log *slog.Logger) error {
 	for _, p := range []string{a.sockPath(id), a.statePath(id), a.statePath(id) + ".tmp"} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -6,7 +6,6 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -474,18 +473,6 @@ func TestServeCommandFails(t *testing.T) {
 			}
 			assertNothingLeft(t, a, "pv-cmd", ts)
 		})
-	}
-}
-
-// TestAttachDialRequiresInProcess: a Dial function cannot cross into a
-// server process.
-func TestAttachDialRequiresInProcess(t *testing.T) {
-	a := New(Config{StateDir: t.TempDir(), DialContext: func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-		return d.DialContext(ctx, network, addr)
-	}})
-	_, err := a.Attach(context.Background(), target("pv-dial", "127.0.0.1:1"), attach.Options{})
-	if !errors.Is(err, attach.ErrInvalid) {
-		t.Fatalf("Attach with Dial and no InProcess: %v, want ErrInvalid", err)
 	}
 }
 

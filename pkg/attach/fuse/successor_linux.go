@@ -109,7 +109,7 @@ func takeOver(sp serveSpec, lockf, dev *os.File, pid int, start uint64, log *slo
 // builds the volume around the FUSE connection dev, not served yet.
 func volumeFromHandoff(ctx context.Context, cfg Config, t attach.Target, o attach.Options, h *successorSpec, dev *os.File, log *slog.Logger) (*volume, error) {
 	hs := h.State
-	dp, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: cfg.DialContext, ID: hs.Session, Logger: log}, t, o)
+	dp, err := attach.OpenSession(ctx, attach.SessionConfig{ID: hs.Session, Logger: log}, t, o)
 	if err != nil {
 		return nil, dialError(t, err)
 	}

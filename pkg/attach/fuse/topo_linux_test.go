@@ -46,12 +46,21 @@ func fourPaths(t testing.TB, prefix string, size int64) (*topo.Topology, *testSe
 		t.Fatal(err)
 	}
 	ts := serveMem(t, l, size)
+	a := newAttacher(t, Config{ServeCommand: inClientServe(t, tp)})
+	return tp, ts, a
+}
+
+// inClientServe is a ServeCommand whose server processes run in the
+// topology's client network namespace (nsenter --net, which leaves the
+// mount namespace alone).
+func inClientServe(t testing.TB, tp *topo.Topology) []string {
+	t.Helper()
+	requireTool(t, "nsenter")
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := newAttacher(t, Config{ServeCommand: []string{"nsenter", "--net=/run/netns/" + tp.ClientNS, "--", exe, ServeArg}})
-	return tp, ts, a
+	return []string{"nsenter", "--net=/run/netns/" + tp.ClientNS, "--", exe, ServeArg}
 }
 
 // inClient dials from the topology's client namespace.
@@ -242,7 +251,7 @@ func TestAttachFirstPathDown(t *testing.T) {
 	if out, err := topo.Exec(tp.ServerNS, "ip", "link", "set", tp.Paths[0].ServerIf, "down").CombinedOutput(); err != nil {
 		t.Fatalf("path 1 down: %v: %s", err, out)
 	}
-	a := newAttacher(t, Config{InProcess: true, DialContext: inClient(tp)})
+	a := newAttacher(t, Config{ServeCommand: inClientServe(t, tp)})
 	start := time.Now()
 	att, err := a.Attach(context.Background(), attach.Target{VolumeID: "pv-firstdown", Export: "vol", Addrs: addrs}, attach.Options{})
 	if err != nil {
@@ -268,4 +277,5 @@ func TestAttachFirstPathDown(t *testing.T) {
 	if err := a.Detach(context.Background(), "pv-firstdown"); err != nil {
 		t.Fatal(err)
 	}
+	assertNothingLeft(t, a, "pv-firstdown", ts)
 }
