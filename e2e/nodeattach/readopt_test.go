@@ -122,14 +122,14 @@ func TestHelperAttachProcess(t *testing.T) {
 	if cs.Mode == "" {
 		cs.Mode = attach.Relay
 	}
-	dial := clientDialer(cs.ClientNS)
 	var a interface {
 		attach.Attacher
 		attach.Adopter
 	}
 	if cs.Mode == attach.Ublk {
 		// The datapath serves ublk volumes in process (see the README).
-		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, DialContext: dial, Logger: testLogger(t)})
+		// This process runs in the client namespace (startChildAsync).
+		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, Logger: testLogger(t)})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -141,7 +141,7 @@ func TestHelperAttachProcess(t *testing.T) {
 		}
 		n, err := nbddev.New(nbddev.Config{
 			Mode: cs.Mode, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
-			DialContext: dial,
+			DialContext: clientDialer(cs.ClientNS),
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -215,7 +215,14 @@ type childSaid struct {
 func startChildAsync(t *testing.T, cs childSpec) (*exec.Cmd, <-chan childSaid) {
 	t.Helper()
 	spec, _ := json.Marshal(cs)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v")
+	argv := []string{os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v"}
+	if cs.Mode == attach.Ublk {
+		// ublk needs no netlink of the initial namespace: the whole
+		// process dials from the client's, as a node plugin in it would.
+		// nsenter execs the test binary: the pid stays the child's.
+		argv = append([]string{"nsenter", "--net=/run/netns/" + cs.ClientNS, "--"}, argv...)
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(os.Environ(), "MPNBD_ATTACH_CHILD="+string(spec))
 	out, err := cmd.StdoutPipe()
 	if err != nil {

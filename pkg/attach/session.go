@@ -33,7 +33,6 @@ type Session struct {
 	// device over continues its predecessor's ID.
 	ID nbd.SessionID
 
-	dial  func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	addrs AddrDialer
 	stop  context.CancelFunc
 	done  chan struct{}
@@ -41,8 +40,6 @@ type Session struct {
 
 // SessionConfig configures OpenSession.
 type SessionConfig struct {
-	// DialContext makes the connections; nil means d.DialContext.
-	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	// ID is the session's ID; zero means a new one.
 	ID     nbd.SessionID
 	Logger *slog.Logger
@@ -55,11 +52,11 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Session{ID: cfg.ID, dial: cfg.DialContext, done: make(chan struct{})}
+	s := &Session{ID: cfg.ID, done: make(chan struct{})}
 	if s.ID == (nbd.SessionID{}) {
 		s.ID = nbd.NewSessionID()
 	}
-	x := ExportDialer{DialContext: cfg.DialContext, Logger: log}
+	x := ExportDialer{Logger: log}
 	dial := func(ctx context.Context) (*relay.Remote, error) {
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()
@@ -133,7 +130,7 @@ func (s *Session) Close(timeout time.Duration) {
 // ProbeSize asks the server for the export's size on a connection of its
 // own (no session: it must not supersede the data connection).
 func (s *Session) ProbeSize(ctx context.Context, t Target) (uint64, error) {
-	return ProbeSize(ctx, s.dial, t, &s.addrs)
+	return ProbeSize(ctx, nil, t, &s.addrs)
 }
 
 // ProbeSize asks a target's server for the export's size on a connection

@@ -87,7 +87,7 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		}
 	}
 	log := a.log.With("volume_id", t.VolumeID)
-	sess, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: a.cfg.DialContext, Logger: log}, t, o)
+	sess, err := attach.OpenSession(ctx, attach.SessionConfig{Logger: log}, t, o)
 	if err != nil {
 		return nil, err
 	}
@@ -167,7 +167,7 @@ func (a *Attacher) takeOverFrom(ctx context.Context, r record, handedOff bool) (
 	if st != ublk.StateQuiesced {
 		return nil, fmt.Errorf("ublk: device %d of %s is served by a live process (state %d): not taking it over", r.DevID, r.Target.VolumeID, st)
 	}
-	sess, err := attach.OpenSession(ctx, attach.SessionConfig{DialContext: a.cfg.DialContext, ID: r.Session, Logger: log}, r.Target, r.Options)
+	sess, err := attach.OpenSession(ctx, attach.SessionConfig{ID: r.Session, Logger: log}, r.Target, r.Options)
 	if err != nil {
 		// The device stays quiesced, its I/O held, for the next try.
 		return nil, err

@@ -85,9 +85,6 @@ type supervised struct {
 // NewSupervisor checks that the kernel has ublk (else
 // attach.ErrUnsupported) and returns a Supervisor.
 func NewSupervisor(cfg Config) (*Supervisor, error) {
-	if cfg.DialContext != nil {
-		return nil, fmt.Errorf("%w: ublk: a supervisor's volume processes dial themselves; wrap ServeCommand instead of setting DialContext", attach.ErrInvalid)
-	}
 	local, err := New(cfg)
 	if err != nil {
 		return nil, err

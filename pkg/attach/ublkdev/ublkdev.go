@@ -28,10 +28,8 @@
 package ublkdev
 
 import (
-	"context"
 	"encoding/json"
 	"log/slog"
-	"net"
 	"os"
 	"time"
 
@@ -43,10 +41,6 @@ import (
 type Config struct {
 	// StateDir keeps one file per attached volume, for Adopt.
 	StateDir string
-	// DialContext makes the volume's connections; nil means d.DialContext.
-	// Only an Attacher can use another: a Supervisor's processes dial
-	// themselves (wrap ServeCommand to dial from elsewhere).
-	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	// Queues and Depth of each device (zero: one queue per CPU up to 4,
 	// 64 requests each).
 	Queues, Depth int
