@@ -123,7 +123,8 @@ func (s *suite) filesystemScenario() {
 		}
 	})
 	s.step("filesystem: one MPTCP subflow per path", func() {
-		s.startPod("fs-app", pod("fs-app", "fs", `sleep 3600`, false))
+		// It writes 32 MiB, which the CLI's bytes per path account for.
+		s.startPod("fs-app", pod("fs-app", "fs", `head -c 32M /dev/urandom > /data/app && sync && sleep 3600`, false))
 		s.waitFor("4 MPTCP subflows", time.Minute, func() string {
 			if n := establishedSubflows(); n != paths {
 				return fmt.Sprintf("%d established subflows to the agent, want %d", n, paths)
@@ -177,6 +178,8 @@ func (s *suite) filesystemScenario() {
 			}
 			return ""
 		})
+		// And the operator's CLI.
+		s.checkCLI("fs", id, 32<<20)
 		s.kubectl("delete", "pod", "fs-app", "--wait=true", "--timeout=120s")
 		s.waitFor("the node's status entry removed at unstage", 2*time.Minute, func() string {
 			if a := s.jsonpath("{.status.attachments}", "get", "nbdvol", id); a != "" {

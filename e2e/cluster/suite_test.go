@@ -49,6 +49,8 @@ type suite struct {
 	// previousChart is the previous release's packaged chart, installed
 	// first and then upgraded from.
 	previousChart string
+	// cliBuilt is mpnbdctl's path once built (cli_test.go).
+	cliBuilt string
 }
 
 type timing struct {

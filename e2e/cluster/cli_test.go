@@ -1,0 +1,112 @@
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/mpnbd/mpnbd/e2e/repo"
+)
+
+// cliReport is the part of mpnbdctl's --output json the suite checks.
+type cliReport struct {
+	Volumes []struct {
+		Name         string `json:"name"`
+		PVC          string `json:"pvc"`
+		StorageNode  string `json:"storageNode"`
+		Health       string `json:"health"`
+		Publications []struct {
+			Node     string `json:"node"`
+			Metrics  string `json:"metrics"`
+			Health   string `json:"health"`
+			DataPath *struct {
+				Transport        string `json:"transport"`
+				Connected        bool   `json:"connected"`
+				MPTCP            bool   `json:"mptcp"`
+				ExpectedSubflows *int   `json:"expectedSubflows"`
+				Connections      []struct {
+					Subflows int `json:"subflows"`
+					Paths    []struct {
+						Local         string `json:"local"`
+						Remote        string `json:"remote"`
+						SentBytes     uint64 `json:"sentBytes"`
+						ReceivedBytes uint64 `json:"receivedBytes"`
+					} `json:"paths"`
+				} `json:"connections"`
+			} `json:"dataPath"`
+		} `json:"publications"`
+	} `json:"volumes"`
+}
+
+// mpnbdctl runs the operator's CLI, built from this tree, as an operator
+// would from outside the cluster: with the admin kubeconfig, reading the
+// node plugin's metrics on its port.
+func (s *suite) mpnbdctl(args ...string) (string, error) {
+	bin := filepath.Join(s.dir, "mpnbdctl")
+	if s.cliBuilt == "" {
+		root, err := repo.Root()
+		if err != nil {
+			return "", err
+		}
+		build := exec.CommandContext(s.ctx, "go", "build", "-o", bin, "./cmd/mpnbdctl")
+		build.Dir = root
+		if out, err := build.CombinedOutput(); err != nil {
+			return "", fmt.Errorf("go build ./cmd/mpnbdctl: %v\n%s", err, out)
+		}
+		s.cliBuilt = bin
+	}
+	cmd := exec.CommandContext(s.ctx, bin, append([]string{"--kubeconfig", s.c.Kubeconfig,
+		"--metrics-url", fmt.Sprintf("%s=http://127.0.0.1:%d", s.c.NodeName, nodeMetricsPort)}, args...)...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// checkCLI: mpnbdctl shows the claim's volume on its storage node,
+// published to this node, healthy, on the fuse transport with one
+// connection of one subflow per path, which together sent at least
+// minSent bytes; its table names the volume too.
+func (s *suite) checkCLI(claim, id string, minSent uint64) {
+	s.waitFor("mpnbdctl shows the volume healthy", time.Minute, func() string {
+		out, err := s.mpnbdctl("-o", "json", "volume", "default/"+claim)
+		if err != nil {
+			return fmt.Sprintf("mpnbdctl volume default/%s: %v\n%s", claim, err, out)
+		}
+		var rep cliReport
+		if err := json.Unmarshal([]byte(out), &rep); err != nil {
+			return fmt.Sprintf("mpnbdctl -o json: %v\n%s", err, out)
+		}
+		if len(rep.Volumes) != 1 {
+			return fmt.Sprintf("%d volumes, want 1:\n%s", len(rep.Volumes), out)
+		}
+		v := rep.Volumes[0]
+		if v.Name != id || v.PVC != "default/"+claim || v.StorageNode != s.c.NodeName || v.Health != "Healthy" || len(v.Publications) != 1 {
+			return "volume:\n" + out
+		}
+		p := v.Publications[0]
+		dp := p.DataPath
+		if p.Node != s.c.NodeName || dp == nil || dp.Transport != "fuse" || !dp.Connected || !dp.MPTCP ||
+			dp.ExpectedSubflows == nil || *dp.ExpectedSubflows != paths || len(dp.Connections) != 1 || dp.Connections[0].Subflows != paths {
+			return "publication:\n" + out
+		}
+		// Bytes per path: one per storage address, and at least what
+		// the pod wrote sent over them together.
+		c := dp.Connections[0]
+		remotes := map[string]bool{}
+		var sent uint64
+		for _, p := range c.Paths {
+			remotes[p.Remote] = true
+			sent += p.SentBytes
+		}
+		if len(remotes) != paths || sent < minSent {
+			return fmt.Sprintf("paths to %d storage addresses (want %d), %d bytes sent (want >= %d):\n%s", len(remotes), paths, sent, minSent, out)
+		}
+		return ""
+	})
+	out, err := s.mpnbdctl("volumes")
+	if err != nil || !strings.Contains(out, id) || !strings.Contains(out, "fuse") {
+		s.t.Errorf("mpnbdctl volumes: %v\n%s", err, out)
+	}
+}
