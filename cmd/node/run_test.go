@@ -21,7 +21,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // TestMain: the test binary is also a volume's FUSE server process, as
@@ -151,7 +150,7 @@ func TestDatapathComponent(t *testing.T) {
 	if err := fuse.Available(); err != nil {
 		t.Skipf("no fuse transport here: %v", err)
 	}
-	backend := nbdtest.NewMemBackend(16 << 20)
+	backend := nbd.NewMemBackend(16 << 20)
 	srv := &nbd.Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: backend}); err != nil {
 		t.Fatal(err)

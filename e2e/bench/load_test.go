@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // serve runs an in-process NBD server with one export on loopback TCP
@@ -37,7 +36,7 @@ func serve(t *testing.T, b nbd.Backend) string {
 }
 
 func TestRunLoadPatterns(t *testing.T) {
-	addr := serve(t, nbdtest.NewMemBackend(8<<20))
+	addr := serve(t, nbd.NewMemBackend(8<<20))
 	for _, rw := range []string{"read", "write", "randread", "randwrite"} {
 		t.Run(rw, func(t *testing.T) {
 			rep, err := RunLoad(context.Background(), LoadConfig{
@@ -65,14 +64,14 @@ func TestRunLoadPatterns(t *testing.T) {
 
 // spyBackend records the highest offset touched and can corrupt reads.
 type spyBackend struct {
-	*nbdtest.MemBackend
+	*nbd.MemBackend
 	maxEnd  atomic.Int64
 	corrupt atomic.Int64 // flip a byte of reads covering this offset (-1: never)
 	failAt  atomic.Int64 // fail writes at this offset (-1: never)
 }
 
 func newSpy(size int64) *spyBackend {
-	s := &spyBackend{MemBackend: nbdtest.NewMemBackend(size)}
+	s := &spyBackend{MemBackend: nbd.NewMemBackend(size)}
 	s.corrupt.Store(-1)
 	s.failAt.Store(-1)
 	return s

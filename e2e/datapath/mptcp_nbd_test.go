@@ -16,7 +16,6 @@ import (
 	"github.com/mpnbd/mpnbd/e2e/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // startServer serves a memory export from the server namespace on the
@@ -24,7 +23,7 @@ import (
 func startServer(t *testing.T, tp *topo.Topology, useMPTCP bool, size int64) (string, *nbd.Server) {
 	t.Helper()
 	s := &nbd.Server{}
-	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbdtest.NewMemBackend(size)}); err != nil {
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(size)}); err != nil {
 		t.Fatal(err)
 	}
 	var l net.Listener

@@ -24,7 +24,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // fuseNode is a Node over a real NBD server on the loopback address, the
@@ -60,7 +59,7 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 	}
 	srv := &nbd.Server{Logger: slog.New(slog.DiscardHandler)}
 	for _, e := range exports {
-		if err := srv.AddExport(&nbd.Export{Name: e, Backend: nbdtest.NewMemBackend(fuseExportSize)}); err != nil {
+		if err := srv.AddExport(&nbd.Export{Name: e, Backend: nbd.NewMemBackend(fuseExportSize)}); err != nil {
 			t.Fatal(err)
 		}
 	}

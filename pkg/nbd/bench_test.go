@@ -13,7 +13,7 @@ import (
 func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
 	const size = 256 << 20
 	s := &Server{Logger: quietLogger()}
-	if err := s.AddExport(&Export{Name: "d", Backend: newMemBackend(size)}); err != nil {
+	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(size)}); err != nil {
 		b.Fatal(err)
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")

@@ -25,7 +25,7 @@ func (f *fakeConn) SetWriteDeadline(time.Time) error { return nil }
 
 // guardBackend fails the test on any access outside the export.
 type guardBackend struct {
-	*memBackend
+	*MemBackend
 	t testing.TB
 }
 
@@ -37,22 +37,22 @@ func (g *guardBackend) check(op string, off, n int64) {
 
 func (g *guardBackend) ReadAt(p []byte, off int64) (int, error) {
 	g.check("read", off, int64(len(p)))
-	return g.memBackend.ReadAt(p, off)
+	return g.MemBackend.ReadAt(p, off)
 }
 
 func (g *guardBackend) WriteAt(p []byte, off int64) (int, error) {
 	g.check("write", off, int64(len(p)))
-	return g.memBackend.WriteAt(p, off)
+	return g.MemBackend.WriteAt(p, off)
 }
 
 func (g *guardBackend) Trim(off, n int64) error {
 	g.check("trim", off, n)
-	return g.memBackend.Trim(off, n)
+	return g.MemBackend.Trim(off, n)
 }
 
 func (g *guardBackend) Zero(off, n int64, noHole bool) error {
 	g.check("zero", off, n)
-	return g.memBackend.Zero(off, n, noHole)
+	return g.MemBackend.Zero(off, n, noHole)
 }
 
 func clientOpening(export string) []byte {
@@ -90,7 +90,7 @@ func FuzzServerNegotiate(f *testing.F) {
 	f.Add(append(append([]byte{0, 0, 0, 1}, sess.encode()...), clientOpening("d")[4:]...))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s := &Server{Logger: quietLogger(), DefaultExport: "d"}
-		if err := s.AddExport(&Export{Name: "d", Backend: &guardBackend{memBackend: newMemBackend(65536), t: t}}); err != nil {
+		if err := s.AddExport(&Export{Name: "d", Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}}); err != nil {
 			t.Fatal(err)
 		}
 		s.ServeConn(&fakeConn{r: bytes.NewReader(data)})
@@ -106,7 +106,7 @@ func FuzzServerRequests(f *testing.F) {
 	f.Add(reqBytes(Request{Type: CmdDisc}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, ro := range []bool{false, true} {
-			e := &Export{Name: "d", ReadOnly: ro, Backend: &guardBackend{memBackend: newMemBackend(65536), t: t}}
+			e := &Export{Name: "d", ReadOnly: ro, Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}}
 			sc := &serverConn{
 				srv:      &Server{Logger: quietLogger()},
 				conn:     &fakeConn{r: bytes.NewReader(nil)},

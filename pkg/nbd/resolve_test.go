@@ -40,9 +40,9 @@ func (g *grantTable) resolve(_ ConnInfo, name string) (Grant, error) {
 	return gr, nil
 }
 
-func newResolveServer(t *testing.T) (*Server, *memBackend, *grantTable) {
+func newResolveServer(t *testing.T) (*Server, *MemBackend, *grantTable) {
 	t.Helper()
-	mem := newMemBackend(1 << 20)
+	mem := NewMemBackend(1 << 20)
 	s := newTestServer(t, &Export{Name: "vol", Backend: mem})
 	g := &grantTable{grants: map[string]Grant{
 		"vol/a":    {Export: "vol", Tag: "node-a"},
@@ -193,7 +193,7 @@ func TestCloseConnsByTag(t *testing.T) {
 // TestResolveRevokedDuringNegotiation: a grant withdrawn between the
 // answer to GO and the connection joining its export does not survive.
 func TestResolveRevokedDuringNegotiation(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "vol", Backend: newMemBackend(1 << 20)})
+	s := newTestServer(t, &Export{Name: "vol", Backend: NewMemBackend(1 << 20)})
 	var calls atomic.Int32
 	s.Resolve = func(_ ConnInfo, name string) (Grant, error) {
 		if calls.Add(1) > 1 {

@@ -70,7 +70,7 @@ func randBytes(n int) []byte {
 
 func TestClientServerRoundTrip(t *testing.T) {
 	const size = 8 << 20
-	mem := newMemBackend(size)
+	mem := NewMemBackend(size)
 	s := newTestServer(t, &Export{Name: "disk", Description: "test disk", Backend: mem})
 	cl := dialPipe(t, s, "disk", 3)
 
@@ -147,7 +147,7 @@ type syncCounter struct {
 func (s *syncCounter) Sync() error { s.syncs.Add(1); return s.Backend.Sync() }
 
 func TestFUAAndFlushSync(t *testing.T) {
-	b := &syncCounter{Backend: newMemBackend(1 << 20)}
+	b := &syncCounter{Backend: NewMemBackend(1 << 20)}
 	s := newTestServer(t, &Export{Name: "d", Backend: b})
 	cl := dialPipe(t, s, "d", 1)
 	if _, err := cl.WriteAt(make([]byte, 512), 0); err != nil {
@@ -172,8 +172,8 @@ func TestFUAAndFlushSync(t *testing.T) {
 
 func TestNegotiationErrors(t *testing.T) {
 	s := newTestServer(t,
-		&Export{Name: "a", Backend: newMemBackend(4096)},
-		&Export{Name: "secret", Backend: newMemBackend(4096)},
+		&Export{Name: "a", Backend: NewMemBackend(4096)},
+		&Export{Name: "secret", Backend: NewMemBackend(4096)},
 	)
 	s.Authorize = func(c ConnInfo, name string) error {
 		if name == "secret" {
@@ -203,7 +203,7 @@ func TestNegotiationErrors(t *testing.T) {
 }
 
 func TestExportNameOption(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "ro", Backend: newMemBackend(8192), ReadOnly: true})
+	s := newTestServer(t, &Export{Name: "ro", Backend: NewMemBackend(8192), ReadOnly: true})
 	c := pipeConn(t, s)
 	noZeroes, err := clientHello(c)
 	if err != nil || !noZeroes {
@@ -225,7 +225,7 @@ func TestExportNameOption(t *testing.T) {
 }
 
 func TestUnsupportedOptions(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(4096)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(4096)})
 	c := pipeConn(t, s)
 	if _, err := clientHello(c); err != nil {
 		t.Fatal(err)
@@ -285,7 +285,7 @@ func readRep(t *testing.T, c net.Conn) Reply {
 
 func TestBadRequests(t *testing.T) {
 	const size = 1 << 20
-	mem := newMemBackend(size + 4096)
+	mem := NewMemBackend(size + 4096)
 	// Keep a guard area beyond the export in the same array.
 	if err := mem.Resize(size); err != nil {
 		t.Fatal(err)
@@ -357,7 +357,7 @@ func TestBadRequests(t *testing.T) {
 // gateBackend blocks reads of offset 0 until released, so tests can see
 // replies overtake each other and count concurrent requests.
 type gateBackend struct {
-	*memBackend
+	*MemBackend
 	gate    chan struct{}
 	active  atomic.Int64
 	maxSeen atomic.Int64
@@ -377,11 +377,11 @@ func (g *gateBackend) ReadAt(p []byte, off int64) (int, error) {
 	if off == 0 {
 		<-g.gate
 	}
-	return g.memBackend.ReadAt(p, off)
+	return g.MemBackend.ReadAt(p, off)
 }
 
 func TestRepliesOutOfOrder(t *testing.T) {
-	g := &gateBackend{memBackend: newMemBackend(1 << 20), gate: make(chan struct{})}
+	g := &gateBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{})}
 	s := newTestServer(t, &Export{Name: "d", Backend: g})
 	c := rawSession(t, s, "d")
 	sendReq(t, c, Request{Type: CmdRead, Handle: 1, Offset: 0, Length: 512}, nil)
@@ -400,7 +400,7 @@ func TestRepliesOutOfOrder(t *testing.T) {
 }
 
 func TestStalledClientIsBounded(t *testing.T) {
-	g := &gateBackend{memBackend: newMemBackend(1 << 20), gate: make(chan struct{})}
+	g := &gateBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{})}
 	close(g.gate)
 	s := newTestServer(t, &Export{Name: "d", Backend: g})
 	s.MaxInflight = 8
@@ -435,7 +435,7 @@ func TestStalledClientIsBounded(t *testing.T) {
 }
 
 func TestRemoveExportDrains(t *testing.T) {
-	g := &gateBackend{memBackend: newMemBackend(1 << 20), gate: make(chan struct{})}
+	g := &gateBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{})}
 	s := newTestServer(t, &Export{Name: "d", Backend: g})
 	c := rawSession(t, s, "d")
 	sendReq(t, c, Request{Type: CmdRead, Handle: 5, Offset: 0, Length: 4096}, nil)
@@ -477,10 +477,10 @@ func TestRemoveExportDrains(t *testing.T) {
 }
 
 func TestAddExportErrors(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(1)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(1)})
 	for _, e := range []*Export{
-		{Name: "d", Backend: newMemBackend(1)},
-		{Name: "", Backend: newMemBackend(1)},
+		{Name: "d", Backend: NewMemBackend(1)},
+		{Name: "", Backend: NewMemBackend(1)},
 		{Name: "x"},
 	} {
 		if err := s.AddExport(e); err == nil {
@@ -490,7 +490,7 @@ func TestAddExportErrors(t *testing.T) {
 }
 
 func TestClientFailsPendingOnClose(t *testing.T) {
-	g := &gateBackend{memBackend: newMemBackend(1 << 20), gate: make(chan struct{})}
+	g := &gateBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{})}
 	s := newTestServer(t, &Export{Name: "d", Backend: g})
 	cl := dialPipe(t, s, "d", 1)
 	errc := make(chan error, 1)
@@ -553,7 +553,7 @@ func TestFileBackend(t *testing.T) {
 
 func TestShutdownRefusesNewWork(t *testing.T) {
 	s := &Server{Logger: quietLogger()}
-	if err := s.AddExport(&Export{Name: "d", Backend: newMemBackend(4096)}); err != nil {
+	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(4096)}); err != nil {
 		t.Fatal(err)
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -591,7 +591,7 @@ func TestShutdownRefusesNewWork(t *testing.T) {
 
 func ExampleServer() {
 	s := &Server{}
-	if err := s.AddExport(&Export{Name: "disk", Backend: newMemBackend(1 << 20)}); err != nil {
+	if err := s.AddExport(&Export{Name: "disk", Backend: NewMemBackend(1 << 20)}); err != nil {
 		fmt.Println(err)
 		return
 	}

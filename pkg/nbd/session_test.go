@@ -11,7 +11,7 @@ import (
 // stallBackend blocks writes at offset 0 until gate is closed and reports
 // when one has started.
 type stallBackend struct {
-	*memBackend
+	*MemBackend
 	gate    chan struct{}
 	started chan struct{}
 }
@@ -24,7 +24,7 @@ func (b *stallBackend) WriteAt(p []byte, off int64) (int, error) {
 		}
 		<-b.gate
 	}
-	return b.memBackend.WriteAt(p, off)
+	return b.MemBackend.WriteAt(p, off)
 }
 
 // tcpConn returns a loopback TCP connection that s serves: unlike a pipe
@@ -70,7 +70,7 @@ func TestSessionFencesSupersededConnection(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			const blk = 4096
-			be := &stallBackend{memBackend: newMemBackend(1 << 20), gate: make(chan struct{}), started: make(chan struct{}, 1)}
+			be := &stallBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{}), started: make(chan struct{}, 1)}
 			s := &Server{Logger: quietLogger(), Workers: 1}
 			if err := s.AddExport(&Export{Name: "d", Backend: be}); err != nil {
 				t.Fatal(err)
@@ -165,7 +165,7 @@ func TestSessionFencesSupersededConnection(t *testing.T) {
 // TestSessionRefusesOlderGeneration: a connection that arrives late, with
 // a generation below the current one of its lane, is not served.
 func TestSessionRefusesOlderGeneration(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(1 << 20)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(1 << 20)})
 	id := NewSessionID()
 	newer, _ := sessionConn(t, s, id, 200)
 	sendReq(t, newer, Request{Type: CmdFlush, Handle: 1}, nil)
@@ -199,7 +199,7 @@ func TestSessionRefusesOlderGeneration(t *testing.T) {
 // the active one serving; the next connection that does send supersedes
 // the active one, and the idle one, older than it, is then refused.
 func TestSessionIdleConnectionSupersedesNothing(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(1 << 20)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(1 << 20)})
 	id := NewSessionID()
 	flush := func(c net.Conn, h uint64) Reply {
 		t.Helper()
@@ -235,13 +235,13 @@ func TestSessionIdleConnectionSupersedesNothing(t *testing.T) {
 // TestSessionIncarnation: the incarnation is the server's, the same for
 // every connection, and a server told its own announces that.
 func TestSessionIncarnation(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(4096)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(4096)})
 	_, a := sessionConn(t, s, NewSessionID(), 1)
 	_, b := sessionConn(t, s, NewSessionID(), 1)
 	if a.Incarnation != b.Incarnation || a.Incarnation != processIncarnation() {
 		t.Fatalf("incarnations %v, %v; process %v", a.Incarnation, b.Incarnation, processIncarnation())
 	}
-	s2 := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(4096)})
+	s2 := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(4096)})
 	s2.Incarnation = Incarnation{1, 2, 3}
 	if _, c := sessionConn(t, s2, NewSessionID(), 1); c.Incarnation != s2.Incarnation {
 		t.Fatalf("incarnation %v, want %v", c.Incarnation, s2.Incarnation)
@@ -251,7 +251,7 @@ func TestSessionIncarnation(t *testing.T) {
 // TestSessionOptionMalformed: a session option of the wrong length is
 // refused with ERR_INVALID and the handshake goes on.
 func TestSessionOptionMalformed(t *testing.T) {
-	s := newTestServer(t, &Export{Name: "d", Backend: newMemBackend(4096)})
+	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(4096)})
 	c := pipeConn(t, s)
 	if _, err := clientHello(c); err != nil {
 		t.Fatal(err)

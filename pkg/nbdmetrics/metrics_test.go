@@ -18,7 +18,6 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 func newObserver(t *testing.T) (*Observer, *prometheus.Registry) {
@@ -366,7 +365,7 @@ func TestServer(t *testing.T) {
 	}
 	srv := &nbd.Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Observer: o}
 	const size = 1 << 20
-	if err := srv.AddExport(&nbd.Export{Name: "disk", Backend: nbdtest.NewMemBackend(size)}); err != nil {
+	if err := srv.AddExport(&nbd.Export{Name: "disk", Backend: nbd.NewMemBackend(size)}); err != nil {
 		t.Fatal(err)
 	}
 	o.ExportAdded("disk")

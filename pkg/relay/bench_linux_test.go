@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // BenchmarkRelay compares our client talking to the server over loopback
@@ -52,7 +51,7 @@ func cpuTime() time.Duration {
 func benchmarkRelay(b *testing.B, mode string, write bool, bs, qd int) {
 	const size = 256 << 20
 	srv := &nbd.Server{Logger: quietLogger()}
-	if err := srv.AddExport(&nbd.Export{Name: exportName, Backend: nbdtest.NewMemBackend(size)}); err != nil {
+	if err := srv.AddExport(&nbd.Export{Name: exportName, Backend: nbd.NewMemBackend(size)}); err != nil {
 		b.Fatal(err)
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

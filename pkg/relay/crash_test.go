@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // powerLossBackend is a disk with a volatile write cache: writes land in
@@ -413,7 +412,7 @@ func TestRetainedResendPolicy(t *testing.T) {
 		{"server without sessions", false, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ts := &testServer{t: t, backend: nbdtest.NewMemBackend(1 << 20), inc: newIncarnation()}
+			ts := &testServer{t: t, backend: nbd.NewMemBackend(1 << 20), inc: newIncarnation()}
 			ts.start()
 			t.Cleanup(ts.kill)
 			dial := negotiatingDialer(ts.addr, false)

@@ -18,7 +18,6 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 func quietLogger() *slog.Logger {
@@ -92,7 +91,7 @@ type testServer struct {
 
 func newTestServer(t testing.TB, size int64, mp bool) *testServer {
 	t.Helper()
-	ts := &testServer{t: t, backend: nbdtest.NewMemBackend(size), mptcp: mp}
+	ts := &testServer{t: t, backend: nbd.NewMemBackend(size), mptcp: mp}
 	ts.start()
 	t.Cleanup(ts.kill)
 	return ts

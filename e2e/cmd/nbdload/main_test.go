@@ -13,13 +13,12 @@ import (
 
 	"github.com/mpnbd/mpnbd/e2e/bench"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 func serve(t *testing.T) string {
 	t.Helper()
 	s := &nbd.Server{Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
-	if err := s.AddExport(&nbd.Export{Name: "bench", Backend: nbdtest.NewMemBackend(4 << 20)}); err != nil {
+	if err := s.AddExport(&nbd.Export{Name: "bench", Backend: nbd.NewMemBackend(4 << 20)}); err != nil {
 		t.Fatal(err)
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")

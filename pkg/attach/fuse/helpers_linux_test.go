@@ -21,7 +21,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // requireFUSE skips unless FUSE and loop devices can be used.
@@ -95,13 +94,13 @@ type testServer struct {
 	srv     *nbd.Server
 	addr    string
 	conns   *connCounter
-	backend *nbdtest.MemBackend
+	backend *nbd.MemBackend
 }
 
 // serveMem serves a memory export named "vol" on l.
 func serveMem(t testing.TB, l net.Listener, size int64) *testServer {
 	t.Helper()
-	ts := &testServer{conns: &connCounter{}, backend: nbdtest.NewMemBackend(size), addr: l.Addr().String()}
+	ts := &testServer{conns: &connCounter{}, backend: nbd.NewMemBackend(size), addr: l.Addr().String()}
 	ts.srv = &nbd.Server{Observer: ts.conns}
 	if err := ts.srv.AddExport(&nbd.Export{Name: "vol", Backend: ts.backend}); err != nil {
 		t.Fatal(err)

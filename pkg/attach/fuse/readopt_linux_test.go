@@ -21,7 +21,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // checkServerProcess checks that a volume's server process runs in a
@@ -121,7 +120,7 @@ func (w *directWriter) finish(t *testing.T) {
 }
 
 // verify reads every slot back through the device and from the export.
-func (w *directWriter) verify(t *testing.T, dev string, backend *nbdtest.MemBackend) {
+func (w *directWriter) verify(t *testing.T, dev string, backend *nbd.MemBackend) {
 	t.Helper()
 	f := openDirect(t, dev, os.O_RDONLY)
 	defer f.Close()

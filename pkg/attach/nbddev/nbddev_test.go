@@ -15,7 +15,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // fakeKernel records what the attacher asks of the kernel.
@@ -132,7 +131,7 @@ func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)
 func startServer(t *testing.T) (*nbd.Server, string) {
 	t.Helper()
 	s := &nbd.Server{Logger: quiet()}
-	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbdtest.NewMemBackend(1 << 20)}); err != nil {
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
 		t.Fatal(err)
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -369,7 +368,7 @@ func TestResize(t *testing.T) {
 	if _, err := a.Resize(ctx, target.VolumeID, 2<<20); !errors.Is(err, attach.ErrTooSmall) {
 		t.Fatalf("Resize past the export's size: %v, want ErrTooSmall", err)
 	}
-	if err := e.Backend.(*nbdtest.MemBackend).Resize(2 << 20); err != nil {
+	if err := e.Backend.(*nbd.MemBackend).Resize(2 << 20); err != nil {
 		t.Fatal(err)
 	}
 	n, err := a.Resize(ctx, target.VolumeID, 2<<20)

@@ -11,7 +11,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
-	"github.com/mpnbd/mpnbd/pkg/nbd/nbdtest"
 )
 
 // deadAddrs returns an address that refuses connections and one that
@@ -104,7 +103,7 @@ func TestReconnectUntilServerBack(t *testing.T) {
 	}
 	addr := l.Addr().String()
 	s := &nbd.Server{Logger: quiet()}
-	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbdtest.NewMemBackend(1 << 20)}); err != nil {
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
 		t.Fatal(err)
 	}
 	go s.Serve(l)
@@ -302,7 +301,7 @@ func serveAgain(t *testing.T, addr string) *nbd.Server {
 		t.Fatal(err)
 	}
 	s := &nbd.Server{Logger: quiet()}
-	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbdtest.NewMemBackend(1 << 20)}); err != nil {
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
 		t.Fatal(err)
 	}
 	go s.Serve(l)
