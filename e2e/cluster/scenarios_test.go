@@ -63,7 +63,16 @@ spec:
 func (s *suite) runPod(name, manifest string) string {
 	s.t.Helper()
 	s.apply(manifest)
-	s.waitFor("pod "+name+" to finish", 5*time.Minute, func() string {
+	out := s.waitPod(name, 5*time.Minute)
+	s.kubectl("delete", "pod", name, "--wait=true", "--timeout=120s")
+	return out
+}
+
+// waitPod waits (bounded) for a pod to succeed and returns its log; a
+// failed pod fails the test with its log.
+func (s *suite) waitPod(name string, timeout time.Duration) string {
+	s.t.Helper()
+	s.waitFor("pod "+name+" to finish", timeout, func() string {
 		switch p := s.jsonpath("{.status.phase}", "get", "pod", name); p {
 		case "Succeeded":
 			return ""
@@ -75,9 +84,7 @@ func (s *suite) runPod(name, manifest string) string {
 		}
 		return ""
 	})
-	out := s.kubectl("logs", name)
-	s.kubectl("delete", "pod", name, "--wait=true", "--timeout=120s")
-	return out
+	return s.kubectl("logs", name)
 }
 
 // startPod starts a long-running pod and waits until it runs.

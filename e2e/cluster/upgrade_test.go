@@ -207,19 +207,7 @@ func (s *suite) followStorageAgent(old string) {
 // waitFio waits (bounded) for a fioPod to finish and returns its verified
 // rounds; a failed pod fails the test with fio's output.
 func (s *suite) waitFio(name string, timeout time.Duration) string {
-	s.waitFor("pod "+name+" to finish", timeout, func() string {
-		switch p := s.jsonpath("{.status.phase}", "get", "pod", name); p {
-		case "Succeeded":
-			return ""
-		case "Failed":
-			out, _ := s.c.Kubectl(s.ctx, "logs", name)
-			s.t.Fatalf("fio in %s failed: %s", name, out)
-		default:
-			return "phase " + p
-		}
-		return ""
-	})
-	out := s.kubectl("logs", name)
+	out := s.waitPod(name, timeout)
 	rounds := field(out, "rounds")
 	if rounds == "" {
 		s.t.Fatalf("fio pod %s output %q", name, out)
