@@ -490,6 +490,18 @@ func (c *Controller) unpublish(ctx context.Context, id, nodeID string) error {
 		}); err != nil {
 			return err
 		}
+		// A node removes its status.attachments entry at unstage; one
+		// that went away (the usual reason for an unpublish without an
+		// unstage) cannot. Best effort: the entry only informs.
+		nodes := removed
+		if nodeID != "" {
+			nodes = []string{nodeID}
+		}
+		for _, n := range nodes {
+			if err := (&KubeAttachmentStatus{Client: c.c, NodeID: n}).Remove(ctx, id); err != nil {
+				c.log.Warn("remove the unpublished node's status entry", "volume_id", id, "node_id", n, "error", err)
+			}
+		}
 	}
 	return c.deleteSecrets(ctx, id, nodeID)
 }

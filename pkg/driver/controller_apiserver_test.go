@@ -110,10 +110,20 @@ func TestControllerAPIServer(t *testing.T) {
 		_, err = ctl.ControllerPublishVolume(ctx, publishReq("api-pub", "no-such-node", fsCap(rwo), false))
 		wantStatus(t, err, codes.NotFound, "no-such-node")
 
+		// Status entries of worker-1 (to go with its publication) and of
+		// worker-3 (published nowhere, but not this call's to remove).
+		for _, n := range []string{"worker-1", "worker-3"} {
+			if err := (&KubeAttachmentStatus{Client: c, NodeID: n}).Apply(ctx, "api-pub", v1alpha1.NodeAttachment{Transport: "fuse", Subflows: "2/2", Connected: true, LastUpdateTime: metav1.Now()}); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "api-pub", NodeId: "worker-1"}); err != nil {
 			t.Fatal(err)
 		}
 		v = getVolume(t, c, "api-pub")
+		if len(v.Status.Attachments) != 1 || v.Status.Attachments[0].NodeID != "worker-3" {
+			t.Errorf("status.attachments after unpublishing worker-1: %+v, want worker-3's alone", v.Status.Attachments)
+		}
 		if len(v.Spec.Publications) != 0 || v.Status.ObservedGeneration != v.Generation {
 			t.Errorf("after unpublish: publications %+v, observed %d of %d", v.Spec.Publications, v.Status.ObservedGeneration, v.Generation)
 		}
@@ -126,8 +136,14 @@ func TestControllerAPIServer(t *testing.T) {
 		if v := getVolume(t, c, "api-pub"); len(v.Spec.Publications) != 1 || !v.Spec.Publications[0].ReadOnly {
 			t.Errorf("publications %+v, want worker-2 read-only", v.Spec.Publications)
 		}
+		if err := (&KubeAttachmentStatus{Client: c, NodeID: "worker-2"}).Apply(ctx, "api-pub", v1alpha1.NodeAttachment{Transport: "fuse", Connected: true, LastUpdateTime: metav1.Now()}); err != nil {
+			t.Fatal(err)
+		}
 		if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "api-pub"}); err != nil {
 			t.Fatal(err)
+		}
+		if v := getVolume(t, c, "api-pub"); len(v.Status.Attachments) != 1 || v.Status.Attachments[0].NodeID != "worker-3" {
+			t.Errorf("status.attachments after unpublishing every node: %+v, want worker-3's alone", v.Status.Attachments)
 		}
 		var secrets corev1.SecretList
 		if err := c.List(ctx, &secrets, client.InNamespace(testNamespace), client.MatchingLabels{access.LabelVolume: "api-pub"}); err != nil {

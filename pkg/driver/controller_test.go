@@ -121,6 +121,9 @@ func (a *simAgent) step(ctx context.Context) {
 				CapacityBytes:      v.Spec.SizeBytes,
 				Export:             &v1alpha1.Export{Name: v.Name, Port: testPort, Addresses: testExportAddrs},
 				ObservedGeneration: v.Generation,
+				// The nodes' entries, which the real agent's merge
+				// patches leave alone.
+				Attachments: v.Status.Attachments,
 			}
 			_ = a.c.Status().Update(ctx, v)
 		}
