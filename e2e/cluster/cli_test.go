@@ -105,6 +105,11 @@ func (s *suite) checkCLI(claim, id string, minSent uint64) {
 		}
 		return ""
 	})
+	if out, err := s.mpnbdctl("volume", "default/"+claim); err != nil {
+		s.t.Errorf("mpnbdctl volume default/%s: %v\n%s", claim, err, out)
+	} else {
+		s.t.Logf("mpnbdctl volume default/%s:\n%s", claim, out)
+	}
 	out, err := s.mpnbdctl("volumes")
 	if err != nil || !strings.Contains(out, id) || !strings.Contains(out, "fuse") {
 		s.t.Errorf("mpnbdctl volumes: %v\n%s", err, out)
