@@ -18,11 +18,12 @@ test:
 # The long fault runs: fio --verify under storage-server SIGKILLs for
 # minutes, a 5-minute outage mid-write, 2000 power-loss crash points.
 soak: deps
-	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./e2e/faults ./pkg/relay
+	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./pkg/relay
+	cd e2e && MPNBD_SOAK=1 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./faults
 	bash hack/vm-kernel-mptcp.sh
-	MPNBD_SOAK=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
+	cd e2e && MPNBD_SOAK=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
 	  MPNBD_VM_RUN='TestTransportsServerKills|TestTransportsLongOutage|TestPluginRestartDuringOutage|TestServerStallPastRequestTimeout|TestReadoptHealthyDevices' \
-	  go test -count=1 -timeout 150m -v -run 'TestNodeAttachInVM|TestNodeAttachMPTCPKernelInVM' ./e2e/nodeattach
+	  go test -count=1 -timeout 150m -v -run 'TestNodeAttachInVM|TestNodeAttachMPTCPKernelInVM' ./nodeattach
 
 bench: deps build
 	bash hack/bench-relay.sh

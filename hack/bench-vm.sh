@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 bash hack/vm-kernel-mptcp.sh >/dev/null
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-MPNBD_VM_BENCH=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
-  go test -count=1 -timeout 90m -run '^TestBenchTransportsMPTCPKernelInVM$' -v ./e2e/nodeattach/ >"$log" 2>&1 ||
+(cd e2e && MPNBD_VM_BENCH=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
+  go test -count=1 -timeout 90m -run '^TestBenchTransportsMPTCPKernelInVM$' -v ./nodeattach/) >"$log" 2>&1 ||
   { cat "$log"; exit 1; }
 sed -n '/BENCH-TABLE-BEGIN/,/BENCH-TABLE-END/p' "$log" | sed '/BENCH-TABLE-/d; s/^ \{1,8\}//'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side benchmark of NBD servers (ours, nbdkit, nbd-server) and
 # clients (fio, nbdload) over the multi-path test topology; see
-# `go doc ./e2e/cmd/bench`. Arguments go to the benchmark, e.g.
+# `go -C e2e doc ./cmd/bench`. Arguments go to the benchmark, e.g.
 #   hack/bench.sh --quick
 #   hack/bench.sh --repeat 1 --servers ours,nbdkit --networks mptcp4
 # Prints the table; the JSON report goes to out/bench.json. Needs root.
@@ -11,5 +11,6 @@ if [ "$(id -u)" != 0 ]; then
   echo "bench: needs root (network namespaces); try: sudo $0 $*" >&2
   exit 1
 fi
-go build -o bin/ ./cmd/nbd-server ./e2e/cmd/nbdload ./e2e/cmd/bench
+go build -o bin/ ./cmd/nbd-server
+(cd e2e && go build -o ../bin/ ./cmd/nbdload ./cmd/bench) # the e2e module
 exec bin/bench "$@"

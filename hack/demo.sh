@@ -20,7 +20,8 @@ if [ "$(id -u)" != 0 ]; then
   echo "demo: needs root (network namespaces); try: sudo $0 $*" >&2
   exit 1
 fi
-go build -o bin/ ./cmd/nbd-server ./cmd/controller ./cmd/node ./e2e/cmd/nbdload ./e2e/cmd/bench ./e2e/cmd/driverdemo
+go build -o bin/ ./cmd/nbd-server ./cmd/controller ./cmd/node
+(cd e2e && go build -o ../bin/ ./cmd/nbdload ./cmd/bench ./cmd/driverdemo) # the e2e module
 bin/bench --profile demo "$@"
 echo
 echo "=== The CSI driver: a volume over NBD on MPTCP, as Kubernetes would use it ==="

@@ -20,6 +20,7 @@ if [ -d /run/systemd/system ]; then
 fi
 cd "$(dirname "$0")/.."
 go mod download
+(cd e2e && go mod download) # the e2e suites' module
 # Packaging tests (e2e/deploy): helm built from the Go module proxy and
 # cached (cold: ~1.5 min on 2 cores), and kubectl for `kubectl kustomize`
 # and the dry runs (built next to kube-apiserver when none is installed).

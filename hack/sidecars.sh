@@ -7,7 +7,7 @@
 #    ATTACHER_VERSION, RESIZER_VERSION override it); a version the proxy
 #    does not serve falls back, with a warning, to the newest it serves;
 #  - our stand-ins of csi-node-driver-registrar and livenessprobe
-#    (e2e/standins/), which take the chart's flags (the module proxy serves
+#    (e2e/standins/, in the e2e module), which take the chart's flags (the module proxy serves
 #    no real ones).
 # All static. The real ones are built once into
 # ${MPNBD_SIDECAR_CACHE:-/var/cache/mpnbd/sidecars}/<command>/<version>/
@@ -99,7 +99,7 @@ for bin in "$provisioner" "$attacher" "$resizer"; do
   mv -T "$set_dir/$(basename "$bin").tmp" "$set_dir/$(basename "$bin")"
 done
 for s in "${STANDINS[@]}"; do
-  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$set_dir/$s.tmp" "./e2e/standins/$s"
+  (cd e2e && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$set_dir/$s.tmp" "./standins/$s")
   mv "$set_dir/$s.tmp" "$set_dir/$s"
 done
 echo "SIDECARS=$set_dir"

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, vet, unit + root integration tests with
-# the race detector, and a short run of every fuzz target.
+# the race detector, and a short run of every fuzz target. Vet, lint and
+# tests cover both modules: the driver's (the root) and the e2e suites'
+# (e2e/go.mod).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZTIME=${FUZZTIME:-8s}
+MODULES=(. e2e)
 
 echo "== gofmt"
 unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
@@ -17,13 +20,18 @@ if ! git diff --quiet -- api deploy/crds charts/mpnbd/files/crds 2>/dev/null; th
   echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds charts/mpnbd/files/crds; exit 1
 fi
 
-echo "== go vet"
-go vet ./...
+for m in "${MODULES[@]}"; do
+  echo "== go vet ($m)"
+  (cd "$m" && go vet ./...)
+done
 
 echo "== golangci-lint"
 GOLANGCI_LINT=$(bash hack/golangci-lint.sh | sed -n 's/^GOLANGCI_LINT=//p')
 [ -n "$GOLANGCI_LINT" ] || { echo "hack/golangci-lint.sh gave no path"; exit 1; }
-"$GOLANGCI_LINT" run ./...
+for m in "${MODULES[@]}"; do
+  echo "-- $m"
+  (cd "$m" && "$GOLANGCI_LINT" run ./...)
+done
 
 if [ "$(id -u)" = 0 ]; then
   echo "== test API server (etcd + kube-apiserver, cached)"
@@ -48,16 +56,21 @@ if [ "$(id -u)" = 0 ]; then
   fi
 fi
 
-echo "== go test -race"
 [ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
-MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)} go test -race -count=1 -timeout 40m ./...
+export MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
+for m in "${MODULES[@]}"; do
+  echo "== go test -race ($m)"
+  (cd "$m" && go test -race -count=1 -timeout 40m ./...)
+done
 
 echo "== fuzz (${FUZZTIME} each)"
 grep -l '^func Fuzz' $(git ls-files '*_test.go') | while read -r f; do
-  pkg=./$(dirname "$f")
+  # Run in the module that holds the package: e2e/... is the e2e module.
+  m=.; pkg=./$(dirname "$f")
+  case $f in e2e/*) m=e2e; pkg=./$(dirname "${f#e2e/}") ;; esac
   for fn in $(grep -o '^func Fuzz[A-Za-z0-9_]*' "$f" | cut -d' ' -f2); do
-    echo "-- $pkg $fn"
-    go test -run '^$' -fuzz "^${fn}\$" -fuzztime "$FUZZTIME" "$pkg" >/tmp/fuzz.$$.log 2>&1 || { cat /tmp/fuzz.$$.log; exit 1; }
+    echo "-- $m: $pkg $fn"
+    (cd "$m" && go test -run '^$' -fuzz "^${fn}\$" -fuzztime "$FUZZTIME" "$pkg") >/tmp/fuzz.$$.log 2>&1 || { cat /tmp/fuzz.$$.log; exit 1; }
   done
 done
 rm -f /tmp/fuzz.$$.log

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds a guest kernel for the e2e VM harness (e2e/vm) whose nbd driver
+# Builds a guest kernel for the e2e VM harness (internal/testenv/vm) whose nbd driver
 # accepts MPTCP sockets, so that the `kernel` transport can be tested for
 # real. Stock kernels refuse them: nbd_get_socket() accepts only TCP and
 # stream UNIX sockets (see docs/KERNEL-FACTS.md, "The socket-type

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Provides a Debian cloud kernel and a few of its modules for the e2e VM
-# harness (e2e/vm), which boots them under qemu to test code that needs
+# harness (internal/testenv/vm), which boots them under qemu to test code that needs
 # kernel drivers the host may lack (nbd, veth, sch_tbf, ...).
 #
 # Output (stdout), one KEY=VALUE a line:

@@ -1,5 +1,5 @@
 // Package bench runs the side-by-side benchmark of NBD servers and
-// clients over the multi-path topology of e2e/topo (command
+// clients over the multi-path topology of internal/testenv/topo (command
 // e2e/cmd/bench) and contains the load generator of e2e/cmd/nbdload.
 //
 // One run is one (server, network, client, workload) combination for a
@@ -13,7 +13,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 // Server names.

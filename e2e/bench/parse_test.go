@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 func readTestdata(t *testing.T, name string) []byte {

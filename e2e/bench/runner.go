@@ -17,7 +17,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 // Run executes the matrix and returns every run; the report holds what

@@ -16,7 +16,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 // ExportName is the export every server offers.

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // cliReport is the part of mpnbdctl's --output json the suite checks.

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // runtime starts containerd with its own root, state, socket and CNI
@@ -111,8 +111,9 @@ func (c *Cluster) importPause(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", bin, "./e2e/cluster/pause")
-	build.Dir = root
+	// The pause command is in the e2e module (e2e/go.mod).
+	build := exec.CommandContext(ctx, "go", "build", "-trimpath", "-o", bin, "./cluster/pause")
+	build.Dir = filepath.Join(root, "e2e")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		return fmt.Errorf("build the pause image: %w: %s", err, out)

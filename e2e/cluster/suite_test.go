@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 

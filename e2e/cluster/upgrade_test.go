@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // upgradedImageTag is the driver image's tag after the upgrade: the same

@@ -3,7 +3,7 @@
 // render both (helm from hack/tools.sh, `kubectl kustomize`), compare
 // them, check every argument our commands get against the commands' own
 // flags, and apply everything with a server-side dry run against a real
-// API server (e2e/apiserver). The chart's monitoring is checked against
+// API server (internal/testenv/apiserver). The chart's monitoring is checked against
 // the code: its alerts with promtool (check rules, and the unit tests of
 // testdata/prometheus-rules.test.yaml), and every query of the alerts
 // and the Grafana dashboard against the metrics and labels the code

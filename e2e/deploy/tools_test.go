@@ -17,7 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // requireEnv makes a missing tool a failure instead of a skip.

@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 )

@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 )

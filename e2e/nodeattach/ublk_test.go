@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
-	"github.com/mpnbd/mpnbd/e2e/vm"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/vm"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 	"github.com/mpnbd/mpnbd/pkg/ublk"

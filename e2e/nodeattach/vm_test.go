@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/vm"
+	"github.com/mpnbd/mpnbd/internal/testenv/vm"
 )
 
 // guestTests are the tests TestNodeAttachInVM runs inside the VM.

@@ -164,7 +164,7 @@ type PM struct {
 
 // DialPM connects to the path manager of the calling thread's network
 // namespace. To manage another namespace, switch a locked OS thread into
-// it first (for instance with e2e/topo.InNetns); the PM stays bound to
+// it first (for instance with internal/testenv/topo.InNetns); the PM stays bound to
 // that namespace and may be used from any goroutine afterwards.
 func DialPM() (*PM, error) {
 	return dialPM()

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/mpnbd/mpnbd/e2e/vm"
+	"github.com/mpnbd/mpnbd/internal/testenv/vm"
 )
 
 // guestTests run in the VM.

@@ -1,5 +1,6 @@
 // Command bench compares NBD servers and clients side by side over the
-// multi-path test topology (package e2e/topo) and prints one table.
+// multi-path test topology (package internal/testenv/topo) and prints one
+// table.
 //
 // Matrix (every dimension selectable; the default is all of it):
 //
@@ -67,7 +68,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		list      = fs.Bool("list", false, "print the selected matrix and exit")
 	)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: bench [flags]   (needs root; see go doc ./e2e/cmd/bench)")
+		fmt.Fprintln(stderr, "usage: bench [flags]   (needs root; see go -C e2e doc ./cmd/bench)")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {

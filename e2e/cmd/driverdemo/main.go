@@ -4,7 +4,7 @@
 // read back over NBD on MPTCP, across four shaped paths.
 //
 // It builds a topology of two network namespaces joined by four 1 Gbit/s
-// paths (e2e/topo): the client namespace is the worker node, the server
+// paths (internal/testenv/topo): the client namespace is the worker node, the server
 // namespace the storage node. A real API server (etcd + kube-apiserver)
 // runs on the host's loopback; the storage agent (bin/nbd-server
 // --cluster) runs in the server namespace and reaches it through a
@@ -38,7 +38,7 @@ import (
 	"github.com/go-logr/logr"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 

@@ -18,9 +18,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/e2e/apiserver"
-	"github.com/mpnbd/mpnbd/e2e/repo"
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
 

@@ -14,7 +14,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 // process is a command the demo started; its output goes to a log file.

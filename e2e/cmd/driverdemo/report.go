@@ -15,7 +15,7 @@ import (
 	"unicode"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 // Result is what the demo measured; it is written to out/driverdemo.json.

@@ -1,16 +1,17 @@
 // Command topo creates and removes the multi-path test topology of
-// package e2e/topo, so that shell scripts (benchmarks, demos) use exactly
-// the same setup as the Go tests.
+// package internal/testenv/topo, so that shell scripts (benchmarks, demos)
+// use exactly the same setup as the Go tests. It is in the e2e module: from
+// the repository's root,
 //
-//	go run ./e2e/cmd/topo up    [flags]   # create; print shell variables
-//	go run ./e2e/cmd/topo env   [flags]   # print the variables only
-//	go run ./e2e/cmd/topo down  [flags]   # remove (idempotent)
-//	go run ./e2e/cmd/topo bench [flags]   # create, measure, remove
+//	go -C e2e run ./cmd/topo up    [flags]   # create; print shell variables
+//	go -C e2e run ./cmd/topo env   [flags]   # print the variables only
+//	go -C e2e run ./cmd/topo down  [flags]   # remove (idempotent)
+//	go -C e2e run ./cmd/topo bench [flags]   # create, measure, remove
 //
 // Typical use from a script:
 //
-//	eval "$(go run ./e2e/cmd/topo up --name demo)"
-//	trap 'go run ./e2e/cmd/topo down --name demo' EXIT
+//	eval "$(go -C e2e run ./cmd/topo up --name demo)"
+//	trap 'go -C e2e run ./cmd/topo down --name demo' EXIT
 //	ip netns exec "$SERVER_NS" ./server --listen "$SERVER_ADDR1:10809" &
 //	ip netns exec "$CLIENT_NS" ./client "$SERVER_ADDR1:10809"
 //
@@ -29,7 +30,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/mpnbd/mpnbd/e2e/topo"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
 func main() {

@@ -11,7 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/util/yaml"
 
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // ManifestArgs returns the args of the container named container in the

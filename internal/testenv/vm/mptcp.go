@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // envMPTCPRequire, together with MPNBD_VM_REQUIRE, makes DefaultMPTCP
@@ -44,7 +46,7 @@ func LoadMPTCPKernel() (string, error) {
 }
 
 func loadMPTCPKernel() (string, error) {
-	root, err := ModuleRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return "", err
 	}

@@ -3,7 +3,6 @@ package vm
 import (
 	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // Environment variables understood by Default:
@@ -71,23 +72,21 @@ func unavailable(t testing.TB, format string, args ...any) {
 	t.Skip(msg)
 }
 
-// ModuleRoot returns the root directory of the module containing the
-// working directory.
-func ModuleRoot() (string, error) {
-	dir, err := os.Getwd()
+// goPackage returns where to run the go command for pkg and the package
+// argument to give it. A path relative to the repository root (such as
+// "./pkg/ublk" or "./e2e/nodeattach") is built in its own directory, so
+// that the go command uses the module that holds it (the driver's or the
+// e2e module); an import path is resolved from the working directory's
+// module.
+func goPackage(pkg string) (dir, arg string, err error) {
+	if !strings.HasPrefix(pkg, "./") && !strings.HasPrefix(pkg, "../") {
+		return "", pkg, nil
+	}
+	root, err := repo.Root()
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("vm: no go.mod above the working directory")
-		}
-		dir = parent
-	}
+	return filepath.Join(root, filepath.FromSlash(pkg)), ".", nil
 }
 
 // LoadKernel runs hack/vm-kernel.sh (once per process) and returns the
@@ -102,7 +101,7 @@ func LoadKernel() (Kernel, error) {
 
 func loadKernel(env ...string) (Kernel, error) {
 	var k Kernel
-	root, err := ModuleRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return k, err
 	}
@@ -310,23 +309,24 @@ func fileExists(p string) bool {
 }
 
 // BuildGoTest compiles the tests of pkg (an import path, or a path
-// relative to the module root such as "./e2e/vm/guest") into a static
-// test binary for the guest and returns its path and the package's source
-// directory. The binary lives in t.TempDir().
+// relative to the repository root such as "./internal/testenv/vm/guest"
+// or "./e2e/nodeattach") into a static test binary for the guest and
+// returns its path and the package's source directory. The binary lives
+// in t.TempDir().
 func BuildGoTest(t testing.TB, pkg string) (bin, srcDir string) {
 	t.Helper()
-	root, err := ModuleRoot()
+	dir, arg, err := goPackage(pkg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := goCommand(root, "list", "-f", "{{.Dir}}", pkg).CombinedOutput()
+	out, err := goCommand(dir, "list", "-f", "{{.Dir}}", arg).CombinedOutput()
 	if err != nil {
 		t.Fatalf("vm: go list %s: %v\n%s", pkg, err, out)
 	}
 	srcDir = strings.TrimSpace(string(out))
 	bin = filepath.Join(t.TempDir(), filepath.Base(srcDir)+".test")
 	start := time.Now()
-	out, err = goCommand(root, "test", "-c", "-o", bin, pkg).CombinedOutput()
+	out, err = goCommand(dir, "test", "-c", "-o", bin, arg).CombinedOutput()
 	if err != nil {
 		t.Fatalf("vm: go test -c %s: %v\n%s", pkg, err, out)
 	}
@@ -337,16 +337,17 @@ func BuildGoTest(t testing.TB, pkg string) (bin, srcDir string) {
 	return bin, srcDir
 }
 
-// BuildGo compiles the main package pkg into a static binary for the
-// guest and returns its path in t.TempDir().
+// BuildGo compiles the main package pkg (an import path, or a path
+// relative to the repository root such as "./cmd/nbd-server") into a
+// static binary for the guest and returns its path in t.TempDir().
 func BuildGo(t testing.TB, pkg string) string {
 	t.Helper()
-	root, err := ModuleRoot()
+	dir, arg, err := goPackage(pkg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(t.TempDir(), path.Base(pkg))
-	if out, err := goCommand(root, "build", "-o", bin, pkg).CombinedOutput(); err != nil {
+	if out, err := goCommand(dir, "build", "-o", bin, arg).CombinedOutput(); err != nil {
 		t.Fatalf("vm: go build %s: %v\n%s", pkg, err, out)
 	}
 	return bin

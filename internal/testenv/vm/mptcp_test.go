@@ -14,7 +14,7 @@ func TestVMSmokeMPTCP(t *testing.T) {
 	if len(cfg.Modules) != 0 {
 		t.Fatalf("modules %v for a kernel without module support", cfg.Modules)
 	}
-	res := RunGoTestWith(t, cfg, "./e2e/vm/guest", "^TestGuestNBDDevice$")
+	res := RunGoTestWith(t, cfg, "./internal/testenv/vm/guest", "^TestGuestNBDDevice$")
 	if !strings.Contains(res.Output, "--- PASS: TestGuestNBDDevice") {
 		t.Errorf("guest output lacks the PASS line of TestGuestNBDDevice")
 	}

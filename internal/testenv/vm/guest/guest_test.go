@@ -20,7 +20,7 @@ import (
 func inVM(t *testing.T) {
 	t.Helper()
 	if os.Getenv("MPNBD_IN_VM") != "1" {
-		t.Skip("runs only inside the e2e VM (MPNBD_IN_VM=1); the host test e2e/vm TestVMSmoke runs it there")
+		t.Skip("runs only inside the e2e VM (MPNBD_IN_VM=1); the host test internal/testenv/vm TestVMSmoke runs it there")
 	}
 }
 

@@ -30,7 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/e2e/repo"
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
 // RequireEnv makes an unavailable API server a failure instead of a skip.

@@ -16,7 +16,7 @@ import (
 func TestVMSmoke(t *testing.T) {
 	cfg := Default(t)
 	start := time.Now()
-	res := RunGoTestWith(t, cfg, "./e2e/vm/guest", "^TestGuestNBDDevice$")
+	res := RunGoTestWith(t, cfg, "./internal/testenv/vm/guest", "^TestGuestNBDDevice$")
 	if !strings.Contains(res.Output, "--- PASS: TestGuestNBDDevice") {
 		t.Errorf("guest output lacks the PASS line of TestGuestNBDDevice")
 	}
@@ -39,7 +39,7 @@ func TestVMGuestTestFailure(t *testing.T) {
 	rec := &errorRecorder{TB: t}
 	// A 1ns test timeout (the last -test.timeout wins) makes the guest
 	// test binary fail at once.
-	res := runGoTest(rec, cfg, "./e2e/vm/guest", "^TestGuestNBDDevice$", "-test.timeout=1ns")
+	res := runGoTest(rec, cfg, "./internal/testenv/vm/guest", "^TestGuestNBDDevice$", "-test.timeout=1ns")
 	if len(rec.errs) != 1 || !strings.Contains(rec.errs[0], "payload exited with status 2") ||
 		!strings.Contains(rec.errs[0], "test timed out") {
 		t.Fatalf("errors reported: %q\nguest output:\n%s", rec.errs, res.Output)
