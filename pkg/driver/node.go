@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 
@@ -79,16 +78,7 @@ type NodeConfig struct {
 	// Observer, when set, hears of every volume staged and unstaged (to
 	// tell the user: *VolumeWatch).
 	Observer StageObserver
-	// StateDir keeps, per staged volume, how many storage addresses it
-	// was staged with, so that a restarted node plugin still tells a
-	// volume missing subflows (in the directory expectedDir names). Empty:
-	// remembered in memory only, and unknown after a restart.
-	StateDir string
 }
-
-// expectedDir is the directory under NodeConfig.StateDir holding, per
-// staged volume, a file named by its ID with its storage address count.
-const expectedDir = "expected-subflows"
 
 // StageObserver hears of the volumes the node stages and unstages. Its
 // methods return at once: a CSI call never waits for what it does.
@@ -115,9 +105,8 @@ type Node struct {
 	pubMu sync.Mutex
 	pubs  map[string]map[string]bool
 	// addrs remembers, per staged volume, how many storage addresses it
-	// was published with: the MPTCP subflows a healthy volume has. Kept in
-	// StateDir too; without one it is lost with the process, after which
-	// only connectivity is checked.
+	// was published with: the MPTCP subflows a healthy volume has. It is
+	// lost with the process, after which only connectivity is checked.
 	addrs sync.Map
 }
 
@@ -219,7 +208,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	n.rememberExpected(id, len(spec.Target.Addrs))
+	n.addrs.Store(id, len(spec.Target.Addrs))
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Staged(att)
 	}
@@ -320,7 +309,7 @@ func (n *Node) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolume
 	if err := n.cfg.Attacher.Detach(ctx, id); err != nil {
 		return nil, toStatus(fmt.Errorf("detach volume %s: %w", id, err))
 	}
-	n.forgetExpected(id)
+	n.addrs.Delete(id)
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Unstaged(id)
 	}
@@ -607,70 +596,14 @@ func (n *Node) volumeHealth(id string, tr attach.Transport, h attach.Health, err
 }
 
 // expectedSubflows is how many MPTCP subflows each connection of a
-// healthy volume has: the storage addresses it was staged with, from
-// memory or, after a restart of this process, from StateDir.
+// healthy volume has: the storage addresses it was staged with; unknown
+// after a restart of this process.
 func (n *Node) expectedSubflows(id string) (int, bool) {
-	if want, ok := n.addrs.Load(id); ok {
-		return want.(int), true
-	}
-	p := n.expectedFile(id)
-	if p == "" {
+	want, ok := n.addrs.Load(id)
+	if !ok {
 		return 0, false
 	}
-	b, err := os.ReadFile(p)
-	if err != nil {
-		if !errors.Is(err, fs.ErrNotExist) {
-			n.log.Warn("read the volume's storage address count", "volume_id", id, "error", err)
-		}
-		return 0, false
-	}
-	want, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || want < 1 {
-		n.log.Warn("a malformed storage address count; subflows go unchecked", "volume_id", id, "path", p, "content", string(b))
-		return 0, false
-	}
-	n.addrs.Store(id, want)
-	return want, true
-}
-
-// expectedFile is where StateDir keeps the volume's storage address
-// count; empty without a StateDir or for an ID that is no file name.
-func (n *Node) expectedFile(id string) string {
-	if n.cfg.StateDir == "" || id == "" || id != filepath.Base(id) || strings.HasPrefix(id, ".") {
-		return ""
-	}
-	return filepath.Join(n.cfg.StateDir, expectedDir, id)
-}
-
-// rememberExpected records the volume's storage address count, in
-// memory and in StateDir. A failed write costs only the subflow check
-// after a restart, so it is logged, not returned.
-func (n *Node) rememberExpected(id string, addrs int) {
-	n.addrs.Store(id, addrs)
-	p := n.expectedFile(id)
-	if p == "" {
-		return
-	}
-	err := os.MkdirAll(filepath.Dir(p), 0o700)
-	if err == nil {
-		tmp := p + ".tmp"
-		if err = os.WriteFile(tmp, []byte(strconv.Itoa(addrs)+"\n"), 0o600); err == nil {
-			err = os.Rename(tmp, p)
-		}
-	}
-	if err != nil {
-		n.log.Warn("keep the volume's storage address count; after a restart its subflows go unchecked", "volume_id", id, "error", err)
-	}
-}
-
-// forgetExpected drops what rememberExpected kept.
-func (n *Node) forgetExpected(id string) {
-	n.addrs.Delete(id)
-	if p := n.expectedFile(id); p != "" {
-		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			n.log.Warn("remove the volume's storage address count", "volume_id", id, "error", err)
-		}
-	}
+	return want.(int), true
 }
 
 func (n *Node) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
