@@ -1,0 +1,225 @@
+package snapshot
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	kib = int64(1) << 10
+	mib = int64(1) << 20
+)
+
+// span is a byte range [off, off+len).
+type span struct{ off, len int64 }
+
+// mountFS makes a sparse image of size bytes, formats it with fstype
+// (xfs with reflink, or ext4), attaches it to a loop device and mounts it
+// in a temporary directory. Cleanups unmount it and detach the device.
+func mountFS(t *testing.T, fstype string, size int64) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skipf("skipping: mounting a loop-backed %s needs root (euid %d)", fstype, os.Geteuid())
+	}
+	mkfs := map[string][]string{
+		"xfs":  {"mkfs.xfs", "-q", "-f", "-m", "reflink=1"},
+		"ext4": {"mkfs.ext4", "-q", "-F", "-E", "nodiscard"},
+	}[fstype]
+	for _, tool := range []string{mkfs[0], "losetup", "mount", "umount"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("skipping: %s not found: %v", tool, err)
+		}
+	}
+	dir := t.TempDir()
+	img := filepath.Join(dir, fstype+".img")
+	f, err := os.Create(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if out, err := exec.Command(mkfs[0], append(mkfs[1:], img)...).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v: %s", strings.Join(mkfs, " "), err, out)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Skipf("skipping: no loop device: losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() {
+		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
+			t.Errorf("cleanup: losetup -d %s: %v: %s", dev, err, out)
+		}
+	})
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mount", "-t", fstype, dev, mnt).CombinedOutput(); err != nil {
+		t.Skipf("skipping: mount -t %s %s: %v: %s", fstype, dev, err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
+			t.Errorf("cleanup: umount %s: %v: %s", mnt, err, out)
+		}
+	})
+	return mnt
+}
+
+// makeFile creates path with the given size, random data in the given
+// spans and holes elsewhere, synced. It returns the bytes of data.
+func makeFile(t *testing.T, path string, size int64, data []span, seed uint64) int64 {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	rng := rand.NewChaCha8([32]byte{byte(seed), byte(seed >> 8)})
+	buf := make([]byte, mib)
+	var total int64
+	for _, s := range data {
+		for pos := s.off; pos < s.off+s.len; {
+			n := min(int64(len(buf)), s.off+s.len-pos)
+			rng.Read(buf[:n])
+			// Stamp the offset, so that a block in the wrong place shows.
+			if n >= 8 {
+				binary.LittleEndian.PutUint64(buf, uint64(pos))
+			}
+			if _, err := f.WriteAt(buf[:n], pos); err != nil {
+				t.Fatal(err)
+			}
+			pos += n
+			total += n
+		}
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return total
+}
+
+// dataSpans lists path's data ranges as SEEK_DATA/SEEK_HOLE see them.
+func dataSpans(t *testing.T, path string) []span {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var spans []span
+	for off := int64(0); off < fi.Size(); {
+		start, err := unix.Seek(int(f.Fd()), off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("SEEK_DATA %s at %d: %v", path, off, err)
+		}
+		end, err := unix.Seek(int(f.Fd()), start, unix.SEEK_HOLE)
+		if err != nil {
+			t.Fatalf("SEEK_HOLE %s at %d: %v", path, start, err)
+		}
+		spans = append(spans, span{start, end - start})
+		off = end
+	}
+	return spans
+}
+
+// sameContent fails the test at the first byte where a and b differ.
+func sameContent(t *testing.T, a, b string) {
+	t.Helper()
+	fa, err := os.Open(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fb, err := os.Open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+	ba, bb := make([]byte, mib), make([]byte, mib)
+	for off := int64(0); ; {
+		na, erra := io.ReadFull(fa, ba)
+		nb, errb := io.ReadFull(fb, bb)
+		if !bytes.Equal(ba[:na], bb[:nb]) {
+			i := 0
+			for i < min(na, nb) && ba[i] == bb[i] {
+				i++
+			}
+			t.Fatalf("%s and %s differ at byte %d", a, b, off+int64(i))
+		}
+		if erra != nil || errb != nil {
+			if (erra == nil) != (errb == nil) {
+				t.Fatalf("%s: %v, %s: %v", a, erra, b, errb)
+			}
+			return
+		}
+		off += int64(na)
+	}
+}
+
+func checksum(t *testing.T, path string) [sha256.Size]byte {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		t.Fatal(err)
+	}
+	return [sha256.Size]byte(h.Sum(nil))
+}
+
+// dirNames lists a directory, sorted.
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	es, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range es {
+		names = append(names, e.Name())
+	}
+	slices.Sort(names)
+	return names
+}
+
+// dropCache asks the kernel to forget path's cached pages (it is synced),
+// so that a measurement reads from the disk.
+func dropCache(t *testing.T, path string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+		t.Logf("fadvise DONTNEED %s: %v", path, err)
+	}
+}
