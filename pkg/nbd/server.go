@@ -21,6 +21,9 @@ type Export struct {
 	conns    map[*serverConn]struct{}
 	sessions map[sessionKey]*sessionSlot
 	removed  bool
+	// reserved counts the connections that chose the export and are not
+	// closed yet, for Limits.MaxConnsPerExport.
+	reserved int
 }
 
 // Flags returns the transmission flags announced for the export.
@@ -91,8 +94,9 @@ type Server struct {
 	DefaultExport string
 	// Observer, when set, gets connection and request events.
 	Observer Observer
-	// HandshakeTimeout bounds negotiation; zero means 30 s.
-	HandshakeTimeout time.Duration
+	// Limits bounds connections and handshakes; the zero value gives the
+	// defaults. Set it before serving.
+	Limits Limits
 	// MaxInflightBytes bounds payload bytes held per connection; zero means
 	// 64 MiB. With the request count limit it caps memory per client, so a
 	// client that stops reading replies stalls only itself.
@@ -114,6 +118,7 @@ type Server struct {
 	conns     map[*serverConn]struct{}
 	closed    bool
 	wg        sync.WaitGroup
+	counts    connCounts
 }
 
 func (s *Server) incarnation() Incarnation {
@@ -279,17 +284,38 @@ func (s *Server) Serve(l net.Listener) error {
 			continue
 		}
 		backoff = 0
+		// Count the connection in before anything is allocated for it:
+		// one over a limit is closed at once.
+		a, reason := s.admit(c.RemoteAddr())
+		if a == nil {
+			c.Close()
+			s.refused(ConnInfo{Conn: c, RemoteAddr: c.RemoteAddr(), LocalAddr: c.LocalAddr()}, reason)
+			continue
+		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.ServeConn(c)
+			s.serveConn(c, a)
 		}()
 	}
 }
 
 // ServeConn runs negotiation and transmission on one connection and closes
-// it when done.
+// it when done. The connection counts towards the Limits: it is closed at
+// once if it is over one.
 func (s *Server) ServeConn(c net.Conn) {
+	a, reason := s.admit(c.RemoteAddr())
+	if a == nil {
+		c.Close()
+		s.refused(ConnInfo{Conn: c, RemoteAddr: c.RemoteAddr(), LocalAddr: c.LocalAddr()}, reason)
+		return
+	}
+	s.serveConn(c, a)
+}
+
+// serveConn serves a connection admitted as a.
+func (s *Server) serveConn(c net.Conn, a *admission) {
+	defer s.release(a)
 	sc := &serverConn{
 		srv:  s,
 		conn: c,
@@ -314,10 +340,25 @@ func (s *Server) ServeConn(c net.Conn) {
 		s.mu.Unlock()
 	}()
 
+	defer func() {
+		if sc.reserved != nil {
+			sc.reserved.unreserve()
+		}
+	}()
+
 	log := s.log().With("remote", c.RemoteAddr().String())
 	exp, err := s.negotiate(sc)
+	s.handshakeDone(a)
 	if err != nil {
-		if !errors.Is(err, ErrAborted) && !isEOF(err) {
+		var ne net.Error
+		switch {
+		case errors.Is(err, errPerExport):
+			log.Info("connection refused: too many connections to the export", "limit", s.Limits.resolve().perExport)
+			s.refused(sc.info, RefusedPerExport)
+		case errors.As(err, &ne) && ne.Timeout() && !sc.draining.Load():
+			log.Info("handshake timed out")
+			s.refused(sc.info, RefusedHandshakeTimeout)
+		case !errors.Is(err, ErrAborted) && !isEOF(err):
 			log.Info("negotiation failed", "error", err)
 		}
 		return

@@ -28,6 +28,8 @@ type serverConn struct {
 	hsReader *bufio.Reader
 	// session is what the client announced with OptSession, if anything.
 	session *Session
+	// reserved is the export whose connection slot sc holds, if any.
+	reserved *Export
 
 	draining atomic.Bool
 	// fenced is set once a newer connection of the same session lane

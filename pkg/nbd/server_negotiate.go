@@ -27,13 +27,12 @@ const (
 // the client chose. It never negotiates structured replies or extended
 // headers: the kernel client speaks only simple replies.
 func (s *Server) negotiate(sc *serverConn) (*Export, error) {
-	timeout := s.HandshakeTimeout
-	if timeout == 0 {
-		timeout = 30 * time.Second
-	}
+	lim := s.Limits.resolve()
 	c := sc.conn
-	c.SetDeadline(time.Now().Add(timeout))
-	defer c.SetDeadline(time.Time{})
+	if lim.hsTimeout > 0 {
+		c.SetDeadline(time.Now().Add(lim.hsTimeout))
+		defer c.SetDeadline(time.Time{})
+	}
 
 	var hello [18]byte
 	be.PutUint64(hello[0:], magicNBD)
@@ -89,6 +88,9 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			if err != nil {
 				// EXPORT_NAME has no error reply: the only answer is to hang up.
 				return nil, err
+			}
+			if !sc.reserve(e, lim.perExport) {
+				return nil, errPerExport
 			}
 			sc.chose(e, g, string(o.Data))
 			b := make([]byte, 10, 10+124)
@@ -152,6 +154,13 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				}
 				continue
 			}
+			if o.Code == OptGo && !sc.reserve(e, lim.perExport) {
+				// Server policy forbids more connections to this export.
+				// The client could go on haggling, but would only find
+				// the export full again: answer, then hang up.
+				_ = replyErr(o.Code, RepErrPolicy, "too many connections to this export")
+				return nil, errPerExport
+			}
 			if err := reply(o.Code, RepInfo, encodeInfoExport(uint64(e.Backend.Size()), e.flags(g.ReadOnly))); err != nil {
 				return nil, err
 			}
@@ -206,6 +215,16 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			}
 		}
 	}
+}
+
+// reserve takes a connection slot of e for sc, which keeps it until it is
+// closed.
+func (sc *serverConn) reserve(e *Export, max int) bool {
+	if !e.reserve(max) {
+		return false
+	}
+	sc.reserved = e
+	return true
 }
 
 // chose records the export a connection negotiated: the name asked for,

@@ -46,6 +46,12 @@ type Observer struct {
 	duration      *prometheus.HistogramVec
 	connsOpen     *prometheus.GaugeVec
 	connsAccepted *prometheus.CounterVec
+	// refused counts connections closed by the server's limits, by
+	// reason (nbd.RefusalReasons): never by export, whose names may
+	// carry secrets.
+	refused    *prometheus.CounterVec
+	clients    prometheus.Gauge
+	handshakes prometheus.Gauge
 	// capacity and available have no labels; their one series appears
 	// with the storage agent's first report (a standalone server has
 	// none).
@@ -55,7 +61,10 @@ type Observer struct {
 	live *connCollector
 }
 
-var _ nbd.Observer = (*Observer)(nil)
+var (
+	_ nbd.Observer      = (*Observer)(nil)
+	_ nbd.LimitObserver = (*Observer)(nil)
+)
 
 // New creates an Observer and registers its metrics on reg.
 func New(reg prometheus.Registerer) (*Observer, error) {
@@ -84,6 +93,12 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 			"Connections currently in the transmission phase, by export.")), []string{"export"}),
 		connsAccepted: counter("connections_accepted_total",
 			"Connections that completed negotiation and attached to the export.", "export"),
+		refused: counter("refused_connections_total",
+			"Connections closed by the server's limits, by reason: total, per_source (open connections), handshakes_total, handshakes_per_source (connections still negotiating), handshake_timeout (negotiation not finished in time), per_export (connections to the chosen export).", "reason"),
+		clients: prometheus.NewGauge(prometheus.GaugeOpts(opts("client_connections",
+			"Open client connections, negotiating or in the transmission phase (what the total and per-source connection limits bound)."))),
+		handshakes: prometheus.NewGauge(prometheus.GaugeOpts(opts("handshakes",
+			"Open client connections that have not finished negotiation yet (what the handshake limits bound)."))),
 		capacity: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("capacity_bytes",
 			"Size of the filesystem holding the volumes' backing files, as the storage agent last measured it (NBDStorageNode status.capacityBytes).")), nil),
 		available: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("available_bytes",
@@ -92,11 +107,15 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 	}
 	for _, c := range []prometheus.Collector{
 		o.readBytes, o.writtenBytes, o.requests, o.requestErrors, o.duration,
-		o.connsOpen, o.connsAccepted, o.capacity, o.available, o.live,
+		o.connsOpen, o.connsAccepted, o.refused, o.clients, o.handshakes,
+		o.capacity, o.available, o.live,
 	} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
+	}
+	for _, r := range nbd.RefusalReasons {
+		o.refused.WithLabelValues(r)
 	}
 	return o, nil
 }
@@ -142,6 +161,17 @@ func (o *Observer) ConnOpened(c nbd.ConnInfo, export string) {
 func (o *Observer) ConnClosed(c nbd.ConnInfo, export string) {
 	o.live.remove(c)
 	o.connsOpen.WithLabelValues(export).Dec()
+}
+
+// ConnRefused implements nbd.LimitObserver.
+func (o *Observer) ConnRefused(_ nbd.ConnInfo, reason string) {
+	o.refused.WithLabelValues(reason).Inc()
+}
+
+// ConnCounts implements nbd.LimitObserver.
+func (o *Observer) ConnCounts(conns, handshakes int) {
+	o.clients.Set(float64(conns))
+	o.handshakes.Set(float64(handshakes))
 }
 
 // Request implements nbd.Observer.

@@ -497,3 +497,96 @@ func TestServer(t *testing.T) {
 		t.Fatalf("%d per-connection series after close, want none", n)
 	}
 }
+
+// TestRefusals runs a real nbd.Server with small limits on 127.0.0.1 (over
+// MPTCP when the kernel allows it): refusals are counted by reason, with
+// no export name in any label, and the connection gauges go back to zero.
+func TestRefusals(t *testing.T) {
+	o, reg := newObserver(t)
+	for _, r := range nbd.RefusalReasons {
+		if v, ok := value(t, reg, "mpnbd_server_refused_connections_total", map[string]string{"reason": r}); !ok || v != 0 {
+			t.Errorf("refused_connections_total{reason=%q} before any refusal: %v, %v; want a zero series", r, v, ok)
+		}
+	}
+	useMPTCP := mptcp.Available() == nil
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	l, err := mptcp.Listen(ctx, "tcp", "127.0.0.1:0", useMPTCP)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &nbd.Server{
+		Logger:   slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Observer: o,
+		Limits:   nbd.Limits{MaxHandshakesPerSource: 2, MaxConnsPerExport: 1, HandshakeTimeout: -1},
+	}
+	const secret = "vol/s3cr3t-token"
+	if err := srv.AddExport(&nbd.Export{Name: secret, Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	defer func() {
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer scancel()
+		srv.Shutdown(sctx)
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	}()
+	waitValue := func(name string, labels map[string]string, want float64) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			v, _ := value(t, reg, name, labels)
+			if v == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s%v = %v after 10s, want %v", name, labels, v, want)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	d := mptcp.Dialer(useMPTCP)
+	var idle []net.Conn
+	for range 3 {
+		c, err := d.DialContext(ctx, "tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		idle = append(idle, c)
+		if len(idle) == 2 {
+			waitValue("mpnbd_server_handshakes", nil, 2)
+		}
+	}
+	waitValue("mpnbd_server_refused_connections_total", map[string]string{"reason": nbd.RefusedHandshakesPerSource}, 1)
+	waitValue("mpnbd_server_client_connections", nil, 2)
+	for _, c := range idle {
+		c.Close()
+	}
+	waitValue("mpnbd_server_handshakes", nil, 0)
+
+	cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: l.Addr().String(), Export: secret, MPTCP: useMPTCP,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nbd.Dial(ctx, nbd.DialOptions{Addr: l.Addr().String(), Export: secret, MPTCP: useMPTCP,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}); !errors.Is(err, nbd.ErrAccessDenied) {
+		t.Fatalf("second connection to a full export: %v, want NBD_REP_ERR_POLICY", err)
+	}
+	waitValue("mpnbd_server_refused_connections_total", map[string]string{"reason": nbd.RefusedPerExport}, 1)
+	cl.Close()
+	waitValue("mpnbd_server_client_connections", nil, 0)
+	waitValue("mpnbd_server_handshakes", nil, 0)
+
+	for _, m := range series(t, reg, "mpnbd_server_refused_connections_total") {
+		for _, lp := range m.GetLabel() {
+			if lp.GetName() != "reason" || strings.Contains(lp.GetValue(), "s3cr3t") {
+				t.Errorf("refused_connections_total has label %s=%q", lp.GetName(), lp.GetValue())
+			}
+		}
+	}
+}
