@@ -15,6 +15,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // Defaults for settings given neither by flag nor by config file.
@@ -95,6 +97,16 @@ Cluster mode (--cluster):
   $KUBECONFIG, else the in-cluster service account. Files never backed by an
   NBDVolume are reported as orphans, never deleted.
 
+Connection limits (the storage agent has the same): --max-conns,
+--max-conns-per-source (per client IP address) and --max-conns-per-export
+bound open connections; --max-handshakes and --max-handshakes-per-source
+bound those still negotiating, which must finish within
+--handshake-timeout. A connection over a total or per-source limit is
+closed as soon as it is accepted; one over --max-conns-per-export is
+refused NBD_OPT_GO with NBD_REP_ERR_POLICY (or hung up on after
+NBD_OPT_EXPORT_NAME). 0 turns a limit off. Refusals are counted in
+mpnbd_server_refused_connections_total{reason}.
+
 Endpoints on --metrics-addr: /metrics (Prometheus), /healthz and /readyz
 (ready once serving; in cluster mode once the agent has synced).
 
@@ -155,6 +167,7 @@ type options struct {
 	logFormat       string
 	noList          bool
 	shutdownTimeout time.Duration
+	limits          nbd.Limits
 	// cluster, when not nil, runs the storage agent instead of --export.
 	cluster *clusterOptions
 }
@@ -206,6 +219,17 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	fs.BoolVar(&v.noList, "no-list", false, "refuse to list exports to clients (NBD_OPT_LIST)")
 	fs.DurationVar(&v.shutdownTimeout, "shutdown-timeout", defaultShutdownTimeout,
 		"drain connections for up to `DURATION` on shutdown or export removal, then close them")
+	fs.IntVar(&v.maxConns, "max-conns", nbd.DefaultMaxConns, "serve at most `N` client connections at once; 0: no limit")
+	fs.IntVar(&v.maxConnsPerSource, "max-conns-per-source", nbd.DefaultMaxConnsPerSource,
+		"serve at most `N` connections from one client IP address; 0: no limit")
+	fs.IntVar(&v.maxConnsPerExport, "max-conns-per-export", nbd.DefaultMaxConnsPerExport,
+		"serve at most `N` connections to one export; 0: no limit")
+	fs.IntVar(&v.maxHandshakes, "max-handshakes", nbd.DefaultMaxHandshakes,
+		"keep at most `N` connections that have not finished the handshake; 0: no limit")
+	fs.IntVar(&v.maxHandshakesPerSource, "max-handshakes-per-source", nbd.DefaultMaxHandshakesPerSource,
+		"keep at most `N` connections from one client IP address that have not finished the handshake; 0: no limit")
+	fs.DurationVar(&v.handshakeTimeout, "handshake-timeout", nbd.DefaultHandshakeTimeout,
+		"close connections that have not finished the handshake within `DURATION`; 0: never")
 	addClusterFlags(fs, &v.cluster)
 	return fs, v
 }
@@ -220,6 +244,50 @@ type flagValues struct {
 	noList          bool
 	shutdownTimeout time.Duration
 	cluster         clusterFlags
+
+	maxConns, maxConnsPerSource, maxConnsPerExport int
+	maxHandshakes, maxHandshakesPerSource          int
+	handshakeTimeout                               time.Duration
+}
+
+// limits turns the limit flags into nbd.Limits, where 0 means the default
+// and a negative value no limit.
+func (v *flagValues) limits() (nbd.Limits, error) {
+	off := func(name string, n int) (int, error) {
+		switch {
+		case n < 0:
+			return 0, fmt.Errorf("invalid --%s %d: want a number of connections, or 0 for no limit", name, n)
+		case n == 0:
+			return -1, nil
+		}
+		return n, nil
+	}
+	var l nbd.Limits
+	var err error
+	for _, f := range []struct {
+		name string
+		val  int
+		dst  *int
+	}{
+		{"max-conns", v.maxConns, &l.MaxConns},
+		{"max-conns-per-source", v.maxConnsPerSource, &l.MaxConnsPerSource},
+		{"max-conns-per-export", v.maxConnsPerExport, &l.MaxConnsPerExport},
+		{"max-handshakes", v.maxHandshakes, &l.MaxHandshakes},
+		{"max-handshakes-per-source", v.maxHandshakesPerSource, &l.MaxHandshakesPerSource},
+	} {
+		if *f.dst, err = off(f.name, f.val); err != nil {
+			return nbd.Limits{}, err
+		}
+	}
+	switch {
+	case v.handshakeTimeout < 0:
+		return nbd.Limits{}, fmt.Errorf("invalid --handshake-timeout %s: want a duration, or 0 for none", v.handshakeTimeout)
+	case v.handshakeTimeout == 0:
+		l.HandshakeTimeout = -1
+	default:
+		l.HandshakeTimeout = v.handshakeTimeout
+	}
+	return l, nil
 }
 
 var singleDash = regexp.MustCompile(`(^|\s)-([a-z][a-z-]*)`)
@@ -257,6 +325,10 @@ func parseArgs(args []string) (*options, error) {
 	}
 
 	o := &options{configPath: v.config}
+	var err error
+	if o.limits, err = v.limits(); err != nil {
+		return nil, err
+	}
 	// Scalars: a flag on the command line wins over the file, the file
 	// over the flag's default.
 	o.tcp = pick(set["tcp"], v.tcp, fc.TCP)
@@ -269,7 +341,6 @@ func parseArgs(args []string) (*options, error) {
 		timeout = time.Duration(*fc.ShutdownTimeout)
 	}
 
-	var err error
 	if o.logLevel, err = parseLogLevel(level); err != nil {
 		return nil, err
 	}

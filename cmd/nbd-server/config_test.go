@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 func TestParseSize(t *testing.T) {
@@ -239,6 +241,16 @@ func TestLoadConfigNamesFile(t *testing.T) {
 	}
 }
 
+// defaultLimits are the limits the flags give by default.
+var defaultLimits = nbd.Limits{
+	MaxConnsPerExport:      nbd.DefaultMaxConnsPerExport,
+	MaxConnsPerSource:      nbd.DefaultMaxConnsPerSource,
+	MaxConns:               nbd.DefaultMaxConns,
+	MaxHandshakesPerSource: nbd.DefaultMaxHandshakesPerSource,
+	MaxHandshakes:          nbd.DefaultMaxHandshakes,
+	HandshakeTimeout:       nbd.DefaultHandshakeTimeout,
+}
+
 func TestParseArgsDefaults(t *testing.T) {
 	o, err := parseArgs([]string{"--export", "d=/x"})
 	if err != nil {
@@ -252,9 +264,32 @@ func TestParseArgsDefaults(t *testing.T) {
 		logLevel:        slog.LevelInfo,
 		logFormat:       "text",
 		shutdownTimeout: defaultShutdownTimeout,
+		limits:          defaultLimits,
 	}
 	if !reflect.DeepEqual(o, want) {
 		t.Fatalf("got %+v\nwant %+v", o, want)
+	}
+}
+
+func TestParseArgsLimits(t *testing.T) {
+	o, err := parseArgs([]string{"--export", "d=/x", "--max-conns", "10", "--max-conns-per-source", "0",
+		"--max-conns-per-export", "3", "--max-handshakes", "0", "--max-handshakes-per-source", "2",
+		"--handshake-timeout", "0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := nbd.Limits{MaxConns: 10, MaxConnsPerSource: -1, MaxConnsPerExport: 3, MaxHandshakes: -1,
+		MaxHandshakesPerSource: 2, HandshakeTimeout: -1}
+	if o.limits != want {
+		t.Fatalf("limits %+v, want %+v (0 turns a limit off)", o.limits, want)
+	}
+	o, err = parseArgs([]string{"--cluster", "--node-name", "n", "--namespace", "ns", "--storage-address", "10.0.0.1",
+		"--handshake-timeout", "3s"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.limits.HandshakeTimeout != 3*time.Second {
+		t.Fatalf("cluster mode limits %+v, want the handshake timeout of the flag", o.limits)
 	}
 }
 
@@ -284,6 +319,7 @@ func TestParseArgsFlagsAndConfig(t *testing.T) {
 		logFormat:       "json",
 		noList:          true,
 		shutdownTimeout: 5 * time.Second,
+		limits:          defaultLimits,
 	}
 	if !reflect.DeepEqual(o, want) {
 		t.Fatalf("config only:\ngot  %+v\nwant %+v", o, want)
@@ -316,6 +352,7 @@ func TestParseArgsFlagsAndConfig(t *testing.T) {
 		logLevel:        slog.LevelWarn,
 		logFormat:       "text",
 		shutdownTimeout: time.Minute,
+		limits:          defaultLimits,
 	}
 	if !reflect.DeepEqual(o, want) {
 		t.Fatalf("config and flags:\ngot  %+v\nwant %+v", o, want)
@@ -362,6 +399,8 @@ func TestParseArgsErrors(t *testing.T) {
 		{"bad timeout", []string{"--export", "a=/a", "--shutdown-timeout", "soon"}, `invalid value "soon" for flag --shutdown-timeout`},
 		{"zero timeout", []string{"--export", "a=/a", "--shutdown-timeout", "0s"}, `invalid shutdown timeout 0s: must be positive`},
 		{"bad tcp value", []string{"--export", "a=/a", "--tcp=maybe"}, `invalid boolean value "maybe" for --tcp`},
+		{"negative limit", []string{"--export", "a=/a", "--max-conns-per-source", "-1"}, `invalid --max-conns-per-source -1`},
+		{"negative handshake timeout", []string{"--export", "a=/a", "--handshake-timeout", "-1s"}, `invalid --handshake-timeout -1s`},
 		{"missing config", []string{"--config", missing}, missing},
 		{"bad config", []string{"--config", bad}, bad + ": line 1, column 22"},
 	} {

@@ -98,6 +98,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			Logger:      log,
 			DisableList: opts.noList,
 			Observer:    obs,
+			Limits:      opts.limits,
 		},
 	}
 	// File and device backends write through to the kernel: only a reboot
