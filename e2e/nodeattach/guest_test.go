@@ -76,9 +76,17 @@ func TestAttachTransports(t *testing.T) {
 
 			sum := mkfsMountWrite(t, att.Device, bigData)
 			if mode == attach.Relay {
-				h, _ := a.Health(tg.VolumeID)
+				// Joins complete asynchronously (slowly in a loaded VM):
+				// wait, bounded, for one subflow per path.
+				var h attach.Health
+				for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+					h, _ = a.Health(tg.VolumeID)
+					if len(h.Subflows) == 1 && h.Subflows[0] == len(tp.Paths) || time.Now().After(deadline) {
+						break
+					}
+				}
 				if len(h.Subflows) != 1 || h.Subflows[0] != len(tp.Paths) {
-					t.Errorf("relay subflows %v, want [%d]", h.Subflows, len(tp.Paths))
+					t.Errorf("relay subflows %v after 30 s, want [%d]", h.Subflows, len(tp.Paths))
 				}
 			}
 			if err := a.Detach(ctx, tg.VolumeID); err != nil {
