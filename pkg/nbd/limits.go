@@ -49,13 +49,15 @@ type Limits struct {
 // superseded ones not yet noticed as dead), and one node can attach many
 // volumes. The connection limits leave room for that many times over; the
 // handshake limits are smaller, as a legitimate client finishes its
-// handshake in a few round trips.
+// handshake in a few round trips, but still let every volume of a busy
+// node redial at once after a storage server restart (a refused redial
+// only waits for its backoff, which lengthens the outage).
 const (
 	DefaultMaxConnsPerExport      = 64
 	DefaultMaxConnsPerSource      = 512
 	DefaultMaxConns               = 4096
-	DefaultMaxHandshakesPerSource = 32
-	DefaultMaxHandshakes          = 256
+	DefaultMaxHandshakesPerSource = 128
+	DefaultMaxHandshakes          = 1024
 	DefaultHandshakeTimeout       = 10 * time.Second
 )
 
