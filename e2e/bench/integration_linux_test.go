@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
@@ -25,10 +26,19 @@ func buildBinaries(t *testing.T) (server, load string) {
 	if err != nil {
 		t.Skipf("skipping: go not on PATH to build nbd-server and nbdload: %v", err)
 	}
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
 	dir := t.TempDir()
-	cmd := exec.Command(goBin, "build", "-o", dir+"/", "github.com/mpnbd/mpnbd/cmd/nbd-server", "github.com/mpnbd/mpnbd/e2e/cmd/nbdload")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	// Each in its own module: nbd-server in the driver's (whose go.sum
+	// covers what it links), nbdload in this one.
+	for _, b := range []struct{ dir, pkg string }{{root, "./cmd/nbd-server"}, {filepath.Join(root, "e2e"), "./cmd/nbdload"}} {
+		cmd := exec.Command(goBin, "build", "-o", dir+"/", b.pkg)
+		cmd.Dir = b.dir
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go build %s: %v\n%s", b.pkg, err, out)
+		}
 	}
 	return filepath.Join(dir, "nbd-server"), filepath.Join(dir, "nbdload")
 }
