@@ -216,11 +216,49 @@ func disconnectDevice(t *testing.T, dev string) {
 	}
 }
 
-// timeoutsIn counts the kernel's request-timeout messages for dev in the
-// kernel log.
-func timeoutsIn(dev string) int {
+// timeoutsSince counts the kernel's request-timeout messages for dev in
+// the kernel log after the kernel time since (seconds, as dmesg prints
+// them). Counting from a time, not by
+// difference of totals, holds when the ring buffer wraps meanwhile (the
+// tests running beside this one log a lot).
+func timeoutsSince(dev string, since float64) int {
 	out, _ := exec.Command("dmesg").CombinedOutput()
-	return strings.Count(string(out), filepath.Base(dev)+": Connection timed out")
+	n := 0
+	for _, l := range strings.Split(string(out), "\n") {
+		if strings.Contains(l, filepath.Base(dev)+": Connection timed out") && kernelTime(l) > since {
+			n++
+		}
+	}
+	return n
+}
+
+// lastKernelTime is the kernel time of the newest line in the kernel log,
+// or 0.
+func lastKernelTime() float64 {
+	out, _ := exec.Command("dmesg").CombinedOutput()
+	last := 0.0
+	for _, l := range strings.Split(string(out), "\n") {
+		last = max(last, kernelTime(l))
+	}
+	return last
+}
+
+// kernelTime is the time in seconds at the start of a dmesg line
+// ("[  415.720990] ..."), or 0.
+func kernelTime(l string) float64 {
+	rest, ok := strings.CutPrefix(l, "[")
+	if !ok {
+		return 0
+	}
+	ts, _, ok := strings.Cut(rest, "]")
+	if !ok {
+		return 0
+	}
+	v, err := strconv.ParseFloat(strings.TrimSpace(ts), 64)
+	if err != nil {
+		return 0
+	}
+	return v
 }
 
 // TestServerStallPastRequestTimeout: our nbd-server, a process of its own,
@@ -257,7 +295,7 @@ func TestServerStallPastRequestTimeout(t *testing.T) {
 					t.Errorf("detach: %v", err)
 				}
 			})
-			timeouts := timeoutsIn(att.Device)
+			since := lastKernelTime()
 			before := writeIOs(att.Device)
 			f := startFio(t, att.Device, int(time.Now().UnixNano()%1000000)+11)
 			waitWrites(t, f, att.Device, before, 256)
@@ -269,7 +307,7 @@ func TestServerStallPastRequestTimeout(t *testing.T) {
 			if !res.ok() {
 				t.Fatalf("fio across a %v stall: %v\n%s", stall, res, tail(res.output, 40))
 			}
-			fired := timeoutsIn(att.Device) - timeouts
+			fired := timeoutsSince(att.Device, since)
 			h, _ := a.Health(tg.VolumeID)
 			t.Logf("%s: %d request timeouts fired during the stall; fio: %v; health %+v", mode, fired, res, h)
 			if fired == 0 {
@@ -362,5 +400,18 @@ func waitServerConns(t *testing.T, st *storage, want int) {
 			t.Fatalf("the server has %d connections after 30s, want %d (opened %v, closed %v)", st.conns(), want, opened, closed)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestKernelTime(t *testing.T) {
+	for l, want := range map[string]float64{
+		"[  415.720990] IPv6: ADDRCONF(NETDEV_CHANGE): x: link becomes ready": 415.72099,
+		"[    0.970283] int3: 0000 [#1] PREEMPT SMP NOPTI":                    0.970283,
+		"no timestamp": 0,
+		"[ bad] x":     0,
+	} {
+		if got := kernelTime(l); got != want {
+			t.Errorf("kernelTime(%q) = %v, want %v", l, got, want)
+		}
 	}
 }
