@@ -45,6 +45,9 @@ const (
 const (
 	ConditionReady = "Ready"
 	ConditionGrown = "Grown"
+	// ConditionDeletionBlocked is True while a deleted volume stays
+	// because it is in use.
+	ConditionDeletionBlocked = "DeletionBlocked"
 )
 
 // storageNodeField is the NBDVolume field the agent's cache selects on

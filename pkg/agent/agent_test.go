@@ -624,7 +624,39 @@ func TestAgent(t *testing.T) {
 	t.Run("delete", func(t *testing.T) {
 		tok8 := publish(t, c, "vol-a", "node-8", false)
 		cl := mustDial(t, r, access.NodeExport("vol-a", tok8))
+		want := make([]byte, 4096)
+		for i := range want {
+			want[i] = byte(i*7 + 3)
+		}
+		if _, err := cl.WriteAt(want, 0); err != nil {
+			t.Fatal(err)
+		}
+		// Deleted by hand while published: it stays, serves, and says why.
 		if err := c.Delete(ctx, getVolume(t, c, "vol-a")); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "DeletionBlocked on vol-a", func() string {
+			v := getVolume(t, c, "vol-a")
+			cond := meta.FindStatusCondition(v.Status.Conditions, ConditionDeletionBlocked)
+			if v.DeletionTimestamp.IsZero() || cond == nil || cond.Status != metav1.ConditionTrue || !strings.Contains(cond.Message, "node-8") {
+				return fmt.Sprintf("deletion %v, condition %+v", v.DeletionTimestamp, cond)
+			}
+			return ""
+		})
+		got := make([]byte, len(want))
+		if _, err := cl.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("I/O on a volume deleted while published: %v (data equal %v)", err, bytes.Equal(got, want))
+		}
+		if _, err := os.Stat(filepath.Join(dir, "vol-a.img")); err != nil {
+			t.Fatalf("backing file of a volume deleted while published: %v", err)
+		}
+		// Unpublished, it goes (a deleted volume's status describes no
+		// new generation, so no editVolume).
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vol-a")
+			v.Spec.Publications = nil
+			return c.Update(ctx, v)
+		}); err != nil {
 			t.Fatal(err)
 		}
 		eventually(t, "vol-a gone", func() string {

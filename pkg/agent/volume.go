@@ -38,6 +38,9 @@ const (
 	// secretRetry is how soon a publication whose Secret is not there
 	// yet is tried again (the agent may not watch Secrets).
 	secretRetry = 200 * time.Millisecond
+	// deletionRetry is how often a volume deleted while in use looks
+	// again (a publication change requeues it at once).
+	deletionRetry = 10 * time.Second
 	// exhaustedRetry and internalRetry are how soon a failed volume is
 	// tried again without a change to it.
 	exhaustedRetry = time.Minute
@@ -117,7 +120,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, nil
 	}
 	if !vol.DeletionTimestamp.IsZero() {
-		return ctrl.Result{}, a.remove(ctx, log, &vol)
+		return a.remove(ctx, log, &vol)
 	}
 	if !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) {
 		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
@@ -375,11 +378,29 @@ func (a *Agent) reportFailure(ctx context.Context, log *slog.Logger, vol *v1alph
 }
 
 // remove tears a deleted volume down: export drained and removed, file
-// closed and deleted, then the finalizer released.
-func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) error {
+// closed and deleted, then the finalizer released. A volume still
+// published to a node is not: deleting its object by hand, or its CRD,
+// must not take a mounted filesystem's blocks away. It keeps serving,
+// says why in the DeletionBlocked condition, and goes once the last node
+// is unpublished (ControllerUnpublishVolume; by hand, removing the
+// node's entry from spec.publications). Connections of nodes no longer
+// published do not hold it: they are drained with the export.
+func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (ctrl.Result, error) {
 	if !controllerutil.ContainsFinalizer(vol, v1alpha1.Finalizer) {
 		a.forget(log, vol.Name)
-		return nil
+		return ctrl.Result{}, nil
+	}
+	if why := a.inUse(vol); why != "" {
+		// Serve it (after an agent restart too) to the nodes still
+		// published, and to them only.
+		if v, f := a.ensureStore(log, vol); v != nil {
+			if _, err := a.applyPublications(ctx, log, vol, v); err != nil {
+				return ctrl.Result{}, err
+			}
+		} else if f != nil {
+			log.Warn("a volume deleted while in use cannot be served", "code", f.code, "message", f.message)
+		}
+		return ctrl.Result{RequeueAfter: deletionRetry}, a.blockDeletion(ctx, log, vol, why)
 	}
 	a.mu.Lock()
 	v := a.vols[vol.Name]
@@ -396,14 +417,45 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 		log.Info("backing file removed", "path", path)
 		a.kickCapacity()
 	case !errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("removing %s: %w", path, err)
+		return ctrl.Result{}, fmt.Errorf("removing %s: %w", path, err)
 	}
 	patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 	controllerutil.RemoveFinalizer(vol, v1alpha1.Finalizer)
 	if err := a.client.Patch(ctx, vol, patch); err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("removing the finalizer: %w", err)
+		return ctrl.Result{}, fmt.Errorf("removing the finalizer: %w", err)
 	}
 	log.Info("volume deleted")
+	return ctrl.Result{}, nil
+}
+
+// inUse says why a volume being deleted must stay: the nodes it is
+// published to; empty when none.
+func (a *Agent) inUse(vol *v1alpha1.NBDVolume) string {
+	if len(vol.Spec.Publications) == 0 {
+		return ""
+	}
+	nodes := make([]string, 0, len(vol.Spec.Publications))
+	for _, p := range vol.Spec.Publications {
+		nodes = append(nodes, p.NodeID)
+	}
+	return "published to " + strings.Join(nodes, ", ")
+}
+
+// blockDeletion records why a deleted volume stays (once per reason).
+func (a *Agent) blockDeletion(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, why string) error {
+	msg := "deletion waits until the volume is no longer in use: " + why
+	if c := meta.FindStatusCondition(vol.Status.Conditions, ConditionDeletionBlocked); c != nil && c.Status == metav1.ConditionTrue && c.Message == msg {
+		return nil
+	}
+	log.Warn("the volume was deleted while in use: it keeps serving, and goes once it is not", "reason", why)
+	orig := vol.DeepCopy()
+	meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{
+		Type: ConditionDeletionBlocked, Status: metav1.ConditionTrue, Reason: "InUse", Message: msg,
+		ObservedGeneration: vol.Generation,
+	})
+	if err := a.client.Status().Patch(ctx, vol, client.MergeFrom(orig)); err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("writing status: %w", err)
+	}
 	return nil
 }
 
