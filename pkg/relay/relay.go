@@ -137,6 +137,8 @@ const (
 	// EventFailing: no connection for FailAfter; requests fail with EIO
 	// until the next connection (Failed says how many were waiting).
 	EventFailing
+	// EventReplaced: a better connection took over (Replace).
+	EventReplaced
 )
 
 func (k EventKind) String() string {
@@ -151,6 +153,8 @@ func (k EventKind) String() string {
 		return "replayed"
 	case EventFailing:
 		return "failing"
+	case EventReplaced:
+		return "replaced"
 	}
 	return fmt.Sprintf("event(%d)", int(k))
 }
@@ -175,7 +179,8 @@ type Event struct {
 	// Outage is the time since the remote failed (EventReconnected,
 	// EventFailing).
 	Outage time.Duration
-	// Remote is the new connection (EventConnected, EventReconnected).
+	// Remote is the new connection (EventConnected, EventReconnected,
+	// EventReplaced).
 	Remote net.Conn
 }
 
@@ -206,6 +211,8 @@ type Stats struct {
 	// requests so answered.
 	Failing bool
 	Failed  int
+	// Replaced counts connections replaced by better ones (Replace).
+	Replaced int
 	// Remote is the current remote connection; nil while there is none.
 	Remote net.Conn
 	// Connected reports whether a remote connection is in use.
@@ -315,6 +322,10 @@ type Relay struct {
 	// local side and did not take.
 	pauseReq, paused bool
 	pending          []byte
+	// spare is the connection Replace hands to the connection manager;
+	// replaced counts the connections so replaced.
+	spare    net.Conn
+	replaced int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -389,6 +400,9 @@ func (r *Relay) Run(ctx context.Context) error {
 	return r.endErr
 }
 
+// Done is closed once the relay has ended (Run returns soon after).
+func (r *Relay) Done() <-chan struct{} { return r.ended }
+
 // Stats returns a snapshot; it is safe to call at any time.
 func (r *Relay) Stats() Stats {
 	r.mu.Lock()
@@ -409,6 +423,7 @@ func (r *Relay) Stats() Stats {
 		OwnFlushes:      r.ownFlushes,
 		Failing:         r.failing,
 		Failed:          r.failed,
+		Replaced:        r.replaced,
 	}
 }
 
@@ -420,8 +435,8 @@ func (r *Relay) end(err error) {
 		r.mu.Lock()
 		r.closing = true
 		r.state = stateDown
-		remote := r.remote
-		r.remote = nil
+		remote, spare := r.remote, r.spare
+		r.remote, r.spare = nil, nil
 		var calls []*call
 		for _, e := range r.table {
 			if e.call != nil {
@@ -441,6 +456,9 @@ func (r *Relay) end(err error) {
 		}
 		if remote != nil {
 			remote.Close()
+		}
+		if spare != nil {
+			spare.Close()
 		}
 		if r.initial != nil {
 			r.initial.Close()

@@ -3,6 +3,7 @@ package relay
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -27,7 +28,7 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 	br := bufio.NewReaderSize(nil, readBufSize)
 	conn := r.initial
 	var out outage
-	connected := false
+	connected, replaced := false, false
 	for {
 		if conn == nil {
 			if out.start.IsZero() {
@@ -46,13 +47,16 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 			}
 			conn = c
 		}
-		gen, raw, resend, ok := r.attach(conn, connected)
+		gen, raw, resend, ok := r.attach(conn, connected, replaced)
 		if !ok {
 			conn.Close()
 			return
 		}
 		conn = raw
-		if connected {
+		if replaced {
+			r.log.Info("a better server connection took over", "remote", conn.RemoteAddr().String())
+			r.emit(Event{Kind: EventReplaced, Remote: conn})
+		} else if connected {
 			r.log.Info("reconnected to the server", "remote", conn.RemoteAddr().String(), "attempts", out.attempts, "outage", time.Since(out.start))
 			r.emit(Event{Kind: EventReconnected, Attempts: out.attempts, Outage: time.Since(out.start), Remote: conn})
 		} else {
@@ -84,7 +88,9 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 		}
 		if err != nil {
 			r.fail(gen, err)
-		} else if connected || n > 0 {
+		} else if replaced {
+			// What waited for the swap went out for the first time.
+		} else if connected {
 			if n > 0 {
 				r.log.Info("replayed unanswered requests", "requests", n)
 				r.mu.Lock()
@@ -105,9 +111,23 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 			return
 		}
 		if discSent {
+			if c := r.takeSpare(); c != nil {
+				c.Close()
+			}
 			close(r.discDone)
 			return
 		}
+		// Replace left a connection: it takes over, with no outage, or
+		// as a redial would have if the old one failed by itself first.
+		if conn = r.takeSpare(); conn != nil {
+			replaced = errors.Is(cause, errReplaced)
+			if !replaced {
+				out = outage{start: time.Now(), err: cause}
+				r.log.Warn("server connection lost; the connection made to replace it takes over", "error", cause)
+			}
+			continue
+		}
+		replaced = false
 		// A connection that answered something, or lived a while, ends the
 		// outage; one that failed at once continues it, so a server that
 		// accepts and drops connections meets a growing backoff and, in
@@ -254,7 +274,7 @@ func (r *Relay) answerError(e *entry, errno uint32) bool {
 // that acknowledged them). It returns the connection's generation and the
 // connection itself (unwrapped from a Remote), or false when the relay is
 // closing.
-func (r *Relay) attach(c net.Conn, again bool) (gen uint64, conn net.Conn, resend, ok bool) {
+func (r *Relay) attach(c net.Conn, again, replaced bool) (gen uint64, conn net.Conn, resend, ok bool) {
 	conn, info := unwrap(c)
 	r.mu.Lock()
 	if r.closing {
@@ -271,7 +291,10 @@ func (r *Relay) attach(c net.Conn, again bool) (gen uint64, conn net.Conn, resen
 	r.failing = false
 	clear(r.rsent)
 	resend = !r.sameIncarnation(info, again) && r.retHead != nil
-	if again {
+	switch {
+	case replaced:
+		r.replaced++
+	case again:
 		r.reconnects++
 	}
 	r.mu.Unlock()
@@ -297,6 +320,7 @@ func (r *Relay) replay(gen uint64) (int, error) {
 		if e == nil {
 			r.state = stateUp
 			r.mu.Unlock()
+			r.cond.Broadcast() // Replace waits for this
 			r.flushRemote()
 			return n, nil
 		}
