@@ -24,6 +24,38 @@ type Export struct {
 	// reserved counts the connections that chose the export and are not
 	// closed yet, for Limits.MaxConnsPerExport.
 	reserved int
+	// gate: every change to the backend (write, trim, write-zeroes) runs
+	// under its read lock; Quiesce takes the write lock.
+	gate sync.RWMutex
+}
+
+// Quiesce holds the export at a flush point: it waits for the changes in
+// flight to reach the backend and syncs it, while changes that arrive
+// meanwhile wait (they are held, not failed; reads go on). From then until
+// resume is called, the backend holds every write the export acknowledged
+// and none it will acknowledge later: what a crash-consistent snapshot
+// copies. ctx bounds the wait for the changes in flight. resume may be
+// called more than once.
+func (e *Export) Quiesce(ctx context.Context) (resume func(), err error) {
+	locked := make(chan struct{})
+	go func() {
+		e.gate.Lock()
+		close(locked)
+	}()
+	select {
+	case <-locked:
+	case <-ctx.Done():
+		go func() {
+			<-locked
+			e.gate.Unlock()
+		}()
+		return nil, fmt.Errorf("export %q: writes in flight did not finish: %w", e.Name, ctx.Err())
+	}
+	if err := e.Backend.Sync(); err != nil {
+		e.gate.Unlock()
+		return nil, fmt.Errorf("export %q: flush: %w", e.Name, err)
+	}
+	return sync.OnceFunc(e.gate.Unlock), nil
 }
 
 // Flags returns the transmission flags announced for the export.

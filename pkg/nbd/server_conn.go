@@ -291,7 +291,10 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		if !inRange {
 			return ENOSPC, nil
 		}
-		if _, err := b.WriteAt(buf, off); err != nil {
+		e.gate.RLock()
+		_, err := b.WriteAt(buf, off)
+		e.gate.RUnlock()
+		if err != nil {
 			c.log.Error("write failed", "offset", off, "length", n, "error", err)
 			return errnoOf(err), nil
 		}
@@ -308,11 +311,13 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 			return EINVAL, nil
 		}
 		var err error
+		e.gate.RLock()
 		if req.Type == CmdTrim {
 			err = b.Trim(off, n)
 		} else {
 			err = b.Zero(off, n, req.Flags&CmdFlagNoHole != 0)
 		}
+		e.gate.RUnlock()
 		if err != nil {
 			c.log.Error(CmdName(req.Type)+" failed", "offset", off, "length", n, "error", err)
 			return errnoOf(err), nil
