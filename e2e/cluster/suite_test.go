@@ -127,7 +127,7 @@ func (s *suite) dumpState() {
 	for _, args := range [][]string{
 		{"get", "pods", "-A", "-o", "wide"},
 		{"get", "pvc,pv,volumeattachments", "-A"},
-		{"get", "nbdvolumes,nbdstoragenodes", "-o", "yaml"},
+		{"get", "nbdvolumes,nbdstoragenodes,nbdsnapshots", "-o", "yaml"},
 		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
 	} {
 		out, _ := s.c.Kubectl(context.Background(), args...)

@@ -181,7 +181,7 @@ func (s *suite) uninstallScenario() {
 			}
 			return ""
 		})
-		for _, crd := range []string{"nbdvolumes.mpnbd.io", "nbdstoragenodes.mpnbd.io"} {
+		for _, crd := range []string{"nbdvolumes.mpnbd.io", "nbdstoragenodes.mpnbd.io", "nbdsnapshots.mpnbd.io"} {
 			if _, err := s.c.Kubectl(s.ctx, "get", "crd", crd); err != nil {
 				t.Errorf("CRD %s was removed by helm uninstall; it is to be kept: %v", crd, err)
 			}

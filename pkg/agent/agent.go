@@ -190,11 +190,12 @@ func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Re
 }
 
 // CacheOptions returns the manager cache options the agent needs: only the
-// NBDVolumes of node are cached and watched.
+// NBDVolumes and NBDSnapshots of node are cached and watched.
 func CacheOptions(node string) cache.Options {
 	return cache.Options{
 		ByObject: map[client.Object]cache.ByObject{
-			&v1alpha1.NBDVolume{}: {Field: fields.OneTermEqualSelector(storageNodeField, node)},
+			&v1alpha1.NBDVolume{}:   {Field: fields.OneTermEqualSelector(storageNodeField, node)},
+			&v1alpha1.NBDSnapshot{}: {Field: fields.OneTermEqualSelector(storageNodeField, node)},
 		},
 	}
 }

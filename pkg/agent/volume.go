@@ -58,7 +58,7 @@ func internal(format string, args ...any) *failure {
 	return &failure{code: "Internal", message: fmt.Sprintf(format, args...), retry: internalRetry}
 }
 
-// SetupWithManager registers the NBDVolume reconciler and the capacity
+// SetupWithManager registers the NBDVolume and NBDSnapshot reconcilers and the capacity
 // heartbeat (and, with Config.SignalNICs, the MPTCP endpoint keeper) with
 // mgr. The manager's cache should come from CacheOptions; volumes of other
 // nodes are ignored either way.
@@ -80,6 +80,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		}).
 		Complete(a)
 	if err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	if err := a.setupSnapshots(mgr); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
 	if err := mgr.Add(runnable(a.runHeartbeat)); err != nil {

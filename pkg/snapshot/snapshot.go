@@ -95,15 +95,16 @@ type Result struct {
 type Option func(*options)
 
 type options struct {
-	quiesce   func() (resume func())
+	quiesce   func(ctx context.Context) (resume func(), err error)
 	noReflink bool
 	chunk     int64
 }
 
 // WithQuiesce makes Clone call quiesce before it reads the source and the
 // function quiesce returns once it has finished reading it (see the package
-// documentation for what quiesce must do). A nil resume is allowed.
-func WithQuiesce(quiesce func() (resume func())) Option {
+// documentation for what quiesce must do). A nil resume is allowed; an
+// error ends the Clone with it, nothing made.
+func WithQuiesce(quiesce func(ctx context.Context) (resume func(), err error)) Option {
 	return func(o *options) { o.quiesce = quiesce }
 }
 
@@ -172,7 +173,10 @@ func Clone(ctx context.Context, src, dst string, opts ...Option) (Result, error)
 	if err := func() error {
 		if o.quiesce != nil {
 			held := time.Now()
-			resume := o.quiesce()
+			resume, err := o.quiesce(ctx)
+			if err != nil {
+				return fmt.Errorf("quiesce the source: %w", err)
+			}
 			defer func() {
 				if resume != nil {
 					resume()

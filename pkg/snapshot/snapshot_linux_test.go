@@ -169,8 +169,8 @@ func (e *export) write(p []byte, off int64) error {
 
 // quiesce holds new writes (the mutex also waits for the one in flight),
 // syncs the source and records what it holds.
-func (e *export) quiesce(t *testing.T) func() (resume func()) {
-	return func() func() {
+func (e *export) quiesce(t *testing.T) func(context.Context) (func(), error) {
+	return func(context.Context) (func(), error) {
 		e.mu.Lock()
 		e.quiesced++
 		if err := e.f.Sync(); err != nil {
@@ -180,7 +180,7 @@ func (e *export) quiesce(t *testing.T) func() (resume func()) {
 		return func() {
 			e.resumed++
 			e.mu.Unlock()
-		}
+		}, nil
 	}
 }
 
@@ -341,9 +341,9 @@ func TestCloneErrors(t *testing.T) {
 		ctx.n.Store(6)
 		var quiesced, resumed int
 		_, err := Clone(ctx, src, filepath.Join(dir, "snap.img"), WithoutReflink(), WithChunkSize(mib),
-			WithQuiesce(func() func() {
+			WithQuiesce(func(context.Context) (func(), error) {
 				quiesced++
-				return func() { resumed++ }
+				return func() { resumed++ }, nil
 			}))
 		if !errors.Is(err, context.Canceled) {
 			t.Errorf("error %v, want context.Canceled", err)
@@ -384,9 +384,9 @@ func TestCloneTimes(t *testing.T) {
 			makeFile(t, src, size, data, 8)
 			dropCache(t, src)
 			var e export
-			res, err := Clone(context.Background(), src, dst, WithQuiesce(func() func() {
+			res, err := Clone(context.Background(), src, dst, WithQuiesce(func(context.Context) (func(), error) {
 				e.mu.Lock()
-				return e.mu.Unlock
+				return e.mu.Unlock, nil
 			}))
 			if err != nil {
 				t.Fatal(err)

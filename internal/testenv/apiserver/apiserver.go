@@ -149,8 +149,8 @@ func StartEnv() (cfg *rest.Config, c client.Client, stop func() error, err error
 	fail := func(err error) (*rest.Config, client.Client, func() error, error) {
 		return nil, nil, nil, errors.Join(err, stop())
 	}
-	if len(env.CRDs) != 2 {
-		return fail(fmt.Errorf("installed %d CRDs from deploy/crds, want 2", len(env.CRDs)))
+	if len(env.CRDs) != 3 {
+		return fail(fmt.Errorf("installed %d CRDs from deploy/crds, want 3", len(env.CRDs)))
 	}
 	c, err = client.New(cfg, client.Options{Scheme: scheme})
 	if err != nil {
