@@ -18,6 +18,7 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -48,8 +49,17 @@ func (a *Agent) snapshotPath(name string) string {
 	return filepath.Join(a.cfg.DataDir, name+snapshotSuffix)
 }
 
-// setupSnapshots registers the NBDSnapshot reconciler with mgr.
+// setupSnapshots registers the NBDSnapshot reconciler with mgr; without
+// the NBDSnapshot CRD (a cluster upgraded without it) snapshots are off
+// and volumes are served all the same.
 func (a *Agent) setupSnapshots(mgr ctrl.Manager) error {
+	gk := v1alpha1.GroupVersion.WithKind("NBDSnapshot").GroupKind()
+	if _, err := mgr.GetRESTMapper().RESTMapping(gk, v1alpha1.GroupVersion.Version); meta.IsNoMatchError(err) {
+		a.log.Warn("the NBDSnapshot CRD is not installed: snapshots are off on this storage node until it is and the agent restarts")
+		return nil
+	} else if err != nil {
+		return fmt.Errorf("looking up NBDSnapshot: %w", err)
+	}
 	ours := predicate.NewPredicateFuncs(func(o client.Object) bool {
 		s, ok := o.(*v1alpha1.NBDSnapshot)
 		return ok && s.Spec.StorageNode == a.cfg.NodeName
