@@ -191,3 +191,49 @@ func (a *Agent) snapshotStatus(ctx context.Context, snap *v1alpha1.NBDSnapshot, 
 	}
 	return nil
 }
+
+// fill makes a new volume's backing file at path from its content source:
+// a copy of a snapshot of this node, or of a volume this node serves (held
+// at a flush point, as for a snapshot). The file is then at most want
+// bytes; the caller grows it. Nothing is left at path on failure.
+func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1alpha1.ContentSource, want int64) *failure {
+	var src, what string
+	var opts []snapshot.Option
+	switch {
+	case cs.Snapshot != "" && cs.Volume == "":
+		src, what = a.snapshotPath(cs.Snapshot), "snapshot "+cs.Snapshot
+	case cs.Volume != "" && cs.Snapshot == "":
+		src, what = a.path(cs.Volume), "volume "+cs.Volume
+		e, served := a.srv.Export(cs.Volume)
+		if !served {
+			return &failure{code: "NotFound", retry: snapshotRetry,
+				message: fmt.Sprintf("source volume %s is not served by storage node %s", cs.Volume, a.cfg.NodeName)}
+		}
+		opts = append(opts, snapshot.WithQuiesce(func(ctx context.Context) (func(), error) {
+			qctx, cancel := context.WithTimeout(ctx, quiesceTimeout)
+			defer cancel()
+			return e.Quiesce(qctx)
+		}))
+	default:
+		return &failure{code: "InvalidArgument", retry: exhaustedRetry,
+			message: "contentSource names both a volume and a snapshot, or neither"}
+	}
+	res, err := snapshot.Clone(ctx, src, path, opts...)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return &failure{code: "NotFound", retry: snapshotRetry,
+			message: fmt.Sprintf("%s is not on storage node %s", what, a.cfg.NodeName)}
+	case errors.Is(err, syscall.ENOSPC):
+		return &failure{code: "ResourceExhausted", retry: exhaustedRetry,
+			message: fmt.Sprintf("no room to copy %s on storage node %s: %v", what, a.cfg.NodeName, err)}
+	case err != nil:
+		return internal("copying %s: %v", what, err)
+	}
+	if res.Size > want {
+		os.Remove(path)
+		return &failure{code: "OutOfRange", retry: exhaustedRetry,
+			message: fmt.Sprintf("%s holds %d bytes, more than the %d the volume asks for", what, res.Size, want)}
+	}
+	log.Info("backing file made from "+what, "path", path, "method", res.Method, "size", res.Size, "writes_held", res.Held, "took", res.Duration)
+	return nil
+}

@@ -97,6 +97,65 @@ func TestAgentSnapshots(t *testing.T) {
 		t.Fatalf("the volume after the snapshot: %v; holds the later writes: %v", err, bytes.Equal(got, after))
 	}
 
+	// A restore, larger than its source: the snapshot's data, then zeros.
+	restore := newVolume("vol-r", 2*size)
+	restore.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: "snap-1"}
+	// A clone of the source as it is now.
+	clone := newVolume("vol-c", size)
+	clone.Spec.ContentSource = &v1alpha1.ContentSource{Volume: "vol-s"}
+	for _, v := range []*v1alpha1.NBDVolume{restore, clone} {
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		if w := waitObserved(t, c, v.Name); w.Status.Phase != v1alpha1.VolumeAvailable || w.Status.CapacityBytes != v.Spec.SizeBytes {
+			t.Fatalf("%s: phase %s, capacity %d, want Available, %d (%s)", v.Name, w.Status.Phase, w.Status.CapacityBytes, v.Spec.SizeBytes, w.Status.Message)
+		}
+	}
+	rcl := mustDial(t, r, access.NodeExport("vol-r", publish(t, c, "vol-r", "node-1", false)))
+	want := append(append([]byte{}, before...), make([]byte, size)...)
+	got = make([]byte, 2*size)
+	if _, err := rcl.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("restored volume: %v; holds the snapshot's data then zeros: %v", err, bytes.Equal(got, want))
+	}
+	ccl := mustDial(t, r, access.NodeExport("vol-c", publish(t, c, "vol-c", "node-1", false)))
+	got = make([]byte, size)
+	if _, err := ccl.ReadAt(got, 0); err != nil || !bytes.Equal(got, after) {
+		t.Fatalf("cloned volume: %v; holds the source's current data: %v", err, bytes.Equal(got, after))
+	}
+	// Writes to the copies stay theirs.
+	if _, err := rcl.WriteAt([]byte("restored"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(file); err != nil || !bytes.Equal(b, before) {
+		t.Fatalf("the snapshot changed after a write to its restore: %v", err)
+	}
+	// Sources that are not there, or a size smaller than the source.
+	for _, tc := range []struct {
+		name string
+		size int64
+		cs   v1alpha1.ContentSource
+		code string
+	}{
+		{"vol-nosnap", size, v1alpha1.ContentSource{Snapshot: "no-such-snapshot"}, "NotFound"},
+		{"vol-novol", size, v1alpha1.ContentSource{Volume: "no-such-volume"}, "NotFound"},
+		{"vol-small", size / 2, v1alpha1.ContentSource{Snapshot: "snap-1"}, "OutOfRange"},
+	} {
+		v := newVolume(tc.name, tc.size)
+		v.Spec.ContentSource = &tc.cs
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, tc.name+" fails "+tc.code, func() string {
+			if st := getVolume(t, c, tc.name).Status; st.Phase != v1alpha1.VolumeFailed || st.Code != tc.code {
+				return fmt.Sprintf("phase %s, code %s: %s", st.Phase, st.Code, st.Message)
+			}
+			return ""
+		})
+		if _, err := os.Stat(filepath.Join(dir, tc.name+".img")); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: a backing file was left: %v", tc.name, err)
+		}
+	}
+
 	// No volume of that name here: NotFound, said in the status.
 	if err := c.Create(ctx, newSnapshot("snap-missing", "no-such-volume", testNode)); err != nil {
 		t.Fatal(err)

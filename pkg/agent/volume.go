@@ -133,7 +133,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		}
 		log.Info("finalizer added")
 	}
-	v, f := a.ensureStore(log, &vol)
+	v, f := a.ensureStore(ctx, log, &vol)
 	if f != nil && v == nil {
 		return a.reportFailure(ctx, log, &vol, f)
 	}
@@ -161,7 +161,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 // ensureStore opens (or creates, or grows) the backing file and exports
 // it. A failure with a nil volume means there is nothing to serve; with a
 // volume, the volume is exported but could not grow to its spec's size.
-func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
+func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
 	name := vol.Name
 	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 || strings.Contains(name, "/") {
 		return nil, &failure{code: "InvalidArgument", message: fmt.Sprintf("volume name %q: %s", name, strings.Join(errs, "; ")), retry: exhaustedRetry}
@@ -191,12 +191,21 @@ func (a *Agent) ensureStore(log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume,
 			if f := a.checkRoom(want, fmt.Sprintf("creating %d bytes", want)); f != nil {
 				return nil, f
 			}
-			if b, err = nbd.OpenFile(path, want, true, false); err != nil {
-				os.Remove(path)
-				return nil, internal("creating %s with %d bytes: %v", path, want, err)
+			if cs := vol.Spec.ContentSource; cs != nil {
+				if f := a.fill(ctx, log, path, cs, want); f != nil {
+					return nil, f
+				}
+				if b, err = nbd.OpenFile(path, 0, false, false); err != nil {
+					return nil, internal("opening %s: %v", path, err)
+				}
+			} else {
+				if b, err = nbd.OpenFile(path, want, true, false); err != nil {
+					os.Remove(path)
+					return nil, internal("creating %s with %d bytes: %v", path, want, err)
+				}
+				log.Info("backing file created", "path", path, "size", want)
 			}
 			changed = true
-			log.Info("backing file created", "path", path, "size", want)
 		default:
 			return nil, internal("%v", err)
 		}
@@ -396,7 +405,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	if why := a.inUse(vol); why != "" {
 		// Serve it (after an agent restart too) to the nodes still
 		// published, and to them only.
-		if v, f := a.ensureStore(log, vol); v != nil {
+		if v, f := a.ensureStore(ctx, log, vol); v != nil {
 			if _, err := a.applyPublications(ctx, log, vol, v); err != nil {
 				return ctrl.Result{}, err
 			}
