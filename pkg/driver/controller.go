@@ -58,8 +58,8 @@ type ControllerConfig struct {
 // Secret) and a wait until the volume's storage agent reports the change
 // in effect (status.observedGeneration).
 //
-// Its RBAC: nbdvolumes get, list, create, update, delete; nbdstoragenodes
-// get, list; nodes get; secrets in Namespace get, create, update, delete,
+// Its RBAC: nbdvolumes get, list, create, update, delete; nbdsnapshots
+// get, list, create, delete; nbdstoragenodes get, list; nodes get; secrets in Namespace get, create, update, delete,
 // deletecollection.
 //
 // A wait for the agent that runs out (WaitTimeout or the request's
@@ -128,6 +128,9 @@ func (c *Controller) ControllerGetCapabilities(context.Context, *csi.ControllerG
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: t},
@@ -153,9 +156,6 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	if err != nil {
 		return nil, err
 	}
-	if req.GetVolumeContentSource() != nil {
-		return nil, invalid("volume_content_source is not supported (no snapshots or clones)")
-	}
 	p, err := ParseParams(req.GetParameters())
 	if err != nil {
 		return nil, err
@@ -163,6 +163,22 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	size, err := volumeSize(req.GetCapacityRange(), c.cfg.DefaultSizeBytes, sizeUnit(p))
 	if err != nil {
 		return nil, err
+	}
+	// A volume made from a snapshot or a volume lands on the storage node
+	// that holds its source, at least as large as the source.
+	var source *v1alpha1.ContentSource
+	var sourceNode string
+	if cs := req.GetVolumeContentSource(); cs != nil {
+		var srcSize int64
+		if source, sourceNode, srcSize, err = c.contentSource(ctx, cs); err != nil {
+			return nil, err
+		}
+		r := req.GetCapacityRange()
+		if (r.GetRequiredBytes() > 0 && r.GetRequiredBytes() < srcSize) || (r.GetLimitBytes() > 0 && r.GetLimitBytes() < srcSize) {
+			return nil, fmt.Errorf("%w: the source holds %d bytes, more than the capacity range allows (required %d, limit %d)",
+				ErrOutOfRange, srcSize, r.GetRequiredBytes(), r.GetLimitBytes())
+		}
+		size = max(size, srcSize)
 	}
 	if accessType == v1alpha1.AccessFilesystem {
 		fsType := volumeFSType(req.GetVolumeCapabilities(), p)
@@ -186,10 +202,17 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		if err := sameVolume(&v, name, req.GetCapacityRange(), accessType, multiNode, params); err != nil {
 			return nil, err
 		}
+		if !sameSource(v.Spec.ContentSource, source) {
+			return nil, fmt.Errorf("%w: volume %s exists with another content source", ErrAlreadyExists, id)
+		}
 	case apierrors.IsNotFound(err):
-		node, err := c.pickStorageNode(ctx, p, req.GetAccessibilityRequirements(), size)
-		if err != nil {
-			return nil, err
+		nodeName := sourceNode
+		if nodeName == "" {
+			n, err := c.pickStorageNode(ctx, p, req.GetAccessibilityRequirements(), size)
+			if err != nil {
+				return nil, err
+			}
+			nodeName = n.Name
 		}
 		v = v1alpha1.NBDVolume{
 			ObjectMeta: metav1.ObjectMeta{
@@ -198,17 +221,18 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 				Annotations: map[string]string{access.AnnotationCSIName: name},
 			},
 			Spec: v1alpha1.NBDVolumeSpec{
-				SizeBytes:   size,
-				StorageNode: node.Name,
-				AccessType:  accessType,
-				MultiNode:   multiNode,
-				Parameters:  params,
+				SizeBytes:     size,
+				StorageNode:   nodeName,
+				AccessType:    accessType,
+				MultiNode:     multiNode,
+				Parameters:    params,
+				ContentSource: source,
 			},
 		}
 		if err := c.c.Create(ctx, &v); err != nil {
 			return nil, kubeErr(err, "creating NBDVolume "+id)
 		}
-		c.log.Info("volume created", "volume_id", id, "csi_name", name, "storage_node", node.Name,
+		c.log.Info("volume created", "volume_id", id, "csi_name", name, "storage_node", nodeName,
 			"size_bytes", size, "access_type", accessType, "multi_node", multiNode)
 	default:
 		return nil, kubeErr(err, "reading NBDVolume "+id)
@@ -244,6 +268,15 @@ func (c *Controller) dropFailed(ctx context.Context, v *v1alpha1.NBDVolume) erro
 		c.log.Error("deleting a failed volume", "volume_id", v.Name, "error", err)
 	}
 	return failure
+}
+
+// sameSource reports whether two content sources are the same (nil for
+// none).
+func sameSource(a, b *v1alpha1.ContentSource) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
 }
 
 // sameVolume checks that an existing volume is what a repeated

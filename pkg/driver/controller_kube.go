@@ -276,6 +276,7 @@ func (c *Controller) csiVolume(ctx context.Context, v *v1alpha1.NBDVolume, topo 
 		VolumeId:      v.Name,
 		CapacityBytes: v.Status.CapacityBytes,
 		VolumeContext: maps.Clone(v.Spec.Parameters),
+		ContentSource: csiContentSource(v.Spec.ContentSource),
 	}
 	if out.CapacityBytes == 0 {
 		out.CapacityBytes = v.Spec.SizeBytes

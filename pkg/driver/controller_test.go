@@ -88,6 +88,7 @@ func (a *simAgent) setHold(id string, hold bool) {
 }
 
 func (a *simAgent) step(ctx context.Context) {
+	a.stepSnapshots(ctx)
 	var list v1alpha1.NBDVolumeList
 	if err := a.c.List(ctx, &list); err != nil {
 		return
@@ -130,6 +131,40 @@ func (a *simAgent) step(ctx context.Context) {
 	}
 }
 
+// stepSnapshots takes each snapshot (size: its source's), fails the ones
+// it is told to, and removes the finalizer of deleted ones.
+func (a *simAgent) stepSnapshots(ctx context.Context) {
+	var list v1alpha1.NBDSnapshotList
+	if err := a.c.List(ctx, &list); err != nil {
+		return
+	}
+	for i := range list.Items {
+		s := &list.Items[i]
+		a.mu.Lock()
+		hold, code := a.hold[s.Name], a.fail[s.Name]
+		a.mu.Unlock()
+		switch {
+		case hold:
+		case s.DeletionTimestamp != nil:
+			if controllerutil.RemoveFinalizer(s, v1alpha1.SnapshotFinalizer) {
+				_ = a.c.Update(ctx, s)
+			}
+		case s.Status.ReadyToUse || s.Status.Code != "":
+		case code != "":
+			s.Status.Code, s.Status.Message = code, "simulated failure"
+			_ = a.c.Status().Update(ctx, s)
+		default:
+			var v v1alpha1.NBDVolume
+			if err := a.c.Get(ctx, client.ObjectKey{Name: s.Spec.SourceVolume}, &v); err != nil {
+				continue
+			}
+			now := metav1.Now()
+			s.Status = v1alpha1.NBDSnapshotStatus{ReadyToUse: true, SizeBytes: v.Spec.SizeBytes, UsedBytes: 4096, Method: "copy", CreationTime: &now}
+			_ = a.c.Status().Update(ctx, s)
+		}
+	}
+}
+
 func testScheme(t *testing.T) *runtime.Scheme {
 	t.Helper()
 	s := runtime.NewScheme()
@@ -148,7 +183,7 @@ func testScheme(t *testing.T) *runtime.Scheme {
 func newFakeClient(t *testing.T) client.Client {
 	return fake.NewClientBuilder().
 		WithScheme(testScheme(t)).
-		WithStatusSubresource(&v1alpha1.NBDVolume{}, &v1alpha1.NBDStorageNode{}).
+		WithStatusSubresource(&v1alpha1.NBDVolume{}, &v1alpha1.NBDStorageNode{}, &v1alpha1.NBDSnapshot{}).
 		WithInterceptorFuncs(interceptor.Funcs{
 			Create: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.CreateOption) error {
 				if v, ok := obj.(*v1alpha1.NBDVolume); ok {
@@ -354,6 +389,9 @@ func TestControllerGetCapabilities(t *testing.T) {
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("capabilities %v, want %v", got, want)
@@ -367,6 +405,11 @@ func TestCreateVolumeInvalid(t *testing.T) {
 	withSource := createReq("src", 0, nil)
 	withSource.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
 		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "other"}}}
+	fromSnapshot := createReq("src", 0, nil)
+	fromSnapshot.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+		Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: "no-such-snapshot"}}}
+	emptySource := createReq("src", 0, nil)
+	emptySource.VolumeContentSource = &csi.VolumeContentSource{}
 	for _, tc := range []struct {
 		name string
 		req  *csi.CreateVolumeRequest
@@ -379,7 +422,9 @@ func TestCreateVolumeInvalid(t *testing.T) {
 		{"no access type", createReq("v", 0, nil, noType), codes.InvalidArgument, "access type"},
 		{"mount rwx", createReq("v", 0, nil, fsCap(rwx)), codes.InvalidArgument, "block"},
 		{"mixed", createReq("v", 0, nil, fsCap(rwo), rawCap(rwo)), codes.InvalidArgument, "mix"},
-		{"content source", withSource, codes.InvalidArgument, "not supported"},
+		{"source volume missing", withSource, codes.NotFound, "volume other"},
+		{"source snapshot missing", fromSnapshot, codes.NotFound, "snapshot no-such-snapshot"},
+		{"empty content source", emptySource, codes.InvalidArgument, "neither"},
 		{"bad transport", createReq("v", 0, map[string]string{"transport": "warp"}), codes.InvalidArgument, "transport"},
 		{"unknown key", createReq("v", 0, map[string]string{"colour": "blue"}), codes.InvalidArgument, "colour"},
 		{"required over limit", &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{fsCap(rwo)},

@@ -1,0 +1,139 @@
+package driver
+
+import (
+	"context"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+)
+
+// TestSnapshots: CreateSnapshot is idempotent by name, refuses a second
+// source under one name and an unknown source; volumes made from a
+// snapshot or a volume land on the source's storage node, at least as
+// large as the source (smaller asked is OutOfRange), and say their
+// source; ListSnapshots filters and pages; DeleteSnapshot is idempotent;
+// an agent failure reaches the caller with its code.
+func TestSnapshots(t *testing.T) {
+	ctl, c, agent := setup(t)
+	ctx := context.Background()
+	src, err := ctl.CreateVolume(ctx, createReq("src", 2*gib, map[string]string{"storageNode": "small"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcID := src.GetVolume().GetVolumeId()
+
+	req := &csi.CreateSnapshotRequest{Name: "snap-a", SourceVolumeId: srcID}
+	first, err := ctl.CreateSnapshot(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := first.GetSnapshot()
+	if !s.GetReadyToUse() || s.GetSizeBytes() != 2*gib || s.GetSourceVolumeId() != srcID || s.GetCreationTime() == nil || s.GetSnapshotId() == "" {
+		t.Fatalf("snapshot %v", s)
+	}
+	again, err := ctl.CreateSnapshot(ctx, req)
+	if err != nil || again.GetSnapshot().GetSnapshotId() != s.GetSnapshotId() {
+		t.Fatalf("repeated CreateSnapshot: %v, %v", again, err)
+	}
+	var obj v1alpha1.NBDSnapshot
+	if err := c.Get(ctx, client.ObjectKey{Name: s.GetSnapshotId()}, &obj); err != nil || obj.Spec.StorageNode != "small" {
+		t.Fatalf("NBDSnapshot: %v, storage node %q", err, obj.Spec.StorageNode)
+	}
+	other, err := ctl.CreateVolume(ctx, createReq("other", gib, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-a", SourceVolumeId: other.GetVolume().GetVolumeId()})
+	wantStatus(t, err, codes.AlreadyExists, "snap-a")
+	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-x", SourceVolumeId: "no-such-volume"})
+	wantStatus(t, err, codes.NotFound, "no-such-volume")
+	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-x"})
+	wantStatus(t, err, codes.InvalidArgument, "source_volume_id")
+	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: srcID})
+	wantStatus(t, err, codes.InvalidArgument, "name")
+
+	fromSnap := func(name string, required int64) *csi.CreateVolumeRequest {
+		r := createReq(name, required, nil)
+		r.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: s.GetSnapshotId()}}}
+		return r
+	}
+	restored, err := ctl.CreateVolume(ctx, fromSnap("restored", 3*gib))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rv := restored.GetVolume()
+	if rv.GetCapacityBytes() != 3*gib || rv.GetContentSource().GetSnapshot().GetSnapshotId() != s.GetSnapshotId() {
+		t.Fatalf("restored volume %v", rv)
+	}
+	var robj v1alpha1.NBDVolume
+	if err := c.Get(ctx, client.ObjectKey{Name: rv.GetVolumeId()}, &robj); err != nil || robj.Spec.StorageNode != "small" ||
+		robj.Spec.ContentSource == nil || robj.Spec.ContentSource.Snapshot != s.GetSnapshotId() {
+		t.Fatalf("restored NBDVolume: %v, %+v", err, robj.Spec)
+	}
+	// No size asked: the source's.
+	if v, err := ctl.CreateVolume(ctx, fromSnap("restored-default", 0)); err != nil || v.GetVolume().GetCapacityBytes() != 2*gib {
+		t.Fatalf("restore without a size: %v, %v", v, err)
+	}
+	_, err = ctl.CreateVolume(ctx, fromSnap("restored-small", gib))
+	wantStatus(t, err, codes.OutOfRange, "source")
+	// The same name again with another source.
+	clone := createReq("restored", 3*gib, nil)
+	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+		Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: srcID}}}
+	_, err = ctl.CreateVolume(ctx, clone)
+	wantStatus(t, err, codes.AlreadyExists, "content source")
+	clone.Name = "clone"
+	cv, err := ctl.CreateVolume(ctx, clone)
+	if err != nil || cv.GetVolume().GetContentSource().GetVolume().GetVolumeId() != srcID {
+		t.Fatalf("clone: %v, %v", cv, err)
+	}
+
+	// Listing.
+	if _, err := ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-b", SourceVolumeId: other.GetVolume().GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+	all, err := ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
+	if err != nil || len(all.GetEntries()) != 2 {
+		t.Fatalf("ListSnapshots: %v, %v", all, err)
+	}
+	bySource, err := ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: srcID})
+	if err != nil || len(bySource.GetEntries()) != 1 || bySource.GetEntries()[0].GetSnapshot().GetSnapshotId() != s.GetSnapshotId() {
+		t.Fatalf("ListSnapshots by source: %v, %v", bySource, err)
+	}
+	byID, err := ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: "no-such-snapshot"})
+	if err != nil || len(byID.GetEntries()) != 0 {
+		t.Fatalf("ListSnapshots of an unknown ID: %v, %v", byID, err)
+	}
+	page, err := ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{MaxEntries: 1})
+	if err != nil || len(page.GetEntries()) != 1 || page.GetNextToken() == "" {
+		t.Fatalf("first page: %v, %v", page, err)
+	}
+	rest, err := ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{StartingToken: page.GetNextToken()})
+	if err != nil || len(rest.GetEntries()) != 1 || rest.GetEntries()[0].GetSnapshot().GetSnapshotId() == page.GetEntries()[0].GetSnapshot().GetSnapshotId() {
+		t.Fatalf("second page: %v, %v", rest, err)
+	}
+	_, err = ctl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{StartingToken: "bogus"})
+	wantStatus(t, err, codes.Aborted, "starting_token")
+
+	// Deletion, twice; the source and the restore stay.
+	for range 2 {
+		if _, err := ctl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: s.GetSnapshotId()}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.Get(ctx, client.ObjectKey{Name: s.GetSnapshotId()}, &v1alpha1.NBDSnapshot{}); err == nil {
+		t.Fatal("the snapshot object is still there")
+	}
+	_, err = ctl.CreateVolume(ctx, fromSnap("after-delete", 0))
+	wantStatus(t, err, codes.NotFound, s.GetSnapshotId())
+
+	// The agent's failure, with its code; the failed object goes.
+	agent.setFail("snap-c", "ResourceExhausted")
+	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-c", SourceVolumeId: srcID})
+	wantStatus(t, err, codes.ResourceExhausted, "simulated failure")
+}
