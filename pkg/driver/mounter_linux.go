@@ -63,6 +63,12 @@ func (m *mounter) DeviceFromMount(mountPath string) (string, error) {
 }
 
 func (m *mounter) Resize(devicePath, mountPath string) (bool, error) {
+	// Only when the device is larger than the filesystem: a stage calls
+	// this every time.
+	need, err := m.resizer.NeedResize(devicePath, mountPath)
+	if err != nil || !need {
+		return false, err
+	}
 	return m.resizer.Resize(devicePath, mountPath)
 }
 

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -59,7 +60,7 @@ type Mounter interface {
 	// DeviceFromMount returns the device mounted at mountPath.
 	DeviceFromMount(mountPath string) (string, error)
 	// Resize grows the file system on devicePath, mounted at mountPath,
-	// to the size of the device.
+	// to the size of the device; false when it has that size already.
 	Resize(devicePath, mountPath string) (bool, error)
 	// Statfs reports the usage of the file system holding path.
 	Statfs(path string) (FSStats, error)
@@ -78,7 +79,16 @@ type NodeConfig struct {
 	// Observer, when set, hears of every volume staged and unstaged (to
 	// tell the user: *VolumeWatch).
 	Observer StageObserver
+	// StateDir keeps, per staged volume, how many storage addresses it
+	// was staged with, so that a restarted node plugin still tells a
+	// volume missing subflows (in the directory expectedDir names). Empty:
+	// remembered in memory only, and unknown after a restart.
+	StateDir string
 }
+
+// expectedDir is the directory under NodeConfig.StateDir holding, per
+// staged volume, a file named by its ID with its storage address count.
+const expectedDir = "expected-subflows"
 
 // StageObserver hears of the volumes the node stages and unstages. Its
 // methods return at once: a CSI call never waits for what it does.
@@ -105,8 +115,9 @@ type Node struct {
 	pubMu sync.Mutex
 	pubs  map[string]map[string]bool
 	// addrs remembers, per staged volume, how many storage addresses it
-	// was published with: the MPTCP subflows a healthy volume has. It is
-	// lost with the process, after which only connectivity is checked.
+	// was published with: the MPTCP subflows a healthy volume has. Kept in
+	// StateDir too; without one it is lost with the process, after which
+	// only connectivity is checked.
 	addrs sync.Map
 }
 
@@ -208,7 +219,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	n.addrs.Store(id, len(spec.Target.Addrs))
+	n.rememberExpected(id, len(spec.Target.Addrs))
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Staged(att)
 	}
@@ -268,6 +279,17 @@ func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging st
 	if err := n.cfg.Mounter.FormatAndMount(att.Device, staging, fsType, opts); err != nil {
 		return undo(fmt.Errorf("format and mount %s (%s) at %s: %w", att.Device, fsType, staging, err))
 	}
+	// A volume restored or cloned into more space than its source had
+	// holds the source's smaller filesystem: grow it to the device.
+	if !spec.Options.ReadOnly {
+		grown, err := n.cfg.Mounter.Resize(att.Device, staging)
+		if err != nil {
+			return undo(fmt.Errorf("grow the filesystem on %s to the volume's size: %w", att.Device, err))
+		}
+		if grown {
+			log.Info("filesystem grown to the volume's size at stage")
+		}
+	}
 	log.Info("volume staged", "fs_type", fsType)
 	return nil
 }
@@ -309,7 +331,7 @@ func (n *Node) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolume
 	if err := n.cfg.Attacher.Detach(ctx, id); err != nil {
 		return nil, toStatus(fmt.Errorf("detach volume %s: %w", id, err))
 	}
-	n.addrs.Delete(id)
+	n.forgetExpected(id)
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Unstaged(id)
 	}
@@ -596,14 +618,70 @@ func (n *Node) volumeHealth(id string, tr attach.Transport, h attach.Health, err
 }
 
 // expectedSubflows is how many MPTCP subflows each connection of a
-// healthy volume has: the storage addresses it was staged with; unknown
-// after a restart of this process.
+// healthy volume has: the storage addresses it was staged with, from
+// memory or, after a restart of this process, from StateDir.
 func (n *Node) expectedSubflows(id string) (int, bool) {
-	want, ok := n.addrs.Load(id)
-	if !ok {
+	if want, ok := n.addrs.Load(id); ok {
+		return want.(int), true
+	}
+	p := n.expectedFile(id)
+	if p == "" {
 		return 0, false
 	}
-	return want.(int), true
+	b, err := os.ReadFile(p)
+	if err != nil {
+		if !errors.Is(err, fs.ErrNotExist) {
+			n.log.Warn("read the volume's storage address count", "volume_id", id, "error", err)
+		}
+		return 0, false
+	}
+	want, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || want < 1 {
+		n.log.Warn("a malformed storage address count; subflows go unchecked", "volume_id", id, "path", p, "content", string(b))
+		return 0, false
+	}
+	n.addrs.Store(id, want)
+	return want, true
+}
+
+// expectedFile is where StateDir keeps the volume's storage address
+// count; empty without a StateDir or for an ID that is no file name.
+func (n *Node) expectedFile(id string) string {
+	if n.cfg.StateDir == "" || id == "" || id != filepath.Base(id) || strings.HasPrefix(id, ".") {
+		return ""
+	}
+	return filepath.Join(n.cfg.StateDir, expectedDir, id)
+}
+
+// rememberExpected records the volume's storage address count, in
+// memory and in StateDir. A failed write costs only the subflow check
+// after a restart, so it is logged, not returned.
+func (n *Node) rememberExpected(id string, addrs int) {
+	n.addrs.Store(id, addrs)
+	p := n.expectedFile(id)
+	if p == "" {
+		return
+	}
+	err := os.MkdirAll(filepath.Dir(p), 0o700)
+	if err == nil {
+		tmp := p + ".tmp"
+		if err = os.WriteFile(tmp, []byte(strconv.Itoa(addrs)+"\n"), 0o600); err == nil {
+			err = os.Rename(tmp, p)
+		}
+	}
+	if err != nil {
+		n.log.Warn("keep the volume's storage address count; after a restart its subflows go unchecked", "volume_id", id, "error", err)
+	}
+}
+
+// forgetExpected drops what rememberExpected kept.
+func (n *Node) forgetExpected(id string) {
+	n.addrs.Delete(id)
+	if p := n.expectedFile(id); p != "" {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			n.log.Warn("remove the volume's storage address count", "volume_id", id, "error", err)
+		}
+	}
 }
 
 func (n *Node) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
