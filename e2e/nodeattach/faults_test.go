@@ -610,7 +610,8 @@ func writeIOs(dev string) int64 {
 // with mode.
 func attachFault(t *testing.T, mode attach.Transport) (*debianServer, *nbddev.Attacher, attach.Target, *attach.Attachment) {
 	t.Helper()
-	tp := guestTopology(t)
+	// Debian's nbd-server speaks plain TCP.
+	tp := plainGuestTopology(t)
 	srv := startDebianServer(t, tp, faultExportSize)
 	a, _ := newAttacher(t, tp, mode)
 	tg := srv.target(volID(t))

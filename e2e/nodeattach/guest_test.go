@@ -25,9 +25,27 @@ const (
 	bigData = 200 << 20
 )
 
+// guestTopology builds a topology whose client host is the guest's own
+// network namespace: this process and its children dial from it as a
+// node plugin on its host does, and reach the kernel's nbd netlink family
+// there.
 func guestTopology(t *testing.T) *topo.Topology {
+	return newGuestTopology(t, false)
+}
+
+// plainGuestTopology is guestTopology for tests whose connections are
+// plain TCP (Debian's nbd-server, the tcp and multiconn transports): no
+// subflow joins from this namespace, so it does not wait for the MPTCP
+// endpoints the others take turns for (topo.Config.PlainTCP).
+func plainGuestTopology(t *testing.T) *topo.Topology {
+	return newGuestTopology(t, true)
+}
+
+func newGuestTopology(t *testing.T, plain bool) *topo.Topology {
 	// Rates stay at line rate: TCG is the bottleneck in the VM, not tbf.
-	return topo.NewForTest(t, topo.Uniform(topo.UniqueName("na"), 4, 1000))
+	cfg := topo.Uniform(topo.UniqueName("na"), 4, 1000)
+	cfg.ClientInCaller, cfg.PlainTCP = true, plain
+	return topo.NewForTest(t, cfg)
 }
 
 // TestAttachTransports attaches with relay, multiconn and tcp: mkfs.ext4,
@@ -298,31 +316,37 @@ func TestMeasureTransports(t *testing.T) {
 	}
 	var rows []row
 	for _, mode := range []attach.Transport{attach.TCP, attach.MultiConn, attach.Relay} {
-		tp := guestTopology(t)
-		st := newStorage(t, tp, volSize, mode == attach.Relay)
-		a, _ := newAttacher(t, tp, mode)
-		tg := st.target(volID(t))
-		att, err := a.Attach(context.Background(), tg, attach.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		start := time.Now()
-		if err := writeDevice(att.Device, data); err != nil {
-			t.Fatal(err)
-		}
-		w := float64(n) / 1e6 / time.Since(start).Seconds()
-		start = time.Now()
-		got, err := readDevice(att.Device, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		r := float64(n) / 1e6 / time.Since(start).Seconds()
-		if !bytes.Equal(got, data) {
-			t.Fatalf("%s: data differs", mode)
-		}
-		rows = append(rows, row{mode, w, r})
-		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
-			t.Fatal(err)
+		// A subtest each: its topology goes when it ends.
+		ok := t.Run(string(mode), func(t *testing.T) {
+			tp := guestTopology(t)
+			st := newStorage(t, tp, volSize, mode == attach.Relay)
+			a, _ := newAttacher(t, tp, mode)
+			tg := st.target(volID(t))
+			att, err := a.Attach(context.Background(), tg, attach.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			if err := writeDevice(att.Device, data); err != nil {
+				t.Fatal(err)
+			}
+			w := float64(n) / 1e6 / time.Since(start).Seconds()
+			start = time.Now()
+			got, err := readDevice(att.Device, n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := float64(n) / 1e6 / time.Since(start).Seconds()
+			if !bytes.Equal(got, data) {
+				t.Fatalf("%s: data differs", mode)
+			}
+			rows = append(rows, row{mode, w, r})
+			if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+				t.Fatal(err)
+			}
+		})
+		if !ok {
+			return
 		}
 	}
 	t.Logf("%-10s %10s %10s %8s %8s", "transport", "write MB/s", "read MB/s", "w/tcp", "r/tcp")

@@ -45,7 +45,7 @@ func TestDatapathHandover(t *testing.T) {
 			tp := guestTopology(t)
 			st := newStorage(t, tp, faultExportSize, mode != attach.TCP)
 			state := t.TempDir()
-			cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: state, Mode: mode,
+			cs := childSpec{Target: st.target(volID(t)), StateDir: state, Mode: mode,
 				Datapath: filepath.Join(state, "datapath.sock")}
 			prev, dev, taken := startChildTaken(t, cs)
 			if taken != 0 {
@@ -125,7 +125,7 @@ func TestDatapathHandoverDuringOutage(t *testing.T) {
 			tp := guestTopology(t)
 			srv := startDebianServer(t, tp, faultExportSize)
 			state := t.TempDir()
-			cs := childSpec{ClientNS: tp.ClientNS, Target: srv.target(volID(t)), StateDir: state, Mode: mode,
+			cs := childSpec{Target: srv.target(volID(t)), StateDir: state, Mode: mode,
 				Datapath: filepath.Join(state, "datapath.sock")}
 			prev, dev, _ := startChildTaken(t, cs)
 			stuck := func(what string) { reportStuck(t, dev, what, "(served by a datapath process)") }

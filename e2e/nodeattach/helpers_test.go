@@ -177,20 +177,6 @@ func (st *storage) conns() int {
 	return e.ConnCount()
 }
 
-// clientDialer dials from the network namespace ns (the topology's
-// client side).
-func clientDialer(ns string) func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-	return func(ctx context.Context, d *net.Dialer, network, addr string) (c net.Conn, err error) {
-		err = topo.InNetns(ns, func() error {
-			c, err = d.DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}
-}
-
-// newAttacher makes an attacher whose data sockets are dialled from the
-// client namespace while netlink stays in the initial one.
 // detach detaches a volume at the end of a test (deferred); one the test
 // detached already is no error.
 func detach(t *testing.T, a *nbddev.Attacher, id string) {
@@ -200,6 +186,8 @@ func detach(t *testing.T, a *nbddev.Attacher, id string) {
 	}
 }
 
+// newAttacher makes an attacher of this process, which is the client host
+// of the guest's topologies (see guestTopology).
 func newAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (*nbddev.Attacher, *nbdnl.Client) {
 	t.Helper()
 	nl, err := nbdnl.Dial()
@@ -208,11 +196,10 @@ func newAttacher(t *testing.T, tp *topo.Topology, mode attach.Transport) (*nbdde
 	}
 	t.Cleanup(func() { nl.Close() })
 	a, err := nbddev.New(nbddev.Config{
-		Mode:        mode,
-		Kernel:      nl,
-		Devices:     nbdnl.Sysfs{Root: "/sys"},
-		Logger:      testLogger(t),
-		DialContext: clientDialer(tp.ClientNS),
+		Mode:    mode,
+		Kernel:  nl,
+		Devices: nbdnl.Sysfs{Root: "/sys"},
+		Logger:  testLogger(t),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -92,7 +92,6 @@ func dialTCPFile(t *testing.T, tp *topo.Topology, st *storage) (*os.File, error)
 
 // childSpec is what the attaching child process is told.
 type childSpec struct {
-	ClientNS string
 	Target   attach.Target
 	StateDir string
 	// Adopt makes the child find the volume from the state directory and
@@ -128,7 +127,6 @@ func TestHelperAttachProcess(t *testing.T) {
 	}
 	if cs.Mode == attach.Ublk {
 		// The datapath serves ublk volumes in process (see the README).
-		// This process runs in the client namespace (startChildAsync).
 		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, Logger: testLogger(t)})
 		if err != nil {
 			t.Fatal(err)
@@ -141,7 +139,6 @@ func TestHelperAttachProcess(t *testing.T) {
 		}
 		n, err := nbddev.New(nbddev.Config{
 			Mode: cs.Mode, Kernel: nl, Devices: nbdnl.Sysfs{Root: "/sys"}, Logger: testLogger(t), StateDir: cs.StateDir,
-			DialContext: clientDialer(cs.ClientNS),
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -215,13 +212,9 @@ type childSaid struct {
 func startChildAsync(t *testing.T, cs childSpec) (*exec.Cmd, <-chan childSaid) {
 	t.Helper()
 	spec, _ := json.Marshal(cs)
+	// The child runs on the client host, as this process does (see
+	// guestTopology).
 	argv := []string{os.Args[0], "-test.run=^TestHelperAttachProcess$", "-test.v"}
-	if cs.Mode == attach.Ublk {
-		// ublk needs no netlink of the initial namespace: the whole
-		// process dials from the client's, as a node plugin in it would.
-		// nsenter execs the test binary: the pid stays the child's.
-		argv = append([]string{"nsenter", "--net=/run/netns/" + cs.ClientNS, "--"}, argv...)
-	}
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(os.Environ(), "MPNBD_ATTACH_CHILD="+string(spec))
 	out, err := cmd.StdoutPipe()
@@ -292,7 +285,7 @@ func TestReadoptAfterKill(t *testing.T) {
 	requireGuest(t)
 	tp := guestTopology(t)
 	st := newStorage(t, tp, volSize, true)
-	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: t.TempDir()}
+	cs := childSpec{Target: st.target(volID(t)), StateDir: t.TempDir()}
 	t0 := time.Now()
 	first, dev := startChild(t, cs)
 	t.Logf("%v: attached %s", time.Since(t0).Round(time.Millisecond), dev)

@@ -167,9 +167,9 @@ func TestPluginRestartDuringOutage(t *testing.T) {
 	for _, mode := range faultModes() {
 		t.Run(string(mode), func(t *testing.T) {
 			t.Parallel()
-			tp := guestTopology(t)
+			tp := plainGuestTopology(t) // Debian's nbd-server: plain TCP
 			srv := startDebianServer(t, tp, faultExportSize)
-			cs := childSpec{ClientNS: tp.ClientNS, Target: srv.target(volID(t)), StateDir: t.TempDir(), Mode: mode}
+			cs := childSpec{Target: srv.target(volID(t)), StateDir: t.TempDir(), Mode: mode}
 			first, dev := startChild(t, cs)
 			t.Cleanup(func() { disconnectDevice(t, dev) })
 			before := writeIOs(dev)
@@ -280,7 +280,12 @@ func TestServerStallPastRequestTimeout(t *testing.T) {
 	for _, mode := range kernelSocketModes() {
 		t.Run(string(mode), func(t *testing.T) {
 			t.Parallel()
-			tp := guestTopology(t)
+			// tcp and multiconn are plain TCP; kernel is MPTCP.
+			newTopology := plainGuestTopology
+			if mode == attach.Kernel {
+				newTopology = guestTopology
+			}
+			tp := newTopology(t)
 			srv := startOurServer(t, tp, faultExportSize)
 			a, _ := newAttacher(t, tp, mode)
 			tg := srv.target(volID(t))
@@ -334,7 +339,7 @@ func TestReadoptHealthyDevices(t *testing.T) {
 			if mode == attach.MultiConn {
 				slots = len(tp.Paths)
 			}
-			cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: t.TempDir(), Mode: mode}
+			cs := childSpec{Target: st.target(volID(t)), StateDir: t.TempDir(), Mode: mode}
 			first, dev := startChild(t, cs)
 			t.Cleanup(func() { disconnectDevice(t, dev) })
 			waitServerConns(t, st, slots)

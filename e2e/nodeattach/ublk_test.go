@@ -182,7 +182,7 @@ func TestUblkProcessKilledMidWrite(t *testing.T) {
 	requireFaultTools(t)
 	tp := guestTopology(t)
 	st := newStorage(t, tp, faultExportSize, true)
-	cs := childSpec{ClientNS: tp.ClientNS, Target: st.target(volID(t)), StateDir: t.TempDir(), Mode: attach.Ublk}
+	cs := childSpec{Target: st.target(volID(t)), StateDir: t.TempDir(), Mode: attach.Ublk}
 	first, dev := startChild(t, cs)
 	before := writeIOs(dev)
 	f := startFio(t, dev, int(time.Now().UnixNano()%1000000)+3)

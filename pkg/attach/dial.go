@@ -72,10 +72,7 @@ func Dial[T any](ctx context.Context, d *AddrDialer, addrs []string, dial DialFu
 // place where a transport's connections are made (MPTCP asked for and its
 // fallback logged, the session announced, refusals told apart).
 type ExportDialer struct {
-	// DialContext dials with d; nil means d.DialContext. Tests use it to
-	// dial from another network namespace.
-	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
-	Logger      *slog.Logger
+	Logger *slog.Logger
 }
 
 // DialExport connects to addr (from the local address local, if set),
@@ -90,13 +87,7 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 		}
 		d.LocalAddr = la
 	}
-	dial := x.DialContext
-	if dial == nil {
-		dial = func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-			return d.DialContext(ctx, network, addr)
-		}
-	}
-	c, err := dial(ctx, d, "tcp", addr)
+	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, nbd.ExportInfo{}, fmt.Errorf("dial %s: %w", addr, err)
 	}

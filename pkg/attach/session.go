@@ -130,15 +130,15 @@ func (s *Session) Close(timeout time.Duration) {
 // ProbeSize asks the server for the export's size on a connection of its
 // own (no session: it must not supersede the data connection).
 func (s *Session) ProbeSize(ctx context.Context, t Target) (uint64, error) {
-	return ProbeSize(ctx, nil, t, &s.addrs)
+	return ProbeSize(ctx, t, &s.addrs)
 }
 
 // ProbeSize asks a target's server for the export's size on a connection
 // of its own, dialing the addresses in turn from the last good one.
-func ProbeSize(ctx context.Context, dial func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error), t Target, addrs *AddrDialer) (uint64, error) {
+func ProbeSize(ctx context.Context, t Target, addrs *AddrDialer) (uint64, error) {
 	ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 	defer cancel()
-	x := ExportDialer{DialContext: dial}
+	var x ExportDialer
 	info, _, err := Dial(ctx, addrs, t.Addrs, func(ctx context.Context, addr string) (nbd.ExportInfo, error) {
 		c, info, err := x.DialExport(ctx, addr, "", t.Export, true, nil)
 		if err != nil {

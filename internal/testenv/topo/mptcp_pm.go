@@ -32,14 +32,23 @@ func configureMPTCP(t *Topology) error {
 		}
 	}
 	extra := uint32(len(t.Paths) - 1)
+	if t.ClientInCaller {
+		// Leftovers of an earlier topology with these addresses.
+		if err := t.dropCallerEndpoints(); err != nil {
+			return fmt.Errorf("client MPTCP: %w", err)
+		}
+	}
 	err := InNetns(t.ClientNS, func() error {
 		pm, err := mptcp.DialPM()
 		if err != nil {
 			return err
 		}
 		defer pm.Close()
-		if err := pm.Flush(); err != nil {
-			return err
+		// A caller's namespace may hold other topologies' endpoints.
+		if !t.ClientInCaller {
+			if err := pm.Flush(); err != nil {
+				return err
+			}
 		}
 		return pm.SetLimits(mptcp.Limits{Subflows: extra, AddAddrAccepted: extra})
 	})

@@ -106,3 +106,23 @@ func writeSysctl(ns, key, value string) error {
 		return nil
 	})
 }
+
+// nameCallerNetns names the caller's network namespace ns for `ip netns`
+// by bind-mounting /proc/self/ns/net where `ip netns add` would mount a
+// new one.
+func nameCallerNetns(ns string) error {
+	if err := os.MkdirAll(netnsDir, 0o755); err != nil {
+		return fmt.Errorf("topo: %w", err)
+	}
+	p := netnsPath(ns)
+	f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_RDONLY, 0o444)
+	if err != nil {
+		return fmt.Errorf("topo: name the caller's namespace %q: %w", ns, err)
+	}
+	f.Close()
+	if err := unix.Mount("/proc/self/ns/net", p, "", unix.MS_BIND, ""); err != nil {
+		os.Remove(p)
+		return fmt.Errorf("topo: bind-mount the caller's namespace on %s: %w", p, err)
+	}
+	return nil
+}

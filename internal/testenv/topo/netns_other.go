@@ -19,3 +19,5 @@ func (t *Topology) InServer(fn func() error) error { return errUnsupported }
 func InNetns(ns string, fn func() error) error { return errUnsupported }
 
 func writeSysctl(ns, key, value string) error { return errUnsupported }
+
+func nameCallerNetns(string) error { return errUnsupported }

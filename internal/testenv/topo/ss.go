@@ -34,7 +34,21 @@ func (s Subflow) Join() bool { return strings.ContainsAny(s.Flags, "Jj") }
 
 // ClientSubflows lists the established MPTCP subflows in the client
 // namespace.
-func (t *Topology) ClientSubflows() ([]Subflow, error) { return Subflows(t.ClientNS) }
+func (t *Topology) ClientSubflows() ([]Subflow, error) {
+	subs, err := Subflows(t.ClientNS)
+	if err != nil || !t.ClientInCaller {
+		return subs, err
+	}
+	// The caller's namespace holds other connections too: keep this
+	// topology's.
+	var own []Subflow
+	for _, s := range subs {
+		if t.PathOf(s.Local.Addr()) > 0 {
+			own = append(own, s)
+		}
+	}
+	return own, nil
+}
 
 // ServerSubflows lists the established MPTCP subflows in the server
 // namespace.

@@ -3,6 +3,8 @@ package topo
 import (
 	"os"
 	"os/exec"
+	"regexp"
+	"strings"
 	"testing"
 )
 
@@ -42,4 +44,33 @@ func NewForTest(t testing.TB, cfg Config) *Topology {
 		}
 	})
 	return topo
+}
+
+// envFreshNetns marks the child process InFreshNetns starts.
+const envFreshNetns = "MPNBD_TOPO_FRESH_NETNS"
+
+// InFreshNetns runs the calling top-level test again in a child process
+// with a network namespace of its own (`unshare --net`) and reports
+// whether this process is that child. The parent logs the child's
+// output, fails if the child's test did not pass, and gets false: it
+// returns at once. With a Config.ClientInCaller topology the child
+// process is the client host, and everything it dials leaves from there.
+func InFreshNetns(t *testing.T) bool {
+	t.Helper()
+	RequireRoot(t)
+	if os.Getenv(envFreshNetns) == t.Name() {
+		return true
+	}
+	if _, err := exec.LookPath("unshare"); err != nil {
+		t.Skipf("skipping: unshare (util-linux) not found: %v", err)
+	}
+	cmd := exec.Command("unshare", "--net", "--", os.Args[0],
+		"-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), envFreshNetns+"="+t.Name())
+	out, err := cmd.CombinedOutput()
+	t.Logf("in a network namespace of its own:\n%s", out)
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
+		t.Fatalf("%s failed in its own network namespace: %v", t.Name(), err)
+	}
+	return false
 }

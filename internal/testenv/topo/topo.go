@@ -40,7 +40,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 )
+
+// callerSubnets numbers the subnets Plan picks for ClientInCaller
+// topologies.
+var callerSubnets atomic.Int32
 
 // DefaultSubnet is the first two octets of all path addresses.
 const DefaultSubnet = "10.77"
@@ -72,6 +77,21 @@ type Config struct {
 	// 0 means DefaultJoinPort; a negative value announces the addresses
 	// without a port.
 	JoinPort int
+	// ClientInCaller makes the caller's own network namespace the client
+	// host: the client ends of the veths, the client's sysctls and MPTCP
+	// limits live there, and ClientNS names it (a bind mount of
+	// /proc/self/ns/net), so `ip -n`, nsenter and InNetns reach it as
+	// usual. The caller's processes and sockets then act as the client
+	// host without entering a namespace, as a node plugin on its host
+	// does. Only for a machine the tests own (the test VM): Down removes
+	// the veths and the name, not the namespace. Topologies that exist at
+	// the same time need distinct Subnets; Plan picks one for each when
+	// Subnet is empty.
+	ClientInCaller bool
+	// PlainTCP says no MPTCP subflow will join from the client (its
+	// connections are plain TCP): a ClientInCaller topology then
+	// reserves none of the caller's MPTCP endpoints (see caller.go).
+	PlainTCP bool
 }
 
 // PathConfig configures one path.
@@ -101,6 +121,10 @@ type Topology struct {
 	ClientNS string // network namespace of the client host
 	ServerNS string // network namespace of the server host
 	Paths    []Path
+	// ClientInCaller: ClientNS names the caller's namespace (see Config).
+	ClientInCaller bool
+	// endpoints is what it holds of the caller's MPTCP endpoints.
+	endpoints int
 	// JoinPort is the port of the server's MP_JOIN listeners on paths
 	// 2..N, 0 if the addresses are announced without a port.
 	JoinPort int
@@ -170,6 +194,11 @@ func Plan(cfg Config) (*Topology, error) {
 	subnet := cfg.Subnet
 	if subnet == "" {
 		subnet = DefaultSubnet
+		if cfg.ClientInCaller {
+			// Client addresses share the caller's namespace with those of
+			// every other such topology: give each its own subnet.
+			subnet = fmt.Sprintf("10.%d", 100+callerSubnets.Add(1)%150)
+		}
 	}
 	if a, err := netip.ParseAddr(subnet + ".0.0"); err != nil || !a.Is4() {
 		return nil, fmt.Errorf("topo: invalid subnet %q: want two IPv4 octets such as %q", subnet, DefaultSubnet)
@@ -184,11 +213,12 @@ func Plan(cfg Config) (*Topology, error) {
 		return nil, fmt.Errorf("topo: invalid join port %d", cfg.JoinPort)
 	}
 	t := &Topology{
-		JoinPort: joinPort,
-		Name:     cfg.Name,
-		ClientNS: ClientNSName(cfg.Name),
-		ServerNS: ServerNSName(cfg.Name),
-		Paths:    make([]Path, n),
+		ClientInCaller: cfg.ClientInCaller,
+		JoinPort:       joinPort,
+		Name:           cfg.Name,
+		ClientNS:       ClientNSName(cfg.Name),
+		ServerNS:       ServerNSName(cfg.Name),
+		Paths:          make([]Path, n),
 	}
 	for i, pc := range cfg.Paths {
 		rate := pc.RateMbit
@@ -285,6 +315,12 @@ func Up(cfg Config) (_ *Topology, err error) {
 	if err := Down(t.Name); err != nil {
 		return nil, fmt.Errorf("topo: removing leftovers of %q: %w", t.Name, err)
 	}
+	if t.ClientInCaller && !cfg.PlainTCP {
+		if err := takeCallerEndpoints(len(t.Paths) - 1); err != nil {
+			return nil, err
+		}
+		t.endpoints = len(t.Paths) - 1
+	}
 	defer func() {
 		if err != nil {
 			if derr := t.Down(); derr != nil {
@@ -301,10 +337,20 @@ func Up(cfg Config) (_ *Topology, err error) {
 // create performs the steps of Up; the caller cleans up on error.
 func (t *Topology) create() error {
 	for _, ns := range []string{t.ClientNS, t.ServerNS} {
+		if ns == t.ClientNS && t.ClientInCaller {
+			continue
+		}
 		if err := run("ip", "netns", "add", ns); err != nil {
 			return err
 		}
 		if err := run("ip", "-n", ns, "link", "set", "lo", "up"); err != nil {
+			return err
+		}
+	}
+	// After `ip netns add`, which makes the namespace directory a mount
+	// point of its own.
+	if t.ClientInCaller {
+		if err := nameCallerNetns(t.ClientNS); err != nil {
 			return err
 		}
 	}
@@ -348,7 +394,18 @@ func (t *Topology) Down() error {
 	if t == nil {
 		return nil
 	}
-	return Down(t.Name)
+	var errs []error
+	if t.ClientInCaller {
+		if ok, _ := netnsExists(t.ClientNS); ok {
+			errs = append(errs, t.dropCallerEndpoints())
+		}
+	}
+	errs = append(errs, Down(t.Name))
+	if t.endpoints > 0 {
+		releaseCallerEndpoints(t.endpoints)
+		t.endpoints = 0
+	}
+	return errors.Join(errs...)
 }
 
 // Down removes every namespace and stray interface created for a
@@ -357,7 +414,9 @@ func (t *Topology) Down() error {
 //
 // Deleting a namespace only unlinks its name; the kernel destroys it
 // (and its veth devices) once the last socket or process inside it is
-// gone, so close connections made inside it first.
+// gone, so close connections made inside it first. The name of a
+// ClientInCaller client is unlinked the same way; its veths, which live
+// in the caller's namespace, go with the stray interfaces below.
 func Down(name string) error {
 	if !nameRE.MatchString(name) {
 		return fmt.Errorf("topo: invalid name %q", name)

@@ -532,3 +532,134 @@ func TestMeasureThroughput(t *testing.T) {
 		}
 	}
 }
+
+// TestClientInCaller builds two topologies whose client host is the
+// caller's own namespace (a fresh one: the test re-runs itself under
+// `unshare --net`), dials from the process itself without entering a
+// namespace, and checks one subflow per path for each topology, each
+// listing only its own, and that Down leaves the caller's namespace as
+// it found it.
+func TestClientInCaller(t *testing.T) {
+	RequireRoot(t)
+	requireMPTCP(t)
+	if !InFreshNetns(t) {
+		return
+	}
+	before, err := os.Readlink("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tops []*Topology
+	var conns []net.Conn
+	for range 2 {
+		cfg := Default4(UniqueName("cc"))
+		cfg.ClientInCaller = true
+		tp, err := Up(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tp.Down() })
+		tops = append(tops, tp)
+		ln := listen(t, tp, net.JoinHostPort(tp.ServerAddr(1).String(), "0"))
+		accepted := acceptOne(t, ln)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		c, err := mptcp.Dialer(true).DialContext(ctx, "tcp4", ln.Addr().String())
+		cancel()
+		if err != nil {
+			t.Fatalf("dial from the caller's namespace: %v", err)
+		}
+		t.Cleanup(func() { c.Close() })
+		sc := <-accepted
+		if sc == nil {
+			t.FailNow()
+		}
+		go echoSum(sc)
+		if err := sendVerified(c, 8<<20); err != nil {
+			t.Fatal(err)
+		}
+		waitSubflows(t, c, len(tp.Paths)-1, 5*time.Second)
+		conns = append(conns, c)
+	}
+	if tops[0].ServerAddr(1) == tops[1].ServerAddr(1) {
+		t.Errorf("both topologies use %v", tops[0].ServerAddr(1))
+	}
+	for i, tp := range tops {
+		info, err := mptcp.GetInfo(conns[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		subs, err := tp.ClientSubflows()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(subs) != len(tp.Paths) {
+			t.Errorf("%s: %d client subflows listed, want %d (its own only)", tp.Name, len(subs), len(tp.Paths))
+		}
+		checkOnePerPath(t, tp, connSubflows(t, tp.ClientSubflows, info.Token), true)
+	}
+	for i, tp := range tops {
+		conns[i].Close()
+		if err := tp.Down(); err != nil {
+			t.Fatal(err)
+		}
+		assertGone(t, tp.Name)
+	}
+	// The endpoints the kernel made for the client addresses go too:
+	// they would count against the namespace's 8.
+	pm, err := mptcp.DialPM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pm.Close()
+	eps, err := pm.Endpoints()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range eps {
+		for _, tp := range tops {
+			if tp.PathOf(e.Addr) > 0 {
+				t.Errorf("endpoint %d (%v) of %s left in the caller's namespace", e.ID, e.Addr, tp.Name)
+			}
+		}
+	}
+	if callerBudget.used != 0 {
+		t.Errorf("%d caller endpoints still reserved", callerBudget.used)
+	}
+	after, err := os.Readlink("/proc/self/ns/net")
+	if err != nil || after != before {
+		t.Errorf("caller's namespace %q before, %q (%v) after", before, after, err)
+	}
+	if _, err := net.InterfaceByName("lo"); err != nil {
+		t.Errorf("caller's namespace lost lo: %v", err)
+	}
+}
+
+// TestCallerEndpointBudget: topologies in the caller's namespace take
+// turns for its 8 MPTCP endpoints; one too many waits for a release.
+func TestCallerEndpointBudget(t *testing.T) {
+	if err := takeCallerEndpoints(9); err == nil {
+		t.Fatal("10 paths in the caller's namespace accepted")
+	}
+	for range 2 {
+		if err := takeCallerEndpoints(3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got := make(chan error, 1)
+	go func() { got <- takeCallerEndpoints(3) }()
+	select {
+	case err := <-got:
+		t.Fatalf("a third 4-path topology did not wait (%v)", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	releaseCallerEndpoints(3)
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the third topology still waits after a release")
+	}
+	releaseCallerEndpoints(6)
+}

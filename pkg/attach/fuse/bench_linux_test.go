@@ -129,7 +129,7 @@ func benchVariants() []benchVariant {
 func BenchmarkThroughput(b *testing.B) {
 	requireFUSE(b)
 	tp, ts, _ := fourPaths(b, "fb", benchSize)
-	benchThroughput(b, inClient(tp), inClientServe(b, tp), ts.addr, 4)
+	benchThroughput(b, tp.InClient, inClientServe(b, tp), ts.addr, 4)
 }
 
 // BenchmarkThroughputLoopback is BenchmarkThroughput over the unshaped
@@ -141,14 +141,20 @@ func BenchmarkThroughputLoopback(b *testing.B) {
 	benchThroughput(b, nil, nil, ts.addr, 1)
 }
 
-// benchThroughput compares the raw client with the FUSE device; dial
-// (nil: the default) makes the client's connections, and the server
-// processes run serve (nil: the default ServeCommand), which must dial
-// from where dial does.
-func benchThroughput(b *testing.B, dial func(context.Context, *net.Dialer, string, string) (net.Conn, error), serve []string, addr string, subflows int) {
+// benchThroughput compares the raw client with the FUSE device; the raw
+// client dials inside in (nil: here), and the server processes run serve
+// (nil: the default ServeCommand), which must dial from where in does.
+func benchThroughput(b *testing.B, in func(func() error) error, serve []string, addr string, subflows int) {
 	ctx := context.Background()
-	x := attach.ExportDialer{DialContext: dial}
-	c, info, err := x.DialExport(ctx, addr, "", "vol", true, nil)
+	if in == nil {
+		in = func(fn func() error) error { return fn() }
+	}
+	var c net.Conn
+	var info nbd.ExportInfo
+	err := in(func() (err error) {
+		c, info, err = attach.ExportDialer{}.DialExport(ctx, addr, "", "vol", true, nil)
+		return err
+	})
 	if err != nil {
 		b.Fatal(err)
 	}

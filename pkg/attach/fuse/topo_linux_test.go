@@ -63,19 +63,6 @@ func inClientServe(t testing.TB, tp *topo.Topology) []string {
 	return []string{"nsenter", "--net=/run/netns/" + tp.ClientNS, "--", exe, ServeArg}
 }
 
-// inClient dials from the topology's client namespace.
-func inClient(tp *topo.Topology) func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-	return func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error) {
-		var c net.Conn
-		err := tp.InClient(func() error {
-			var err error
-			c, err = d.DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}
-}
-
 func run(t testing.TB, name string, args ...string) {
 	t.Helper()
 	out, err := exec.Command(name, args...).CombinedOutput()

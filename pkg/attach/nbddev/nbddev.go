@@ -47,9 +47,6 @@ type Config struct {
 	Logger  *slog.Logger
 	// DialTimeout bounds one dial + negotiation; zero means 10 s.
 	DialTimeout time.Duration
-	// DialContext dials with d; nil means d.DialContext. Tests use it to
-	// dial from another network namespace.
-	DialContext func(ctx context.Context, d *net.Dialer, network, addr string) (net.Conn, error)
 	// StateDir, when set, keeps a small record per attached volume so that
 	// Adopt in a fresh process can re-adopt the devices.
 	StateDir string
@@ -533,7 +530,7 @@ func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useM
 	if lane >= 0 {
 		sess = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
 	}
-	x := attach.ExportDialer{DialContext: a.cfg.DialContext, Logger: a.log.With("volume_id", v.target.VolumeID)}
+	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID)}
 	c, info, err := x.DialExport(ctx, addr, local, v.target.Export, useMPTCP, sess)
 	if err != nil {
 		return nil, err
