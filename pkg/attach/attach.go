@@ -135,8 +135,11 @@ type Health struct {
 	// addresses and the bytes it carried; empty when unknown (no MPTCP,
 	// or a kernel that does not list subflows).
 	Paths []PathStats `json:"paths,omitempty"`
-	// Reconnects counts redials since the attach.
+	// Reconnects counts redials since the attach; Replaced the working
+	// connections swapped for ones with more MPTCP subflows
+	// (KeepSubflows).
 	Reconnects int
+	Replaced   int `json:"replaced,omitempty"`
 	// Outage is how long the volume has been waiting for its storage node
 	// (zero while connected): I/O waits meanwhile.
 	Outage time.Duration
@@ -186,7 +189,7 @@ func ConnPaths(conn int, c net.Conn) []PathStats {
 // (the NBD session of the userspace transports); MPTCP, Subflows and
 // Message are the caller's to add.
 func SessionHealth(st relay.Stats) Health {
-	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replayed: st.Replayed, Resent: st.RetainedReplays,
+	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replaced: st.Replaced, Replayed: st.Replayed, Resent: st.RetainedReplays,
 		Retained: st.Retained, Failing: st.Failing}
 	if !st.DownSince.IsZero() {
 		h.Outage = time.Since(st.DownSince)

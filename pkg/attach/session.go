@@ -43,6 +43,10 @@ type SessionConfig struct {
 	// ID is the session's ID; zero means a new one.
 	ID     nbd.SessionID
 	Logger *slog.Logger
+	// Keep tunes how the session keeps its MPTCP connection at one
+	// subflow per storage address (KeepSubflows); Keep.Want defaults to
+	// the target's number of addresses.
+	Keep KeepConfig
 }
 
 // OpenSession connects the volume's first connection (ctx bounds it) and
@@ -94,6 +98,20 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 			log.Error("NBD session ended: I/O fails", "error", err)
 		}
 	}()
+	if s.Multipath {
+		keep := cfg.Keep
+		if keep.Want == 0 {
+			keep.Want = len(t.Addrs)
+		}
+		keep.Logger = log
+		go KeepSubflows(rctx, s.Relay, func(ctx context.Context) (net.Conn, error) {
+			rc, err := dial(ctx)
+			if err != nil {
+				return nil, err
+			}
+			return rc, nil
+		}, keep)
+	}
 	s.Client = nbd.NewClientOn(s.Info, s.Relay, log)
 	return s, nil
 }

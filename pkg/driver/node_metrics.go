@@ -27,7 +27,7 @@ type NodeCollector struct {
 	volumes VolumeLister
 
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
-	outage, replayed, resent, retained                                       *prometheus.Desc
+	outage, replayed, resent, retained, replaced                             *prometheus.Desc
 	pathSent, pathReceived                                                   *prometheus.Desc
 }
 
@@ -50,6 +50,7 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		replayed:     d("replayed_requests_total", "Unanswered requests sent again after reconnects (userspace transports)."),
 		resent:       d("resent_writes_total", "Acknowledged writes sent again to a storage server that may have lost them (userspace transports)."),
 		retained:     d("retained_writes", "Acknowledged writes kept until a completed FLUSH covers them (userspace transports)."),
+		replaced:     d("replaced_connections_total", "Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports)."),
 		pathSent: d("path_sent_bytes_total", "Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
@@ -58,7 +59,7 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.pathSent, c.pathReceived} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived} {
 		ch <- d
 	}
 }
@@ -94,6 +95,7 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.replayed, prometheus.CounterValue, float64(h.Replayed), id, t)
 		ch <- prometheus.MustNewConstMetric(c.resent, prometheus.CounterValue, float64(h.Resent), id, t)
 		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(h.Retained), id, t)
+		ch <- prometheus.MustNewConstMetric(c.replaced, prometheus.CounterValue, float64(h.Replaced), id, t)
 		var degraded, inaccessible bool
 		for _, e := range c.node.health(id).GetHealthStatuses() {
 			switch e.GetReason() {

@@ -27,7 +27,7 @@ func TestNodeCollector(t *testing.T) {
 	reg.MustRegister(c)
 
 	f.att.mu.Lock()
-	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replayed: 7, Resent: 5, Retained: 4,
+	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replaced: 2, Replayed: 7, Resent: 5, Retained: 4,
 		Paths: []attach.PathStats{
 			{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1000, ReceivedBytes: 2000},
 			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40001"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 3000, ReceivedBytes: 4000},
@@ -65,6 +65,9 @@ mpnbd_node_volume_path_received_bytes_total{connection="1",local="fd00::1",remot
 mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 1000
 mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 3005
 mpnbd_node_volume_path_sent_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 1.099511627776e+12
+# HELP mpnbd_node_volume_replaced_connections_total Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports).
+# TYPE mpnbd_node_volume_replaced_connections_total counter
+mpnbd_node_volume_replaced_connections_total{transport="fuse",volume="pv-1"} 2
 # HELP mpnbd_node_volume_replayed_requests_total Unanswered requests sent again after reconnects (userspace transports).
 # TYPE mpnbd_node_volume_replayed_requests_total counter
 mpnbd_node_volume_replayed_requests_total{transport="fuse",volume="pv-1"} 7

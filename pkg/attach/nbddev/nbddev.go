@@ -568,6 +568,15 @@ func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remot
 	r := relay.New(local, rc, redial, ro)
 	v.relay, v.local, v.stopRelay, v.relayDone = r, local, cancel, make(chan struct{})
 	done := v.relayDone
+	if a.usesMPTCP() {
+		go attach.KeepSubflows(ctx, r, func(ctx context.Context) (net.Conn, error) {
+			c, err := a.dialAny(ctx, v)
+			if err != nil {
+				return nil, err
+			}
+			return c, nil
+		}, attach.KeepConfig{Want: len(v.target.Addrs), Logger: ro.Logger})
+	}
 	go func() {
 		defer close(done)
 		if err := r.Run(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, relay.ErrHandedOff) {
