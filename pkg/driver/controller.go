@@ -605,16 +605,9 @@ func (c *Controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 // listVolumes takes no lock: it only reads. Volumes being deleted are
 // left out.
 func (c *Controller) listVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, invalid("max_entries must not be negative")
-	}
-	start := ""
-	if tok := req.GetStartingToken(); tok != "" {
-		id, ok := strings.CutPrefix(tok, listTokenPrefix)
-		if !ok || !validVolumeID(id) {
-			return nil, fmt.Errorf("%w: starting_token %q was not returned by ListVolumes", ErrAborted, tok)
-		}
-		start = id
+	start, err := listStart(req.GetMaxEntries(), req.GetStartingToken(), "ListVolumes")
+	if err != nil {
+		return nil, err
 	}
 	var list v1alpha1.NBDVolumeList
 	if err := c.c.List(ctx, &list); err != nil {
@@ -628,12 +621,9 @@ func (c *Controller) listVolumes(ctx context.Context, req *csi.ListVolumesReques
 	if err != nil {
 		return nil, err
 	}
-	resp := &csi.ListVolumesResponse{}
+	vols, next := listPage(vols, req.GetMaxEntries(), func(v v1alpha1.NBDVolume) string { return v.Name })
+	resp := &csi.ListVolumesResponse{NextToken: next}
 	for i := range vols {
-		if limit := int(req.GetMaxEntries()); limit > 0 && i == limit {
-			resp.NextToken = listTokenPrefix + vols[i].Name
-			break
-		}
 		v := &vols[i]
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
 			Volume: c.csiVolume(ctx, v, topo),
@@ -641,6 +631,31 @@ func (c *Controller) listVolumes(ctx context.Context, req *csi.ListVolumesReques
 		})
 	}
 	return resp, nil
+}
+
+// listStart checks a List call's paging and returns the ID its page
+// starts at ("" for the first page).
+func listStart(maxEntries int32, token, rpc string) (string, error) {
+	if maxEntries < 0 {
+		return "", invalid("max_entries must not be negative")
+	}
+	if token == "" {
+		return "", nil
+	}
+	id, ok := strings.CutPrefix(token, listTokenPrefix)
+	if !ok || !validVolumeID(id) {
+		return "", fmt.Errorf("%w: starting_token %q was not returned by %s", ErrAborted, token, rpc)
+	}
+	return id, nil
+}
+
+// listPage cuts items (sorted by ID) to maxEntries (0: all) and returns
+// the token of the next page, if any.
+func listPage[T any](items []T, maxEntries int32, id func(T) string) ([]T, string) {
+	if maxEntries <= 0 || len(items) <= int(maxEntries) {
+		return items, ""
+	}
+	return items[:maxEntries], listTokenPrefix + id(items[maxEntries])
 }
 
 func (c *Controller) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

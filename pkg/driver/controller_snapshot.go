@@ -238,16 +238,9 @@ func (c *Controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRe
 // listSnapshots lists the snapshots not being deleted, in ID order, with
 // the same paging as ListVolumes.
 func (c *Controller) listSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, invalid("max_entries must not be negative")
-	}
-	start := ""
-	if tok := req.GetStartingToken(); tok != "" {
-		id, ok := strings.CutPrefix(tok, listTokenPrefix)
-		if !ok || !validVolumeID(id) {
-			return nil, fmt.Errorf("%w: starting_token %q was not returned by ListSnapshots", ErrAborted, tok)
-		}
-		start = id
+	start, err := listStart(req.GetMaxEntries(), req.GetStartingToken(), "ListSnapshots")
+	if err != nil {
+		return nil, err
 	}
 	var list v1alpha1.NBDSnapshotList
 	if err := c.c.List(ctx, &list); err != nil {
@@ -259,12 +252,9 @@ func (c *Controller) listSnapshots(ctx context.Context, req *csi.ListSnapshotsRe
 			(req.GetSourceVolumeId() != "" && s.Spec.SourceVolume != req.GetSourceVolumeId())
 	})
 	slices.SortFunc(snaps, func(a, b v1alpha1.NBDSnapshot) int { return strings.Compare(a.Name, b.Name) })
-	resp := &csi.ListSnapshotsResponse{}
+	snaps, next := listPage(snaps, req.GetMaxEntries(), func(s v1alpha1.NBDSnapshot) string { return s.Name })
+	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for i := range snaps {
-		if limit := int(req.GetMaxEntries()); limit > 0 && i == limit {
-			resp.NextToken = listTokenPrefix + snaps[i].Name
-			break
-		}
 		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(&snaps[i])})
 	}
 	return resp, nil

@@ -45,37 +45,7 @@ func TestReplaceUnderLoad(t *testing.T) {
 			cl := nbd.NewClientOn(remote.(*Remote).Info, r, quietLogger())
 
 			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			errs := make(chan error, workers)
-			for w := range workers {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					base := int64(w) * region
-					for i := uint64(1); ; i++ {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						off := base + int64(i%16)*(region/16)
-						data := randomData(region/16, uint64(w)<<32|i)
-						if _, err := cl.WriteAt(data, off); err != nil {
-							errs <- fmt.Errorf("worker %d write %d: %w", w, i, err)
-							return
-						}
-						got := make([]byte, len(data))
-						if _, err := cl.ReadAt(got, off); err != nil {
-							errs <- fmt.Errorf("worker %d read %d: %w", w, i, err)
-							return
-						}
-						if !bytes.Equal(got, data) {
-							errs <- fmt.Errorf("worker %d round %d: read back differs from what was written", w, i)
-							return
-						}
-					}
-				}()
-			}
+			wg, errs := verifyingWriters(cl, workers, region, 16, stop)
 			const swaps = 8
 			for i := range swaps {
 				time.Sleep(30 * time.Millisecond)
@@ -89,7 +59,7 @@ func TestReplaceUnderLoad(t *testing.T) {
 			}
 			time.Sleep(30 * time.Millisecond)
 			close(stop)
-			waitDone(t, &wg, 30*time.Second, "workers")
+			waitDone(t, wg, 30*time.Second, "workers")
 			select {
 			case err := <-errs:
 				t.Fatal(err)
@@ -154,37 +124,7 @@ func TestReplaceAcrossServerRestarts(t *testing.T) {
 	ts, r, cl := startCalls(t, size, Options{ReconnectBackoff: time.Millisecond})
 	dial := sessionDialer(ts.addr, nbd.NewSessionID())
 	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			base := int64(w) * region
-			for i := uint64(1); ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				off := base + int64(i%8)*(region/8)
-				data := randomData(region/8, uint64(w)<<32|i)
-				if _, err := cl.WriteAt(data, off); err != nil {
-					errs <- fmt.Errorf("worker %d write %d: %w", w, i, err)
-					return
-				}
-				got := make([]byte, len(data))
-				if _, err := cl.ReadAt(got, off); err != nil {
-					errs <- fmt.Errorf("worker %d read %d: %w", w, i, err)
-					return
-				}
-				if !bytes.Equal(got, data) {
-					errs <- fmt.Errorf("worker %d round %d: read back differs from what was written", w, i)
-					return
-				}
-			}
-		}()
-	}
+	wg, errs := verifyingWriters(cl, workers, region, 8, stop)
 	swapped := 0
 	for i := range 40 {
 		if i%5 == 2 {
@@ -201,7 +141,7 @@ func TestReplaceAcrossServerRestarts(t *testing.T) {
 		}
 	}
 	close(stop)
-	waitDone(t, &wg, 60*time.Second, "workers")
+	waitDone(t, wg, 60*time.Second, "workers")
 	select {
 	case err := <-errs:
 		t.Fatal(err)
@@ -215,4 +155,43 @@ func TestReplaceAcrossServerRestarts(t *testing.T) {
 	if err := cl.Close(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// verifyingWriters starts workers goroutines, each writing random blocks
+// (region/blocks bytes) in a region of its own, reading each back and
+// comparing, until stop closes; the first failure of each is sent on
+// errs.
+func verifyingWriters(cl *nbd.Client, workers int, region int64, blocks int64, stop <-chan struct{}) (*sync.WaitGroup, <-chan error) {
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			base := int64(w) * region
+			for i := uint64(1); ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				off := base + int64(i%uint64(blocks))*(region/blocks)
+				data := randomData(int(region/blocks), uint64(w)<<32|i)
+				if _, err := cl.WriteAt(data, off); err != nil {
+					errs <- fmt.Errorf("worker %d write %d: %w", w, i, err)
+					return
+				}
+				got := make([]byte, len(data))
+				if _, err := cl.ReadAt(got, off); err != nil {
+					errs <- fmt.Errorf("worker %d read %d: %w", w, i, err)
+					return
+				}
+				if !bytes.Equal(got, data) {
+					errs <- fmt.Errorf("worker %d round %d: read back differs from what was written", w, i)
+					return
+				}
+			}
+		}()
+	}
+	return &wg, errs
 }
