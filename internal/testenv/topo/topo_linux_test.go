@@ -558,7 +558,7 @@ func TestClientInCaller(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { tp.Down() })
+		t.Cleanup(func() { _ = tp.Down() }) // idempotent; the test checks its own Down
 		tops = append(tops, tp)
 		ln := listen(t, tp, net.JoinHostPort(tp.ServerAddr(1).String(), "0"))
 		accepted := acceptOne(t, ln)
@@ -573,9 +573,13 @@ func TestClientInCaller(t *testing.T) {
 		if sc == nil {
 			t.FailNow()
 		}
-		go echoSum(sc)
+		echoed := make(chan error, 1)
+		go func() { echoed <- echoSum(sc) }()
 		if err := sendVerified(c, 8<<20); err != nil {
 			t.Fatal(err)
+		}
+		if err := <-echoed; err != nil {
+			t.Fatalf("echo: %v", err)
 		}
 		waitSubflows(t, c, len(tp.Paths)-1, 5*time.Second)
 		conns = append(conns, c)
