@@ -40,9 +40,13 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 	if err := v1alpha1.AddToScheme(scheme); err != nil {
 		return nil, err
 	}
+	snapshots, err := agent.SnapshotsServed(cfg)
+	if err != nil {
+		return nil, err
+	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme: scheme,
-		Cache:  agent.CacheOptions(co.nodeName),
+		Cache:  agent.CacheOptions(co.nodeName, snapshots),
 		// One agent per node: no leader election. Metrics are served on
 		// --metrics-addr with the server's own registry.
 		LeaderElection:         false,
@@ -54,6 +58,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 	}
 	a, err := agent.New(agent.Config{
 		NodeName:          co.nodeName,
+		Snapshots:         snapshots,
 		DataDir:           co.dataDir,
 		Namespace:         co.namespace,
 		Addresses:         co.addresses,

@@ -23,7 +23,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -90,6 +93,9 @@ type Config struct {
 	// CIDRs) that get MPTCP "signal" endpoints, kept while the agent runs.
 	// Empty leaves the host's endpoints alone.
 	SignalNICs []mptcp.NICSpec
+	// Snapshots turns the NBDSnapshot reconciler on (SnapshotsServed);
+	// the cache must then come from CacheOptions(node, true).
+	Snapshots bool
 	// Exports, when set, is told about added and removed exports and the
 	// measured capacity.
 	Exports ExportObserver
@@ -190,14 +196,41 @@ func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Re
 }
 
 // CacheOptions returns the manager cache options the agent needs: only the
-// NBDVolumes and NBDSnapshots of node are cached and watched.
-func CacheOptions(node string) cache.Options {
-	return cache.Options{
+// NBDVolumes (and, with snapshots, the NBDSnapshots) of node are cached
+// and watched.
+func CacheOptions(node string, snapshots bool) cache.Options {
+	o := cache.Options{
 		ByObject: map[client.Object]cache.ByObject{
-			&v1alpha1.NBDVolume{}:   {Field: fields.OneTermEqualSelector(storageNodeField, node)},
-			&v1alpha1.NBDSnapshot{}: {Field: fields.OneTermEqualSelector(storageNodeField, node)},
+			&v1alpha1.NBDVolume{}: {Field: fields.OneTermEqualSelector(storageNodeField, node)},
 		},
 	}
+	if snapshots {
+		o.ByObject[&v1alpha1.NBDSnapshot{}] = cache.ByObject{Field: fields.OneTermEqualSelector(storageNodeField, node)}
+	}
+	return o
+}
+
+// SnapshotsServed reports whether the API server serves NBDSnapshots: a
+// cluster upgraded without the CRD does not, and the agent then takes no
+// snapshots (Config.Snapshots) but serves its volumes all the same.
+func SnapshotsServed(cfg *rest.Config) (bool, error) {
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return false, err
+	}
+	list, err := dc.ServerResourcesForGroupVersion(v1alpha1.GroupVersion.String())
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("discovering %s: %w", v1alpha1.GroupVersion, err)
+	}
+	for _, r := range list.APIResources {
+		if r.Name == "nbdsnapshots" {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // Started reports whether the manager's cache synced and the agent made

@@ -114,7 +114,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	}
 	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
 		Scheme:  scheme,
-		Cache:   CacheOptions(testNode),
+		Cache:   CacheOptions(testNode, true),
 		Metrics: metricsserver.Options{BindAddress: "0"},
 	})
 	if err != nil {
@@ -123,6 +123,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	obs := &recordingObserver{exports: map[string]bool{}}
 	a, err := New(Config{
 		NodeName:          testNode,
+		Snapshots:         true,
 		DataDir:           dir,
 		Namespace:         testNamespace,
 		Addresses:         []string{"127.0.0.1"},

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -53,12 +52,9 @@ func (a *Agent) snapshotPath(name string) string {
 // the NBDSnapshot CRD (a cluster upgraded without it) snapshots are off
 // and volumes are served all the same.
 func (a *Agent) setupSnapshots(mgr ctrl.Manager) error {
-	gk := v1alpha1.GroupVersion.WithKind("NBDSnapshot").GroupKind()
-	if _, err := mgr.GetRESTMapper().RESTMapping(gk, v1alpha1.GroupVersion.Version); meta.IsNoMatchError(err) {
+	if !a.cfg.Snapshots {
 		a.log.Warn("the NBDSnapshot CRD is not installed: snapshots are off on this storage node until it is and the agent restarts")
 		return nil
-	} else if err != nil {
-		return fmt.Errorf("looking up NBDSnapshot: %w", err)
 	}
 	ours := predicate.NewPredicateFuncs(func(o client.Object) bool {
 		s, ok := o.(*v1alpha1.NBDSnapshot)

@@ -47,6 +47,9 @@ func TestAgentSnapshots(t *testing.T) {
 	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
 		t.Fatal(err)
 	}
+	if ok, err := SnapshotsServed(cfg); err != nil || !ok {
+		t.Fatalf("SnapshotsServed with the CRD installed: %v, %v", ok, err)
+	}
 	dir := t.TempDir()
 	r := startAgent(t, cfg, dir)
 	const size = 8 << 20
