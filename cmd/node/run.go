@@ -246,6 +246,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		Attacher:   mgr,
 		Mounter:    driver.NewMounter(),
 		Logger:     log,
+		StateDir:   filepath.Join(o.stateDir, "node"),
 	}
 	watch := newVolumeWatch(o, log)
 	if watch != nil {

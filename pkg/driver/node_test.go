@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -513,6 +514,49 @@ func TestNodeGetVolumeStats(t *testing.T) {
 				t.Errorf("health %v, want %s %s with %q", entries, c.status, c.reason, c.msg)
 			}
 		})
+	}
+}
+
+// TestNodeExpectedSubflowsAfterRestart: a node plugin restarted with the
+// same StateDir still knows how many subflows a staged volume should
+// have and reports one missing them as DEGRADED; after the unstage the
+// count is gone.
+func TestNodeExpectedSubflowsAfterRestart(t *testing.T) {
+	ctx := context.Background()
+	f := newNodeFixture(t)
+	state := t.TempDir()
+	node := func() *Node {
+		n, err := NewNode(NodeConfig{NodeID: "node-1", Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler), StateDir: state})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	stage := f.stageReq("pv-1", mountCap(rwo, ""))
+	if _, err := node().NodeStageVolume(ctx, stage); err != nil {
+		t.Fatal(err)
+	}
+	want := len(strings.Split(stage.PublishContext[PublishContextAddresses], ","))
+	f.att.mu.Lock()
+	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{want - 1}}
+	f.att.mu.Unlock()
+	restarted := node()
+	resp, err := restarted.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "pv-1", StagingTargetPath: stage.StagingTargetPath})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e := resp.GetVolumeHealth().GetHealthStatuses(); len(e) != 1 || e[0].Reason != HealthMissingSubflows ||
+		!strings.Contains(e[0].Message, fmt.Sprintf("want %d", want)) {
+		t.Fatalf("after a restart, health %v; want %s (want %d)", e, HealthMissingSubflows, want)
+	}
+	if _, err := restarted.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pv-1", StagingTargetPath: stage.StagingTargetPath}); err != nil {
+		t.Fatal(err)
+	}
+	if left, _ := os.ReadDir(filepath.Join(state, expectedDir)); len(left) != 0 {
+		t.Errorf("after the unstage, %s holds %d files", expectedDir, len(left))
+	}
+	if _, ok := node().expectedSubflows("pv-1"); ok {
+		t.Error("a node started after the unstage still knows the volume's subflows")
 	}
 }
 
