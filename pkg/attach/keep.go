@@ -159,9 +159,6 @@ func (k *keeper) try(ctx context.Context, r *relay.Relay, dial relay.Dialer, n i
 
 // subflows counts the MPTCP subflows of c; false when it is not MPTCP.
 func subflows(c net.Conn) (int, bool) {
-	if rc, ok := c.(*relay.Remote); ok {
-		c = rc.Conn
-	}
 	info, err := mptcp.GetInfo(c)
 	if err != nil {
 		return 0, false

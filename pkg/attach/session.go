@@ -83,13 +83,15 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	if d := o.DeadConnTimeout; d > 0 && d < DefaultDeadConnTimeout {
 		ro.FailAfter = d
 	}
-	s.Relay = relay.New(nil, first, func(ctx context.Context) (net.Conn, error) {
+	// A Dialer returns a net.Conn: no typed nil on failure.
+	redial := func(ctx context.Context) (net.Conn, error) {
 		rc, err := dial(ctx)
 		if err != nil {
 			return nil, err
 		}
 		return rc, nil
-	}, ro)
+	}
+	s.Relay = relay.New(nil, first, redial, ro)
 	rctx, stop := context.WithCancel(context.Background())
 	s.stop = stop
 	go func() {
@@ -104,13 +106,7 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 			keep.Want = len(t.Addrs)
 		}
 		keep.Logger = log
-		go KeepSubflows(rctx, s.Relay, func(ctx context.Context) (net.Conn, error) {
-			rc, err := dial(ctx)
-			if err != nil {
-				return nil, err
-			}
-			return rc, nil
-		}, keep)
+		go KeepSubflows(rctx, s.Relay, redial, keep)
 	}
 	s.Client = nbd.NewClientOn(s.Info, s.Relay, log)
 	return s, nil

@@ -35,6 +35,10 @@ type Remote struct {
 	Info nbd.ExportInfo
 }
 
+// NetConn returns the connection itself, so that what inspects sockets
+// (pkg/mptcp) sees through a Remote.
+func (r *Remote) NetConn() net.Conn { return r.Conn }
+
 // unwrap returns the connection itself and what is known of its server.
 func unwrap(c net.Conn) (net.Conn, nbd.ExportInfo) {
 	if rc, ok := c.(*Remote); ok {
