@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/snapshot"
 )
 
@@ -129,13 +130,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, log *slog.Logger, snap *v1alph
 			message: fmt.Sprintf("volume %s is not served by storage node %s", src, a.cfg.NodeName)}
 	}
 	var at time.Time
-	res, err := snapshot.Clone(ctx, a.path(src), dst, snapshot.WithQuiesce(func(ctx context.Context) (func(), error) {
-		qctx, cancel := context.WithTimeout(ctx, quiesceTimeout)
-		defer cancel()
-		resume, err := e.Quiesce(qctx)
-		at = time.Now()
-		return resume, err
-	}))
+	res, err := snapshot.Clone(ctx, a.path(src), dst, heldAt(e, &at))
 	switch {
 	case errors.Is(err, syscall.ENOSPC):
 		return v1alpha1.NBDSnapshotStatus{}, &failure{code: "ResourceExhausted", retry: exhaustedRetry,
@@ -153,6 +148,21 @@ func (a *Agent) takeSnapshot(ctx context.Context, log *slog.Logger, snap *v1alph
 		ReadyToUse: true, SizeBytes: res.Size, UsedBytes: res.Allocated, Method: string(res.Method),
 		CreationTime: &metav1.Time{Time: at}, HeldMilliseconds: res.Held.Milliseconds(),
 	}, nil
+}
+
+// heldAt makes Clone hold export e at a flush point while it reads the
+// source (bounded by quiesceTimeout), and record in *at, if set, when the
+// hold began.
+func heldAt(e *nbd.Export, at *time.Time) snapshot.Option {
+	return snapshot.WithQuiesce(func(ctx context.Context) (func(), error) {
+		qctx, cancel := context.WithTimeout(ctx, quiesceTimeout)
+		defer cancel()
+		resume, err := e.Quiesce(qctx)
+		if at != nil {
+			*at = time.Now()
+		}
+		return resume, err
+	})
 }
 
 // removeSnapshot deletes a deleted snapshot's file, then its finalizer.
@@ -205,11 +215,7 @@ func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1a
 			return &failure{code: "NotFound", retry: snapshotRetry,
 				message: fmt.Sprintf("source volume %s is not served by storage node %s", cs.Volume, a.cfg.NodeName)}
 		}
-		opts = append(opts, snapshot.WithQuiesce(func(ctx context.Context) (func(), error) {
-			qctx, cancel := context.WithTimeout(ctx, quiesceTimeout)
-			defer cancel()
-			return e.Quiesce(qctx)
-		}))
+		opts = append(opts, heldAt(e, nil))
 	default:
 		return &failure{code: "InvalidArgument", retry: exhaustedRetry,
 			message: "contentSource names both a volume and a snapshot, or neither"}

@@ -105,7 +105,15 @@ func (c *Controller) createSnapshot(ctx context.Context, req *csi.CreateSnapshot
 		return nil, kubeErr(err, "reading NBDSnapshot "+id)
 	}
 
-	w, err := c.waitSnapshot(ctx, id)
+	w, err := c.waitSnapshot(ctx, id, func(s *v1alpha1.NBDSnapshot) (bool, error) {
+		switch {
+		case s == nil:
+			return false, fmt.Errorf("%w: snapshot %s was deleted while being taken; retry", ErrAborted, id)
+		case s.Status.Code != "" && !s.Status.ReadyToUse:
+			return false, errSnapshotFailed
+		}
+		return s.Status.ReadyToUse, nil
+	})
 	switch {
 	case errors.Is(err, errSnapshotFailed):
 		failure := snapshotError(w)
@@ -123,9 +131,12 @@ func (c *Controller) createSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	return csiSnapshot(w), nil
 }
 
-// waitSnapshot waits (WaitTimeout) until the snapshot is ready or failed.
-// When it runs out it returns the snapshot as last read with the error.
-func (c *Controller) waitSnapshot(ctx context.Context, id string) (*v1alpha1.NBDSnapshot, error) {
+// waitSnapshot reads snapshot id every PollInterval until done reports
+// true (done gets nil once the snapshot is gone) or an error, for at most
+// WaitTimeout. When the time runs out it returns the snapshot as last
+// read with the context's error; errSnapshotFailed comes with the
+// snapshot.
+func (c *Controller) waitSnapshot(ctx context.Context, id string, done func(*v1alpha1.NBDSnapshot) (bool, error)) (*v1alpha1.NBDSnapshot, error) {
 	wctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
 	defer cancel()
 	tick := time.NewTicker(c.cfg.PollInterval)
@@ -134,14 +145,17 @@ func (c *Controller) waitSnapshot(ctx context.Context, id string) (*v1alpha1.NBD
 	for {
 		s := &v1alpha1.NBDSnapshot{}
 		err := c.c.Get(wctx, client.ObjectKey{Name: id}, s)
-		switch {
-		case apierrors.IsNotFound(err):
-			return nil, fmt.Errorf("%w: snapshot %s was deleted while being taken; retry", ErrAborted, id)
-		case err == nil && s.Status.ReadyToUse:
-			return s, nil
-		case err == nil && s.Status.Code != "":
-			return s, errSnapshotFailed
-		case err == nil:
+		if err == nil || apierrors.IsNotFound(err) {
+			if err != nil {
+				s = nil
+			}
+			ok, err := done(s)
+			if err != nil {
+				return s, err
+			}
+			if ok {
+				return s, nil
+			}
 			last = s
 		}
 		select {
@@ -210,21 +224,11 @@ func (c *Controller) deleteSnapshot(ctx context.Context, id string) error {
 		}
 		c.log.Info("snapshot deleted", "snapshot_id", id, "volume_id", s.Spec.SourceVolume)
 	}
-	wctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
-	defer cancel()
-	tick := time.NewTicker(c.cfg.PollInterval)
-	defer tick.Stop()
-	for {
-		err := c.c.Get(wctx, client.ObjectKey{Name: id}, &v1alpha1.NBDSnapshot{})
-		if apierrors.IsNotFound(err) {
-			return nil
-		}
-		select {
-		case <-wctx.Done():
-			return fmt.Errorf("snapshot %s: the storage agent did not remove its file in time: %w", id, wctx.Err())
-		case <-tick.C:
-		}
+	_, err := c.waitSnapshot(ctx, id, func(s *v1alpha1.NBDSnapshot) (bool, error) { return s == nil, nil })
+	if err != nil {
+		return fmt.Errorf("snapshot %s: the storage agent did not remove its file in time: %w", id, err)
 	}
+	return nil
 }
 
 func (c *Controller) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {

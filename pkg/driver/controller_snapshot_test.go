@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -136,4 +137,27 @@ func TestSnapshots(t *testing.T) {
 	agent.setFail("snap-c", "ResourceExhausted")
 	_, err = ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-c", SourceVolumeId: srcID})
 	wantStatus(t, err, codes.ResourceExhausted, "simulated failure")
+}
+
+// TestSnapshotStillBeingTaken: a snapshot the agent has not finished
+// (a long copy) is returned not ready instead of failing; asked again
+// once it is taken, it is ready.
+func TestSnapshotStillBeingTaken(t *testing.T) {
+	ctl, _, agent := setup(t, func(cfg *ControllerConfig) { cfg.WaitTimeout = 300 * time.Millisecond })
+	ctx := context.Background()
+	src, err := ctl.CreateVolume(ctx, createReq("src", gib, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := &csi.CreateSnapshotRequest{Name: "slow", SourceVolumeId: src.GetVolume().GetVolumeId()}
+	agent.setHold(SnapshotIDForName("slow"), true)
+	first, err := ctl.CreateSnapshot(ctx, req)
+	if err != nil || first.GetSnapshot().GetReadyToUse() || first.GetSnapshot().GetCreationTime() == nil {
+		t.Fatalf("while being taken: %v, %v; want not ready, with a creation time, no error", first, err)
+	}
+	agent.setHold(SnapshotIDForName("slow"), false)
+	again, err := ctl.CreateSnapshot(ctx, req)
+	if err != nil || !again.GetSnapshot().GetReadyToUse() || again.GetSnapshot().GetSizeBytes() != gib {
+		t.Fatalf("once taken: %v, %v", again, err)
+	}
 }
