@@ -166,22 +166,36 @@ func zombie(pid int) bool {
 }
 
 // ourServer is our storage server (cmd/nbd-server), which fences
-// superseded connections and announces a new incarnation per start.
+// superseded connections and announces a new incarnation per start. It
+// listens on 127.0.0.1, or with ns set in that network namespace on host.
 type ourServer struct {
 	bin, image string
 	port       int
+	ns, host   string
 	cmd        *exec.Cmd
 	done       chan struct{}
 }
 
 func (s *ourServer) name() string { return "mpnbd nbd-server" }
-func (s *ourServer) addr() string { return net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)) }
+
+func (s *ourServer) addr() string {
+	host := s.host
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	return net.JoinHostPort(host, strconv.Itoa(s.port))
+}
 
 func (s *ourServer) start(t *testing.T) {
 	t.Helper()
 	var err error
 	for attempt := 0; attempt < 50; attempt++ {
-		cmd := exec.Command(s.bin, "--listen", s.addr(), "--export", "disk="+s.image, "--metrics-addr", "", "--log-level", "warn")
+		argv := []string{s.bin, "--listen", s.addr(), "--export", "disk=" + s.image, "--metrics-addr", "", "--log-level", "warn"}
+		if s.ns != "" {
+			// ip netns exec execs the server: its pid is the server's.
+			argv = append([]string{"ip", "netns", "exec", s.ns}, argv...)
+		}
+		cmd := exec.Command(argv[0], argv[1:]...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 		cmd.Stderr = os.Stderr
 		if err = cmd.Start(); err != nil {

@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"syscall"
 	"testing"
 	"time"
 
@@ -16,56 +15,6 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
-
-// nsServer is our storage server process in a topology's server
-// namespace, listening on the address of path 1.
-type nsServer struct {
-	bin, image, ns, listen string
-	cmd                    *exec.Cmd
-	done                   chan struct{}
-}
-
-func (s *nsServer) start(t *testing.T) {
-	t.Helper()
-	var err error
-	for attempt := 0; attempt < 50; attempt++ {
-		// ip netns exec execs the server: its pid is the server's.
-		cmd := exec.Command("ip", "netns", "exec", s.ns, s.bin, "--listen", s.listen, "--export", "disk="+s.image,
-			"--metrics-addr", "", "--log-level", "warn")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-		cmd.Stderr = os.Stderr
-		if err = cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		if err = waitNBD(s.listen, 5*time.Second); err == nil {
-			s.cmd, s.done = cmd, done
-			return
-		}
-		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		<-done
-		time.Sleep(100 * time.Millisecond)
-	}
-	t.Fatalf("start our nbd-server in %s: %v", s.ns, err)
-}
-
-func (s *nsServer) kill(t *testing.T) {
-	t.Helper()
-	if s.cmd == nil {
-		return
-	}
-	syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
-	select {
-	case <-s.done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("our nbd-server survived SIGKILL")
-	}
-	s.cmd = nil
-}
-
-func (s *nsServer) addr() string { return s.listen }
-func (s *nsServer) name() string { return "mpnbd nbd-server over 4 MPTCP paths" }
 
 // TestFuseSubflowsRestoredUnderKills: a fuse volume attached over 4 MPTCP
 // paths while path 4 is cut runs on 3 subflows; once the path is back,
@@ -101,8 +50,7 @@ func TestFuseSubflowsRestoredUnderKills(t *testing.T) {
 		t.Fatal(err)
 	}
 	const port = 10809
-	s := &nsServer{bin: filepath.Join(bin, "nbd-server"), image: image, ns: tp.ServerNS,
-		listen: net.JoinHostPort(tp.ServerAddr(1).String(), strconv.Itoa(port))}
+	s := &ourServer{bin: filepath.Join(bin, "nbd-server"), image: image, port: port, ns: tp.ServerNS, host: tp.ServerAddr(1).String()}
 	s.start(t)
 	t.Cleanup(func() { s.kill(t) })
 
