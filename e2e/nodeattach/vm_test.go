@@ -39,10 +39,38 @@ func runGuestTests(t *testing.T, cfg vm.Config, names []string) vm.Result {
 	res := vm.RunGoTestWith(t, cfg, "./e2e/nodeattach", "^("+strings.Join(names, "|")+")$")
 	for _, name := range names {
 		if !strings.Contains(res.Output, "--- PASS: "+name) {
-			t.Errorf("%s did not pass in the VM", name)
+			t.Errorf("%s did not pass in the VM; its own lines:\n%s", name, guestVerdict(res.Output, name))
 		}
 	}
 	return res
+}
+
+// guestVerdict picks from a guest run's output the lines test name logged
+// itself (not its child processes' logs), the last 25: they hold why it
+// failed, which the whole console buries.
+func guestVerdict(out, name string) string {
+	start := strings.Index(out, "=== RUN   "+name+"\n")
+	if start < 0 {
+		return "(it did not start)"
+	}
+	var own []string
+	for _, line := range strings.Split(out[start:], "\n")[1:] {
+		l := strings.TrimSpace(line)
+		if strings.HasPrefix(l, "=== RUN   ") && !strings.HasPrefix(l, "=== RUN   "+name+"/") {
+			break
+		}
+		if strings.HasPrefix(l, "child:") || strings.Contains(l, "level=") {
+			continue
+		}
+		own = append(own, line)
+		if l == "--- FAIL: "+name || strings.HasPrefix(l, "--- FAIL: "+name+" (") {
+			break
+		}
+	}
+	if len(own) > 25 {
+		own = own[len(own)-25:]
+	}
+	return strings.Join(own, "\n")
 }
 
 // selectGuestTests narrows names to those MPNBD_VM_RUN, a regular
@@ -90,5 +118,31 @@ func addFaultTools(t *testing.T, cfg *vm.Config) {
 	if soak() {
 		cfg.Env[envSoak] = "1"
 		cfg.Timeout = 60 * time.Minute
+	}
+}
+
+func TestGuestVerdict(t *testing.T) {
+	out := strings.Join([]string{
+		"    === RUN   TestA",
+		"        child: x level=INFO msg=hello",
+		"        a_test.go:10: step one",
+		"        a_test.go:12: it broke",
+		"    --- FAIL: TestA (1.00s)",
+		"    === RUN   TestB",
+		"        b_test.go:3: fine",
+	}, "\n")
+	got := guestVerdict(out, "TestA")
+	for _, want := range []string{"step one", "it broke", "--- FAIL: TestA"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verdict of TestA lacks %q:\n%s", want, got)
+		}
+	}
+	for _, not := range []string{"hello", "fine"} {
+		if strings.Contains(got, not) {
+			t.Errorf("verdict of TestA holds %q:\n%s", not, got)
+		}
+	}
+	if got := guestVerdict(out, "TestC"); got != "(it did not start)" {
+		t.Errorf("verdict of a test that never ran: %q", got)
 	}
 }

@@ -241,7 +241,7 @@ func serve(ctx context.Context, ctrl *Control, id uint32, info devInfo, h Handle
 		ioctlEncode: info.flags&FlagCmdIoctlEncode != 0}
 	ready := make(chan error, info.nrHWQueues)
 	for q := 0; q < int(info.nrHWQueues); q++ {
-		qu := &queue{dev: d, id: uint16(q), depth: int(info.queueDepth), maxIO: int(info.maxIOBufBytes)}
+		qu := &queue{dev: d, id: uint16(q), depth: int(info.queueDepth), maxIO: int(info.maxIOBufBytes), released: make(chan struct{})}
 		d.queues = append(d.queues, qu)
 		d.wg.Add(1)
 		go func() {
@@ -257,6 +257,9 @@ func serve(ctx context.Context, ctrl *Control, id uint32, info devInfo, h Handle
 	}
 	go func() {
 		d.wg.Wait()
+		for _, q := range d.queues {
+			<-q.released
+		}
 		char.Close()
 		close(d.done)
 	}()
@@ -358,6 +361,9 @@ type queue struct {
 	// buffers they use outlive the queue's thread until the last is done.
 	handlers  sync.WaitGroup
 	efdClosed bool
+	// released is closed once the queue's ring and descriptors are
+	// released (after its thread exited).
+	released chan struct{}
 }
 
 type completion struct {
@@ -388,14 +394,27 @@ func (q *queue) wake() {
 
 func (q *queue) run(ready chan<- error) {
 	// The thread is the queue's: it never goes back to the scheduler's
-	// pool (it ends with this goroutine).
+	// pool (it ends with this goroutine), and the queue's ring closes
+	// only once it is gone.
 	runtime.LockOSThread()
+	if unix.Gettid() == unix.Getpid() {
+		// The process's first thread, which the runtime never lets exit:
+		// serve from another. While this goroutine holds the first
+		// thread, the new one runs on some other.
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			q.run(ready)
+		}()
+		<-done
+		runtime.UnlockOSThread()
+		return
+	}
+	defer q.releaseOnceExited(unix.Gettid())
 	if err := q.setup(); err != nil {
-		q.release()
 		ready <- err
 		return
 	}
-	defer q.release()
 	for tag := 0; tag < q.depth; tag++ {
 		if err := q.command(ioFetchReq, uint16(tag), 0); err != nil {
 			ready <- err
@@ -438,6 +457,33 @@ func (q *queue) setup() error {
 		return fmt.Errorf("ublk: queue %d: eventfd: %w", q.id, err)
 	}
 	return nil
+}
+
+// releaseOnceExited releases the queue once its thread tid has exited.
+// The order matters when the queue stops on a live device (Abandon): the
+// driver may have queued a request to the thread as a task-work item
+// before it cancels the thread's commands. An exiting thread runs such an
+// item by requeueing the request, as in a crash; a live one (the ring
+// closed under it) would take the request for the server, after the
+// cancellation aborted the server's requests, and nothing would ever end
+// it: the device could not quiesce for a successor (seen on 6.12).
+func (q *queue) releaseOnceExited(tid int) {
+	go func() {
+		defer close(q.released)
+		task := fmt.Sprintf("/proc/self/task/%d", tid)
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			if _, err := os.Stat(task); errors.Is(err, os.ErrNotExist) {
+				break
+			}
+			if time.Now().After(deadline) {
+				q.dev.log.Warn("ublk: the queue's thread has not exited; closing its ring anyway", "queue", q.id, "tid", tid)
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		q.release()
+	}()
 }
 
 func (q *queue) release() {
