@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/driver"
@@ -169,10 +170,26 @@ func TestUninstallCheckAgainstAPIServer(t *testing.T) {
 		!strings.Contains(out, "published to node-a") {
 		t.Errorf("with a volume: exit %d, want 1 and the volume with its claim:\n%s", code, out)
 	}
+	// A snapshot outliving its volume keeps a file on its storage node:
+	// the check still refuses, naming it and its VolumeSnapshot.
+	snap := &v1alpha1.NBDSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Name: "snap-1", Annotations: map[string]string{access.AnnotationVolumeSnapshot: "apps/nightly"}},
+		Spec:       v1alpha1.NBDSnapshotSpec{SourceVolume: "pvc-9", StorageNode: "node-a"},
+	}
+	if err := c.Create(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
 	if err := c.Delete(ctx, &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "pvc-9"}}); err != nil {
 		t.Fatal(err)
 	}
+	code, out = check()
+	if code != 1 || !strings.Contains(out, "1 snapshot(s) still exist") || !strings.Contains(out, "snap-1\tapps/nightly\tof volume pvc-9\tstorage node node-a") {
+		t.Errorf("with a snapshot left: exit %d, want 1 and the snapshot:\n%s", code, out)
+	}
+	if err := c.Delete(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
 	if code, out := check(); code != 0 {
-		t.Errorf("after the volume went: exit %d:\n%s", code, out)
+		t.Errorf("after the volume and the snapshot went: exit %d:\n%s", code, out)
 	}
 }

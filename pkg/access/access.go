@@ -32,6 +32,9 @@ const (
 	AnnotationStorageAddresses = "mpnbd.io/storage-addresses"
 	// AnnotationCSIName, on an NBDVolume, is the name CreateVolume got.
 	AnnotationCSIName = "mpnbd.io/csi-name"
+	// AnnotationVolumeSnapshot, on an NBDSnapshot, is the namespace/name
+	// of the VolumeSnapshot it was taken for, when the snapshotter said.
+	AnnotationVolumeSnapshot = "mpnbd.io/volumesnapshot"
 
 	// tokenBytes is the token's entropy.
 	tokenBytes = 16

@@ -89,11 +89,18 @@ func (c *Controller) createSnapshot(ctx context.Context, req *csi.CreateSnapshot
 		if v.DeletionTimestamp != nil {
 			return nil, fmt.Errorf("%w: source volume %s is being deleted", ErrPrecondition, src)
 		}
+		ann := map[string]string{access.AnnotationCSIName: name}
+		// With --extra-create-metadata the snapshotter names the
+		// VolumeSnapshot it takes this for: kept, for whoever looks.
+		p := req.GetParameters()
+		if vs := p["csi.storage.k8s.io/volumesnapshot/name"]; vs != "" {
+			ann[access.AnnotationVolumeSnapshot] = p["csi.storage.k8s.io/volumesnapshot/namespace"] + "/" + vs
+		}
 		s = v1alpha1.NBDSnapshot{
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        id,
 				Finalizers:  []string{v1alpha1.SnapshotFinalizer},
-				Annotations: map[string]string{access.AnnotationCSIName: name},
+				Annotations: ann,
 			},
 			Spec: v1alpha1.NBDSnapshotSpec{SourceVolume: src, StorageNode: v.Spec.StorageNode},
 		}

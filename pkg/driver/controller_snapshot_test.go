@@ -10,6 +10,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 )
 
 // TestSnapshots: CreateSnapshot is idempotent by name, refuses a second
@@ -27,7 +28,8 @@ func TestSnapshots(t *testing.T) {
 	}
 	srcID := src.GetVolume().GetVolumeId()
 
-	req := &csi.CreateSnapshotRequest{Name: "snap-a", SourceVolumeId: srcID}
+	req := &csi.CreateSnapshotRequest{Name: "snap-a", SourceVolumeId: srcID, Parameters: map[string]string{
+		"csi.storage.k8s.io/volumesnapshot/name": "nightly", "csi.storage.k8s.io/volumesnapshot/namespace": "apps"}}
 	first, err := ctl.CreateSnapshot(ctx, req)
 	if err != nil {
 		t.Fatal(err)
@@ -41,8 +43,9 @@ func TestSnapshots(t *testing.T) {
 		t.Fatalf("repeated CreateSnapshot: %v, %v", again, err)
 	}
 	var obj v1alpha1.NBDSnapshot
-	if err := c.Get(ctx, client.ObjectKey{Name: s.GetSnapshotId()}, &obj); err != nil || obj.Spec.StorageNode != "small" {
-		t.Fatalf("NBDSnapshot: %v, storage node %q", err, obj.Spec.StorageNode)
+	if err := c.Get(ctx, client.ObjectKey{Name: s.GetSnapshotId()}, &obj); err != nil || obj.Spec.StorageNode != "small" ||
+		obj.Annotations[access.AnnotationVolumeSnapshot] != "apps/nightly" {
+		t.Fatalf("NBDSnapshot: %v, storage node %q, annotations %v", err, obj.Spec.StorageNode, obj.Annotations)
 	}
 	other, err := ctl.CreateVolume(ctx, createReq("other", gib, nil))
 	if err != nil {
