@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Builds the CSI sidecars the cluster suite runs beside our plugin:
-#  - the real external-provisioner, external-attacher and external-resizer
-#    (cmd/csi-provisioner, cmd/csi-attacher, cmd/csi-resizer) from the Go
-#    module proxy, each with its own go.mod (never the driver's), at the
-#    version charts/mpnbd/values.yaml runs (PROVISIONER_VERSION,
-#    ATTACHER_VERSION, RESIZER_VERSION override it); a version the proxy
+#  - the real external-provisioner, external-attacher, external-resizer and
+#    external-snapshotter (cmd/csi-provisioner, cmd/csi-attacher,
+#    cmd/csi-resizer, cmd/csi-snapshotter) from the Go module proxy, each
+#    with its own go.mod (never the driver's), at the version
+#    charts/mpnbd/values.yaml runs (PROVISIONER_VERSION, ATTACHER_VERSION,
+#    RESIZER_VERSION, SNAPSHOTTER_VERSION override it); a version the proxy
 #    does not serve falls back, with a warning, to the newest it serves;
+#  - the snapshot-controller of the snapshotter's release, with that
+#    release's snapshot CRDs and the controller's RBAC (in
+#    snapshot-manifests/): the cluster suite installs them as a cluster
+#    admin would;
 #  - our stand-ins of csi-node-driver-registrar and livenessprobe
 #    (e2e/standins/, in the e2e module), which take the chart's flags (the module proxy serves
 #    no real ones).
@@ -13,7 +18,7 @@
 # ${MPNBD_SIDECAR_CACHE:-/var/cache/mpnbd/sidecars}/<command>/<version>/
 # (cold: a few minutes each); the stand-ins are rebuilt from this tree on
 # every run (the Go build cache makes that quick). Prints SIDECARS=<dir>,
-# a directory holding the five commands.
+# a directory holding the seven commands and snapshot-manifests/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${MPNBD_SIDECAR_CACHE:-/var/cache/mpnbd/sidecars}
@@ -73,6 +78,17 @@ build() {
       # when it is the main module).
       cp -r "$src" "$work/src"
       chmod -R u+w "$work/src"
+      # A module that keeps a part in a module of its own beside it
+      # (external-snapshotter's client) replaces it with a directory the
+      # proxy's zip leaves out: fetch that module at the same version.
+      sed -n 's|^replace \([^ ]*\) => \(\./[^ ]*\)$|\1 \2|p' "$work/src/go.mod" | while read -r mod rel; do
+        [ -e "$work/src/$rel/go.mod" ] && continue
+        local_src=$(moddir "$mod" "$version")
+        [ -n "$local_src" ] || { echo "cannot download $mod@$version (replaced by $rel)" >&2; exit 1; }
+        rm -rf "${work:?}/src/$rel"
+        cp -r "$local_src" "$work/src/$rel"
+        chmod -R u+w "$work/src/$rel"
+      done
       echo "building $cmd $version (cold: a few minutes)" >&2
       (cd "$work/src" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath \
         -ldflags "-s -w -X main.version=$version" -o "$dir/$cmd.tmp" "./cmd/$cmd")
@@ -86,15 +102,21 @@ build() {
 want_provisioner=${PROVISIONER_VERSION:-$(chartVersion csi-provisioner)}
 want_attacher=${ATTACHER_VERSION:-$(chartVersion csi-attacher)}
 want_resizer=${RESIZER_VERSION:-$(chartVersion csi-resizer)}
+want_snapshotter=${SNAPSHOTTER_VERSION:-$(chartVersion csi-snapshotter)}
 provisioner=$(build csi-provisioner github.com/kubernetes-csi/external-provisioner/v6 "$want_provisioner")
 attacher=$(build csi-attacher github.com/kubernetes-csi/external-attacher/v4 "$want_attacher")
 resizer=$(build csi-resizer github.com/kubernetes-csi/external-resizer/v2 "$want_resizer")
+snapshotter=$(build csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8 "$want_snapshotter")
+# The snapshot-controller a cluster runs once for every driver, at the
+# snapshotter's version: the chart does not install it, the cluster suite
+# does, with its CRDs and RBAC (below).
+snapshot_controller=$(build snapshot-controller github.com/kubernetes-csi/external-snapshotter/v8 "$(basename "$(dirname "$snapshotter")")")
 
 # The set: links to the real ones (named by their versions), the
 # stand-ins built from this tree.
-set_dir=$ROOT/set/$(basename "$(dirname "$provisioner")")-$(basename "$(dirname "$attacher")")-$(basename "$(dirname "$resizer")")
+set_dir=$ROOT/set/$(basename "$(dirname "$provisioner")")-$(basename "$(dirname "$attacher")")-$(basename "$(dirname "$resizer")")-$(basename "$(dirname "$snapshotter")")
 mkdir -p "$set_dir"
-for bin in "$provisioner" "$attacher" "$resizer"; do
+for bin in "$provisioner" "$attacher" "$resizer" "$snapshotter" "$snapshot_controller"; do
   ln -sfn "$bin" "$set_dir/$(basename "$bin").tmp"
   mv -T "$set_dir/$(basename "$bin").tmp" "$set_dir/$(basename "$bin")"
 done
@@ -102,4 +124,15 @@ for s in "${STANDINS[@]}"; do
   (cd e2e && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$set_dir/$s.tmp" "./standins/$s")
   mv "$set_dir/$s.tmp" "$set_dir/$s"
 done
+# The snapshot API's CRDs and the snapshot-controller's RBAC, as that
+# release ships them.
+snap_version=$(basename "$(dirname "$snapshotter")")
+crd_src=$(moddir github.com/kubernetes-csi/external-snapshotter/client/v8 "$snap_version")
+ctl_src=$(moddir github.com/kubernetes-csi/external-snapshotter/v8 "$snap_version")
+[ -n "$crd_src" ] && [ -n "$ctl_src" ] || { echo "cannot download external-snapshotter $snap_version's manifests" >&2; exit 1; }
+rm -rf "$set_dir/snapshot-manifests"
+mkdir -p "$set_dir/snapshot-manifests"
+cp "$crd_src"/config/crd/snapshot.storage.k8s.io_*.yaml "$set_dir/snapshot-manifests/"
+cp "$ctl_src/deploy/kubernetes/snapshot-controller/rbac-snapshot-controller.yaml" "$set_dir/snapshot-manifests/"
+chmod -R u+w "$set_dir/snapshot-manifests"
 echo "SIDECARS=$set_dir"

@@ -57,9 +57,9 @@ func (s *suite) containerPort(workload, container string) int {
 }
 
 // sidecarEndpointsScenario: from the host, as a scraper would, the real
-// provisioner, attacher and resizer serve /metrics, counting the CSI calls
-// the scenarios before made (CreateVolume, ControllerPublishVolume,
-// ControllerExpandVolume), and /healthz/leader-election, on the ports the
+// provisioner, attacher, resizer and snapshotter serve /metrics, counting
+// the CSI calls the scenarios before made (CreateVolume,
+// ControllerPublishVolume, ControllerExpandVolume, CreateSnapshot), and /healthz/leader-election, on the ports the
 // chart declares (the suite runs the controller on the host network); the
 // registrar's and the livenessprobes' /healthz answer too.
 func (s *suite) sidecarEndpointsScenario() {
@@ -72,6 +72,7 @@ func (s *suite) sidecarEndpointsScenario() {
 			{"csi-provisioner", "/csi.v1.Controller/CreateVolume"},
 			{"csi-attacher", "/csi.v1.Controller/ControllerPublishVolume"},
 			{"csi-resizer", "/csi.v1.Controller/ControllerExpandVolume"},
+			{"csi-snapshotter", "/csi.v1.Controller/CreateSnapshot"},
 		} {
 			port := s.containerPort("deploy/mpnbd-controller", sc.container)
 			code, body, err := httpGet(ctl, port, "/metrics")
@@ -105,7 +106,7 @@ func (s *suite) sidecarEndpointsScenario() {
 		}
 		// The sidecars at their new versions must need no more RBAC than
 		// the chart grants: say so if they were refused anything.
-		for _, c := range []string{"csi-provisioner", "csi-attacher", "csi-resizer"} {
+		for _, c := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter"} {
 			logs := s.kubectl("logs", "-n", namespace, "deploy/mpnbd-controller", "-c", c, "--tail=-1")
 			for _, l := range strings.Split(logs, "\n") {
 				if strings.Contains(l, "forbidden") {

@@ -51,6 +51,9 @@ type suite struct {
 	previousChart string
 	// cliBuilt is mpnbdctl's path once built (cli_test.go).
 	cliBuilt string
+	// snapshotterImage is the csi-snapshotter's image, which the
+	// previous chart does not know: the upgrade sets it.
+	snapshotterImage string
 }
 
 type timing struct {
@@ -128,12 +131,13 @@ func (s *suite) dumpState() {
 		{"get", "pods", "-A", "-o", "wide"},
 		{"get", "pvc,pv,volumeattachments", "-A"},
 		{"get", "nbdvolumes,nbdstoragenodes,nbdsnapshots", "-o", "yaml"},
+		{"get", "volumesnapshots,volumesnapshotcontents", "-A", "-o", "yaml"},
 		{"get", "events", "-A", "--sort-by=.lastTimestamp"},
 	} {
 		out, _ := s.c.Kubectl(context.Background(), args...)
 		s.t.Logf("kubectl %s:\n%s", strings.Join(args, " "), out)
 	}
-	for _, c := range []string{"controller", "csi-provisioner", "csi-attacher", "csi-resizer"} {
+	for _, c := range []string{"controller", "csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter"} {
 		out, _ := s.c.Kubectl(context.Background(), "logs", "-n", namespace, "deploy/mpnbd-controller", "-c", c, "--tail=40")
 		s.t.Logf("logs %s:\n%s", c, out)
 	}
@@ -141,6 +145,8 @@ func (s *suite) dumpState() {
 		out, _ := s.c.Kubectl(context.Background(), "logs", "-n", namespace, "ds/"+ds, "--all-containers", "--tail=40")
 		s.t.Logf("logs %s:\n%s", ds, out)
 	}
+	out, _ := s.c.Kubectl(context.Background(), "logs", "-n", "kube-system", "deploy/snapshot-controller", "--tail=40")
+	s.t.Logf("logs snapshot-controller:\n%s", out)
 	s.t.Logf("kubelet:\n%s", s.c.LogTail("kubelet", 40))
 }
 
@@ -156,7 +162,7 @@ func (s *suite) jsonpath(path string, args ...string) string {
 // TestDriverOnCluster installs the driver with its Helm chart on a real
 // single-node cluster and uses it as a user would: Filesystem and Block
 // PVCs through pods, data surviving a pod's replacement, online
-// expansion, deletion leaving nothing behind, one volume using the
+// expansion, snapshots, restores and clones, deletion leaving nothing behind, one volume using the
 // four MPTCP paths to the storage agent, and the CSI sidecars' metrics and
 // health endpoints answering.
 func TestDriverOnCluster(t *testing.T) {
@@ -164,7 +170,7 @@ func TestDriverOnCluster(t *testing.T) {
 	helm := cachedTool(t, "tools.sh", "HELM")
 	rootfs := cachedTool(t, "rootfs.sh", "ROOTFS")
 	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	prev, err := previousChart()
 	if err != nil {
@@ -246,10 +252,11 @@ func TestDriverOnCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		images = append(images, Image{Ref: fioImage, BaseLayers: []string{rootfs}, Files: fio})
-		// The real csi-provisioner, csi-attacher and csi-resizer at the
-		// chart's versions; stand-ins of the registrar and the
-		// livenessprobe (hack/sidecars.sh).
-		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-node-driver-registrar", "livenessprobe"} {
+		// The real csi-provisioner, csi-attacher, csi-resizer,
+		// csi-snapshotter and snapshot-controller at the chart's versions;
+		// stand-ins of the registrar and the livenessprobe
+		// (hack/sidecars.sh).
+		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "snapshot-controller", "csi-node-driver-registrar", "livenessprobe"} {
 			ref := "mpnbd.local/" + name + ":e2e"
 			sidecarImages[name] = ref
 			images = append(images, Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}})
@@ -265,6 +272,8 @@ func TestDriverOnCluster(t *testing.T) {
 		}
 	})
 
+	s.snapshotterImage = sidecarImages["csi-snapshotter"]
+	s.installSnapshotAPI(sidecars)
 	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
 	dataDir := filepath.Join(s.dir, "volumes")
 	s.step("helm install", func() {
@@ -364,9 +373,10 @@ storageAgent:
 	s.upgradeScenario()
 	s.filesystemScenario()
 	s.expandScenario()
+	s.snapshotScenario(dataDir)
 	s.sidecarEndpointsScenario()
 	s.blockScenario()
-	s.measureResources("after the upgrade, the filesystem, expansion and block scenarios")
+	s.measureResources("after the upgrade, the filesystem, expansion, snapshot and block scenarios")
 	s.restartScenario()
 	s.uninstallRefusedScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))

@@ -62,7 +62,7 @@ func (s *suite) upgradeScenario() {
 			t.Fatal(err)
 		}
 		if out, err := s.helm("upgrade", "mpnbd", filepath.Join(root, "charts", "mpnbd"), "--values", s.values,
-			"--set", "image.tag="+upgradedImageTag, "--wait=false"); err != nil {
+			"--set", "image.tag="+upgradedImageTag, "--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--wait=false"); err != nil {
 			t.Fatalf("helm upgrade: %v\n%s", err, out)
 		}
 		// The new storage agent's pod network namespace needs the suite's

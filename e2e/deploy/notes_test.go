@@ -54,8 +54,12 @@ func TestChartNotes(t *testing.T) {
 			[]string{"Namespace mpnbd-system", "mpnbd-ext4: fsType ext4", "mpnbd-xfs: fsType xfs", "mpnbd-block",
 				"kubectl label node <node> mpnbd.io/storage-node=true", "kubectl get pods -n mpnbd-system",
 				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
-				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs"},
-			[]string{"the default class", "ServiceMonitor", "metrics", "MPTCP endpoints:"}},
+				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs",
+				"WARNING: the cluster does not serve snapshot.storage.k8s.io/v1"},
+			[]string{"the default class", "ServiceMonitor", "metrics", "MPTCP endpoints:", "VolumeSnapshotClass mpnbd-snapshots"}},
+		{"snapshot API served", []string{"--api-versions", "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"},
+			[]string{"VolumeSnapshotClass mpnbd-snapshots (the driver's default): VolumeSnapshots"},
+			[]string{"does not serve snapshot.storage.k8s.io"}},
 		{"custom", []string{"--values", "e2e/deploy/testdata/values-custom.yaml", "--namespace", "storage-mpnbd"},
 			[]string{"Namespace storage-mpnbd", "fast-xfs: fsType xfs, transport relay, the default class",
 				"raw-tcp: fsType xfs, transport tcp", "kubectl label node <node> storage.example.com/pool=fast",
@@ -65,10 +69,10 @@ func TestChartNotes(t *testing.T) {
 				"ConfigMap mpnbd-grafana-dashboard: the Grafana dashboard"},
 			[]string{"mpnbd-system", "mpnbd-ext4", "mpnbd.io/storage-node", "No storage NICs", "PodMonitor mpnbd-storage-agent", "(in namespace"}},
 		{"parts off", []string{"--set", "storageAgent.enabled=false", "--set", "datapath.enabled=false",
-			"--set", "controller.podDisruptionBudget.enabled=false",
+			"--set", "controller.podDisruptionBudget.enabled=false", "--set", "snapshots.enabled=false",
 			"--set", "storageClasses[0].name=only-ext4", "--set", "storageClasses[0].fsType=ext4"},
 			[]string{"only-ext4: fsType ext4", "runs no storage agent"},
-			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs"}},
+			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs", "napshot"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			notes := renderNotes(t, tc.args...)

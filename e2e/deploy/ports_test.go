@@ -13,12 +13,13 @@ import (
 
 // sidecarProbePaths are the CSI sidecar containers and the path the
 // liveness probe on their --http-endpoint asks for: the provisioner,
-// attacher and resizer serve /healthz/leader-election (with
+// attacher, resizer and snapshotter serve /healthz/leader-election (with
 // --leader-election), the registrar and the livenessprobe /healthz.
 var sidecarProbePaths = map[string]string{
 	"csi-provisioner":       "/healthz/leader-election",
 	"csi-attacher":          "/healthz/leader-election",
 	"csi-resizer":           "/healthz/leader-election",
+	"csi-snapshotter":       "/healthz/leader-election",
 	"node-driver-registrar": "/healthz",
 	"liveness-probe":        "/healthz",
 }
@@ -262,7 +263,7 @@ func TestSidecarHTTPEndpoints(t *testing.T) {
 		for _, p := range problems {
 			t.Errorf("%s: %s", name, p)
 		}
-		want := map[string]int{"csi-provisioner": 1, "csi-attacher": 1, "csi-resizer": 1, "node-driver-registrar": 1, "liveness-probe": 2}
+		want := map[string]int{"csi-provisioner": 1, "csi-attacher": 1, "csi-resizer": 1, "csi-snapshotter": 1, "node-driver-registrar": 1, "liveness-probe": 2}
 		if fmt.Sprint(seen) != fmt.Sprint(want) {
 			t.Errorf("%s: sidecar containers %v, want %v", name, seen, want)
 		}

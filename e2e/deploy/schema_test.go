@@ -37,6 +37,8 @@ func TestValuesSchemaRejects(t *testing.T) {
 			[]string{"/storageClasses/0/fsType"}},
 		{"PodDisruptionBudget", []string{"--set", "controller.podDisruptionBudget.maxUnavailable=half"},
 			[]string{"/controller/podDisruptionBudget/maxUnavailable"}},
+		{"snapshot deletion policy", []string{"--set", "snapshots.volumeSnapshotClass.deletionPolicy=Keep"},
+			[]string{"/snapshots/volumeSnapshotClass/deletionPolicy"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := tryTemplate(t, tc.args...)

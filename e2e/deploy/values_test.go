@@ -176,6 +176,47 @@ func TestChartWithoutDatapath(t *testing.T) {
 	}
 }
 
+// TestChartSnapshots: by default the controller runs the csi-snapshotter
+// with its ClusterRole, and the VolumeSnapshotClass is rendered only where
+// the cluster serves the snapshot API (it could not be created without its
+// CRD); snapshots.enabled=false drops all three.
+func TestChartSnapshots(t *testing.T) {
+	const api = "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"
+	has := func(objs []*unstructured.Unstructured, kind, name string) bool {
+		return slices.ContainsFunc(objs, func(o *unstructured.Unstructured) bool { return o.GetKind() == kind && o.GetName() == name })
+	}
+	sidecar := func(objs []*unstructured.Unstructured) bool {
+		for _, c := range containers(t, objs) {
+			if c.workload == "Deployment/mpnbd-controller" && c.name == "csi-snapshotter" {
+				return true
+			}
+		}
+		return false
+	}
+	objs := parseObjects(t, helmTemplate(t))
+	if !sidecar(objs) || !has(objs, "ClusterRole", "mpnbd-external-snapshotter") || !has(objs, "ClusterRoleBinding", "mpnbd-external-snapshotter") {
+		t.Errorf("defaults: csi-snapshotter %v, its ClusterRole %v", sidecar(objs), has(objs, "ClusterRole", "mpnbd-external-snapshotter"))
+	}
+	if has(objs, "VolumeSnapshotClass", "mpnbd-snapshots") {
+		t.Error("a VolumeSnapshotClass rendered for a cluster without the snapshot API")
+	}
+	objs = render(t, "--api-versions", api, "--set", "snapshots.volumeSnapshotClass.deletionPolicy=Retain")
+	vsc := find(t, objs, "VolumeSnapshotClass", "mpnbd-snapshots")
+	if d, _, _ := unstructured.NestedString(vsc.Object, "driver"); d != "nbd.mptcp.mpnbd.io" {
+		t.Errorf("VolumeSnapshotClass driver %q", d)
+	}
+	if p, _, _ := unstructured.NestedString(vsc.Object, "deletionPolicy"); p != "Retain" {
+		t.Errorf("VolumeSnapshotClass deletionPolicy %q, want Retain", p)
+	}
+	if vsc.GetAnnotations()["snapshot.storage.kubernetes.io/is-default-class"] != "true" {
+		t.Errorf("VolumeSnapshotClass annotations %v: not the default", vsc.GetAnnotations())
+	}
+	objs = render(t, "--api-versions", api, "--set", "snapshots.enabled=false")
+	if sidecar(objs) || has(objs, "ClusterRole", "mpnbd-external-snapshotter") || has(objs, "VolumeSnapshotClass", "mpnbd-snapshots") {
+		t.Error("snapshots.enabled=false still renders the snapshotter, its role or the class")
+	}
+}
+
 // TestDatapathUpgradesByHandover: by default the datapath DaemonSet
 // surges (the new pod beside the old one, which it takes the volumes
 // from) and its pods are ready only once they serve, so the old pod goes
@@ -281,6 +322,7 @@ func TestChartResources(t *testing.T) {
 		"DaemonSet/mpnbd-storage-agent/storage-agent": "map[limits:map[cpu:2 memory:1Gi] requests:map[cpu:100m memory:128Mi]]",
 		"Deployment/mpnbd-controller/csi-attacher":    ctl,
 		"Deployment/mpnbd-controller/csi-resizer":     ctl,
+		"Deployment/mpnbd-controller/csi-snapshotter": ctl,
 	}
 	seen := 0
 	for _, c := range containers(t, parseObjects(t, customTemplate(t))) {
@@ -301,6 +343,7 @@ func TestChartResources(t *testing.T) {
 		"Deployment/mpnbd-controller/csi-provisioner": ctl,
 		"Deployment/mpnbd-controller/csi-attacher":    ctl,
 		"Deployment/mpnbd-controller/csi-resizer":     ctl,
+		"Deployment/mpnbd-controller/csi-snapshotter": ctl,
 		"Deployment/mpnbd-controller/liveness-probe":  small,
 		"DaemonSet/mpnbd-node/node":                   "map[requests:map[cpu:10m memory:32Mi]]",
 		"DaemonSet/mpnbd-node/node-driver-registrar":  small,
