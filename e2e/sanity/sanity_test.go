@@ -242,7 +242,7 @@ func runChild(t *testing.T, at string) {
 }
 
 // checkClean verifies that nothing csi-sanity created is left: volumes
-// (and so backing files), publication Secrets, mounts.
+// and snapshots (and so their files), publication Secrets, mounts.
 func (cl *cluster) checkClean(t *testing.T) {
 	t.Helper()
 	ctx := context.Background()
@@ -257,6 +257,16 @@ func (cl *cluster) checkClean(t *testing.T) {
 		files, _ := filepath.Glob(filepath.Join(cl.dir, "volumes", "*.img"))
 		if len(files) > 0 {
 			return fmt.Errorf("backing files left: %v", files)
+		}
+		snaps := &v1alpha1.NBDSnapshotList{}
+		if err := cl.client.List(ctx, snaps); err != nil {
+			return err
+		}
+		if n := len(snaps.Items); n > 0 {
+			return fmt.Errorf("%d snapshots left, e.g. %s", n, snaps.Items[0].Name)
+		}
+		if files, _ := filepath.Glob(filepath.Join(cl.dir, "volumes", "*.snap")); len(files) > 0 {
+			return fmt.Errorf("snapshot files left: %v", files)
 		}
 		return nil
 	})
