@@ -38,7 +38,8 @@ RUN CGO_ENABLED=0 go build -trimpath \
 
 FROM debian:bookworm-slim
 # The node plugin formats, checks, grows and mounts filesystems through
-# mount-utils, which runs mkfs.ext4/resize2fs (e2fsprogs), mkfs.xfs/
+# mount-utils, which runs mkfs.ext4/resize2fs (e2fsprogs; the node plugin
+# also e2fsck and dumpe2fs to grow a restored ext4 before mounting it), mkfs.xfs/
 # xfs_growfs (xfsprogs), blkid, mount and umount (util-linux, mount).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates e2fsprogs xfsprogs util-linux mount \

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
@@ -70,6 +72,78 @@ func (m *mounter) Resize(devicePath, mountPath string) (bool, error) {
 		return false, err
 	}
 	return m.resizer.Resize(devicePath, mountPath)
+}
+
+// growSlack is how much smaller than its device an ext file system may be
+// and still count as grown.
+const growSlack = 16 << 20
+
+// extSize is the size of the ext2/3/4 file system on devicePath, from its
+// superblock (dumpe2fs -h).
+func (m *mounter) extSize(devicePath string) (uint64, error) {
+	out, err := m.Exec.Command("dumpe2fs", "-h", devicePath).CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("dumpe2fs -h %s: %w: %s", devicePath, err, out)
+	}
+	var blocks, size uint64
+	for _, line := range strings.Split(string(out), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		switch strings.TrimSpace(k) {
+		case "Block count":
+			blocks, err = strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+		case "Block size":
+			size, err = strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+		}
+		if err != nil {
+			return 0, fmt.Errorf("dumpe2fs -h %s: %q: %w", devicePath, line, err)
+		}
+	}
+	if blocks == 0 || size == 0 {
+		return 0, fmt.Errorf("dumpe2fs -h %s gave no block count and size: %s", devicePath, out)
+	}
+	return blocks * size, nil
+}
+
+func (m *mounter) GrowUnmounted(devicePath string) (bool, error) {
+	format, err := m.GetDiskFormat(devicePath)
+	if err != nil {
+		return false, err
+	}
+	switch format {
+	case "ext2", "ext3", "ext4":
+	default:
+		return false, nil // none yet, or one that grows mounted (xfs)
+	}
+	devSize, err := blockdev.DeviceSize(devicePath)
+	if err != nil {
+		return false, err
+	}
+	fsSize, err := m.extSize(devicePath)
+	if err != nil {
+		return false, err
+	}
+	// resize2fs leaves out a last block group too small to hold its own
+	// metadata: a few MiB short of the device is as large as it gets.
+	if devSize <= fsSize+growSlack {
+		return false, nil
+	}
+	// resize2fs wants a file system checked since its last mount; a
+	// restored one is a crash-consistent image whose journal e2fsck
+	// replays. Exit status 1: errors corrected.
+	out, err := m.Exec.Command("e2fsck", "-f", "-p", devicePath).CombinedOutput()
+	if err != nil {
+		var ee utilexec.ExitError
+		if !errors.As(err, &ee) || ee.ExitStatus() != 1 {
+			return false, fmt.Errorf("e2fsck -f -p %s: %w: %s", devicePath, err, out)
+		}
+	}
+	if out, err := m.Exec.Command("resize2fs", devicePath).CombinedOutput(); err != nil {
+		return false, fmt.Errorf("resize2fs %s: %w: %s", devicePath, err, out)
+	}
+	return true, nil
 }
 
 func (m *mounter) Statfs(path string) (FSStats, error) {

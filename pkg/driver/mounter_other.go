@@ -25,4 +25,5 @@ func (unsupportedMounter) IsBlockDevice(string) (bool, error)           { return
 func (unsupportedMounter) GetDeviceSize(string) (uint64, error)         { return 0, errNoMounter() }
 func (unsupportedMounter) DeviceFromMount(string) (string, error)       { return "", errNoMounter() }
 func (unsupportedMounter) Resize(string, string) (bool, error)          { return false, errNoMounter() }
+func (unsupportedMounter) GrowUnmounted(string) (bool, error)           { return false, errNoMounter() }
 func (unsupportedMounter) Statfs(string) (FSStats, error)               { return FSStats{}, errNoMounter() }

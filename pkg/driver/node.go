@@ -62,6 +62,12 @@ type Mounter interface {
 	// Resize grows the file system on devicePath, mounted at mountPath,
 	// to the size of the device; false when it has that size already.
 	Resize(devicePath, mountPath string) (bool, error)
+	// GrowUnmounted grows an unmounted ext2/3/4 file system on
+	// devicePath to the size of the device, checking it first; false
+	// when the device holds no such file system or it has that size
+	// already. (Growing ext4 while mounted needs CAP_SYS_RESOURCE, and
+	// a restored file system needs its journal replayed anyway.)
+	GrowUnmounted(devicePath string) (bool, error)
 	// Statfs reports the usage of the file system holding path.
 	Statfs(path string) (FSStats, error)
 }
@@ -276,14 +282,30 @@ func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging st
 	if spec.Options.ReadOnly {
 		opts = append(opts, "ro")
 	}
+	// A volume restored or cloned into more space than its source had
+	// holds the source's smaller file system: grow it to the device, ext
+	// file systems before they are mounted, the others (xfs grows only
+	// mounted) after.
+	if !spec.Options.ReadOnly {
+		grown, err := n.cfg.Mounter.GrowUnmounted(att.Device)
+		if err != nil {
+			return undo(fmt.Errorf("grow the filesystem on %s to the volume's size: %w", att.Device, err))
+		}
+		if grown {
+			log.Info("filesystem grown to the volume's size at stage")
+		}
+	}
 	if err := n.cfg.Mounter.FormatAndMount(att.Device, staging, fsType, opts); err != nil {
 		return undo(fmt.Errorf("format and mount %s (%s) at %s: %w", att.Device, fsType, staging, err))
 	}
-	// A volume restored or cloned into more space than its source had
-	// holds the source's smaller filesystem: grow it to the device.
 	if !spec.Options.ReadOnly {
 		grown, err := n.cfg.Mounter.Resize(att.Device, staging)
 		if err != nil {
+			// Not left mounted: a retry must find the staging path
+			// empty, not a file system on a device that is gone.
+			if uerr := n.cfg.Mounter.Unmount(staging); uerr != nil {
+				err = errors.Join(err, fmt.Errorf("unmount %s: %w", staging, uerr))
+			}
 			return undo(fmt.Errorf("grow the filesystem on %s to the volume's size: %w", att.Device, err))
 		}
 		if grown {

@@ -127,6 +127,10 @@ type fakeMounter struct {
 	mountErr  error
 	resized   []string
 	formats   int
+	// grownUnmounted are the devices GrowUnmounted was asked to grow;
+	// resizeErr fails Resize.
+	grownUnmounted []string
+	resizeErr      error
 }
 
 func newFakeMounter() *fakeMounter {
@@ -231,8 +235,23 @@ func (m *fakeMounter) DeviceFromMount(mountPath string) (string, error) {
 func (m *fakeMounter) Resize(devicePath, mountPath string) (bool, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.resizeErr != nil {
+		return false, m.resizeErr
+	}
 	m.resized = append(m.resized, devicePath+" "+mountPath)
 	return true, nil
+}
+
+func (m *fakeMounter) GrowUnmounted(devicePath string) (bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, mt := range m.mounts {
+		if mt.source == devicePath {
+			return false, fmt.Errorf("%s is mounted", devicePath)
+		}
+	}
+	m.grownUnmounted = append(m.grownUnmounted, devicePath)
+	return false, nil
 }
 
 func (m *fakeMounter) Statfs(path string) (FSStats, error) {

@@ -204,6 +204,43 @@ func TestNodeStageVolumeFormatFailureDetaches(t *testing.T) {
 	}
 }
 
+// TestNodeStageVolumeGrowFailureUnmounts: a stage that mounted the file
+// system and then failed to grow it leaves neither the mount nor the
+// attach behind, so kubelet's retry stages afresh instead of finding a
+// mount of a device that is gone; an unmounted file system is offered
+// for growing before it is mounted, a read-only one never.
+func TestNodeStageVolumeGrowFailureUnmounts(t *testing.T) {
+	f := newNodeFixture(t)
+	f.mnt.resizeErr = errors.New("resize2fs: Permission denied")
+	req := f.stageReq("pv-1", mountCap(rwo, ""))
+	_, err := f.node.NodeStageVolume(context.Background(), req)
+	wantCode(t, err, codes.Internal)
+	if _, ok := f.mnt.mount(req.StagingTargetPath); ok {
+		t.Error("the staging path is left mounted after the failed grow")
+	}
+	if f.att.isAttached("pv-1") || !slices.Equal(f.att.detaches, []string{"pv-1"}) {
+		t.Errorf("volume left attached (detaches %v)", f.att.detaches)
+	}
+	if !slices.Equal(f.mnt.grownUnmounted, []string{"/dev/fake0"}) {
+		t.Errorf("devices offered for an unmounted grow %v, want the volume's, once", f.mnt.grownUnmounted)
+	}
+	f.mnt.resizeErr = nil
+	if _, err := f.node.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	if mt, ok := f.mnt.mount(req.StagingTargetPath); !ok || mt.source != "/dev/fake0" {
+		t.Errorf("retry's staging mount %+v (mounted %v)", mt, ok)
+	}
+
+	ro := newNodeFixture(t)
+	if _, err := ro.node.NodeStageVolume(context.Background(), ro.stageReq("pv-2", mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, ""))); err != nil {
+		t.Fatal(err)
+	}
+	if len(ro.mnt.grownUnmounted) != 0 || len(ro.mnt.resized) != 0 {
+		t.Errorf("a read-only stage grew the file system: unmounted %v, mounted %v", ro.mnt.grownUnmounted, ro.mnt.resized)
+	}
+}
+
 func TestNodeStageVolumeBlock(t *testing.T) {
 	for _, mode := range []csi.VolumeCapability_AccessMode_Mode{rwo, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER} {
 		t.Run(mode.String(), func(t *testing.T) {

@@ -1,0 +1,107 @@
+package driver
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestMounterGrowUnmounted: an ext4 file system copied while mounted (as
+// a snapshot is taken: its journal still to be replayed) onto a larger
+// device is checked and grown before its first mount, and keeps its
+// data; a second call finds nothing to do; an unformatted device is left
+// alone.
+func TestMounterGrowUnmounted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skipf("skipping: loop devices and mounts need root (euid %d)", os.Geteuid())
+	}
+	for _, tool := range []string{"mkfs.ext4", "e2fsck", "resize2fs", "dumpe2fs", "blkid", "blockdev", "losetup", "mount", "umount"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("skipping: %s not found: %v", tool, err)
+		}
+	}
+	run := func(name string, args ...string) string {
+		t.Helper()
+		out, err := exec.Command(name, args...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	loop := func(img string) string {
+		t.Helper()
+		dev := run("losetup", "--find", "--show", img)
+		t.Cleanup(func() { _ = exec.Command("losetup", "-d", dev).Run() })
+		return dev
+	}
+	dir := t.TempDir()
+	src, copyImg := filepath.Join(dir, "src.img"), filepath.Join(dir, "copy.img")
+	if err := os.WriteFile(src, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(src, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	run("mkfs.ext4", "-q", "-F", src)
+	srcDev := loop(src)
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	run("mount", srcDev, mnt)
+	data := bytes.Repeat([]byte("kept across the grow "), 1<<15)
+	if err := os.WriteFile(filepath.Join(mnt, "data"), data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync()
+	// Copied while mounted: the copy's journal needs recovery.
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(copyImg, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	run("umount", mnt)
+	if err := os.Truncate(copyImg, 128<<20); err != nil {
+		t.Fatal(err)
+	}
+	dev := loop(copyImg)
+
+	m := NewMounter()
+	grown, err := m.GrowUnmounted(dev)
+	if err != nil || !grown {
+		t.Fatalf("GrowUnmounted on a 64 MiB ext4 in a 128 MiB device: %v, %v", grown, err)
+	}
+	if grown, err := m.GrowUnmounted(dev); err != nil || grown {
+		t.Errorf("GrowUnmounted again: %v, %v; want nothing to do", grown, err)
+	}
+	run("mount", dev, mnt)
+	t.Cleanup(func() { _ = exec.Command("umount", mnt).Run() })
+	var st unix.Statfs_t
+	if err := unix.Statfs(mnt, &st); err != nil {
+		t.Fatal(err)
+	}
+	if size := int64(st.Blocks) * st.Bsize; size < 100<<20 {
+		t.Errorf("file system of %d bytes after the grow, want about 128 MiB", size)
+	}
+	if got, err := os.ReadFile(filepath.Join(mnt, "data")); err != nil || !bytes.Equal(got, data) {
+		t.Errorf("the data after the grow: %v, intact %v", err, bytes.Equal(got, data))
+	}
+
+	blank := filepath.Join(dir, "blank.img")
+	if err := os.WriteFile(blank, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(blank, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	if grown, err := m.GrowUnmounted(loop(blank)); err != nil || grown {
+		t.Errorf("GrowUnmounted on an unformatted device: %v, %v", grown, err)
+	}
+}
