@@ -199,6 +199,18 @@ type NBDStorageNodeStatus struct {
 	// Orphans are backing files with no NBDVolume (reported, never deleted).
 	// +optional
 	Orphans []string `json:"orphans,omitempty"`
+	// Snapshots is the number of snapshot files on the node.
+	// +optional
+	Snapshots int32 `json:"snapshots,omitempty"`
+	// SnapshotBytes is the space the snapshots use on their own: their
+	// allocated bytes not shared with a volume or another snapshot.
+	// +optional
+	SnapshotBytes int64 `json:"snapshotBytes,omitempty"`
+	// SharedBytes is the volumes' data shared by reflink with snapshots or
+	// clones. Overwriting it allocates new blocks (copy on write), so it is
+	// reserved out of AvailableBytes.
+	// +optional
+	SharedBytes int64 `json:"sharedBytes,omitempty"`
 }
 
 // NBDStorageNode is one storage agent's report, named after its node.
@@ -207,6 +219,7 @@ type NBDStorageNodeStatus struct {
 // +kubebuilder:subresource:status
 // +kubebuilder:printcolumn:name="Available",type=integer,JSONPath=`.status.availableBytes`
 // +kubebuilder:printcolumn:name="Capacity",type=integer,JSONPath=`.status.capacityBytes`
+// +kubebuilder:printcolumn:name="Snapshots",type=integer,JSONPath=`.status.snapshots`
 // +kubebuilder:printcolumn:name="Heartbeat",type=date,JSONPath=`.status.heartbeat`
 type NBDStorageNode struct {
 	metav1.TypeMeta   `json:",inline"`

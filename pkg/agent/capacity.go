@@ -3,7 +3,10 @@ package agent
 import (
 	"context"
 	"fmt"
+	"io/fs"
+	"math"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -14,16 +17,26 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/snapshot"
 )
 
-// usage is the data directory's filesystem and its volume files.
+// usage is the data directory's filesystem, its volume files and its
+// snapshot files.
 type usage struct {
 	capacity int64 // filesystem size
 	free     int64 // bytes an unprivileged writer may still allocate
 	// reserved is what the volume files may still allocate: for each, its
-	// size minus its allocated bytes.
+	// size minus its allocated bytes, plus its bytes shared with a snapshot
+	// or a clone, which a write to them copies to new blocks.
 	reserved int64
-	files    []string // volume names of the *.img files
+	// shared is the volume files' bytes shared with other files.
+	shared int64
+	// snapshots is the number of snapshot files; snapshotBytes is what
+	// they use on their own (allocated, not shared). Snapshots are never
+	// written, so they reserve nothing.
+	snapshots     int
+	snapshotBytes int64
+	files         []string // volume names of the *.img files
 }
 
 // available is what new volumes may take if every volume filled up.
@@ -31,7 +44,8 @@ func (u usage) available() int64 {
 	return max(0, u.free-u.reserved)
 }
 
-// diskUsage measures dir: statfs of its filesystem and every *.img file.
+// diskUsage measures dir: statfs of its filesystem, every *.img file and
+// every *.snap file.
 func diskUsage(dir string) (usage, error) {
 	var u usage
 	var err error
@@ -43,7 +57,11 @@ func diskUsage(dir string) (usage, error) {
 		return u, err
 	}
 	for _, e := range entries {
-		name, ok := strings.CutSuffix(e.Name(), fileSuffix)
+		name, volume := strings.CutSuffix(e.Name(), fileSuffix)
+		ok := volume
+		if !volume {
+			name, ok = strings.CutSuffix(e.Name(), snapshotSuffix)
+		}
 		if !ok || name == "" || !e.Type().IsRegular() {
 			continue
 		}
@@ -51,10 +69,26 @@ func diskUsage(dir string) (usage, error) {
 		if err != nil {
 			continue // removed meanwhile
 		}
-		u.files = append(u.files, name)
-		u.reserved += max(0, fi.Size()-allocated(fi))
+		space := fileSpace(filepath.Join(dir, e.Name()), fi)
+		if volume {
+			u.files = append(u.files, name)
+			u.reserved += max(0, fi.Size()-space.Allocated) + space.Shared
+			u.shared += space.Shared
+		} else {
+			u.snapshots++
+			u.snapshotBytes += max(0, space.Allocated-space.Shared)
+		}
 	}
 	return u, nil
+}
+
+// fileSpace is what the file at path uses; where its extents cannot be
+// read, its allocated bytes as fi tells them and no sharing.
+func fileSpace(path string, fi fs.FileInfo) snapshot.Space {
+	if s, err := snapshot.Usage(path); err == nil {
+		return s
+	}
+	return snapshot.Space{Allocated: allocated(fi)}
 }
 
 // runHeartbeat reports the NBDStorageNode at start, every heartbeat
@@ -140,6 +174,9 @@ func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
 		Topology:       a.cfg.Topology,
 		Heartbeat:      metav1.Now(),
 		Orphans:        orphans,
+		Snapshots:      int32(min(u.snapshots, math.MaxInt32)),
+		SnapshotBytes:  u.snapshotBytes,
+		SharedBytes:    u.shared,
 	}
 	if err := a.client.Status().Patch(ctx, &node, client.MergeFrom(orig)); err != nil {
 		return nil, fmt.Errorf("storage node %s status: %w", a.cfg.NodeName, err)
