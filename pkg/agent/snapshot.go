@@ -2,9 +2,11 @@ package agent
 
 // Snapshots: an NBDSnapshot of a volume this node serves is taken here,
 // as a file beside the volume's: a reflink where the data directory's
-// filesystem can, else a sparse copy, with the volume's export held at a
-// flush point meanwhile (crash-consistent: every write the export
-// acknowledged before the snapshot is in it, none after).
+// filesystem can, with the volume's export held at a flush point
+// meanwhile, else a sparse copy made while writes flow, the ranges they
+// change copied again and last with the export held at a flush point
+// (crash-consistent either way: every write the export acknowledged
+// before the snapshot is in it, none after).
 
 import (
 	"context"
@@ -130,7 +132,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, log *slog.Logger, snap *v1alph
 			message: fmt.Sprintf("volume %s is not served by storage node %s", src, a.cfg.NodeName)}
 	}
 	var at time.Time
-	res, err := snapshot.Clone(ctx, a.path(src), dst, heldAt(e, &at))
+	res, err := snapshot.Clone(ctx, a.path(src), dst, heldAt(e, &at), tracked(e))
 	switch {
 	case errors.Is(err, syscall.ENOSPC):
 		return v1alpha1.NBDSnapshotStatus{}, &failure{code: "ResourceExhausted", retry: exhaustedRetry,
@@ -142,7 +144,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, log *slog.Logger, snap *v1alph
 		return v1alpha1.NBDSnapshotStatus{}, internal("snapshot of %s: %v", src, err)
 	}
 	log.Info("snapshot taken", "method", res.Method, "size", res.Size, "used", res.Allocated,
-		"writes_held", res.Held, "took", res.Duration)
+		"copied_again", res.Recopied, "writes_held", res.Held, "took", res.Duration)
 	a.kickCapacity()
 	return v1alpha1.NBDSnapshotStatus{
 		ReadyToUse: true, SizeBytes: res.Size, UsedBytes: res.Allocated, Method: string(res.Method),
@@ -162,6 +164,24 @@ func heldAt(e *nbd.Export, at *time.Time) snapshot.Option {
 			*at = time.Now()
 		}
 		return resume, err
+	})
+}
+
+// tracked lets a copy of export e's backing file run while its writes
+// flow: e records the ranges they change, which Clone copies again, last
+// with the writes held (see package snapshot).
+func tracked(e *nbd.Export) snapshot.Option {
+	return snapshot.WithChanges(func() (func() []snapshot.Range, func()) {
+		t := e.TrackChanges()
+		take := func() []snapshot.Range {
+			rs := t.Take()
+			out := make([]snapshot.Range, len(rs))
+			for i, r := range rs {
+				out[i] = snapshot.Range{Off: r.Off, Len: r.Len}
+			}
+			return out
+		}
+		return take, t.Stop
 	})
 }
 
@@ -215,7 +235,7 @@ func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1a
 			return &failure{code: "NotFound", retry: snapshotRetry,
 				message: fmt.Sprintf("source volume %s is not served by storage node %s", cs.Volume, a.cfg.NodeName)}
 		}
-		opts = append(opts, heldAt(e, nil))
+		opts = append(opts, heldAt(e, nil), tracked(e))
 	default:
 		return &failure{code: "InvalidArgument", retry: exhaustedRetry,
 			message: "contentSource names both a volume and a snapshot, or neither"}

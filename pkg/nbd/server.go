@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -25,8 +26,13 @@ type Export struct {
 	// closed yet, for Limits.MaxConnsPerExport.
 	reserved int
 	// gate: every change to the backend (write, trim, write-zeroes) runs
-	// under its read lock; Quiesce takes the write lock.
+	// under its read lock, and is recorded in the change trackers before
+	// the lock is released; Quiesce takes the write lock.
 	gate sync.RWMutex
+	// trackers are the running ChangeTrackers (nil for none), replaced
+	// whole under trackMu.
+	trackMu  sync.Mutex
+	trackers atomic.Pointer[[]*ChangeTracker]
 }
 
 // Quiesce holds the export at a flush point: it waits for the changes in

@@ -293,6 +293,9 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		}
 		e.gate.RLock()
 		_, err := b.WriteAt(buf, off)
+		// Recorded after the backend call, failed or not (part of it may
+		// have been written): see ChangeTracker.
+		e.changed(off, n)
 		e.gate.RUnlock()
 		if err != nil {
 			c.log.Error("write failed", "offset", off, "length", n, "error", err)
@@ -317,6 +320,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		} else {
 			err = b.Zero(off, n, req.Flags&CmdFlagNoHole != 0)
 		}
+		e.changed(off, n)
 		e.gate.RUnlock()
 		if err != nil {
 			c.log.Error(CmdName(req.Type)+" failed", "offset", off, "length", n, "error", err)

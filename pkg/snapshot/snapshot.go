@@ -28,19 +28,30 @@
 //     durable up to the point the snapshot claims,
 //
 // and return a function that lets writes flow again. Clone calls Quiesce
-// once, right before it starts, and the resume function once it has
-// finished reading the source, whether it succeeded or not.
+// right before it reads the source for the point it claims, and the resume
+// function once it has finished reading it, whether it succeeded or not.
 //
 // How long writes are held depends on the method, and Result.Held reports
 // it:
 //
 //   - reflink: the clone is a metadata operation, milliseconds even for a
 //     large file, so holding writes around it is invisible to clients;
-//   - copy: the source is read for the whole copy, so writes are held for
-//     the whole copy, seconds per GiB of data. The alternative, copying
-//     while writes flow and then copying again what changed, would need the
-//     export to track dirty ranges; it is not done here. An agent that
-//     cannot afford the pause needs a filesystem with reflink.
+//   - copy with change tracking (WithChanges, which needs WithQuiesce):
+//     the data is copied while writes flow and the source's changes are
+//     recorded meanwhile. The ranges changed during the copy are copied
+//     again, still with writes flowing, for a few rounds, until a round
+//     finds little changed. The source is then synced without holding
+//     anything, and only then held: Quiesce, copy again what changed
+//     since the last round, take the source's size, resume. Writes wait
+//     for a flush and a copy of what changed in the last moments, not for
+//     the copy of the volume. A range copied again is first punched out of
+//     the snapshot, so that what became a hole in the source is a hole in
+//     the snapshot too. Before it holds writes for a reflink, Clone tries
+//     to share the source's first block, without holding anything: where
+//     the filesystem refuses that (ext4), writes are held only once, at
+//     the end of the copy;
+//   - copy without change tracking: the source is read with writes held
+//     for the whole copy, seconds per GiB of data.
 //
 // The destination's sync and rename happen after resume: they no longer
 // read the source.
@@ -79,13 +90,18 @@ type Result struct {
 	Method Method
 	// Size is the destination's size, the source's at the flush point.
 	Size int64
-	// Copied is the bytes of data copied (0 for a reflink).
+	// Copied is the bytes of data copied (0 for a reflink), Recopied
+	// included.
 	Copied int64
+	// Recopied is the part of Copied that was copied again because the
+	// source changed meanwhile (only with WithChanges).
+	Recopied int64
 	// Allocated is the space the destination uses on disk (st_blocks*512),
 	// shared extents included.
 	Allocated int64
 	// Held is how long writes were held: from calling Quiesce to calling
-	// its resume function (0 without a Quiesce hook).
+	// its resume function, added up over the holds (0 without a Quiesce
+	// hook).
 	Held time.Duration
 	// Duration is the whole Clone, syncs included.
 	Duration time.Duration
@@ -96,16 +112,33 @@ type Option func(*options)
 
 type options struct {
 	quiesce   func(ctx context.Context) (resume func(), err error)
+	changes   func() (take func() []Range, stop func())
 	noReflink bool
 	chunk     int64
 }
 
-// WithQuiesce makes Clone call quiesce before it reads the source and the
-// function quiesce returns once it has finished reading it (see the package
-// documentation for what quiesce must do). A nil resume is allowed; an
+// Range is a byte range [Off, Off+Len) of the source.
+type Range struct{ Off, Len int64 }
+
+// WithQuiesce makes Clone call quiesce before it reads the source for the
+// point the snapshot claims and the function quiesce returns once it has
+// finished reading it (see the package documentation for what quiesce must
+// do, and when it is called more than once). A nil resume is allowed; an
 // error ends the Clone with it, nothing made.
 func WithQuiesce(quiesce func(ctx context.Context) (resume func(), err error)) Option {
 	return func(o *options) { o.quiesce = quiesce }
+}
+
+// WithChanges lets Clone copy the source while writes flow (see the
+// package documentation). start begins recording the ranges of the source
+// that change; take returns those changed since start or since the
+// previous take, and stop ends the recording. take must report every
+// change that was not in the source when the previous take returned, and
+// under Quiesce every change not reported yet. Ranges may overlap and
+// reach past the end of the source. It has no effect without WithQuiesce,
+// nor on a reflink.
+func WithChanges(start func() (take func() []Range, stop func())) Option {
+	return func(o *options) { o.changes = start }
 }
 
 // WithoutReflink skips FICLONE and always copies. (On XFS and btrfs the
@@ -170,27 +203,15 @@ func Clone(ctx context.Context, src, dst string, opts ...Option) (Result, error)
 	}()
 
 	var res Result
-	if err := func() error {
-		if o.quiesce != nil {
-			held := time.Now()
-			resume, err := o.quiesce(ctx)
-			if err != nil {
-				return fmt.Errorf("quiesce the source: %w", err)
-			}
-			defer func() {
-				if resume != nil {
-					resume()
-				}
-				res.Held = time.Since(held)
-			}()
-		}
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		return clone(ctx, in, out, &o, &res)
-	}(); err != nil {
+	h := &writeHold{quiesce: o.quiesce}
+	err = func() error {
+		defer h.release()
+		return clone(ctx, in, out, &o, h, &res)
+	}()
+	if err != nil {
 		return Result{}, err
 	}
+	res.Held = h.total
 
 	if err := out.Sync(); err != nil {
 		return Result{}, fmt.Errorf("sync %s: %w", tmp, err)
@@ -216,6 +237,42 @@ func Clone(ctx context.Context, src, dst string, opts ...Option) (Result, error)
 	}
 	res.Duration = time.Since(start)
 	return res, nil
+}
+
+// writeHold holds the source's writes through the Quiesce hook and adds
+// up how long they were held.
+type writeHold struct {
+	quiesce func(ctx context.Context) (resume func(), err error)
+	resume  func()
+	held    bool
+	since   time.Time
+	total   time.Duration
+}
+
+// hold quiesces the source, unless there is no hook or it is held already.
+func (h *writeHold) hold(ctx context.Context) error {
+	if h.quiesce == nil || h.held {
+		return nil
+	}
+	since := time.Now()
+	resume, err := h.quiesce(ctx)
+	if err != nil {
+		return fmt.Errorf("quiesce the source: %w", err)
+	}
+	h.resume, h.held, h.since = resume, true, since
+	return nil
+}
+
+// release lets writes flow again if they are held.
+func (h *writeHold) release() {
+	if !h.held {
+		return
+	}
+	if h.resume != nil {
+		h.resume()
+	}
+	h.total += time.Since(h.since)
+	h.resume, h.held = nil, false
 }
 
 func syncDir(dir string) error {

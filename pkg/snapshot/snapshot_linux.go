@@ -10,9 +10,37 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// clone fills out from in, by reflink or by copy, with writes held.
-func clone(ctx context.Context, in, out *os.File, o *options, res *Result) error {
-	if !o.noReflink {
+// Bounds of the copy with change tracking: at most recopyRounds copies of
+// the changed ranges are made while writes flow; a round that finds less
+// than recopyEnough changed is the last, as the next one (with writes
+// held) has about as much as changed while it ran.
+const (
+	recopyRounds = 4
+	recopyEnough = 16 << 20
+)
+
+// clone fills out from in, by reflink or by copy, holding the source's
+// writes through h while it reads the source for the snapshot's point.
+func clone(ctx context.Context, in, out *os.File, o *options, h *writeHold, res *Result) error {
+	tracked := o.changes != nil && o.quiesce != nil
+	reflink := !o.noReflink
+	if reflink && tracked {
+		// Holding writes to find out that the filesystem cannot reflink
+		// would stall them for a flush for nothing.
+		var err error
+		if reflink, err = mayReflink(in, out); err != nil {
+			return err
+		}
+	}
+	if reflink || !tracked {
+		if err := h.hold(ctx); err != nil {
+			return err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if reflink {
 		err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd()))
 		switch {
 		case err == nil:
@@ -26,18 +54,100 @@ func clone(ctx context.Context, in, out *os.File, o *options, res *Result) error
 			return &fs.PathError{Op: "ficlone", Path: in.Name(), Err: err}
 		}
 	}
-	fi, err := in.Stat()
+	res.Method = Copy
+	c := copier{in: in, out: out, useCFR: true, copied: &res.Copied}
+	if tracked {
+		h.release()
+		return copyTracked(ctx, &c, o, h, res)
+	}
+	size, err := fileSize(in)
 	if err != nil {
 		return err
 	}
-	size := fi.Size()
 	// The size first: the data ranges are then written in place and what
 	// is not written stays a hole.
 	if err := out.Truncate(size); err != nil {
 		return err
 	}
-	res.Method, res.Size = Copy, size
-	return copySparse(ctx, in, out, size, o.chunk, &res.Copied)
+	res.Size = size
+	return c.copyData(ctx, 0, size, o.chunk)
+}
+
+// copyTracked copies the source while its writes flow, copies again what
+// changed meanwhile, and holds the writes through h only for the last
+// changes (see the package documentation).
+func copyTracked(ctx context.Context, c *copier, o *options, h *writeHold, res *Result) error {
+	take, stop := o.changes()
+	defer stop()
+	size, err := fileSize(c.in)
+	if err != nil {
+		return err
+	}
+	if err := c.out.Truncate(size); err != nil {
+		return err
+	}
+	if err := c.copyData(ctx, 0, size, o.chunk); err != nil {
+		return err
+	}
+	for range recopyRounds {
+		n, err := c.recopy(ctx, take(), o.chunk, &res.Recopied)
+		if err != nil {
+			return err
+		}
+		if n < recopyEnough {
+			break
+		}
+	}
+	// Write back what the writers left dirty now, while they run, so that
+	// the flush under the hold has little left to do. Only a shortcut:
+	// Quiesce's own flush is what counts, and reports errors.
+	_ = unix.Fdatasync(int(c.in.Fd()))
+	if err := h.hold(ctx); err != nil {
+		return err
+	}
+	if _, err := c.recopy(ctx, take(), o.chunk, &res.Recopied); err != nil {
+		return err
+	}
+	if size, err = fileSize(c.in); err != nil {
+		return err
+	}
+	if err := c.out.Truncate(size); err != nil {
+		return err
+	}
+	res.Size = size
+	h.release()
+	return nil
+}
+
+// mayReflink tries to share the source's first block with out, which is
+// empty and stays so: false when the filesystem refuses for certain,
+// true when the whole-file FICLONE may succeed.
+func mayReflink(in, out *os.File) (bool, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(in.Fd()), &st); err != nil {
+		return false, &fs.PathError{Op: "fstat", Path: in.Name(), Err: err}
+	}
+	n := uint64(0) // to the end of a file shorter than a block
+	if st.Size >= int64(st.Blksize) {
+		n = uint64(st.Blksize)
+	}
+	err := unix.IoctlFileCloneRange(int(out.Fd()), &unix.FileCloneRange{Src_fd: int64(in.Fd()), Src_length: n})
+	if errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOTTY) {
+		return false, nil
+	}
+	// Anything else, success included, is for the FICLONE to settle.
+	if err := out.Truncate(0); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+func fileSize(f *os.File) (int64, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, err
+	}
+	return fi.Size(), nil
 }
 
 // refused reports whether FICLONE failed because the filesystem (or the
@@ -48,37 +158,101 @@ func refused(err error) bool {
 		errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOTTY)
 }
 
-// copySparse copies the data extents of in below size to the same offsets
-// of out, chunk bytes at a time, adding what it copied to *copied.
-func copySparse(ctx context.Context, in, out *os.File, size, chunk int64, copied *int64) error {
-	c := copier{in: in, out: out, useCFR: true}
-	for off := int64(0); off < size; {
-		start, end, err := nextData(in, off, size)
+// copier copies ranges of in to the same offsets of out, with
+// copy_file_range, or with read and write once the kernel refuses
+// copy_file_range for this pair of files. It adds the bytes it copies to
+// *copied.
+type copier struct {
+	in, out *os.File
+	useCFR  bool
+	buf     []byte
+	copied  *int64
+	noPunch bool // out cannot punch holes
+}
+
+// copyData copies the data extents of in within [from, to), chunk bytes
+// at a time, leaving out's holes there as they are.
+func (c *copier) copyData(ctx context.Context, from, to, chunk int64) error {
+	for off := from; off < to; {
+		start, end, err := nextData(c.in, off, to)
 		if err != nil {
 			return err
 		}
-		if start >= size {
+		if start >= to {
 			return nil
 		}
-		for pos := start; pos < end; {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			n, err := c.copyRange(pos, min(chunk, end-pos))
-			if err != nil {
-				return err
-			}
-			if n == 0 {
-				// The source shrank under us; what is left reads as zeroes
-				// and the destination already has them as a hole.
-				return nil
-			}
-			pos += n
-			*copied += n
+		if err := c.copyAll(ctx, start, end, chunk); err != nil {
+			return err
 		}
 		off = end
 	}
 	return nil
+}
+
+// copyAll copies [from, to) whole, holes read as zeroes, chunk bytes at a
+// time.
+func (c *copier) copyAll(ctx context.Context, from, to, chunk int64) error {
+	for pos := from; pos < to; {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		n, err := c.copyRange(pos, min(chunk, to-pos))
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			// The source shrank under us; what is left reads as zeroes
+			// and the destination has them as a hole, or is cut to the
+			// source's size at the end.
+			return nil
+		}
+		pos += n
+		*c.copied += n
+	}
+	return nil
+}
+
+// recopy makes out equal to in over each of ranges (clipped to in's size),
+// holes included: the range is punched out of out, then in's data in it
+// copied. It returns the bytes the ranges cover and adds those it copied
+// to *recopied.
+func (c *copier) recopy(ctx context.Context, ranges []Range, chunk int64, recopied *int64) (int64, error) {
+	if len(ranges) == 0 {
+		return 0, nil
+	}
+	size, err := fileSize(c.in)
+	if err != nil {
+		return 0, err
+	}
+	before := *c.copied
+	defer func() { *recopied += *c.copied - before }()
+	var covered int64
+	for _, r := range ranges {
+		from, to := max(r.Off, 0), min(r.Off+r.Len, size)
+		if from >= to {
+			continue
+		}
+		covered += to - from
+		if !c.noPunch {
+			err := unix.Fallocate(int(c.out.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, from, to-from)
+			switch {
+			case errors.Is(err, unix.EOPNOTSUPP):
+				c.noPunch = true
+			case err != nil:
+				return covered, &fs.PathError{Op: "punch", Path: c.out.Name(), Err: err}
+			}
+		}
+		if c.noPunch {
+			// Without holes to punch, the holes are copied as zeroes.
+			err = c.copyAll(ctx, from, to, chunk)
+		} else {
+			err = c.copyData(ctx, from, to, chunk)
+		}
+		if err != nil {
+			return covered, err
+		}
+	}
+	return covered, nil
 }
 
 // nextData returns the next data range at or after off, clipped to size;
@@ -106,14 +280,6 @@ func nextData(f *os.File, off, size int64) (start, end int64, err error) {
 		return 0, 0, &fs.PathError{Op: "seek_hole", Path: f.Name(), Err: err}
 	}
 	return start, min(end, size), nil
-}
-
-// copier copies ranges with copy_file_range, or with read and write once
-// the kernel refuses copy_file_range for this pair of files.
-type copier struct {
-	in, out *os.File
-	useCFR  bool
-	buf     []byte
 }
 
 // copyRange copies up to n bytes at off; 0 means the source ended.

@@ -1,18 +1,24 @@
 package snapshot
 
 import (
+	"bytes"
 	"context"
-	"crypto/sha256"
+	"encoding/binary"
 	"errors"
+	"fmt"
 	"io/fs"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // pattern is a source of 64 MiB and 4 KiB with data at its start, in
@@ -145,30 +151,74 @@ func TestCloneTempDir(t *testing.T) {
 	}
 }
 
-// export stands in for an NBD export: writes go through it, and its
-// quiesce holds them while the snapshot is made.
+// export stands in for an NBD export: writes and trims go through it, and
+// its quiesce holds them while the snapshot is made. It logs every change,
+// so that the source at a flush point can be rebuilt afterwards, and
+// records the ranges changed for WithChanges as the real export does: once
+// the change is in the file, before a hold can begin.
 type export struct {
 	mu     sync.Mutex
 	f      *os.File
 	writes atomic.Int64
+	log    []logged // every write, in order
 
-	sum      [sha256.Size]byte // the source's checksum at the flush point
-	quiesced int               // Quiesce calls
-	resumed  int               // resume calls
+	atFlush  int // writes in the log at the last Quiesce
+	quiesced int // Quiesce calls
+	resumed  int // resume calls
+
+	tmu      sync.Mutex
+	trackers map[*changes]struct{}
 }
 
-func (e *export) write(p []byte, off int64) error {
+// logged is one write: n bytes made by fillWrite(seq) at off, or n
+// zeroes punched at off for seq 0.
+type logged struct {
+	off, n int64
+	seq    uint64
+}
+
+// fillWrite fills p with the content of write seq: seq stamped at the
+// start, pseudo-random bytes after.
+func fillWrite(p []byte, seq uint64) {
+	rng := rand.NewChaCha8([32]byte{byte(seq), byte(seq >> 8), byte(seq >> 16), byte(seq >> 24), 0xfe})
+	rng.Read(p)
+	binary.LittleEndian.PutUint64(p, seq)
+}
+
+func (e *export) write(p []byte, off int64, seq uint64) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if _, err := e.f.WriteAt(p, off); err != nil {
 		return err
 	}
-	e.writes.Add(1)
+	e.changed(logged{off, int64(len(p)), seq})
 	return nil
 }
 
-// quiesce holds new writes (the mutex also waits for the one in flight),
-// syncs the source and records what it holds.
+// trim punches n bytes at off, as the export does for a trim.
+func (e *export) trim(off, n int64) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := unix.Fallocate(int(e.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n); err != nil {
+		return err
+	}
+	e.changed(logged{off, n, 0})
+	return nil
+}
+
+// changed logs a change made to the file and records it in the trackers.
+func (e *export) changed(l logged) {
+	e.log = append(e.log, l)
+	e.tmu.Lock()
+	for c := range e.trackers {
+		c.add(l.off, l.n)
+	}
+	e.tmu.Unlock()
+	e.writes.Add(1)
+}
+
+// quiesce holds new writes (the mutex also waits for the one in flight)
+// and syncs the source.
 func (e *export) quiesce(t *testing.T) func(context.Context) (func(), error) {
 	return func(context.Context) (func(), error) {
 		e.mu.Lock()
@@ -176,7 +226,7 @@ func (e *export) quiesce(t *testing.T) func(context.Context) (func(), error) {
 		if err := e.f.Sync(); err != nil {
 			t.Errorf("sync: %v", err)
 		}
-		e.sum = checksum(t, e.f.Name())
+		e.atFlush = len(e.log)
 		return func() {
 			e.resumed++
 			e.mu.Unlock()
@@ -184,19 +234,160 @@ func (e *export) quiesce(t *testing.T) func(context.Context) (func(), error) {
 	}
 }
 
-func TestCloneUnderWrites(t *testing.T) {
-	t.Run("copy", func(t *testing.T) {
-		testUnderWrites(t, t.TempDir(), Copy, WithoutReflink(), WithChunkSize(512*kib))
-	})
-	t.Run("reflink", func(t *testing.T) {
-		testUnderWrites(t, mountFS(t, "xfs", 512*mib), Reflink)
-	})
+// track is the export's WithChanges hook.
+func (e *export) track() (take func() []Range, stop func()) {
+	c := &changes{}
+	e.tmu.Lock()
+	if e.trackers == nil {
+		e.trackers = make(map[*changes]struct{})
+	}
+	e.trackers[c] = struct{}{}
+	e.tmu.Unlock()
+	return c.take, func() {
+		e.tmu.Lock()
+		delete(e.trackers, c)
+		e.tmu.Unlock()
+	}
 }
 
-func testUnderWrites(t *testing.T, dir string, want Method, opts ...Option) {
-	const size = 32 * mib
-	src, dst := filepath.Join(dir, "vol.img"), filepath.Join(dir, "snap.img")
-	makeFile(t, src, size, []span{{0, 8 * mib}, {16 * mib, 4 * mib}}, 4)
+// changes records changed ranges in 64 KiB chunks, as the NBD export does.
+type changes struct {
+	mu     sync.Mutex
+	chunks map[int64]bool
+}
+
+const changeChunk = 64 * kib
+
+func (c *changes) add(off, n int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.chunks == nil {
+		c.chunks = make(map[int64]bool)
+	}
+	for i := off / changeChunk; i <= (off+n-1)/changeChunk; i++ {
+		c.chunks[i] = true
+	}
+}
+
+func (c *changes) take() []Range {
+	c.mu.Lock()
+	chunks := slices.Sorted(maps.Keys(c.chunks))
+	c.chunks = nil
+	c.mu.Unlock()
+	var rs []Range
+	for _, i := range chunks {
+		if n := len(rs); n > 0 && rs[n-1].Off+rs[n-1].Len == i*changeChunk {
+			rs[n-1].Len += changeChunk
+		} else {
+			rs = append(rs, Range{i * changeChunk, changeChunk})
+		}
+	}
+	return rs
+}
+
+// flushPoint rebuilds the source at the last Quiesce: orig with the writes
+// logged until then applied in order.
+func (e *export) flushPoint(orig []byte) []byte {
+	e.mu.Lock()
+	log := slices.Clone(e.log[:e.atFlush])
+	e.mu.Unlock()
+	img := slices.Clone(orig)
+	for _, w := range log {
+		if w.seq == 0 {
+			clear(img[w.off : w.off+w.n])
+		} else {
+			fillWrite(img[w.off:w.off+w.n], w.seq)
+		}
+	}
+	return img
+}
+
+// latencies summarises the latencies of requests.
+type latencies struct {
+	n        int
+	p99, max time.Duration
+}
+
+func summarise(ds []time.Duration) latencies {
+	if len(ds) == 0 {
+		return latencies{}
+	}
+	slices.Sort(ds)
+	return latencies{n: len(ds), p99: ds[(len(ds)*99)/100], max: ds[len(ds)-1]}
+}
+
+func (l latencies) String() string {
+	return fmt.Sprintf("%d requests, p99 %v, max %v", l.n, l.p99.Round(time.Microsecond), l.max.Round(time.Microsecond))
+}
+
+// underWrites is one snapshot taken while a writer runs.
+type underWrites struct {
+	dir      string
+	size     int64
+	data     []span
+	want     Method
+	tracked  bool // WithChanges
+	quiesces int  // Quiesce calls expected
+	opts     []Option
+	// short: a tracked copy holds writes for a small part of the Clone
+	// (checked where the copy is long enough for the comparison to hold
+	// on a busy machine).
+	short bool
+}
+
+// underWritesReport is what one such snapshot measured.
+type underWritesReport struct {
+	res            Result
+	before, during latencies
+	flowed         int // changes acknowledged from the Clone's start to its last hold
+}
+
+// TestCloneUnderWrites takes snapshots while a writer changes the source;
+// each must be the source at its flush point, byte for byte. A copy with
+// change tracking must let writes flow while it copies, and on a big
+// source hold them for a small part of the Clone; the copy held from
+// start to end and the reflink are there to compare with. The latencies of
+// the writer's requests before and during each snapshot are logged side
+// by side, not checked.
+func TestCloneUnderWrites(t *testing.T) {
+	const big = 256 * mib
+	bigData := []span{{0, 96 * mib}, {128 * mib, 64 * mib}, {224 * mib, 16 * mib}}
+	var rows []string
+	for _, tc := range []struct {
+		name  string
+		fs    string // a loop-mounted filesystem, or the test's temporary directory
+		fsize int64
+		uw    underWrites
+	}{
+		{"copy", "ext4", 1 << 30, underWrites{size: big, data: bigData, want: Copy, tracked: true, quiesces: 1, short: true}},
+		{"copy-held", "ext4", 1 << 30, underWrites{size: big, data: bigData, want: Copy, quiesces: 1}},
+		{"copy-tempdir", "", 0, underWrites{size: 32 * mib, data: []span{{0, 8 * mib}, {16 * mib, 4 * mib}}, want: Copy, tracked: true, quiesces: 1,
+			opts: []Option{WithoutReflink(), WithChunkSize(512 * kib)}}},
+		// WithChanges changes nothing to a reflink.
+		{"reflink", "xfs", 512 * mib, underWrites{size: 32 * mib, data: []span{{0, 8 * mib}, {16 * mib, 4 * mib}}, want: Reflink, tracked: true, quiesces: 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.fs == "" {
+				tc.uw.dir = t.TempDir()
+			} else {
+				tc.uw.dir = mountFS(t, tc.fs, tc.fsize)
+			}
+			r := testUnderWrites(t, tc.uw)
+			rows = append(rows, fmt.Sprintf("%-12s %-7s %4d MiB copied (%3d MiB again)  held %-10v of %-10v  before: %-38s during: %s",
+				tc.name, r.res.Method, r.res.Copied/mib, r.res.Recopied/mib, r.res.Held.Round(time.Microsecond), r.res.Duration.Round(time.Millisecond), r.before, r.during))
+		})
+	}
+	t.Logf("snapshots under writes (latency of the writes and trims before the snapshot and during it):\n%s", strings.Join(rows, "\n"))
+}
+
+func testUnderWrites(t *testing.T, uw underWrites) underWritesReport {
+	src, dst := filepath.Join(uw.dir, "vol.img"), filepath.Join(uw.dir, "snap.img")
+	makeFile(t, src, uw.size, uw.data, 4)
+	orig, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dropCache(t, src)
 	f, err := os.OpenFile(src, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -204,54 +395,124 @@ func testUnderWrites(t *testing.T, dir string, want Method, opts ...Option) {
 	defer f.Close()
 	e := &export{f: f}
 
+	// The writer: 4 to 64 KiB at random places, a write or now and then
+	// a trim, with a pause of 100µs (at least) after each; the latency of
+	// each is recorded with its start.
+	type timed struct {
+		start time.Time
+		d     time.Duration
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
+	var times []timed
 	go func() {
 		rng := rand.New(rand.NewPCG(5, 6))
 		buf := make([]byte, 64*kib)
-		for ctx.Err() == nil {
+		for seq := uint64(1); ctx.Err() == nil; seq++ {
 			n := (1 + rng.Int64N(16)) * 4 * kib
-			off := rng.Int64N((size-n)/(4*kib)) * 4 * kib
-			for i := range buf[:n] {
-				buf[i] = byte(rng.Uint32())
+			off := rng.Int64N((uw.size-n)/(4*kib)) * 4 * kib
+			trim := rng.IntN(8) == 0
+			if !trim {
+				fillWrite(buf[:n], seq)
 			}
-			if err := e.write(buf[:n], off); err != nil {
+			start := time.Now()
+			var err error
+			if trim {
+				err = e.trim(off, n)
+			} else {
+				err = e.write(buf[:n], off, seq)
+			}
+			if err != nil {
 				done <- err
 				return
 			}
+			times = append(times, timed{start, time.Since(start)})
+			time.Sleep(100 * time.Microsecond)
 		}
 		done <- nil
 	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("writer: %v", err)
+	stopped := false
+	stopWriter := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("writer: %v", err)
+			}
 		}
-	}()
+	}
+	defer stopWriter()
+	time.Sleep(300 * time.Millisecond)
 	waitWrites(t, e, 50)
 
-	res, err := Clone(context.Background(), src, dst, append(opts, WithQuiesce(e.quiesce(t)))...)
+	opts := append(slices.Clone(uw.opts), WithQuiesce(e.quiesce(t)))
+	if uw.tracked {
+		opts = append(opts, WithChanges(e.track))
+	}
+	atStart := int(e.writes.Load())
+	start := time.Now()
+	res, err := Clone(context.Background(), src, dst, opts...)
+	end := time.Now()
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%+v after %d writes", res, e.writes.Load())
-	if res.Method != want {
-		t.Fatalf("method %s, want %s", res.Method, want)
-	}
 	// Writes flow again after the snapshot.
 	waitWrites(t, e, e.writes.Load()+50)
+	stopWriter()
+
+	var before, during []time.Duration
+	for _, w := range times {
+		switch {
+		case w.start.Before(start):
+			before = append(before, w.d)
+		case w.start.Before(end):
+			during = append(during, w.d)
+		}
+	}
 	e.mu.Lock()
-	q, r, sum := e.quiesced, e.resumed, e.sum
+	q, r, atFlush, total := e.quiesced, e.resumed, e.atFlush, len(e.log)
 	e.mu.Unlock()
-	if q != 1 || r != 1 {
-		t.Errorf("quiesced %d times, resumed %d times, want once each", q, r)
+	rep := underWritesReport{res: res, before: summarise(before), during: summarise(during), flowed: atFlush - atStart}
+	t.Logf("%+v", res)
+	t.Logf("%d changes acknowledged during the Clone before its last hold; latency before: %v; during: %v", rep.flowed, rep.before, rep.during)
+
+	if res.Method != uw.want {
+		t.Fatalf("method %s, want %s", res.Method, uw.want)
 	}
-	if got := checksum(t, dst); got != sum {
-		t.Fatal("the snapshot is not the source at the flush point")
+	if q != uw.quiesces || r != q {
+		t.Errorf("quiesced %d times, resumed %d times, want %d each", q, r, uw.quiesces)
 	}
-	if checksum(t, src) == sum {
-		t.Error("the source did not change after the snapshot: the writer was not running")
+	got, err := os.ReadFile(dst)
+	if err != nil {
+		t.Fatal(err)
 	}
+	if want := e.flushPoint(orig); !bytes.Equal(got, want) {
+		i := 0
+		for i < min(len(got), len(want)) && got[i] == want[i] {
+			i++
+		}
+		t.Fatalf("the snapshot is not the source at the flush point: %d bytes, want %d, first difference at byte %d", len(got), len(want), i)
+	}
+	if total <= atFlush {
+		t.Error("no write after the flush point: the writer was not running")
+	}
+	if uw.tracked && res.Method == Copy {
+		// The copy ran while writes flowed and what they changed was
+		// copied again.
+		if rep.flowed < 5 {
+			t.Errorf("only %d changes acknowledged from the start of the copy to its last hold", rep.flowed)
+		}
+		if res.Recopied == 0 {
+			t.Error("nothing copied again though the source changed during the copy")
+		}
+	}
+	// The hold was a small part of the Clone: the copy of the data was
+	// not in it. (Held for the whole copy, it is most of the Clone, the
+	// destination's sync the rest.)
+	if uw.short && res.Held*4 > res.Duration {
+		t.Errorf("writes held for %v of a %v Clone", res.Held, res.Duration)
+	}
+	return rep
 }
 
 func waitWrites(t *testing.T, e *export, n int64) {
@@ -353,6 +614,32 @@ func TestCloneErrors(t *testing.T) {
 		}
 		if quiesced != 1 || resumed != 1 {
 			t.Errorf("quiesced %d times, resumed %d times, want once each", quiesced, resumed)
+		}
+		noLeftovers(t)
+	})
+	t.Run("cancelled mid-copy with change tracking", func(t *testing.T) {
+		// Cancelled while the data is copied with writes flowing: no hold
+		// is taken, the tracking stops.
+		ctx := &cancelAfter{Context: bg}
+		ctx.n.Store(6)
+		var quiesced, resumed, started, stopped int
+		_, err := Clone(ctx, src, filepath.Join(dir, "snap.img"), WithoutReflink(), WithChunkSize(mib),
+			WithQuiesce(func(context.Context) (func(), error) {
+				quiesced++
+				return func() { resumed++ }, nil
+			}),
+			WithChanges(func() (func() []Range, func()) {
+				started++
+				return func() []Range { return nil }, func() { stopped++ }
+			}))
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("error %v, want context.Canceled", err)
+		}
+		if quiesced != 0 || resumed != 0 {
+			t.Errorf("quiesced %d times, resumed %d times, want none", quiesced, resumed)
+		}
+		if started != 1 || stopped != 1 {
+			t.Errorf("tracking started %d times, stopped %d times, want once each", started, stopped)
 		}
 		noLeftovers(t)
 	})

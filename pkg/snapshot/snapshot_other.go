@@ -9,7 +9,7 @@ import (
 	"os"
 )
 
-func clone(context.Context, *os.File, *os.File, *options, *Result) error {
+func clone(context.Context, *os.File, *os.File, *options, *writeHold, *Result) error {
 	return errors.ErrUnsupported
 }
 
