@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -17,6 +15,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/internal/testenv/loopfs"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/snapshot"
 )
@@ -29,64 +28,10 @@ const (
 	fsSlack = 512 * kib
 )
 
-// mountLoop makes a 512 MiB sparse image, formats it with fstype (xfs with
-// reflink, or ext4), mounts it through a loop device and returns the mount
-// point. Cleanups unmount it and detach the device. Without root or the
-// tools the test is skipped.
+// mountLoop is a 512 MiB loop-mounted fstype (xfs with reflink, or ext4).
 func mountLoop(t *testing.T, fstype string) string {
 	t.Helper()
-	return mountLoopSize(t, fstype, 512*mib)
-}
-
-// mountLoopSize is mountLoop with an image of size bytes.
-func mountLoopSize(t *testing.T, fstype string, size int64) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skipf("skipping: mounting a loop-backed %s needs root (euid %d)", fstype, os.Geteuid())
-	}
-	mkfs := map[string][]string{
-		"xfs":  {"mkfs.xfs", "-q", "-f", "-m", "reflink=1"},
-		"ext4": {"mkfs.ext4", "-q", "-F", "-E", "nodiscard"},
-	}[fstype]
-	for _, tool := range []string{mkfs[0], "losetup", "mount", "umount"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("skipping: %s not found: %v", tool, err)
-		}
-	}
-	dir := t.TempDir()
-	img := filepath.Join(dir, fstype+".img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, size); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command(mkfs[0], append(mkfs[1:], img)...).CombinedOutput(); err != nil {
-		t.Fatalf("%s: %v: %s", strings.Join(mkfs, " "), err, out)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
-	if err != nil {
-		t.Skipf("skipping: no loop device: losetup: %v: %s", err, out)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() {
-		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
-			t.Errorf("cleanup: losetup -d %s: %v: %s", dev, err, out)
-		}
-	})
-	mnt := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mnt, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("mount", "-t", fstype, dev, mnt).CombinedOutput(); err != nil {
-		t.Skipf("skipping: mount -t %s %s: %v: %s", fstype, dev, err, out)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
-			t.Errorf("cleanup: umount %s: %v: %s", mnt, err, out)
-		}
-	})
-	return mnt
+	return loopfs.Mount(t, fstype, 512*mib)
 }
 
 // randomBytes is n bytes that no filesystem can compress or deduplicate.

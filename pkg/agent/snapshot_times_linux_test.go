@@ -1,11 +1,8 @@
 package agent
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -17,6 +14,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/internal/testenv/loopfs"
 	"github.com/mpnbd/mpnbd/pkg/access"
 )
 
@@ -38,7 +36,7 @@ func TestSnapshotRestoreTimes(t *testing.T) {
 	got := map[string]took{}
 	for _, tc := range []struct{ fs, method string }{{"xfs", "reflink"}, {"ext4", "copy"}} {
 		t.Run(tc.fs, func(t *testing.T) {
-			dir := mountLoopSize(t, tc.fs, 4<<30)
+			dir := loopfs.Mount(t, tc.fs, 4<<30)
 			cfg, c := apiserver.Start(t)
 			ctx := context.Background()
 			if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
@@ -91,7 +89,7 @@ func TestSnapshotRestoreTimes(t *testing.T) {
 			}
 			restoreTook := time.Since(start)
 			snapFile, restored := filepath.Join(dir, "snap-t"+snapshotSuffix), filepath.Join(dir, "vol-r"+fileSuffix)
-			if a, b := fileSum(t, snapFile), fileSum(t, restored); !bytes.Equal(a, b) {
+			if loopfs.Checksum(t, snapFile) != loopfs.Checksum(t, restored) {
 				t.Fatal("the restored volume does not hold the snapshot's data")
 			}
 			got[tc.fs] = took{snapTook, time.Duration(st.HeldMilliseconds) * time.Millisecond, restoreTook}
@@ -113,19 +111,4 @@ func dropCaches(t *testing.T) {
 	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0); err != nil {
 		t.Logf("page cache not dropped: %v", err)
 	}
-}
-
-// fileSum is the sha256 of the file at path.
-func fileSum(t *testing.T, path string) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		t.Fatal(err)
-	}
-	return h.Sum(nil)
 }

@@ -2,16 +2,12 @@ package snapshot
 
 import (
 	"bytes"
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"io"
 	"math/rand/v2"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -24,61 +20,6 @@ const (
 
 // span is a byte range [off, off+len).
 type span struct{ off, len int64 }
-
-// mountFS makes a sparse image of size bytes, formats it with fstype
-// (xfs with reflink, or ext4), attaches it to a loop device and mounts it
-// in a temporary directory. Cleanups unmount it and detach the device.
-func mountFS(t *testing.T, fstype string, size int64) string {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skipf("skipping: mounting a loop-backed %s needs root (euid %d)", fstype, os.Geteuid())
-	}
-	mkfs := map[string][]string{
-		"xfs":  {"mkfs.xfs", "-q", "-f", "-m", "reflink=1"},
-		"ext4": {"mkfs.ext4", "-q", "-F", "-E", "nodiscard"},
-	}[fstype]
-	for _, tool := range []string{mkfs[0], "losetup", "mount", "umount"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("skipping: %s not found: %v", tool, err)
-		}
-	}
-	dir := t.TempDir()
-	img := filepath.Join(dir, fstype+".img")
-	f, err := os.Create(img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	if out, err := exec.Command(mkfs[0], append(mkfs[1:], img)...).CombinedOutput(); err != nil {
-		t.Fatalf("%s: %v: %s", strings.Join(mkfs, " "), err, out)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
-	if err != nil {
-		t.Skipf("skipping: no loop device: losetup: %v: %s", err, out)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() {
-		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
-			t.Errorf("cleanup: losetup -d %s: %v: %s", dev, err, out)
-		}
-	})
-	mnt := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("mount", "-t", fstype, dev, mnt).CombinedOutput(); err != nil {
-		t.Skipf("skipping: mount -t %s %s: %v: %s", fstype, dev, err, out)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
-			t.Errorf("cleanup: umount %s: %v: %s", mnt, err, out)
-		}
-	})
-	return mnt
-}
 
 // makeFile creates path with the given size, random data in the given
 // spans and holes elsewhere, synced. It returns the bytes of data.
@@ -179,20 +120,6 @@ func sameContent(t *testing.T, a, b string) {
 		}
 		off += int64(na)
 	}
-}
-
-func checksum(t *testing.T, path string) [sha256.Size]byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		t.Fatal(err)
-	}
-	return [sha256.Size]byte(h.Sum(nil))
 }
 
 // dirNames lists a directory, sorted.

@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/loopfs"
 )
 
 // pattern is a source of 64 MiB and 4 KiB with data at its start, in
@@ -35,7 +37,7 @@ var (
 )
 
 func TestCloneReflinkXFS(t *testing.T) {
-	mnt := mountFS(t, "xfs", 512*mib)
+	mnt := loopfs.Mount(t, "xfs", 512*mib)
 	src, dst := filepath.Join(mnt, "vol.img"), filepath.Join(mnt, "snap.img")
 	data := makeFile(t, src, patternSize, pattern, 1)
 
@@ -63,7 +65,7 @@ func TestCloneReflinkXFS(t *testing.T) {
 
 	// Copy on write: overwriting the source's shared blocks and filling
 	// one of its holes leaves the snapshot as it was.
-	before := checksum(t, dst)
+	before := loopfs.Checksum(t, dst)
 	f, err := os.OpenFile(src, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -81,7 +83,7 @@ func TestCloneReflinkXFS(t *testing.T) {
 	if err := f.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	if after := checksum(t, dst); after != before {
+	if after := loopfs.Checksum(t, dst); after != before {
 		t.Fatal("the snapshot changed when the source was written")
 	}
 	if d := dataSpans(t, dst); !slices.Equal(d, pattern) {
@@ -90,7 +92,7 @@ func TestCloneReflinkXFS(t *testing.T) {
 }
 
 func TestCloneCopyExt4(t *testing.T) {
-	mnt := mountFS(t, "ext4", 512*mib)
+	mnt := loopfs.Mount(t, "ext4", 512*mib)
 	src, dst := filepath.Join(mnt, "vol.img"), filepath.Join(mnt, "snap.img")
 	data := makeFile(t, src, patternSize, pattern, 2)
 
@@ -370,7 +372,7 @@ func TestCloneUnderWrites(t *testing.T) {
 			if tc.fs == "" {
 				tc.uw.dir = t.TempDir()
 			} else {
-				tc.uw.dir = mountFS(t, tc.fs, tc.fsize)
+				tc.uw.dir = loopfs.Mount(t, tc.fs, tc.fsize)
 			}
 			r := testUnderWrites(t, tc.uw)
 			rows = append(rows, fmt.Sprintf("%-12s %-7s %4d MiB copied (%3d MiB again)  held %-10v of %-10v  before: %-38s during: %s",
@@ -666,7 +668,7 @@ func TestCloneTimes(t *testing.T) {
 		{"ext4", Copy},
 	} {
 		t.Run(tc.fs, func(t *testing.T) {
-			mnt := mountFS(t, tc.fs, 3<<30)
+			mnt := loopfs.Mount(t, tc.fs, 3<<30)
 			src, dst := filepath.Join(mnt, "vol.img"), filepath.Join(mnt, "snap.img")
 			makeFile(t, src, size, data, 8)
 			dropCache(t, src)

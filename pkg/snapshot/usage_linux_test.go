@@ -11,6 +11,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/loopfs"
 )
 
 // TestFiemapLayout: the structs passed to FS_IOC_FIEMAP have the kernel's
@@ -66,7 +68,7 @@ func overwrite(t *testing.T, path string, off, n int64) {
 // overwrite of 1 MiB of the source takes 1 MiB out of what both share and
 // leaves the source's allocation as it was.
 func TestUsageReflinkXFS(t *testing.T) {
-	mnt := mountFS(t, "xfs", 512*mib)
+	mnt := loopfs.Mount(t, "xfs", 512*mib)
 	src, dst := filepath.Join(mnt, "vol.img"), filepath.Join(mnt, "snap.img")
 	data := makeFile(t, src, patternSize, pattern, 3)
 
@@ -113,7 +115,7 @@ func TestUsageReflinkXFS(t *testing.T) {
 // TestUsageSparseXFS: holes count for nothing, allocated or shared, and a
 // file of more extents than one FIEMAP call maps is counted to its end.
 func TestUsageSparseXFS(t *testing.T) {
-	mnt := mountFS(t, "xfs", 512*mib)
+	mnt := loopfs.Mount(t, "xfs", 512*mib)
 	ctx := context.Background()
 
 	// All hole: 1 GiB of size, nothing on disk.
@@ -165,7 +167,7 @@ func TestUsageSparseXFS(t *testing.T) {
 
 // TestUsageCopyExt4: a copy shares nothing with its source.
 func TestUsageCopyExt4(t *testing.T) {
-	mnt := mountFS(t, "ext4", 512*mib)
+	mnt := loopfs.Mount(t, "ext4", 512*mib)
 	src, dst := filepath.Join(mnt, "vol.img"), filepath.Join(mnt, "snap.img")
 	data := makeFile(t, src, patternSize, pattern, 7)
 	res, err := Clone(context.Background(), src, dst)
