@@ -13,8 +13,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
