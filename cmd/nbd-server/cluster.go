@@ -67,6 +67,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		HeartbeatInterval: co.heartbeat,
 		DrainTimeout:      d.opts.shutdownTimeout,
 		SignalNICs:        co.signalNICs,
+		AutoBackup:        co.autoBackup,
 		Exports:           d.metrics,
 		Logger:            d.log,
 	}, d.srv, mgr.GetClient(), mgr.GetAPIReader())

@@ -30,13 +30,14 @@ type clusterFlags struct {
 	namespace        string
 	storageAddresses listFlag
 	signalNICs       listFlag
+	autoBackup       bool
 	topology         string
 	heartbeat        time.Duration
 	kubeconfig       string
 }
 
 // clusterOnly are the flags that mean something only with --cluster.
-var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "topology", "heartbeat", "kubeconfig"}
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "topology", "heartbeat", "kubeconfig"}
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
@@ -45,6 +46,7 @@ type clusterOptions struct {
 	namespace  string
 	addresses  []string
 	signalNICs []mptcp.NICSpec
+	autoBackup bool
 	topology   map[string]string
 	heartbeat  time.Duration
 	kubeconfig string
@@ -57,6 +59,7 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.StringVar(&c.namespace, "namespace", "", "cluster mode: `NAMESPACE` of the publication Secrets (default $POD_NAMESPACE)")
 	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage IP addresses, reported to clients; repeatable or comma-separated; required")
 	fs.Var(&c.signalNICs, "signal-nic", "cluster mode: keep MPTCP signal endpoints on these storage NICs (interface names or CIDRs); repeatable or comma-separated")
+	fs.BoolVar(&c.autoBackup, "auto-backup", true, "cluster mode: flag backup the signal endpoint of a path much slower than the others while it stays slow (needs --signal-nic)")
 	fs.StringVar(&c.topology, "topology", "", "cluster mode: topology labels reported for the node")
 	fs.DurationVar(&c.heartbeat, "heartbeat", defaultHeartbeat, "cluster mode: report the node's capacity every `DURATION`")
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
@@ -100,6 +103,7 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		dataDir:    c.dataDir,
 		namespace:  c.namespace,
 		heartbeat:  c.heartbeat,
+		autoBackup: c.autoBackup,
 		kubeconfig: c.kubeconfig,
 	}
 	if !set["node-name"] {

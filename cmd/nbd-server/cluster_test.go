@@ -20,12 +20,13 @@ func TestParseArgsCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := &clusterOptions{
-		nodeName:  "node-from-env",
-		dataDir:   defaultDataDir,
-		namespace: "ns-from-env",
-		addresses: []string{"10.0.0.1", "10.0.1.1", "fd00::1"},
-		topology:  map[string]string{access.TopologyKey: access.DefaultTopology},
-		heartbeat: defaultHeartbeat,
+		nodeName:   "node-from-env",
+		dataDir:    defaultDataDir,
+		namespace:  "ns-from-env",
+		addresses:  []string{"10.0.0.1", "10.0.1.1", "fd00::1"},
+		topology:   map[string]string{access.TopologyKey: access.DefaultTopology},
+		heartbeat:  defaultHeartbeat,
+		autoBackup: true,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
@@ -37,7 +38,7 @@ func TestParseArgsCluster(t *testing.T) {
 	o, err = parseArgs([]string{"--cluster", "--node-name", "n1", "--namespace", "mpnbd",
 		"--storage-address", "192.168.1.5", "--data-dir", "/srv/vols", "--signal-nic", "eth1,10.7.0.0/16",
 		"--signal-nic", "eth2", "--topology", "topology.kubernetes.io/zone=a,rack=r1", "--heartbeat", "3s",
-		"--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp"})
+		"--auto-backup=false", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -93,7 +93,9 @@ Cluster mode (--cluster):
   both are required. --storage-address (the node's storage IPs, repeatable
   or comma-separated) is required. --signal-nic keeps MPTCP "signal"
   endpoints on those NICs (interface names or CIDRs); without it the host's
-  endpoints are left alone. The cluster is reached with --kubeconfig, else
+  endpoints are left alone. With it, --auto-backup (on by default) flags
+  backup the endpoint of a path much slower than the others, from what its
+  subflows deliver, and clears the flag once the path recovers. The cluster is reached with --kubeconfig, else
   $KUBECONFIG, else the in-cluster service account. Files never backed by an
   NBDVolume are reported as orphans, never deleted.
 

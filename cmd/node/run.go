@@ -45,6 +45,7 @@ type options struct {
 	transports   []attach.Transport
 	storageNICs  []mptcp.NICSpec
 	backupNICs   []mptcp.NICSpec
+	autoBackup   bool
 	storageAddrs []string
 	kubeconfig   string
 	metricsAddr  string
@@ -93,6 +94,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		}
 		return nil
 	})
+	fs.BoolVar(&o.autoBackup, "auto-backup", true, "flag backup the endpoint of a storage NIC whose path is much slower than the others while it stays slow")
 	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them; repeatable or comma-separated", func(s string) error {
 		for _, a := range splitList(s) {
 			if _, err := netip.ParseAddr(a); err != nil {
@@ -371,7 +373,11 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 // ctx ends.
 func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
 	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient}
-	if err := mptcp.Keep(ctx, d, log); err != nil {
+	var slow *mptcp.SlowPathPolicy
+	if o.autoBackup {
+		slow = &mptcp.SlowPathPolicy{}
+	}
+	if err := mptcp.Keep(ctx, d, log, slow); err != nil {
 		log.Error("storage NICs not configured for MPTCP", "error", err)
 	}
 }

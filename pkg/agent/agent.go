@@ -93,6 +93,10 @@ type Config struct {
 	// CIDRs) that get MPTCP "signal" endpoints, kept while the agent runs.
 	// Empty leaves the host's endpoints alone.
 	SignalNICs []mptcp.NICSpec
+	// AutoBackup flags backup the signal endpoint of a path much slower
+	// than the others for the reads it carries, and clears the flag once
+	// it recovers (mptcp.SlowPaths).
+	AutoBackup bool
 	// Snapshots turns the NBDSnapshot reconciler on (SnapshotsServed);
 	// the cache must then come from CacheOptions(node, true).
 	Snapshots bool

@@ -14,7 +14,11 @@ func (a *Agent) runEndpoints(ctx context.Context) error {
 	// Port 0: the endpoints announce the port each connection uses, the
 	// NBD server's, which already listens on every address.
 	d := mptcp.Desired{NICs: a.cfg.SignalNICs, Role: mptcp.RoleServer}
-	if err := mptcp.Keep(ctx, d, a.log); err != nil {
+	var slow *mptcp.SlowPathPolicy
+	if a.cfg.AutoBackup {
+		slow = &mptcp.SlowPathPolicy{}
+	}
+	if err := mptcp.Keep(ctx, d, a.log, slow); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
 	return nil

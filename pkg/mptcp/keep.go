@@ -5,13 +5,23 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
 )
+
+// SlowPathInterval is how often the slow-path watch samples the subflows.
+const SlowPathInterval = time.Second
 
 // Keep keeps the endpoints d describes in the calling thread's network
 // namespace until ctx ends, following address changes, and logs what it
-// does. It returns nil when ctx ends, or an error when the path manager
-// or the address watch is unavailable.
-func Keep(ctx context.Context, d Desired, log *slog.Logger) error {
+// does. With slow not nil it also flags backup the endpoints of paths
+// much slower than the others, and clears the flag once they recover
+// (see SlowPaths), from the subflows of every connection of the
+// namespace. It returns nil when ctx ends, or an error when the path
+// manager or the address watch is unavailable.
+func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy) error {
 	pm, err := DialPM()
 	if err != nil {
 		return fmt.Errorf("MPTCP path manager: %w", err)
@@ -29,24 +39,136 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger) error {
 		changes = nil
 	}
 	log = log.With("role", d.Role.String(), "nics", d.NICs)
-	err = Watch(ctx, pm, addrs, d, WatchOptions{
-		Changes: changes,
-		OnResult: func(r Result, err error) {
-			for _, w := range r.Warnings {
-				log.Warn("MPTCP endpoints", "warning", w)
-			}
-			if err != nil {
-				log.Warn("MPTCP endpoints not in step", "error", err)
-				return
-			}
-			if r.Changed() {
-				log.Info("MPTCP endpoints updated", "added", len(r.Added), "removed", len(r.Removed),
-					"updated", len(r.Updated), "subflows_limit", r.Limits.Subflows)
-			}
-		},
-	})
+	opt := WatchOptions{Changes: changes}
+	var auto *slowPathWatch
+	if slow != nil {
+		diag, err := DialSocketDiag()
+		if err != nil {
+			log.Warn("slow paths are not flagged backup by themselves: no socket diagnostics", "error", err)
+		} else {
+			defer diag.Close()
+			auto = newSlowPathWatch(NewSlowPaths(*slow), diag, log)
+			opt.Backup, opt.Kick = auto.flagged, auto.kick
+		}
+	}
+	opt.OnResult = func(r Result, err error) {
+		for _, w := range r.Warnings {
+			log.Warn("MPTCP endpoints", "warning", w)
+		}
+		if err != nil {
+			log.Warn("MPTCP endpoints not in step", "error", err)
+			return
+		}
+		if auto != nil {
+			auto.setManaged(r.Addrs)
+		}
+		if r.Changed() {
+			log.Info("MPTCP endpoints updated", "added", len(r.Added), "removed", len(r.Removed),
+				"updated", len(r.Updated), "subflows_limit", r.Limits.Subflows)
+		}
+	}
+	if auto != nil {
+		go auto.run(ctx, SlowPathInterval)
+	}
+	err = Watch(ctx, pm, addrs, d, opt)
 	if errors.Is(err, context.Canceled) || ctx.Err() != nil {
 		return nil
 	}
 	return fmt.Errorf("MPTCP endpoints: %w", err)
+}
+
+// slowPathWatch samples the namespace's subflows for a SlowPaths and
+// tells Watch when the addresses to flag change.
+type slowPathWatch struct {
+	sp   *SlowPaths
+	diag interface {
+		Established() ([]TCPSocket, error)
+	}
+	log  *slog.Logger
+	kick chan struct{}
+
+	mu      sync.Mutex
+	managed []netip.Addr
+	backup  []netip.Addr
+}
+
+func newSlowPathWatch(sp *SlowPaths, diag interface{ Established() ([]TCPSocket, error) }, log *slog.Logger) *slowPathWatch {
+	return &slowPathWatch{sp: sp, diag: diag, log: log, kick: make(chan struct{}, 1)}
+}
+
+func (w *slowPathWatch) setManaged(a []netip.Addr) {
+	w.mu.Lock()
+	w.managed = slices.Clone(a)
+	w.mu.Unlock()
+}
+
+func (w *slowPathWatch) flagged() []netip.Addr {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return slices.Clone(w.backup)
+}
+
+func (w *slowPathWatch) run(ctx context.Context, every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	failing := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			socks, err := w.diag.Established()
+			if err != nil {
+				if !failing {
+					w.log.Warn("slow paths: cannot read the subflows", "error", err)
+				}
+				failing = true
+				continue
+			}
+			failing = false
+			w.mu.Lock()
+			managed := slices.Clone(w.managed)
+			w.mu.Unlock()
+			w.step(now, socks, managed)
+		}
+	}
+}
+
+// step feeds one sample to the SlowPaths, logs its decisions and kicks
+// Watch when the flagged addresses change.
+func (w *slowPathWatch) step(now time.Time, socks []TCPSocket, managed []netip.Addr) {
+	events := w.sp.Observe(now, socks, managed)
+	for _, e := range events {
+		LogPathEvent(w.log, e)
+	}
+	flagged := w.sp.Flagged()
+	w.mu.Lock()
+	changed := !slices.Equal(flagged, w.backup)
+	w.backup = flagged
+	w.mu.Unlock()
+	if changed {
+		select {
+		case w.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// LogPathEvent logs one slow-path decision.
+func LogPathEvent(log *slog.Logger, e PathEvent) {
+	mbps := func(r float64) string { return fmt.Sprintf("%.1f", r*8/1e6) }
+	switch e.Kind {
+	case PathSlow:
+		log.Warn("path much slower than the others: its endpoint is flagged backup", "addr", e.Addr,
+			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe)
+	case PathStillSlow:
+		log.Info("path still slow: flagged backup again", "addr", e.Addr,
+			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe)
+	case PathProbe:
+		log.Info("probing a slow path: backup flag cleared to measure it", "addr", e.Addr)
+	case PathRecovered:
+		log.Info("slow path recovered: in use again", "addr", e.Addr, "mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best))
+	case PathGone:
+		log.Info("slow path's backup flag released", "addr", e.Addr)
+	}
 }

@@ -103,6 +103,8 @@ type Result struct {
 	LimitsChanged bool
 	// Warnings describe configuration that selects nothing.
 	Warnings []string
+	// Addrs are the addresses of the endpoints wanted, sorted.
+	Addrs []netip.Addr
 }
 
 // Changed reports whether Reconcile changed anything.
@@ -423,6 +425,9 @@ func reconcile(p PMInterface, addrs AddrSource, d Desired, prev map[netip.Addr]b
 		return res, prev, err
 	}
 	res.Warnings = warns
+	for _, w := range want {
+		res.Addrs = append(res.Addrs, w.ep.Addr)
+	}
 	managed := func(e Endpoint) bool {
 		return e.Addr.IsValid() && (owns(e) || prev[e.Addr.Unmap()])
 	}
@@ -514,6 +519,12 @@ type WatchOptions struct {
 	// OnResult, if not nil, is called after every run, from Watch's
 	// goroutine.
 	OnResult func(Result, error)
+	// Backup, if not nil, is called before every run for more addresses
+	// to flag backup beside those d.Backup selects (the slow paths).
+	Backup func() []netip.Addr
+	// Kick, if not nil, triggers a run at once after each receive (a
+	// change of what Backup returns). A closed channel is ignored.
+	Kick <-chan struct{}
 }
 
 // Watch keeps the endpoints matching d: it runs Reconcile at once, then
@@ -549,7 +560,14 @@ func Watch(ctx context.Context, p PMInterface, addrs AddrSource, d Desired, opt 
 			res Result
 			err error
 		)
-		res, prev, err = reconcile(p, addrs, d, prev)
+		dd := d
+		if opt.Backup != nil {
+			dd.Backup = slices.Clone(d.Backup)
+			for _, a := range opt.Backup() {
+				dd.Backup = append(dd.Backup, NICSpec(netip.PrefixFrom(a, a.BitLen()).String()))
+			}
+		}
+		res, prev, err = reconcile(p, addrs, dd, prev)
 		if opt.OnResult != nil {
 			opt.OnResult(res, err)
 		}
@@ -557,13 +575,19 @@ func Watch(ctx context.Context, p PMInterface, addrs AddrSource, d Desired, opt 
 
 	ticker := time.NewTicker(interval)
 	defer ticker.Stop()
-	changes := opt.Changes
+	changes, kick := opt.Changes, opt.Kick
 	run()
 	for {
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-ticker.C:
+			run()
+		case _, ok := <-kick:
+			if !ok {
+				kick = nil
+				continue
+			}
 			run()
 		case _, ok := <-changes:
 			if !ok {

@@ -202,7 +202,7 @@ func TestKeepNetns(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		done <- topo.InNetns(ns.name, func() error {
-			return mptcp.Keep(ctx, mptcp.Desired{NICs: []mptcp.NICSpec{"b0"}, Role: mptcp.RoleClient}, slog.New(slog.DiscardHandler))
+			return mptcp.Keep(ctx, mptcp.Desired{NICs: []mptcp.NICSpec{"b0"}, Role: mptcp.RoleClient}, slog.New(slog.DiscardHandler), nil)
 		})
 	}()
 	waitEndpoints := func(what string, want ...string) {

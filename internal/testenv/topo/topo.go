@@ -388,6 +388,22 @@ func (t *Topology) create() error {
 	return failpoint("mptcp")
 }
 
+// SetRate shapes both directions of path p (1-based) to rateMbit Mbit/s
+// from now on: a path slowing down or recovering while connections run.
+func (t *Topology) SetRate(p, rateMbit int) error {
+	if p < 1 || p > len(t.Paths) {
+		return fmt.Errorf("topo: no path %d of %d", p, len(t.Paths))
+	}
+	path := &t.Paths[p-1]
+	for _, e := range []struct{ ns, dev string }{{t.ClientNS, path.ClientIf}, {t.ServerNS, path.ServerIf}} {
+		if err := run("tc", append([]string{"-n", e.ns, "qdisc", "replace", "dev", e.dev, "root"}, TBFArgs(rateMbit)...)...); err != nil {
+			return err
+		}
+	}
+	path.RateMbit = rateMbit
+	return nil
+}
+
 // Down removes the topology. It is idempotent and safe on a nil or
 // partially built topology.
 func (t *Topology) Down() error {

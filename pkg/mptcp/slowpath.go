@@ -1,0 +1,274 @@
+package mptcp
+
+import (
+	"cmp"
+	"maps"
+	"net/netip"
+	"slices"
+	"time"
+)
+
+// Slow paths and the backup flag.
+//
+// One MPTCP connection over paths of unequal speed is a lottery: the
+// default scheduler keeps the slow subflow's window full, so data the
+// receiver needs next waits behind it while the fast subflows idle, and a
+// connection over 3 x 1 Gbit/s + 100 Mbit/s gets anywhere from half to all
+// of the fast paths' sum. With the slow path's endpoint flagged backup it
+// carries nothing while the others work, and the connection gets the fast
+// paths' sum every time.
+//
+// SlowPaths decides which local addresses to flag, from what the kernel
+// measures on every subflow: tcpi_delivery_rate, the rate at which the
+// subflow's data reached the peer over its last round trips. A subflow
+// whose window the scheduler keeps full (not app-limited) measures its
+// path's capacity, and a subflow of a fast path measures at least its own
+// share; so a path whose busy subflows deliver at under SlowRatio of the
+// best other path, FlagAfter samples in a row, is slow. The decision is
+// the sender's: each host measures what it sends (the node its writes, the
+// storage server its reads), and its flag reaches the peer by MP_PRIO, so
+// either host's flag takes the path out of both directions.
+//
+// A flagged path carries no data, so nothing measures it any more. To
+// notice its recovery, SlowPaths clears the flag after ProbeAfter and
+// watches the path's next busy samples: at RecoverRatio of the best other
+// path or more (twice) it stays in use; still under SlowRatio, it is
+// flagged again at once and the next probe waits twice as long, up to
+// ProbeMax. While nothing is sent, a probe waits: an unflagged path costs
+// nothing without traffic. The gap between SlowRatio and RecoverRatio,
+// the samples in a row and the growing wait between probes are the
+// hysteresis that keeps a path from flapping.
+
+// SlowPathPolicy tunes SlowPaths; zero fields take the defaults.
+type SlowPathPolicy struct {
+	// SlowRatio: a path whose busy subflows deliver at less than this
+	// fraction of the best other path is slow. Default 0.3.
+	SlowRatio float64
+	// RecoverRatio: a probed path delivering at this fraction of the best
+	// other path or more has recovered. Default 0.6.
+	RecoverRatio float64
+	// FlagAfter is how many slow samples in a row flag a path. Default 3.
+	FlagAfter int
+	// ProbeAfter is the wait before the first probe of a flagged path;
+	// it doubles after each failed probe up to ProbeMax. Defaults 5 s
+	// and 30 s: a recovered path is back within 30 s, and a path that
+	// stays slow costs a second of probing every 30 s.
+	ProbeAfter, ProbeMax time.Duration
+	// ProbeSamples bounds a probe: after this many busy samples that were
+	// neither slow nor recovered, the path counts as recovered (it is not
+	// slow enough to flag). Default 10.
+	ProbeSamples int
+	// MinBytes is how many bytes a subflow must have delivered since the
+	// previous sample for its rate to count. Default 256 KiB.
+	MinBytes uint64
+}
+
+func (p SlowPathPolicy) withDefaults() SlowPathPolicy {
+	p.SlowRatio = cmp.Or(p.SlowRatio, 0.3)
+	p.RecoverRatio = cmp.Or(p.RecoverRatio, 0.6)
+	p.FlagAfter = cmp.Or(p.FlagAfter, 3)
+	p.ProbeAfter = cmp.Or(p.ProbeAfter, 5*time.Second)
+	p.ProbeMax = cmp.Or(p.ProbeMax, 30*time.Second)
+	p.ProbeSamples = cmp.Or(p.ProbeSamples, 10)
+	p.MinBytes = cmp.Or(p.MinBytes, 256<<10)
+	return p
+}
+
+// PathEventKind names what SlowPaths decided about a path.
+type PathEventKind string
+
+// The decisions.
+const (
+	// PathSlow: the path is flagged backup.
+	PathSlow PathEventKind = "slow"
+	// PathProbe: the flag is cleared to measure the path again.
+	PathProbe PathEventKind = "probe"
+	// PathStillSlow: the probe found the path slow; flagged again.
+	PathStillSlow PathEventKind = "still-slow"
+	// PathRecovered: the probe found the path fast enough; it stays in use.
+	PathRecovered PathEventKind = "recovered"
+	// PathGone: a flagged or probed path is no longer managed (its
+	// address went), or it was the last path in use.
+	PathGone PathEventKind = "released"
+)
+
+// PathEvent is one decision, with the rates behind it in bytes per second.
+type PathEvent struct {
+	Addr netip.Addr
+	Kind PathEventKind
+	// Rate is the path's delivery rate, Best the best other path's; both
+	// zero for probes and releases.
+	Rate, Best float64
+	// NextProbe is the wait before the next probe of a flagged path.
+	NextProbe time.Duration
+}
+
+type pathPhase int
+
+const (
+	phaseInUse pathPhase = iota
+	phaseFlagged
+	phaseProbing
+)
+
+type pathState struct {
+	phase     pathPhase
+	slow      int           // slow samples in a row (in use)
+	good      int           // recovered samples (probing)
+	samples   int           // busy samples (probing)
+	probeAt   time.Time     // flagged: when to probe
+	probeWait time.Duration // the wait that set probeAt
+}
+
+// pathSample is one path's measurement in one Observe.
+type pathSample struct {
+	rate    float64 // best delivery rate of its busy subflows
+	limited bool    // one of them was not app-limited
+}
+
+// SlowPaths turns the namespace's subflow measurements into backup flags.
+// Call Observe at a steady interval (a second); it is not safe for
+// concurrent use.
+type SlowPaths struct {
+	p      SlowPathPolicy
+	acked  map[uint64]uint64 // cookie -> bytes acked at the previous sample
+	paths  map[netip.Addr]*pathState
+	primed bool
+}
+
+// NewSlowPaths returns a SlowPaths with policy p.
+func NewSlowPaths(p SlowPathPolicy) *SlowPaths {
+	return &SlowPaths{p: p.withDefaults(), acked: map[uint64]uint64{}, paths: map[netip.Addr]*pathState{}}
+}
+
+// Flagged lists the addresses to flag backup now, sorted.
+func (s *SlowPaths) Flagged() []netip.Addr {
+	var out []netip.Addr
+	for a, st := range s.paths {
+		if st.phase == phaseFlagged {
+			out = append(out, a)
+		}
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
+}
+
+// Observe takes one sample, socks being the namespace's established TCP
+// sockets at now, and returns what changed. Only subflows whose local
+// address is in managed count, and only managed addresses are flagged;
+// a flag on an address that left managed is dropped.
+func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Addr) []PathEvent {
+	inSet := map[netip.Addr]bool{}
+	for _, a := range managed {
+		inSet[a.Unmap()] = true
+	}
+	var events []PathEvent
+	for a, st := range s.paths {
+		if !inSet[a] {
+			if st.phase != phaseInUse {
+				events = append(events, PathEvent{Addr: a, Kind: PathGone})
+			}
+			delete(s.paths, a)
+		}
+	}
+	for a := range inSet {
+		if s.paths[a] == nil {
+			s.paths[a] = &pathState{}
+		}
+	}
+
+	samples := map[netip.Addr]pathSample{}
+	acked := make(map[uint64]uint64, len(socks))
+	for _, k := range socks {
+		if !k.Subflow || !inSet[k.Local.Addr()] {
+			continue
+		}
+		acked[k.Cookie] = k.BytesAcked
+		prev, seen := s.acked[k.Cookie]
+		if !seen || !s.primed || k.BytesAcked < prev || k.BytesAcked-prev < s.p.MinBytes {
+			continue
+		}
+		smp := samples[k.Local.Addr()]
+		smp.rate = max(smp.rate, float64(k.DeliveryRate))
+		smp.limited = smp.limited || !k.AppLimited
+		samples[k.Local.Addr()] = smp
+	}
+	s.acked, s.primed = acked, true
+
+	// bestOther is the best rate measured on a path other than a.
+	bestOther := func(a netip.Addr) float64 {
+		best := 0.0
+		for b, smp := range samples {
+			if b != a {
+				best = max(best, smp.rate)
+			}
+		}
+		return best
+	}
+	inUse := func(except netip.Addr) int {
+		n := 0
+		for b, st := range s.paths {
+			if b != except && st.phase != phaseFlagged {
+				n++
+			}
+		}
+		return n
+	}
+
+	for _, a := range slices.SortedFunc(maps.Keys(s.paths), netip.Addr.Compare) {
+		st := s.paths[a]
+		smp, busy := samples[a]
+		best := bestOther(a)
+		slow := busy && smp.limited && best > 0 && smp.rate < s.p.SlowRatio*best
+		switch st.phase {
+		case phaseInUse:
+			switch {
+			case slow:
+				st.slow++
+			case busy:
+				st.slow = 0
+			}
+			if st.slow >= s.p.FlagAfter && inUse(a) > 0 {
+				s.flag(st, now, s.p.ProbeAfter)
+				events = append(events, PathEvent{Addr: a, Kind: PathSlow, Rate: smp.rate, Best: best, NextProbe: st.probeWait})
+			}
+		case phaseFlagged:
+			if !now.Before(st.probeAt) {
+				st.phase, st.good, st.samples = phaseProbing, 0, 0
+				events = append(events, PathEvent{Addr: a, Kind: PathProbe})
+			}
+		case phaseProbing:
+			if !busy {
+				continue
+			}
+			st.samples++
+			switch {
+			case slow:
+				s.flag(st, now, min(2*st.probeWait, s.p.ProbeMax))
+				events = append(events, PathEvent{Addr: a, Kind: PathStillSlow, Rate: smp.rate, Best: best, NextProbe: st.probeWait})
+				continue
+			case best == 0 || smp.rate >= s.p.RecoverRatio*best:
+				st.good++
+			}
+			if st.good >= 2 || st.samples >= s.p.ProbeSamples {
+				*st = pathState{}
+				events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: smp.rate, Best: best})
+			}
+		}
+	}
+	// Never leave every path flagged: the kernel would use the backups
+	// anyway, but a host's own flags should not be what decides that.
+	if len(s.paths) > 0 && inUse(netip.Addr{}) == 0 {
+		for _, a := range s.Flagged() {
+			*s.paths[a] = pathState{}
+			events = append(events, PathEvent{Addr: a, Kind: PathGone})
+		}
+	}
+	return events
+}
+
+func (s *SlowPaths) flag(st *pathState, now time.Time, wait time.Duration) {
+	st.phase, st.slow = phaseFlagged, 0
+	st.probeWait = wait
+	st.probeAt = now.Add(wait)
+}

@@ -1,0 +1,254 @@
+package mptcp_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
+
+// TestKeepFlagsSlowPath runs Keep with the slow-path watch on the sending
+// host of an MPTCP connection over 3 x 1 Gbit/s + 100 Mbit/s while data
+// flows: the 100 Mbit/s path's endpoint gets the backup flag and its
+// subflow turns backup; then the path is shaped to 1 Gbit/s like the
+// others, and the flag goes and the path carries data again. "reads" is
+// the storage server's side (it sends, signal endpoints), "writes" the
+// node's (subflow endpoints).
+func TestKeepFlagsSlowPath(t *testing.T) {
+	for _, side := range []string{"reads", "writes"} {
+		t.Run(side, func(t *testing.T) { testKeepFlagsSlowPath(t, side == "reads") })
+	}
+}
+
+func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
+	tp := topo.NewForTest(t, topo.Asymmetric(topo.UniqueName("sp")))
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	client, server := connectAllPaths(t, tp)
+	sender, receiver := client, server
+	senderNS, inSender := tp.ClientNS, tp.InClient
+	d := mptcp.Desired{Role: mptcp.RoleClient}
+	for i := range tp.Paths {
+		d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(tp.ClientAddr(i+1), 32).String()))
+	}
+	slowAddr := tp.ClientAddr(4)
+	if serverSends {
+		sender, receiver = server, client
+		senderNS, inSender = tp.ServerNS, tp.InServer
+		// The server's signal endpoints are those of paths 2..4, as the
+		// topology made them.
+		d = mptcp.Desired{Role: mptcp.RoleServer, Port: uint16(tp.JoinPort)}
+		for i := 2; i <= len(tp.Paths); i++ {
+			d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(tp.ServerAddr(i), 32).String()))
+		}
+		slowAddr = tp.ServerAddr(4)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	kept := make(chan error, 1)
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-kept:
+			if err != nil {
+				t.Errorf("Keep: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("Keep did not return 10 s after its context ended")
+		}
+	})
+	log := slog.New(slog.NewTextHandler(tWriter{t}, nil))
+	policy := &mptcp.SlowPathPolicy{ProbeAfter: 2 * time.Second}
+	go func() {
+		kept <- inSender(func() error { return mptcp.Keep(ctx, d, log, policy) })
+	}()
+
+	// The sender writes as fast as it can, the receiver discards.
+	go func() { _, _ = io.Copy(io.Discard, receiver) }()
+	go func() {
+		buf := make([]byte, 1<<20)
+		for ctx.Err() == nil {
+			if _, err := sender.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+
+	var pm *mptcp.PM
+	var diag *mptcp.SocketDiag
+	if err := inSender(func() error {
+		var err error
+		if pm, err = mptcp.DialPM(); err != nil {
+			return err
+		}
+		diag, err = mptcp.DialSocketDiag()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pm.Close(); diag.Close() })
+	flagged := func() map[netip.Addr]bool {
+		eps, err := pm.Endpoints()
+		if err != nil {
+			t.Fatalf("endpoints in %s: %v", senderNS, err)
+		}
+		m := map[netip.Addr]bool{}
+		for _, e := range eps {
+			if e.Flags&mptcp.Backup != 0 {
+				m[e.Addr] = true
+			}
+		}
+		return m
+	}
+	subflow := func(a netip.Addr) mptcp.TCPSocket {
+		socks, err := diag.Established()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range socks {
+			if s.Subflow && s.Local.Addr() == a {
+				return s
+			}
+		}
+		t.Fatalf("no subflow from %s in %s: %+v", a, senderNS, socks)
+		return mptcp.TCPSocket{}
+	}
+
+	// Slow: flagged within 20 s (three slow samples a second apart,
+	// once the windows have grown), the others left alone.
+	start := time.Now()
+	waitFor(t, 20*time.Second, "the 100 Mbit/s path's endpoint flagged backup", func() string {
+		f := flagged()
+		if f[slowAddr] && len(f) == 1 && subflow(slowAddr).BackupLocal {
+			return ""
+		}
+		return fmt.Sprintf("flagged %v, subflow %+v", f, subflow(slowAddr))
+	})
+	t.Logf("path 4 (%s) flagged backup %v after the data started", slowAddr, time.Since(start).Round(100*time.Millisecond))
+
+	// It stays flagged while slow: probes find it slow again.
+	time.Sleep(6 * time.Second)
+	if f := flagged(); !f[slowAddr] {
+		// A probe may be under way; it must end flagged again.
+		waitFor(t, 5*time.Second, "the still slow path flagged again after its probe", func() string {
+			if flagged()[slowAddr] {
+				return ""
+			}
+			return "not flagged"
+		})
+	}
+
+	// Recovered: shaped like the others, the flag goes within the next
+	// probe (at most ProbeMax away after failed probes, 30 s) and the
+	// path carries data.
+	if err := tp.SetRate(4, 1000); err != nil {
+		t.Fatal(err)
+	}
+	start = time.Now()
+	waitFor(t, 45*time.Second, "the recovered path's flag cleared and data on it", func() string {
+		before := subflow(slowAddr).BytesAcked
+		if flagged()[slowAddr] {
+			return "still flagged"
+		}
+		time.Sleep(time.Second)
+		s := subflow(slowAddr)
+		if s.BackupLocal || s.BytesAcked-before < 4<<20 {
+			return fmt.Sprintf("subflow %+v, %d bytes in a second", s, s.BytesAcked-before)
+		}
+		return ""
+	})
+	t.Logf("path 4 in use again %v after it recovered", time.Since(start).Round(100*time.Millisecond))
+	for range 3 {
+		time.Sleep(time.Second)
+		if flagged()[slowAddr] {
+			t.Fatal("the recovered path was flagged again")
+		}
+	}
+}
+
+// connectAllPaths connects an MPTCP client to a server over tp and waits
+// for a subflow on every path.
+func connectAllPaths(t *testing.T, tp *topo.Topology) (client, server net.Conn) {
+	t.Helper()
+	var ln net.Listener
+	if err := tp.InServer(func() error {
+		var err error
+		ln, err = mptcp.Listen(context.Background(), "tcp4", net.JoinHostPort(tp.ServerAddr(1).String(), "0"), true)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			t.Errorf("accept: %v", err)
+		}
+		accepted <- c
+	}()
+	if err := tp.InClient(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var err error
+		client, err = mptcp.Dialer(true).DialContext(ctx, "tcp4", ln.Addr().String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	select {
+	case server = <-accepted:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no connection accepted in 10 s")
+	}
+	if server == nil {
+		t.FailNow()
+	}
+	t.Cleanup(func() { server.Close() })
+	waitFor(t, 10*time.Second, fmt.Sprintf("%d subflows", len(tp.Paths)), func() string {
+		subs, err := mptcp.GetSubflows(client)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(subs) == len(tp.Paths) {
+			return ""
+		}
+		return fmt.Sprintf("%d subflows", len(subs))
+	})
+	return client, server
+}
+
+// waitFor polls check until it returns "" or d has passed, then fails
+// with what check last said.
+func waitFor(t *testing.T, d time.Duration, what string, check func() string) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		msg := check()
+		if msg == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not after %v: %s", what, d, msg)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// tWriter sends log lines to the test's log.
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}

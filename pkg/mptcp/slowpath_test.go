@@ -1,0 +1,249 @@
+package mptcp
+
+import (
+	"io"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+)
+
+// fakePaths feeds SlowPaths a namespace with one subflow per path whose
+// counters advance as the test says.
+type fakePaths struct {
+	now   time.Time
+	addrs []netip.Addr
+	acked map[netip.Addr]uint64
+}
+
+func newFakePaths(n int) *fakePaths {
+	f := &fakePaths{now: time.Unix(1000, 0), acked: map[netip.Addr]uint64{}}
+	for i := range n {
+		f.addrs = append(f.addrs, netip.AddrFrom4([4]byte{10, 0, byte(i + 1), 1}))
+	}
+	return f
+}
+
+// rate is what one path does during a sample: bytes delivered, the
+// delivery rate the kernel reports, whether it was app-limited.
+type rate struct {
+	bytes   uint64
+	mbit    float64
+	limited bool // not app-limited: the path was full
+}
+
+func busy(mbit float64) rate { return rate{bytes: 4 << 20, mbit: mbit, limited: true} }
+
+var idle = rate{}
+
+// sample advances the clock a second and returns the sockets.
+func (f *fakePaths) sample(rates ...rate) []TCPSocket {
+	f.now = f.now.Add(time.Second)
+	var socks []TCPSocket
+	for i, a := range f.addrs {
+		r := rates[i]
+		f.acked[a] += r.bytes
+		socks = append(socks, TCPSocket{
+			Cookie: uint64(i + 1), Subflow: true,
+			Local:        netip.AddrPortFrom(a, 40000),
+			Remote:       netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, byte(i + 1), 2}), 10809),
+			BytesAcked:   f.acked[a],
+			DeliveryRate: uint64(r.mbit * 1e6 / 8),
+			AppLimited:   !r.limited,
+		})
+	}
+	// A plain TCP socket on a managed address never counts.
+	socks = append(socks, TCPSocket{Cookie: 99, Local: netip.AddrPortFrom(f.addrs[0], 22), BytesAcked: f.acked[f.addrs[0]] * 3, DeliveryRate: 1})
+	return socks
+}
+
+func kinds(ev []PathEvent) []PathEventKind {
+	var k []PathEventKind
+	for _, e := range ev {
+		k = append(k, e.Kind)
+	}
+	return k
+}
+
+func TestSlowPathsFlagProbeRecover(t *testing.T) {
+	f := newFakePaths(4)
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: 3 * time.Second, ProbeMax: 10 * time.Second})
+	fast, slow := busy(950), busy(95)
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	// The first sample only primes the counters.
+	if ev := step(fast, fast, fast, slow); len(ev) != 0 {
+		t.Fatalf("first sample: %v", kinds(ev))
+	}
+	// Two slow samples are not enough; the third flags.
+	for i := range 2 {
+		if ev := step(fast, fast, fast, slow); len(ev) != 0 {
+			t.Fatalf("slow sample %d: %v", i+1, kinds(ev))
+		}
+	}
+	ev := step(fast, fast, fast, slow)
+	if len(ev) != 1 || ev[0].Kind != PathSlow || ev[0].Addr != f.addrs[3] {
+		t.Fatalf("third slow sample: %+v, want path 4 slow", ev)
+	}
+	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
+		t.Fatalf("flagged %v", got)
+	}
+	// Flagged, the path carries nothing; no probe before ProbeAfter.
+	for range 2 {
+		if ev := step(fast, fast, fast, idle); len(ev) != 0 {
+			t.Fatalf("while flagged: %v", kinds(ev))
+		}
+	}
+	if ev := step(fast, fast, fast, idle); len(ev) != 1 || ev[0].Kind != PathProbe {
+		t.Fatalf("at ProbeAfter: %v, want probe", kinds(ev))
+	}
+	if len(sp.Flagged()) != 0 {
+		t.Fatal("a probed path stays flagged")
+	}
+	// Idle samples leave the probe open; one slow busy sample flags
+	// again, the next probe waits twice as long.
+	step(idle, idle, idle, idle)
+	ev = step(fast, fast, fast, slow)
+	if len(ev) != 1 || ev[0].Kind != PathStillSlow || ev[0].NextProbe != 6*time.Second {
+		t.Fatalf("probe of a slow path: %+v, want still-slow with the next probe in 6s", ev)
+	}
+	for range 5 {
+		if ev := step(fast, fast, fast, idle); len(ev) != 0 {
+			t.Fatalf("while flagged again: %v", kinds(ev))
+		}
+	}
+	if ev := step(fast, fast, fast, idle); len(ev) != 1 || ev[0].Kind != PathProbe {
+		t.Fatalf("after 6s: %v, want probe", kinds(ev))
+	}
+	// Recovered: two samples at the others' rate.
+	if ev := step(fast, fast, fast, busy(900)); len(ev) != 0 {
+		t.Fatalf("first good probe sample: %v", kinds(ev))
+	}
+	if ev := step(fast, fast, fast, busy(900)); len(ev) != 1 || ev[0].Kind != PathRecovered {
+		t.Fatalf("second good probe sample: %v, want recovered", kinds(ev))
+	}
+	// In use again, with the first probe wait restored: slow again means
+	// three samples and a 3 s probe.
+	step(fast, fast, fast, slow)
+	step(fast, fast, fast, slow)
+	if ev := step(fast, fast, fast, slow); len(ev) != 1 || ev[0].NextProbe != 3*time.Second {
+		t.Fatalf("slow after recovery: %+v", ev)
+	}
+}
+
+func TestSlowPathsHysteresis(t *testing.T) {
+	f := newFakePaths(2)
+	sp := NewSlowPaths(SlowPathPolicy{})
+	step := func(r ...rate) []PathEvent { return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs) }
+	step(busy(900), busy(100))
+	// A slow sample, then a fine one: the count starts over.
+	for range 10 {
+		step(busy(900), busy(100))
+		step(busy(900), busy(100))
+		if ev := step(busy(900), busy(500)); len(ev) != 0 {
+			t.Fatalf("alternating: %v", kinds(ev))
+		}
+	}
+	// App-limited samples never flag: the path was not full.
+	for range 5 {
+		if ev := step(busy(900), rate{bytes: 1 << 20, mbit: 10}); len(ev) != 0 {
+			t.Fatalf("app-limited: %v", kinds(ev))
+		}
+	}
+	// Nor do samples with too few bytes, nor idle ones.
+	for range 5 {
+		if ev := step(busy(900), rate{bytes: 1000, mbit: 10, limited: true}); len(ev) != 0 {
+			t.Fatalf("few bytes: %v", kinds(ev))
+		}
+	}
+	// Both paths equally slow: neither is slower than the other.
+	for range 5 {
+		if ev := step(busy(50), busy(50)); len(ev) != 0 {
+			t.Fatalf("equal: %v", kinds(ev))
+		}
+	}
+}
+
+func TestSlowPathsKeepsOnePathInUse(t *testing.T) {
+	f := newFakePaths(2)
+	sp := NewSlowPaths(SlowPathPolicy{})
+	step := func(managed []netip.Addr, r ...rate) []PathEvent {
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), managed)
+	}
+	for range 4 {
+		step(f.addrs, busy(900), busy(90))
+	}
+	if got := sp.Flagged(); !slices.Equal(got, f.addrs[1:]) {
+		t.Fatalf("flagged %v, want path 2", got)
+	}
+	// The fast path's address goes: the slow one is all there is.
+	ev := step(f.addrs[1:], idle, idle)
+	if len(ev) != 1 || ev[0].Kind != PathGone || ev[0].Addr != f.addrs[1] {
+		t.Fatalf("last path: %+v, want path 2 released", ev)
+	}
+	if len(sp.Flagged()) != 0 {
+		t.Fatal("the only path left stays flagged")
+	}
+	// The slow path's address goes: its state goes with it.
+	for range 4 {
+		step(f.addrs, busy(900), busy(90))
+	}
+	ev = step(f.addrs[:1], busy(900), idle)
+	if len(ev) != 1 || ev[0].Kind != PathGone || len(sp.Flagged()) != 0 {
+		t.Fatalf("address gone: %+v, flagged %v", ev, sp.Flagged())
+	}
+}
+
+func TestSlowPathsProbeBoundedAndBackoffCapped(t *testing.T) {
+	f := newFakePaths(2)
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: time.Second, ProbeMax: 4 * time.Second, ProbeSamples: 3})
+	step := func(r ...rate) []PathEvent { return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs) }
+	for range 4 {
+		step(busy(900), busy(90))
+	}
+	var waits []time.Duration
+	for range 30 {
+		for _, e := range step(busy(900), busy(90)) {
+			if e.Kind == PathStillSlow {
+				waits = append(waits, e.NextProbe)
+			}
+		}
+	}
+	if len(waits) < 4 || waits[0] != 2*time.Second || waits[1] != 4*time.Second || waits[len(waits)-1] != 4*time.Second {
+		t.Fatalf("probe waits %v, want 2s, 4s, then 4s", waits)
+	}
+	// A probed path between the two ratios is not slow enough to flag:
+	// after ProbeSamples busy samples it stays in use.
+	var got []PathEventKind
+	for range 10 {
+		got = append(got, kinds(step(busy(900), busy(400)))...)
+	}
+	if !slices.Contains(got, PathRecovered) || len(sp.Flagged()) != 0 {
+		t.Fatalf("path at 0.44 of the best: events %v, flagged %v", got, sp.Flagged())
+	}
+}
+
+func TestSlowPathWatchKicks(t *testing.T) {
+	f := newFakePaths(2)
+	w := newSlowPathWatch(NewSlowPaths(SlowPathPolicy{}), nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	for range 4 {
+		w.step(f.now.Add(time.Second), f.sample(busy(900), busy(90)), f.addrs)
+	}
+	select {
+	case <-w.kick:
+	default:
+		t.Fatal("no kick after the flag")
+	}
+	if got := w.flagged(); !slices.Equal(got, f.addrs[1:]) {
+		t.Fatalf("flagged %v", got)
+	}
+	w.step(f.now.Add(time.Second), f.sample(busy(900), idle), f.addrs)
+	select {
+	case <-w.kick:
+		t.Fatal("kick without a change")
+	default:
+	}
+}
