@@ -66,23 +66,41 @@ type Network struct {
 	Topology string `json:"topology"`
 	// Config builds the topology for a topology name.
 	Config func(name string) topo.Config `json:"-"`
+	// AutoBackup runs the slow-path watch of the node plugin and the
+	// storage agent (mptcp.SlowPaths) on both hosts: a path much slower
+	// than the others is flagged backup by itself.
+	AutoBackup bool `json:"auto_backup,omitempty"`
 }
+
+// autoSlowRatio is the fraction of the fastest path's rate under which
+// the slow-path watch flags a path (mptcp.SlowPathPolicy's default).
+const autoSlowRatio = 0.3
 
 // LineRateMBps is the rate the network can carry, in MB/s (10^6 B/s):
 // path 1 for plain TCP; for MPTCP the sum of all paths except those
 // flagged backup (the scheduler only uses a backup subflow when no other
-// subflow can send).
+// subflow can send) and, with AutoBackup, those the slow-path watch flags.
 func (n Network) LineRateMBps(t *topo.Topology) float64 {
 	if !n.MPTCP {
 		return float64(t.Paths[0].RateMbit) / 8
 	}
 	var sum float64
 	for _, p := range t.Paths {
-		if !p.Backup {
+		if !p.Backup && !(n.AutoBackup && slowForAuto(t, p.RateMbit)) {
 			sum += float64(p.RateMbit) / 8
 		}
 	}
 	return sum
+}
+
+// slowForAuto reports whether a path of rate is one the slow-path watch
+// takes out of use on t.
+func slowForAuto(t *topo.Topology, rate int) bool {
+	fastest := 0
+	for _, p := range t.Paths {
+		fastest = max(fastest, p.RateMbit)
+	}
+	return float64(rate) < autoSlowRatio*float64(fastest)
 }
 
 // PlanLineRateMBps is LineRateMBps computed from the configuration alone.
@@ -116,6 +134,11 @@ var AllNetworks = []Network{
 			cfg.Paths[len(cfg.Paths)-1].Backup = true
 			return cfg
 		},
+	},
+	{
+		Name: "asym-auto", MPTCP: true, AutoBackup: true,
+		Desc:     "as asym, the slow-path watch on both hosts (as the node plugin and the storage agent run it)",
+		Topology: "3x1G+100M", Config: topo.Asymmetric,
 	},
 }
 

@@ -200,7 +200,7 @@ func TestNewMatrix(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Size() != 3*4*2*4 {
+	if m.Size() != 3*5*2*4 {
 		t.Fatalf("full matrix has %d cells", m.Size())
 	}
 	m, err = NewMatrix("nbdkit,ours", "mptcp4", "ours, fio", "seqread,seqread")
@@ -219,7 +219,7 @@ func TestNewMatrix(t *testing.T) {
 }
 
 func TestLineRates(t *testing.T) {
-	want := map[string]float64{"tcp1": 125, "mptcp4": 500, "asym": 387.5, "asym-backup": 375}
+	want := map[string]float64{"tcp1": 125, "mptcp4": 500, "asym": 387.5, "asym-backup": 375, "asym-auto": 375}
 	for _, n := range AllNetworks {
 		if got := n.PlanLineRateMBps(); got != want[n.Name] {
 			t.Errorf("%s line rate %v, want %v", n.Name, got, want[n.Name])

@@ -101,6 +101,9 @@ type Cell struct {
 	Runs      int     `json:"runs"`
 	Failed    int     `json:"failed"`
 	MBps      float64 `json:"mb_per_s"`
+	// MinMBps and MaxMBps are the spread of the successful repeats.
+	MinMBps   float64 `json:"min_mb_per_s"`
+	MaxMBps   float64 `json:"max_mb_per_s"`
 	IOPS      float64 `json:"iops"`
 	LineMBps  float64 `json:"line_mb_per_s"`
 	PctLine   float64 `json:"pct_line_rate"`
@@ -176,6 +179,9 @@ func Aggregate(runs []RunResult, line map[string]float64) []*Cell {
 	for _, c := range cells {
 		v := vals[c.Key]
 		c.MBps = Median(v["mbps"])
+		if len(v["mbps"]) > 0 {
+			c.MinMBps, c.MaxMBps = slices.Min(v["mbps"]), slices.Max(v["mbps"])
+		}
 		c.IOPS = Median(v["iops"])
 		c.ServerCPU = Median(v["scpu"])
 		c.ClientCPU = Median(v["ccpu"])
@@ -254,11 +260,11 @@ func fmtRatio(v float64) string {
 // reasons of failed runs.
 func WriteTable(w io.Writer, cells []*Cell) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tIOPS\t% line\tvs tcp1\tvs nbdkit\tsrv CPU s/GB\tcli CPU s/GB\tsubflows\tstatus\t")
+	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tmin-max\tIOPS\t% line\tvs tcp1\tvs nbdkit\tsrv CPU s/GB\tcli CPU s/GB\tsubflows\tstatus\t")
 	var prev Key
 	for i, c := range cells {
 		if i > 0 && (c.Network != prev.Network || c.Workload != prev.Workload) {
-			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t")
+			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
 		}
 		prev = c.Key
 		status := "ok"
@@ -269,8 +275,12 @@ func WriteTable(w io.Writer, cells []*Cell) error {
 		if c.Failed == c.Runs {
 			mbps, iops, pct = "FAILED", "-", "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
-			c.Network, c.Workload, c.Client, c.Server, mbps, iops, pct,
+		spread := "-"
+		if c.Runs-c.Failed > 1 {
+			spread = fmt.Sprintf("%.0f-%.0f", c.MinMBps, c.MaxMBps)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
+			c.Network, c.Workload, c.Client, c.Server, mbps, spread, iops, pct,
 			fmtRatio(c.VsTCP1), fmtRatio(c.VsNbdkit), fmtFloat(c.ServerCPU, 3), fmtFloat(c.ClientCPU, 3),
 			c.Subflows.String(), status)
 	}

@@ -116,7 +116,7 @@ func TestWriteTable(t *testing.T) {
 	out := b.String()
 	t.Log("\n" + out)
 	for _, want := range []string{"MB/s", "vs tcp1", "vs nbdkit", "srv CPU s/GB", "3.81x", "FAILED 1/3",
-		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0"} {
+		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0", "min-max", "300-460", "470-480"} {
 		if !strings.Contains(out, want) && !strings.Contains(out, strings.ReplaceAll(want, "nbd-server/fio mptcp4", "mptcp4 nbd-server/fio")) {
 			t.Errorf("table lacks %q", want)
 		}

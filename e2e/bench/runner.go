@@ -136,6 +136,14 @@ func (r *runner) network(ctx context.Context, n Network) error {
 		r.logf("network %s: %s: on the same topology", n.Name, n.Desc)
 	}
 	t := r.topo
+	if n.AutoBackup {
+		stop := startAutoBackup(t, r.o.Progress)
+		defer func() {
+			if err := stop(); err != nil {
+				r.logf("network %s: slow-path watch: %v", n.Name, err)
+			}
+		}()
+	}
 	env := &serverEnv{topo: t, mptcp: n.MPTCP, port: r.o.Port, serverBin: r.o.ServerBin,
 		tmpDir: r.o.TmpDir, tag: r.o.Name}
 	for _, s := range r.o.Matrix.Servers {

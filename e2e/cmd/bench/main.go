@@ -6,7 +6,8 @@
 //
 //	servers:   ours (bin/nbd-server), nbdkit (file plugin), nbd-server (Debian's)
 //	networks:  tcp1 (plain TCP, path 1), mptcp4 (MPTCP, 4 x 1 Gbit/s),
-//	           asym (MPTCP, 3 x 1 Gbit/s + 100 Mbit/s), asym-backup (slow path backup)
+//	           asym (MPTCP, 3 x 1 Gbit/s + 100 Mbit/s), asym-backup (slow path backup),
+//	           asym-auto (the slow-path watch of node plugin and storage agent)
 //	clients:   fio (nbd engine), ours (nbdload)
 //	workloads: seqread, seqwrite (1 MiB, QD 8), randread, randwrite (4 KiB, QD 32)
 //
@@ -51,7 +52,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	var (
 		servers   = fs.String("servers", "all", "comma-separated servers: "+strings.Join(bench.AllServers, ","))
-		networks  = fs.String("networks", "all", "comma-separated networks: tcp1,mptcp4,asym,asym-backup")
+		networks  = fs.String("networks", "all", "comma-separated networks: tcp1,mptcp4,asym,asym-backup,asym-auto")
 		clients   = fs.String("clients", "all", "comma-separated clients: "+strings.Join(bench.AllClients, ","))
 		workloads = fs.String("workloads", "all", "comma-separated workloads: seqread,seqwrite,randread,randwrite")
 		duration  = fs.Duration("duration", 10*time.Second, "measured time of every run")

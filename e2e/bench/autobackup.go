@@ -1,0 +1,110 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
+
+// startAutoBackup runs the slow-path watch on both hosts of t until the
+// returned stop is called. The server host runs mptcp.Keep over its signal
+// endpoints (paths 2..N), exactly as the storage agent does. The client
+// host of the topology has no endpoints of its own (it joins the announced
+// addresses, and the kernel records implicit endpoints for them): its
+// watch flags those in place instead of keeping subflow endpoints, which
+// would add subflows the topology does not expect. Decisions are logged to
+// w.
+func startAutoBackup(t *topo.Topology, w io.Writer) (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	log := slog.New(slog.NewTextHandler(w, nil))
+	d := mptcp.Desired{Role: mptcp.RoleServer, Port: uint16(t.JoinPort)}
+	for i := 2; i <= len(t.Paths); i++ {
+		d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(t.ServerAddr(i), 32).String()))
+	}
+	var clientAddrs []netip.Addr
+	for i := range t.Paths {
+		clientAddrs = append(clientAddrs, t.ClientAddr(i+1))
+	}
+	errs := make(chan error, 2)
+	go func() {
+		errs <- topo.InNetns(t.ServerNS, func() error {
+			return mptcp.Keep(ctx, d, log.With("host", "server"), &mptcp.SlowPathPolicy{})
+		})
+	}()
+	go func() {
+		errs <- topo.InNetns(t.ClientNS, func() error {
+			return flagInPlace(ctx, clientAddrs, log.With("host", "client"))
+		})
+	}()
+	return func() error {
+		cancel()
+		var all []error
+		for range 2 {
+			select {
+			case err := <-errs:
+				all = append(all, err)
+			case <-time.After(10 * time.Second):
+				all = append(all, errors.New("slow-path watch did not stop in 10 s"))
+			}
+		}
+		return errors.Join(all...)
+	}
+}
+
+// flagInPlace runs mptcp.SlowPaths over the calling thread's namespace and
+// sets the backup flag of whatever endpoint holds a flagged address.
+func flagInPlace(ctx context.Context, addrs []netip.Addr, log *slog.Logger) error {
+	pm, err := mptcp.DialPM()
+	if err != nil {
+		return err
+	}
+	defer pm.Close()
+	diag, err := mptcp.DialSocketDiag()
+	if err != nil {
+		return err
+	}
+	defer diag.Close()
+	sp := mptcp.NewSlowPaths(mptcp.SlowPathPolicy{})
+	tick := time.NewTicker(mptcp.SlowPathInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case now := <-tick.C:
+			socks, err := diag.Established()
+			if err != nil {
+				return err
+			}
+			for _, e := range sp.Observe(now, socks, addrs) {
+				mptcp.LogPathEvent(log, e)
+			}
+			flagged := sp.Flagged()
+			eps, err := pm.Endpoints()
+			if err != nil {
+				return err
+			}
+			for _, ep := range eps {
+				if !slices.Contains(addrs, ep.Addr) {
+					continue
+				}
+				want := slices.Contains(flagged, ep.Addr)
+				if (ep.Flags&mptcp.Backup != 0) == want {
+					continue
+				}
+				ep.Flags ^= mptcp.Backup
+				if err := pm.SetEndpointFlags(ep); err != nil {
+					return fmt.Errorf("flag %s: %w", ep.Addr, err)
+				}
+			}
+		}
+	}
+}
