@@ -128,7 +128,14 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("API client: %w", err)
 	}
+	changes := driver.NewChanges()
+	if err := driver.WatchChanges(ctx, cfg, scheme, changes, 30*time.Second); err != nil {
+		// Without the watch every wait polls, as before.
+		log.Warn("waits poll their volume every 200ms: no watch of volumes", "error", err)
+		changes = nil
+	}
 	ctl, err := driver.NewController(driver.ControllerConfig{
+		Changes:          changes,
 		Client:           c,
 		Namespace:        o.namespace,
 		Logger:           log,

@@ -30,6 +30,8 @@ const (
 	DefaultStaleAfter   = 2 * time.Minute
 	DefaultVolumeSize   = int64(1) << 30
 	DefaultPollInterval = 200 * time.Millisecond
+	// DefaultResyncInterval is ControllerConfig.ResyncInterval's default.
+	DefaultResyncInterval = 5 * time.Second
 )
 
 // ControllerConfig configures a Controller.
@@ -49,8 +51,16 @@ type ControllerConfig struct {
 	// DefaultSizeBytes is the size of a volume whose capacity range sets
 	// neither bound (default 1 GiB).
 	DefaultSizeBytes int64
-	// PollInterval is how often a wait re-reads the volume (default 200ms).
+	// PollInterval is how often a wait re-reads the volume (default 200ms)
+	// when Changes is nil.
 	PollInterval time.Duration
+	// Changes, if not nil, wakes a wait when its volume or snapshot
+	// changes (a watch feeds it); the wait then re-reads only on a change
+	// and every ResyncInterval, instead of every PollInterval.
+	Changes *Changes
+	// ResyncInterval bounds the time between reads of a wait fed by
+	// Changes, in case an event is lost (default 5s).
+	ResyncInterval time.Duration
 }
 
 // Controller serves the CSI Controller service. It never touches data:
@@ -58,8 +68,8 @@ type ControllerConfig struct {
 // Secret) and a wait until the volume's storage agent reports the change
 // in effect (status.observedGeneration).
 //
-// Its RBAC: nbdvolumes get, list, create, update, delete; nbdsnapshots
-// get, list, create, delete; nbdstoragenodes get, list; nodes get; secrets in Namespace get, create, update, delete,
+// Its RBAC: nbdvolumes get, list, watch, create, update, delete;
+// nbdsnapshots get, list, watch, create, delete; nbdstoragenodes get, list; nodes get; secrets in Namespace get, create, update, delete,
 // deletecollection.
 //
 // A wait for the agent that runs out (WaitTimeout or the request's
@@ -87,7 +97,7 @@ func NewController(cfg ControllerConfig) (*Controller, error) {
 	if cfg.Namespace == "" {
 		return nil, fmt.Errorf("%w: controller: the namespace of publication Secrets is required", ErrInvalidArgument)
 	}
-	if cfg.WaitTimeout < 0 || cfg.StaleAfter < 0 || cfg.DefaultSizeBytes < 0 || cfg.PollInterval < 0 {
+	if cfg.WaitTimeout < 0 || cfg.StaleAfter < 0 || cfg.DefaultSizeBytes < 0 || cfg.PollInterval < 0 || cfg.ResyncInterval < 0 {
 		return nil, fmt.Errorf("%w: controller: negative timeout, interval or size", ErrInvalidArgument)
 	}
 	if cfg.WaitTimeout == 0 {
@@ -101,6 +111,9 @@ func NewController(cfg ControllerConfig) (*Controller, error) {
 	}
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = DefaultPollInterval
+	}
+	if cfg.ResyncInterval == 0 {
+		cfg.ResyncInterval = DefaultResyncInterval
 	}
 	log := cfg.Logger
 	if log == nil {

@@ -57,14 +57,48 @@ func applied(v *v1alpha1.NBDVolume, gen int64) bool {
 	return v.Status.ObservedGeneration >= gen && v.Status.Phase == v1alpha1.VolumeAvailable
 }
 
-// waitVolume reads volume id every PollInterval until done reports true
-// (done gets nil once the volume is gone) or an error, for at most
-// WaitTimeout. On errAgentFailed it returns the volume with the error.
+// waitTicks returns what paces a wait for key: a channel that receives
+// when the wait should read its object again, and the function that
+// releases it. With Changes that is each change of the object and every
+// ResyncInterval; without, every PollInterval.
+func (c *Controller) waitTicks(key string) (<-chan struct{}, func()) {
+	every := c.cfg.PollInterval
+	var changed <-chan struct{}
+	unsubscribe := func() {}
+	if c.cfg.Changes != nil {
+		every = c.cfg.ResyncInterval
+		changed, unsubscribe = c.cfg.Changes.Subscribe(key)
+	}
+	out := make(chan struct{}, 1)
+	stop := make(chan struct{})
+	go func() {
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			case <-changed:
+			}
+			select {
+			case out <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	return out, func() { unsubscribe(); close(stop) }
+}
+
+// waitVolume reads volume id until done reports true (done gets nil once
+// the volume is gone) or an error, for at most WaitTimeout: again after
+// each change of the volume, or every PollInterval without Changes. On
+// errAgentFailed it returns the volume with the error.
 func (c *Controller) waitVolume(ctx context.Context, id, what string, done func(*v1alpha1.NBDVolume) (bool, error)) (*v1alpha1.NBDVolume, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
 	defer cancel()
-	tick := time.NewTicker(c.cfg.PollInterval)
-	defer tick.Stop()
+	tick, release := c.waitTicks(VolumeKey(id))
+	defer release()
 	var last *v1alpha1.NBDVolume
 	var lastErr error
 	for {
@@ -100,7 +134,7 @@ func (c *Controller) waitVolume(ctx context.Context, id, what string, done func(
 				state += "; last API error: " + lastErr.Error()
 			}
 			return nil, fmt.Errorf("volume %s: the storage agent did not %s in time (%s): %w", id, what, state, ctx.Err())
-		case <-tick.C:
+		case <-tick:
 		}
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -138,16 +137,16 @@ func (c *Controller) createSnapshot(ctx context.Context, req *csi.CreateSnapshot
 	return csiSnapshot(w), nil
 }
 
-// waitSnapshot reads snapshot id every PollInterval until done reports
-// true (done gets nil once the snapshot is gone) or an error, for at most
-// WaitTimeout. When the time runs out it returns the snapshot as last
+// waitSnapshot reads snapshot id until done reports true (done gets nil
+// once the snapshot is gone) or an error, for at most WaitTimeout, paced
+// as waitVolume. When the time runs out it returns the snapshot as last
 // read with the context's error; errSnapshotFailed comes with the
 // snapshot.
 func (c *Controller) waitSnapshot(ctx context.Context, id string, done func(*v1alpha1.NBDSnapshot) (bool, error)) (*v1alpha1.NBDSnapshot, error) {
 	wctx, cancel := context.WithTimeout(ctx, c.cfg.WaitTimeout)
 	defer cancel()
-	tick := time.NewTicker(c.cfg.PollInterval)
-	defer tick.Stop()
+	tick, release := c.waitTicks(SnapshotKey(id))
+	defer release()
 	var last *v1alpha1.NBDSnapshot
 	for {
 		s := &v1alpha1.NBDSnapshot{}
@@ -168,7 +167,7 @@ func (c *Controller) waitSnapshot(ctx context.Context, id string, done func(*v1a
 		select {
 		case <-wctx.Done():
 			return last, wctx.Err()
-		case <-tick.C:
+		case <-tick:
 		}
 	}
 }
