@@ -86,7 +86,8 @@ func (n Network) LineRateMBps(t *topo.Topology) float64 {
 	}
 	var sum float64
 	for _, p := range t.Paths {
-		if !p.Backup && !(n.AutoBackup && slowForAuto(t, p.RateMbit)) {
+		autoFlagged := n.AutoBackup && slowForAuto(t, p.RateMbit)
+		if !p.Backup && !autoFlagged {
 			sum += float64(p.RateMbit) / 8
 		}
 	}
