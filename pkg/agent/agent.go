@@ -119,6 +119,9 @@ type Agent struct {
 
 	mu   sync.RWMutex
 	vols map[string]*volume
+	// roomMu makes a check of free space and the allocation it admits
+	// one step among the concurrent reconciles.
+	roomMu sync.Mutex
 
 	// capacityKick asks the heartbeat for a report now.
 	capacityKick chan struct{}
@@ -126,6 +129,9 @@ type Agent struct {
 	mgrCache cache.Cache
 	started  atomic.Bool
 }
+
+// volumeWorkers is how many volumes the agent reconciles at once.
+const volumeWorkers = 4
 
 // volume is what the agent holds for one NBDVolume.
 type volume struct {

@@ -72,9 +72,13 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 		Named("nbdvolume").
 		For(&v1alpha1.NBDVolume{}, builder.WithPredicates(ours)).
 		WithOptions(controller.Options{
-			// One worker: capacity checks of concurrent creations must
-			// not both count the same free space.
-			MaxConcurrentReconciles: 1,
+			// Several workers, so that one volume draining its
+			// connections after a publication change (up to
+			// DrainTimeout) or filling from a snapshot does not hold up
+			// the others; a volume is never reconciled twice at once,
+			// and the check of free space and the allocation it admits
+			// run under roomMu.
+			MaxConcurrentReconciles: volumeWorkers,
 			// A restarted agent in the same process registers again.
 			SkipNameValidation: ptr.To(true),
 		}).
@@ -188,6 +192,10 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 			}
 			log.Info("backing file reopened", "path", path, "size", b.Size())
 		case errors.Is(err, fs.ErrNotExist):
+			// Free space checked and taken in one step: concurrent
+			// creations must not both count the same bytes.
+			a.roomMu.Lock()
+			defer a.roomMu.Unlock()
 			if f := a.checkRoom(want, fmt.Sprintf("creating %d bytes", want)); f != nil {
 				return nil, f
 			}
@@ -215,6 +223,10 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	}
 	var growFailure *failure
 	if size := v.backend.Size(); size < want {
+		if !changed {
+			a.roomMu.Lock()
+			defer a.roomMu.Unlock()
+		}
 		if f := a.checkRoom(want-size, fmt.Sprintf("growing from %d to %d bytes", size, want)); f != nil {
 			growFailure = f
 		} else if err := v.backend.Resize(want); err != nil {
