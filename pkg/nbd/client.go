@@ -3,6 +3,7 @@ package nbd
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -30,6 +31,9 @@ type DialOptions struct {
 	// as lane i, each with a new generation), so that a server that knows
 	// sessions fences the connections of an earlier dial of the same ID.
 	Session *SessionID
+	// TLS, when set, upgrades every connection with NBD_OPT_STARTTLS
+	// (TLS 1.3 at least) before the export is chosen.
+	TLS *tls.Config
 }
 
 // Client is a pipelined NBD client over one or more connections to one
@@ -84,7 +88,16 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 		if o.Session != nil {
 			no.Session = &Session{ID: *o.Session, Lane: uint32(i), Generation: NextGeneration()}
 		}
-		ci, err := NegotiateConnWith(ctx, c, o.Export, no)
+		var ci ExportInfo
+		if o.TLS != nil {
+			var tc net.Conn
+			tc, ci, err = NegotiateConnTLS(ctx, c, o.Export, o.TLS, no)
+			if err == nil {
+				conns[len(conns)-1] = tc
+			}
+		} else {
+			ci, err = NegotiateConnWith(ctx, c, o.Export, no)
+		}
 		if err != nil {
 			return fail(err)
 		}
@@ -101,7 +114,11 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 
 // IsMultipathTCP reports whether c is a TCP connection really carried by
 // MPTCP (false after a fallback to plain TCP, or for other socket types).
+// A TLS connection is looked through.
 func IsMultipathTCP(c net.Conn) bool {
+	if u, ok := c.(interface{ NetConn() net.Conn }); ok {
+		c = u.NetConn()
+	}
 	tc, ok := c.(*net.TCPConn)
 	if !ok {
 		return false

@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -30,6 +31,38 @@ func NegotiateWith(rw io.ReadWriter, export string, no NegotiateOptions) (Export
 	if err != nil {
 		return ExportInfo{}, err
 	}
+	return negotiateGo(rw, export, no, noZeroes)
+}
+
+// startTLS asks the server to upgrade c to TLS (NBD_OPT_STARTTLS, right
+// after the greeting) and runs the TLS handshake, at least TLS 1.3.
+func startTLS(c net.Conn, cfg *tls.Config) (*tls.Conn, error) {
+	o := option{Code: OptStartTLS}
+	if _, err := c.Write(o.encode()); err != nil {
+		return nil, err
+	}
+	r, err := readOptReply(c)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case r.Option != OptStartTLS:
+		return nil, fmt.Errorf("%w: reply to option %s while waiting for STARTTLS", ErrProtocol, OptName(r.Option))
+	case r.Type&repErrBit != 0:
+		return nil, &OptionError{Option: OptStartTLS, Reply: r.Type, Msg: printable(r.Data)}
+	case r.Type != RepAck:
+		return nil, fmt.Errorf("%w: STARTTLS answered with reply type %d", ErrProtocol, r.Type)
+	}
+	tc := tls.Client(c, tlsConfig(cfg))
+	if err := tc.Handshake(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrTLSHandshake, err)
+	}
+	return tc, nil
+}
+
+// negotiateGo selects export with GO (or EXPORT_NAME on old servers),
+// after the greeting.
+func negotiateGo(rw io.ReadWriter, export string, no NegotiateOptions, noZeroes bool) (ExportInfo, error) {
 	q := InfoRequest{Name: export, Infos: []uint16{InfoBlockSize, InfoName, InfoDescription}}
 	o := option{Code: OptGo, Data: q.encode()}
 	msg := o.encode()
@@ -212,16 +245,53 @@ func NegotiateConn(ctx context.Context, c net.Conn, export string) (ExportInfo, 
 
 // NegotiateConnWith is NegotiateWith bounded by ctx.
 func NegotiateConnWith(ctx context.Context, c net.Conn, export string, no NegotiateOptions) (ExportInfo, error) {
+	var info ExportInfo
+	err := bounded(ctx, c, func() (err error) {
+		info, err = NegotiateWith(c, export, no)
+		return err
+	})
+	return info, err
+}
+
+// NegotiateConnTLS is NegotiateConnWith over TLS: right after the
+// greeting it upgrades c with NBD_OPT_STARTTLS and a TLS 1.3 handshake
+// under cfg, then selects export inside TLS. The returned connection
+// (TLS over c) carries the transmission phase.
+func NegotiateConnTLS(ctx context.Context, c net.Conn, export string, cfg *tls.Config, no NegotiateOptions) (net.Conn, ExportInfo, error) {
+	var (
+		tc   *tls.Conn
+		info ExportInfo
+	)
+	err := bounded(ctx, c, func() error {
+		noZeroes, err := clientHello(c)
+		if err != nil {
+			return err
+		}
+		if tc, err = startTLS(c, cfg); err != nil {
+			return err
+		}
+		info, err = negotiateGo(tc, export, no, noZeroes)
+		return err
+	})
+	if err != nil {
+		return nil, ExportInfo{}, err
+	}
+	return tc, info, nil
+}
+
+// bounded runs f with c's deadline at ctx's (30 s without one), and
+// interrupted when ctx ends.
+func bounded(ctx context.Context, c net.Conn, f func() error) error {
 	if d, ok := ctx.Deadline(); ok {
 		c.SetDeadline(d)
 	} else {
 		c.SetDeadline(time.Now().Add(30 * time.Second))
 	}
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
-	info, err := NegotiateWith(c, export, no)
+	err := f()
 	if !stop() && err != nil {
 		err = errors.Join(ctx.Err(), err)
 	}
 	c.SetDeadline(time.Time{})
-	return info, err
+	return err
 }

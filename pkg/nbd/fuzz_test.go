@@ -197,3 +197,51 @@ func FuzzClientReplies(f *testing.F) {
 		}
 	})
 }
+
+// FuzzServerStartTLS feeds arbitrary client bytes to a server that offers
+// STARTTLS (required when the first byte is odd): option haggling before
+// and around the upgrade, and garbage where the TLS handshake belongs.
+func FuzzServerStartTLS(f *testing.F) {
+	pki := newTestPKI(f)
+	flags := []byte{0, 0, 0, 1}
+	starttls := option{Code: OptStartTLS}
+	withData := option{Code: OptStartTLS, Data: []byte("x")}
+	en := option{Code: OptExportName, Data: []byte("d")}
+	list := option{Code: OptList}
+	f.Add(append([]byte{1}, append(flags, starttls.encode()...)...))
+	f.Add(append([]byte{1}, append(append(flags, starttls.encode()...), clientOpening("d")[4:]...)...))
+	f.Add(append([]byte{0}, append(append(flags, withData.encode()...), starttls.encode()...)...))
+	f.Add(append([]byte{1}, append(append(flags, list.encode()...), en.encode()...)...))
+	f.Add(append([]byte{0}, clientOpening("d")...))
+	f.Add(append([]byte{1}, append(append(flags, starttls.encode()...), 0x16, 3, 1, 0, 4, 1, 0, 0, 0)...))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) == 0 {
+			return
+		}
+		s := &Server{Logger: quietLogger(), DefaultExport: "d", TLSConfig: pki.server, TLSRequired: data[0]&1 == 1}
+		if err := s.AddExport(&Export{Name: "d", RequireTLS: data[0]&2 == 2, Backend: &guardBackend{MemBackend: NewMemBackend(65536), t: t}}); err != nil {
+			t.Fatal(err)
+		}
+		s.ServeConn(&fakeConn{r: bytes.NewReader(data[1:])})
+	})
+}
+
+// FuzzClientStartTLS feeds arbitrary server bytes to the client's
+// greeting and STARTTLS.
+func FuzzClientStartTLS(f *testing.F) {
+	pki := newTestPKI(f)
+	ack := optReply{Option: OptStartTLS, Type: RepAck}
+	f.Add(append([]byte("NBDMAGICIHAVEOPT\x00\x03"), ack.encode()...))
+	tlsReqd := optReply{Option: OptStartTLS, Type: RepErrTLSReqd, Data: []byte("no")}
+	f.Add(append([]byte("NBDMAGICIHAVEOPT\x00\x03"), tlsReqd.encode()...))
+	other := optReply{Option: OptGo, Type: RepAck}
+	f.Add(append([]byte("NBDMAGICIHAVEOPT\x00\x03"), other.encode()...))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c := &fakeConn{r: bytes.NewReader(data)}
+		if _, err := clientHello(c); err != nil {
+			return
+		}
+		// Errors are the rule here: what the fuzzer looks for is a crash.
+		_, _ = startTLS(c, pki.client)
+	})
+}

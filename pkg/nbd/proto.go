@@ -143,6 +143,8 @@ var (
 	ErrReadOnly        = errors.New("nbd: export is read-only")
 	ErrNegotiationDone = errors.New("nbd: negotiation already finished")
 	ErrUnaligned       = errors.New("nbd: request not aligned to the minimum block size")
+	ErrTLSRequired     = errors.New("nbd: TLS required")
+	ErrTLSHandshake    = errors.New("nbd: TLS handshake failed")
 )
 
 // Error is an error reply from the peer for one command.

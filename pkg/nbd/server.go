@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +18,9 @@ type Export struct {
 	Description string
 	Backend     Backend
 	ReadOnly    bool
+	// RequireTLS refuses the export (ERR_TLS_REQD) to connections that
+	// did not upgrade with STARTTLS.
+	RequireTLS bool
 
 	mu       sync.Mutex
 	conns    map[*serverConn]struct{}
@@ -90,6 +94,10 @@ type ConnInfo struct {
 	// Tag is the Grant's tag when Server.Resolve chose the export, so that
 	// CloseConns can select, e.g., the connections of one node.
 	Tag string
+	// TLS is the state of the connection's TLS session once the client
+	// upgraded with STARTTLS (its peer certificates among it); nil before
+	// and without.
+	TLS *tls.ConnectionState
 }
 
 // Grant is what Server.Resolve decides for one connection.
@@ -101,6 +109,9 @@ type Grant struct {
 	ReadOnly bool
 	// Tag is recorded in the connection's ConnInfo.
 	Tag string
+	// RequireTLS refuses the export (ERR_TLS_REQD) unless the connection
+	// upgraded with STARTTLS.
+	RequireTLS bool
 }
 
 // Observer receives events for metrics. Calls are made from the serving
@@ -144,6 +155,13 @@ type Server struct {
 	// Workers is the number of goroutines executing requests per
 	// connection; zero means 16.
 	Workers int
+	// TLSConfig, when set, offers NBD_OPT_STARTTLS: the connection upgrades
+	// to TLS (its MinVersion is raised to TLS 1.3) before the client
+	// chooses an export. Without it STARTTLS is unsupported.
+	TLSConfig *tls.Config
+	// TLSRequired makes every connection upgrade before anything else:
+	// other options get ERR_TLS_REQD, NBD_OPT_EXPORT_NAME a hang-up.
+	TLSRequired bool
 	// Incarnation is announced to clients that send OptSession; zero means
 	// one random value per process, so that every restart of the server
 	// counts as a new incarnation. Set it to something that changes

@@ -48,6 +48,10 @@ type serverConn struct {
 	werr    error
 	bufs    net.Buffers
 	hdrs    []byte
+	// tlsw gathers a batch into full TLS records on a connection that
+	// upgraded with STARTTLS (a writev of headers and payloads would
+	// become one record each).
+	tlsw *bufio.Writer
 }
 
 // work is one request handed to a worker.
@@ -414,10 +418,28 @@ func (c *serverConn) writeBatch(batch []queuedReply) error {
 		}
 	}
 	keep := bufs
-	_, err := bufs.WriteTo(c.conn)
+	var err error
+	if c.info.TLS != nil {
+		if c.tlsw == nil {
+			c.tlsw = bufio.NewWriterSize(c.conn, tlsRecord)
+		}
+		for _, b := range bufs {
+			if _, err = c.tlsw.Write(b); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			err = c.tlsw.Flush()
+		}
+	} else {
+		_, err = bufs.WriteTo(c.conn)
+	}
 	c.bufs = keep[:0]
 	return err
 }
+
+// tlsRecord is the largest TLS record's plaintext.
+const tlsRecord = 16 << 10
 
 // limiter bounds requests and payload bytes in flight on one connection.
 type limiter struct {

@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"bufio"
+	"crypto/tls"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -59,6 +60,8 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 	// read ahead for the transmission phase.
 	sc.hsReader = br
 	bw := bufio.NewWriterSize(c, 4096)
+	tlsRequired := s.TLSRequired && s.TLSConfig != nil
+	// needsTLS says a connection without TLS may not have e.
 	reply := func(opt, typ uint32, data []byte) error {
 		r := optReply{Option: opt, Type: typ, Data: data}
 		_, err := bw.Write(r.encode())
@@ -71,6 +74,10 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 		return bw.Flush()
 	}
 
+	needsTLS := func(e *Export, g Grant) bool {
+		return sc.info.TLS == nil && (tlsRequired || e.RequireTLS || g.RequireTLS)
+	}
+
 	for n := 0; ; n++ {
 		if n >= maxOptions {
 			return nil, fmt.Errorf("%w: more than %d options", ErrProtocol, maxOptions)
@@ -79,7 +86,47 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 		if err != nil {
 			return nil, err
 		}
+		if tlsRequired && sc.info.TLS == nil && o.Code != OptStartTLS && o.Code != OptAbort {
+			if o.Code == OptExportName {
+				return nil, fmt.Errorf("%w: EXPORT_NAME before STARTTLS", ErrTLSRequired)
+			}
+			if err := replyErr(o.Code, RepErrTLSReqd, "TLS is required: send STARTTLS first"); err != nil {
+				return nil, err
+			}
+			continue
+		}
 		switch o.Code {
+		case OptStartTLS:
+			switch {
+			case s.TLSConfig == nil:
+				err = replyErr(o.Code, RepErrUnsup, "TLS is not offered")
+			case sc.info.TLS != nil:
+				err = replyErr(o.Code, RepErrInvalid, "TLS is already on")
+			case len(o.Data) != 0:
+				err = replyErr(o.Code, RepErrInvalid, "STARTTLS takes no data")
+			default:
+				if err := replyErr(o.Code, RepAck, ""); err != nil {
+					return nil, err
+				}
+				if br.Buffered() > 0 {
+					return nil, fmt.Errorf("%w: data sent behind STARTTLS before the TLS handshake", ErrProtocol)
+				}
+				tc := tls.Server(c, tlsConfig(s.TLSConfig))
+				if err := tc.Handshake(); err != nil {
+					return nil, fmt.Errorf("%w: %w", ErrTLSHandshake, err)
+				}
+				st := tc.ConnectionState()
+				sc.conn, sc.info.TLS = tc, &st
+				c = tc
+				br = bufio.NewReaderSize(tc, 4096)
+				sc.hsReader = br
+				bw = bufio.NewWriterSize(tc, 4096)
+				continue
+			}
+			if err != nil {
+				return nil, err
+			}
+
 		case OptExportName:
 			if len(o.Data) > maxNameLen {
 				return nil, fmt.Errorf("%w: export name of %d bytes", ErrProtocol, len(o.Data))
@@ -88,6 +135,9 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			if err != nil {
 				// EXPORT_NAME has no error reply: the only answer is to hang up.
 				return nil, err
+			}
+			if needsTLS(e, g) {
+				return nil, fmt.Errorf("%w: EXPORT_NAME of %q without TLS", ErrTLSRequired, e.Name)
 			}
 			if !sc.reserve(e, lim.perExport) {
 				return nil, errPerExport
@@ -154,6 +204,12 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				}
 				continue
 			}
+			if needsTLS(e, g) {
+				if err := replyErr(o.Code, RepErrTLSReqd, "this export requires TLS: send STARTTLS first"); err != nil {
+					return nil, err
+				}
+				continue
+			}
 			if o.Code == OptGo && !sc.reserve(e, lim.perExport) {
 				// Server policy forbids more connections to this export.
 				// The client could go on haggling, but would only find
@@ -208,13 +264,24 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			}
 
 		default:
-			// STARTTLS, STRUCTURED_REPLY, EXTENDED_HEADERS, meta contexts and
-			// anything unknown: the simple reply format is all we speak.
+			// STRUCTURED_REPLY, EXTENDED_HEADERS, meta contexts and anything
+			// unknown: the simple reply format is all we speak.
 			if err := replyErr(o.Code, RepErrUnsup, "unsupported option "+OptName(o.Code)); err != nil {
 				return nil, err
 			}
 		}
 	}
+}
+
+// tlsConfig is c with TLS 1.3 at least: NBD over TLS 1.2 is allowed by
+// the protocol, but this server speaks only the current version.
+func tlsConfig(c *tls.Config) *tls.Config {
+	if c.MinVersion >= tls.VersionTLS13 {
+		return c
+	}
+	c = c.Clone()
+	c.MinVersion = tls.VersionTLS13
+	return c
 }
 
 // reserve takes a connection slot of e for sc, which keeps it until it is
