@@ -2,6 +2,8 @@ package main
 
 import (
 	"bytes"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -99,6 +101,12 @@ Cluster mode (--cluster):
   $KUBECONFIG, else the in-cluster service account. Files never backed by an
   NBDVolume are reported as orphans, never deleted.
 
+TLS (--tls on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]):
+  clients upgrade with NBD_OPT_STARTTLS to TLS 1.3 before choosing an
+  export (nbds:// URIs of libnbd, qemu's tls-creds-x509). With require,
+  anything else first is refused (ERR_TLS_REQD). With --tls-ca, clients must
+  present a certificate that CA signed.
+
 Connection limits (the storage agent has the same): --max-conns,
 --max-conns-per-source (per client IP address) and --max-conns-per-export
 bound open connections; --max-handshakes and --max-handshakes-per-source
@@ -170,6 +178,10 @@ type options struct {
 	noList          bool
 	shutdownTimeout time.Duration
 	limits          nbd.Limits
+	// tls offers STARTTLS (nil: off); tlsRequired makes every connection
+	// upgrade first.
+	tls         *tls.Config
+	tlsRequired bool
 	// cluster, when not nil, runs the storage agent instead of --export.
 	cluster *clusterOptions
 }
@@ -232,6 +244,10 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 		"keep at most `N` connections from one client IP address that have not finished the handshake; 0: no limit")
 	fs.DurationVar(&v.handshakeTimeout, "handshake-timeout", nbd.DefaultHandshakeTimeout,
 		"close connections that have not finished the handshake within `DURATION`; 0: never")
+	fs.StringVar(&v.tls, "tls", "off", "`MODE` of NBD_OPT_STARTTLS: off, on (offered) or require (every connection upgrades first); on and require need --tls-cert and --tls-key")
+	fs.StringVar(&v.tlsCert, "tls-cert", "", "server certificate chain, PEM `FILE`")
+	fs.StringVar(&v.tlsKey, "tls-key", "", "server private key, PEM `FILE`")
+	fs.StringVar(&v.tlsCA, "tls-ca", "", "CA certificates, PEM `FILE`: clients must present a certificate they signed")
 	addClusterFlags(fs, &v.cluster)
 	return fs, v
 }
@@ -250,6 +266,8 @@ type flagValues struct {
 	maxConns, maxConnsPerSource, maxConnsPerExport int
 	maxHandshakes, maxHandshakesPerSource          int
 	handshakeTimeout                               time.Duration
+
+	tls, tlsCert, tlsKey, tlsCA string
 }
 
 // limits turns the limit flags into nbd.Limits, where 0 means the default
@@ -292,6 +310,40 @@ func (v *flagValues) limits() (nbd.Limits, error) {
 	return l, nil
 }
 
+// tlsConfig loads the TLS flags' files.
+func (v *flagValues) tlsConfig() (*tls.Config, bool, error) {
+	switch v.tls {
+	case "off":
+		if v.tlsCert != "" || v.tlsKey != "" || v.tlsCA != "" {
+			return nil, false, errors.New("--tls-cert, --tls-key and --tls-ca need --tls on or --tls require")
+		}
+		return nil, false, nil
+	case "on", "require":
+	default:
+		return nil, false, fmt.Errorf("invalid --tls %q: want off, on or require", v.tls)
+	}
+	if v.tlsCert == "" || v.tlsKey == "" {
+		return nil, false, fmt.Errorf("--tls %s needs --tls-cert and --tls-key", v.tls)
+	}
+	cert, err := tls.LoadX509KeyPair(v.tlsCert, v.tlsKey)
+	if err != nil {
+		return nil, false, fmt.Errorf("--tls-cert/--tls-key: %w", err)
+	}
+	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}
+	if v.tlsCA != "" {
+		pem, err := os.ReadFile(v.tlsCA)
+		if err != nil {
+			return nil, false, fmt.Errorf("--tls-ca: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, false, fmt.Errorf("--tls-ca %s: no PEM certificate in it", v.tlsCA)
+		}
+		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
+	}
+	return cfg, v.tls == "require", nil
+}
+
 var singleDash = regexp.MustCompile(`(^|\s)-([a-z][a-z-]*)`)
 
 // parseArgs resolves flags and the config file into options. Every error
@@ -329,6 +381,9 @@ func parseArgs(args []string) (*options, error) {
 	o := &options{configPath: v.config}
 	var err error
 	if o.limits, err = v.limits(); err != nil {
+		return nil, err
+	}
+	if o.tls, o.tlsRequired, err = v.tlsConfig(); err != nil {
 		return nil, err
 	}
 	// Scalars: a flag on the command line wins over the file, the file

@@ -99,6 +99,8 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			DisableList: opts.noList,
 			Observer:    obs,
 			Limits:      opts.limits,
+			TLSConfig:   opts.tls,
+			TLSRequired: opts.tlsRequired,
 		},
 	}
 	// File and device backends write through to the kernel: only a reboot

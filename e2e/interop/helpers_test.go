@@ -1,6 +1,7 @@
 package interop
 
 import (
+	"crypto/tls"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -238,6 +239,9 @@ type serverOptions struct {
 	DisableList bool
 	// Deny names exports that Authorize refuses.
 	Deny []string
+	// TLS offers STARTTLS; TLSRequired makes every connection upgrade.
+	TLS         *tls.Config
+	TLSRequired bool
 }
 
 // startServer serves the exports on a fresh 127.0.0.1:0 listener (MPTCP
@@ -257,6 +261,8 @@ func startServer(t *testing.T, opt serverOptions, specs ...exportSpec) *testServ
 		Logger:      logger,
 		DisableList: opt.DisableList,
 		Observer:    ts.obs,
+		TLSConfig:   opt.TLS,
+		TLSRequired: opt.TLSRequired,
 		Authorize: func(c nbd.ConnInfo, export string) error {
 			ts.mu.Lock()
 			ts.conns[c.Conn] = nbd.IsMultipathTCP(c.Conn)
