@@ -3,19 +3,16 @@ package nbd
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"errors"
 	"io"
-	"math/big"
 	"net"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 )
 
 // testPKI is a CA with a server and a client certificate.
@@ -23,54 +20,17 @@ type testPKI struct {
 	server, client *tls.Config
 }
 
+// newTestPKI makes one; the server verifies client certificates only
+// when given (the checks on them are the tests' own).
 func newTestPKI(t testing.TB) testPKI {
 	t.Helper()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	p, err := pki.New()
 	if err != nil {
 		t.Fatal(err)
 	}
-	caTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca, err := x509.ParseCertificate(caDER)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(ca)
-	leaf := func(serial int64, cn string, usage x509.ExtKeyUsage) tls.Certificate {
-		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tmpl := &x509.Certificate{
-			SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: cn},
-			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage},
-			DNSNames: []string{cn}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
-	}
-	return testPKI{
-		server: &tls.Config{
-			Certificates: []tls.Certificate{leaf(2, "storage", x509.ExtKeyUsageServerAuth)},
-			ClientCAs:    pool, ClientAuth: tls.VerifyClientCertIfGiven,
-		},
-		client: &tls.Config{
-			Certificates: []tls.Certificate{leaf(3, "node-1", x509.ExtKeyUsageClientAuth)},
-			RootCAs:      pool, ServerName: "storage",
-		},
-	}
+	server := p.Server.Clone()
+	server.ClientAuth = tls.VerifyClientCertIfGiven
+	return testPKI{server: server, client: p.Client}
 }
 
 // tcpServer serves s on a loopback TCP listener and returns its address.
@@ -153,7 +113,7 @@ func TestStartTLS(t *testing.T) {
 		}
 	}
 	mu.Lock()
-	if len(seen) != 2 || seen[0] != "node-1" || seen[1] != "node-1" {
+	if len(seen) != 2 || seen[0] != "client" || seen[1] != "client" {
 		t.Errorf("the server saw %v, want the client certificate's name on both connections", seen)
 	}
 	mu.Unlock()
