@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -22,6 +23,8 @@ type LoadConfig struct {
 	Export string // export name
 	MPTCP  bool   // dial with Multipath TCP
 	Conns  int    // NBD connections (1 unless set)
+	// TLS, when set, upgrades the connections with STARTTLS.
+	TLS *tls.Config
 
 	// RW is the access pattern: read, write, randread or randwrite.
 	RW string
@@ -193,7 +196,7 @@ func RunLoad(ctx context.Context, cfg LoadConfig) (*LoadReport, error) {
 		return nil, err
 	}
 	t0 := time.Now()
-	cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: cfg.Addr, Export: cfg.Export, Conns: cfg.Conns, MPTCP: cfg.MPTCP})
+	cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: cfg.Addr, Export: cfg.Export, Conns: cfg.Conns, MPTCP: cfg.MPTCP, TLS: cfg.TLS})
 	if err != nil {
 		return nil, fmt.Errorf("connecting to %s: %w", cfg.Addr, err)
 	}

@@ -19,6 +19,7 @@ import (
 // Server names.
 const (
 	ServerOurs      = "ours"       // bin/nbd-server
+	ServerOursTLS   = "ours-tls"   // bin/nbd-server, TLS 1.3 required (STARTTLS)
 	ServerNbdkit    = "nbdkit"     // nbdkit's file plugin
 	ServerNbdServer = "nbd-server" // Debian's nbd-server
 )
@@ -31,7 +32,7 @@ const (
 
 // AllServers, AllClients are the full matrix dimensions, in table order.
 var (
-	AllServers = []string{ServerOurs, ServerNbdkit, ServerNbdServer}
+	AllServers = []string{ServerOurs, ServerOursTLS, ServerNbdkit, ServerNbdServer}
 	AllClients = []string{ClientFio, ClientOurs}
 )
 

@@ -67,7 +67,7 @@ func RequiredTools(m Matrix) []string {
 		case ServerNbdServer:
 			tools = append(tools, "nbd-server")
 		}
-		if s != ServerOurs && mptcpNet {
+		if s != ServerOurs && s != ServerOursTLS && mptcpNet {
 			tools = append(tools, "mptcpize")
 		}
 	}

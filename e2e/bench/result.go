@@ -98,9 +98,9 @@ type RunResult struct {
 // Cell aggregates the repeats of one key.
 type Cell struct {
 	Key
-	Runs      int     `json:"runs"`
-	Failed    int     `json:"failed"`
-	MBps      float64 `json:"mb_per_s"`
+	Runs   int     `json:"runs"`
+	Failed int     `json:"failed"`
+	MBps   float64 `json:"mb_per_s"`
 	// MinMBps and MaxMBps are the spread of the successful repeats.
 	MinMBps   float64 `json:"min_mb_per_s"`
 	MaxMBps   float64 `json:"max_mb_per_s"`
@@ -110,8 +110,11 @@ type Cell struct {
 	ServerCPU float64 `json:"server_cpu_s_per_gb"`
 	ClientCPU float64 `json:"client_cpu_s_per_gb"`
 	// Ratios of MBps; 0 when the reference cell is missing or failed.
-	VsTCP1   float64        `json:"ratio_vs_tcp1,omitempty"`
-	VsNbdkit float64        `json:"ratio_vs_nbdkit,omitempty"`
+	VsTCP1   float64 `json:"ratio_vs_tcp1,omitempty"`
+	VsNbdkit float64 `json:"ratio_vs_nbdkit,omitempty"`
+	// VsPlain is a TLS server's MBps over the same server's without TLS
+	// (what encryption costs).
+	VsPlain  float64        `json:"ratio_vs_plain,omitempty"`
 	Subflows *SubflowSample `json:"subflows,omitempty"`
 	Errors   []string       `json:"errors,omitempty"`
 }
@@ -205,6 +208,11 @@ func Aggregate(runs []RunResult, line map[string]float64) []*Cell {
 		ref = c.Key
 		ref.Server = ServerNbdkit
 		c.VsNbdkit = Ratio(c.MBps, usable(ref))
+		if plain, ok := strings.CutSuffix(c.Server, "-tls"); ok {
+			ref = c.Key
+			ref.Server = plain
+			c.VsPlain = Ratio(c.MBps, usable(ref))
+		}
 	}
 	return cells
 }
@@ -260,11 +268,11 @@ func fmtRatio(v float64) string {
 // reasons of failed runs.
 func WriteTable(w io.Writer, cells []*Cell) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tmin-max\tIOPS\t% line\tvs tcp1\tvs nbdkit\tsrv CPU s/GB\tcli CPU s/GB\tsubflows\tstatus\t")
+	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tmin-max\tIOPS\t% line\tvs tcp1\tvs nbdkit\tvs plain\tsrv CPU s/GB\tcli CPU s/GB\tsubflows\tstatus\t")
 	var prev Key
 	for i, c := range cells {
 		if i > 0 && (c.Network != prev.Network || c.Workload != prev.Workload) {
-			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
+			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
 		}
 		prev = c.Key
 		status := "ok"
@@ -279,9 +287,9 @@ func WriteTable(w io.Writer, cells []*Cell) error {
 		if c.Runs-c.Failed > 1 {
 			spread = fmt.Sprintf("%.0f-%.0f", c.MinMBps, c.MaxMBps)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
 			c.Network, c.Workload, c.Client, c.Server, mbps, spread, iops, pct,
-			fmtRatio(c.VsTCP1), fmtRatio(c.VsNbdkit), fmtFloat(c.ServerCPU, 3), fmtFloat(c.ClientCPU, 3),
+			fmtRatio(c.VsTCP1), fmtRatio(c.VsNbdkit), fmtRatio(c.VsPlain), fmtFloat(c.ServerCPU, 3), fmtFloat(c.ClientCPU, 3),
 			c.Subflows.String(), status)
 	}
 	if err := tw.Flush(); err != nil {

@@ -51,6 +51,8 @@ func testRuns() []RunResult {
 		run("ours", "fio", "mptcp4", "seqread", 1, 460),
 		run("ours", "fio", "mptcp4", "seqread", 2, 300),
 		run("ours", "fio", "mptcp4", "seqread", 3, 450),
+		run("ours-tls", "fio", "mptcp4", "seqread", 1, 414),
+		run("ours-tls", "fio", "mptcp4", "seqread", 2, 405),
 		run("nbdkit", "fio", "mptcp4", "seqread", 1, 400),
 		run("nbdkit", "fio", "mptcp4", "seqread", 2, 500),
 		run("nbd-server", "fio", "mptcp4", "seqread", 1, 470),
@@ -64,7 +66,7 @@ func TestAggregate(t *testing.T) {
 	runs := testRuns()
 	runs[len(runs)-1].OK, runs[len(runs)-1].Error = false, "no data moved"
 	cells := Aggregate(runs, map[string]float64{"tcp1": 125, "mptcp4": 500, "asym": 387.5})
-	if len(cells) != 5 {
+	if len(cells) != 6 {
 		t.Fatalf("%d cells", len(cells))
 	}
 	get := func(server, network string) *Cell {
@@ -106,7 +108,7 @@ func TestWriteTable(t *testing.T) {
 	for _, c := range cells {
 		order = append(order, c.Network+"/"+c.Server)
 	}
-	if want := "tcp1/ours mptcp4/ours mptcp4/nbdkit mptcp4/nbd-server asym/nbdkit"; strings.Join(order, " ") != want {
+	if want := "tcp1/ours mptcp4/ours mptcp4/ours-tls mptcp4/nbdkit mptcp4/nbd-server asym/nbdkit"; strings.Join(order, " ") != want {
 		t.Errorf("order %v, want %s", order, want)
 	}
 	var b bytes.Buffer
@@ -116,7 +118,7 @@ func TestWriteTable(t *testing.T) {
 	out := b.String()
 	t.Log("\n" + out)
 	for _, want := range []string{"MB/s", "vs tcp1", "vs nbdkit", "srv CPU s/GB", "3.81x", "FAILED 1/3",
-		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0", "min-max", "300-460", "470-480"} {
+		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0", "min-max", "300-460", "470-480", "vs plain", "0.91x"} {
 		if !strings.Contains(out, want) && !strings.Contains(out, strings.ReplaceAll(want, "nbd-server/fio mptcp4", "mptcp4 nbd-server/fio")) {
 			t.Errorf("table lacks %q", want)
 		}
@@ -138,7 +140,7 @@ func TestReportJSON(t *testing.T) {
 	if err := json.Unmarshal(b, &back); err != nil {
 		t.Fatal(err)
 	}
-	if len(back.Runs) != len(runs) || len(back.Cells) != 5 || back.Runs[0]["server"] != "ours" || back.Runs[0]["mb_per_s"] != 110.0 {
+	if len(back.Runs) != len(runs) || len(back.Cells) != 6 || back.Runs[0]["server"] != "ours" || back.Runs[0]["mb_per_s"] != 110.0 {
 		t.Fatalf("round trip: %d runs %d cells %v", len(back.Runs), len(back.Cells), back.Runs[0])
 	}
 }

@@ -12,11 +12,13 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
@@ -146,6 +148,14 @@ func (r *runner) network(ctx context.Context, n Network) error {
 	}
 	env := &serverEnv{topo: t, mptcp: n.MPTCP, port: r.o.Port, serverBin: r.o.ServerBin,
 		tmpDir: r.o.TmpDir, tag: r.o.Name}
+	if slices.Contains(r.o.Matrix.Servers, ServerOursTLS) {
+		dir, err := writeBenchPKI(r.o.TmpDir, r.o.Name, t.ServerAddr(1).String())
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		env.pkiDir = dir
+	}
 	for _, s := range r.o.Matrix.Servers {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -216,6 +226,24 @@ func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name str
 	return nil
 }
 
+// writeBenchPKI writes the certificates of ours-tls (the server's naming
+// host) into a new directory under tmp, removed by the caller.
+func writeBenchPKI(tmp, tag, host string) (string, error) {
+	p, err := pki.New(host)
+	if err != nil {
+		return "", err
+	}
+	dir, err := os.MkdirTemp(tmp, leftoverMarker(tag)+"pki-")
+	if err != nil {
+		return "", err
+	}
+	if err := p.WriteDir(dir); err != nil {
+		os.RemoveAll(dir)
+		return "", err
+	}
+	return dir, nil
+}
+
 func (r *runner) record(run RunResult) {
 	r.done++
 	r.rep.Runs = append(r.rep.Runs, run)
@@ -252,11 +280,15 @@ func serverBytes(t *topo.Topology) (LinkBytes, error) {
 	return SumLinks(m), nil
 }
 
-// clientArgv returns the command line of one client run.
-func (r *runner) clientArgv(env *serverEnv, n Network, client string, w Workload) []string {
+// clientArgv returns the command line of one client run against server.
+func (r *runner) clientArgv(env *serverEnv, n Network, server, client string, w Workload) []string {
+	tls := server == ServerOursTLS
 	switch client {
 	case ClientFio:
 		uri := "nbd://" + env.addr() + "/" + ExportName
+		if tls {
+			uri = "nbds://" + env.addr() + "/" + ExportName + env.tlsURIQuery()
+		}
 		return inNS(env.topo.ClientNS, n.MPTCP, append([]string{"fio"}, FioArgs(w, uri, r.o.Duration, r.o.Ramp)...)...)
 	default:
 		argv := []string{r.o.LoadBin, "--addr", env.addr(), "--export", ExportName,
@@ -264,6 +296,9 @@ func (r *runner) clientArgv(env *serverEnv, n Network, client string, w Workload
 			"--time", r.o.Duration.String(), "--warmup", r.o.Ramp.String()}
 		if n.MPTCP {
 			argv = append(argv, "--mptcp")
+		}
+		if tls {
+			argv = append(argv, "--tls-certificates", env.pkiDir)
 		}
 		return inNS(env.topo.ClientNS, false, argv...)
 	}
@@ -289,7 +324,7 @@ func (r *runner) one(ctx context.Context, env *serverEnv, n Network, srv *server
 		return fail("%v", err)
 	}
 
-	argv := r.clientArgv(env, n, client, w)
+	argv := r.clientArgv(env, n, srv.name, client, w)
 	cctx, cancel := context.WithTimeout(ctx, r.o.Ramp+r.o.Duration+60*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(cctx, argv[0], argv[1:]...)

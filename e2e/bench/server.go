@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 )
 
@@ -72,7 +73,14 @@ type serverEnv struct {
 	serverBin string // our nbd-server binary
 	tmpDir    string // tmpfs directory for the backing files
 	tag       string // makes file names unique per benchmark
+	// pkiDir holds the CA, server and client certificates of ours-tls
+	// (pki's GnuTLS layout; the server certificate names the server's
+	// address).
+	pkiDir string
 }
+
+// tlsURIQuery is what libnbd's nbds:// URIs of ours-tls add.
+func (e *serverEnv) tlsURIQuery() string { return "?tls-certificates=" + e.pkiDir }
 
 func (e *serverEnv) addr() string {
 	return e.topo.ServerAddr(1).String() + ":" + strconv.Itoa(e.port)
@@ -104,13 +112,17 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 	host, port := e.topo.ServerAddr(1).String(), strconv.Itoa(e.port)
 	var argv []string
 	switch name {
-	case ServerOurs:
+	case ServerOurs, ServerOursTLS:
 		argv = inNS(e.topo.ServerNS, false, e.serverBin,
 			"--listen", e.addr(),
 			"--export", fmt.Sprintf("%s=%s,size=%d", ExportName, s.file, ExportSize),
 			"--metrics-addr", "", "--log-level", "warn", "--shutdown-timeout", "2s")
 		if !e.mptcp {
 			argv = append(argv, "--tcp")
+		}
+		if name == ServerOursTLS {
+			argv = append(argv, "--tls", "require", "--tls-cert", filepath.Join(e.pkiDir, pki.ServerCert),
+				"--tls-key", filepath.Join(e.pkiDir, pki.ServerKey), "--tls-ca", filepath.Join(e.pkiDir, pki.CACert))
 		}
 	case ServerNbdkit:
 		argv = inNS(e.topo.ServerNS, e.mptcp, "nbdkit", "-f", "--exit-with-parent",

@@ -38,6 +38,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/e2e/bench"
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 )
 
 func main() {
@@ -80,6 +81,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.Var(&span, "span", "use offsets in [0, `SIZE`); 0 = whole export")
 	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of random offsets and data (0: random)")
 	fs.BoolVar(&cfg.Verify, "verify", false, "correctness run: write a pattern over the span, read it back and compare")
+	tlsDir := fs.String("tls-certificates", "", "upgrade with STARTTLS, trusting `DIR`/ca-cert.pem and presenting DIR/client-cert.pem and client-key.pem if there (libnbd's layout); the server must be named localhost in its certificate")
 	indent := fs.Bool("pretty", false, "indent the JSON output")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: nbdload --addr HOST:PORT --export NAME [flags]")
@@ -99,6 +101,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if cfg.Addr == "" || !bench.ValidRW(cfg.RW) {
 		fmt.Fprintln(stderr, "nbdload: --addr is required and --rw must be read, write, randread or randwrite")
 		return 2
+	}
+	if *tlsDir != "" {
+		var err error
+		if cfg.TLS, err = pki.LoadClientDir(*tlsDir, "localhost"); err != nil {
+			fmt.Fprintln(stderr, "nbdload: --tls-certificates:", err)
+			return 2
+		}
 	}
 
 	rep, err := bench.RunLoad(ctx, cfg)

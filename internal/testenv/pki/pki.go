@@ -43,8 +43,9 @@ const (
 )
 
 // New makes a CA and its two certificates (ECDSA P-256), valid from an
-// hour ago for a day.
-func New() (*PKI, error) {
+// hour ago for a day. The server certificate names localhost, 127.0.0.1,
+// ::1 and hosts (IP addresses or DNS names).
+func New(hosts ...string) (*PKI, error) {
 	p := &PKI{pem: map[string][]byte{}}
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -75,6 +76,13 @@ func New() (*PKI, error) {
 			KeyUsage:    x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 			ExtKeyUsage: []x509.ExtKeyUsage{usage},
 			DNSNames:    []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
+		}
+		for _, h := range hosts {
+			if ip := net.ParseIP(h); ip != nil {
+				tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
+			} else {
+				tmpl.DNSNames = append(tmpl.DNSNames, h)
+			}
 		}
 		der, err := x509.CreateCertificate(rand.Reader, tmpl, p.CA, &key.PublicKey, caKey)
 		if err != nil {
