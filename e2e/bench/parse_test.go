@@ -200,7 +200,7 @@ func TestNewMatrix(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Size() != 4*5*2*4 {
+	if m.Size() != (4*2-1)*5*4 {
 		t.Fatalf("full matrix has %d cells", m.Size())
 	}
 	m, err = NewMatrix("nbdkit,ours", "mptcp4", "ours, fio", "seqread,seqread")

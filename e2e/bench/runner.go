@@ -184,6 +184,9 @@ func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name str
 		for _, w := range r.o.Matrix.Workloads {
 			for rep := 1; rep <= r.o.Repeat; rep++ {
 				for _, c := range r.o.Matrix.Clients {
+					if !Pairs(name, c) {
+						continue
+					}
 					r.record(RunResult{Key: Key{name, c, n.Name, w.Name}, Repeat: rep, Started: time.Now(), Error: err.Error()})
 				}
 			}
@@ -198,6 +201,9 @@ func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name str
 	for _, w := range r.o.Matrix.Workloads {
 		for rep := 1; rep <= r.o.Repeat; rep++ {
 			for _, c := range r.o.Matrix.Clients {
+				if !Pairs(name, c) {
+					continue
+				}
 				if err := ctx.Err(); err != nil {
 					return err
 				}
@@ -286,9 +292,6 @@ func (r *runner) clientArgv(env *serverEnv, n Network, server, client string, w 
 	switch client {
 	case ClientFio:
 		uri := "nbd://" + env.addr() + "/" + ExportName
-		if tls {
-			uri = "nbds://" + env.addr() + "/" + ExportName + env.tlsURIQuery()
-		}
 		return inNS(env.topo.ClientNS, n.MPTCP, append([]string{"fio"}, FioArgs(w, uri, r.o.Duration, r.o.Ramp)...)...)
 	default:
 		argv := []string{r.o.LoadBin, "--addr", env.addr(), "--export", ExportName,

@@ -79,9 +79,6 @@ type serverEnv struct {
 	pkiDir string
 }
 
-// tlsURIQuery is what libnbd's nbds:// URIs of ours-tls add.
-func (e *serverEnv) tlsURIQuery() string { return "?tls-certificates=" + e.pkiDir }
-
 func (e *serverEnv) addr() string {
 	return e.topo.ServerAddr(1).String() + ":" + strconv.Itoa(e.port)
 }

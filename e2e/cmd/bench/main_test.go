@@ -12,7 +12,7 @@ func TestList(t *testing.T) {
 		args []string
 		want []string
 	}{
-		{[]string{"--list"}, []string{"servers ours,ours-tls,nbdkit,nbd-server", "networks tcp1,mptcp4,asym,asym-backup,asym-auto", "160 runs x 3 repeats"}},
+		{[]string{"--list"}, []string{"servers ours,ours-tls,nbdkit,nbd-server", "networks tcp1,mptcp4,asym,asym-backup,asym-auto", "140 runs x 3 repeats"}},
 		{[]string{"--list", "--quick", "--servers", "ours", "--networks", "mptcp4"}, []string{"8 runs x 1 repeats of 3s"}},
 		{[]string{"--list", "--profile", "demo"}, []string{"servers ours;", "networks tcp1,mptcp4;", "clients ours;", "workloads seqread,seqwrite", "4 runs x 1 repeats of 5s"}},
 	} {
