@@ -132,7 +132,8 @@ func IsMultipathTCP(c net.Conn) bool {
 func NewClient(info ExportInfo, conns []net.Conn, log *slog.Logger) *Client {
 	cl := newClient(info, log)
 	for _, c := range conns {
-		cc := &clientConn{conn: c, pending: make(map[uint64]*call), r: bufio.NewReaderSize(c, 256<<10)}
+		_, isTLS := c.(*tls.Conn)
+		cc := &clientConn{conn: c, tls: isTLS, pending: make(map[uint64]*call), r: bufio.NewReaderSize(c, 256<<10)}
 		cl.conns = append(cl.conns, cc)
 		go cc.readLoop()
 	}
@@ -332,9 +333,14 @@ type call struct {
 
 var callPool = sync.Pool{New: func() any { return &call{done: make(chan error, 1)} }}
 
+// smallWrites are the buffers that put a small write and its header in
+// one TLS record.
+var smallWrites = sync.Pool{New: func() any { b := make([]byte, 0, tlsRecord); return &b }}
+
 type clientConn struct {
 	conn net.Conn
 	r    *bufio.Reader
+	tls  bool // conn is TLS
 
 	wmu sync.Mutex
 
@@ -360,10 +366,18 @@ func (c *clientConn) roundTrip(req Request, payload, dst []byte) error {
 	req.Encode(hdr[:])
 	c.wmu.Lock()
 	var err error
-	if len(payload) > 0 {
+	switch {
+	case len(payload) > 0 && len(payload) <= tlsRecord-requestHeaderSize && c.tls:
+		// One TLS record for a small write, not one for its header and
+		// one for its payload.
+		b := smallWrites.Get().(*[]byte)
+		*b = append(append((*b)[:0], hdr[:]...), payload...)
+		_, err = c.conn.Write(*b)
+		smallWrites.Put(b)
+	case len(payload) > 0:
 		bufs := net.Buffers{hdr[:], payload}
 		_, err = bufs.WriteTo(c.conn)
-	} else {
+	default:
 		_, err = c.conn.Write(hdr[:])
 	}
 	c.wmu.Unlock()

@@ -107,6 +107,15 @@ func TestStartTLS(t *testing.T) {
 	if !bytes.Equal(got, data) {
 		t.Fatal("data read back over TLS differs from what was written")
 	}
+	// Small writes travel with their header in one record.
+	small := randBytes(4096)
+	if _, err := cl.WriteAt(small, 0); err != nil {
+		t.Fatal(err)
+	}
+	back := make([]byte, len(small))
+	if _, err := cl.ReadAt(back, 0); err != nil || !bytes.Equal(back, small) {
+		t.Fatalf("a 4 KiB write over TLS read back wrong (%v)", err)
+	}
 	for _, c := range cl.Conns() {
 		if _, ok := c.(*tls.Conn); !ok {
 			t.Fatalf("client connection %T is not TLS", c)
