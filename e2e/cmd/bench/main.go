@@ -151,7 +151,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		LoadBin:   filepath.Join(*binDir, "nbdload"),
 		TmpDir:    dir, Name: *name, Port: *port, Progress: stderr,
 	}
-	if !contains(m.Servers, bench.ServerOurs) {
+	if !contains(m.Servers, bench.ServerOurs) && !contains(m.Servers, bench.ServerOursTLS) {
 		opts.ServerBin = ""
 	}
 	if !contains(m.Clients, bench.ClientOurs) {
