@@ -28,6 +28,7 @@ soak: deps
 bench: deps build
 	bash hack/bench-relay.sh
 	bash hack/bench.sh
+	bash hack/bench.sh --profile many
 	bash hack/bench-snapshots.sh
 
 # The transports side by side on /dev/nbdX in the VM (kernel, relay,

@@ -34,6 +34,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -60,7 +61,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		ramp      = fs.Duration("ramp", time.Second, "unmeasured warm-up before every run")
 		repeat    = fs.Int("repeat", 3, "repeats of every run (the table shows medians)")
 		quick     = fs.Bool("quick", false, "smoke run: --duration 3s --repeat 1")
-		profile   = fs.String("profile", "full", "full (the matrix) or demo (TCP vs MPTCP with our server and client, chart in out/demo.svg)")
+		profile   = fs.String("profile", "full", "full (the matrix), demo (TCP vs MPTCP with our server and client, chart in out/demo.svg) or many (one server, many volumes written at once: --volumes)")
 		binDir    = fs.String("bin", "bin", "directory with nbd-server and nbdload")
 		outPath   = fs.String("out", "", "JSON report (default out/bench.json, out/demo.json for the demo)")
 		svgPath   = fs.String("svg", "out/demo.svg", "demo chart")
@@ -68,6 +69,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		name      = fs.String("name", "mpbench", "topology name (prefix of namespaces and interfaces, at most 11 characters)")
 		port      = fs.Int("port", 10809, "NBD port of the servers")
 		list      = fs.Bool("list", false, "print the selected matrix and exit")
+		volumes   = fs.String("volumes", "1,2,4,8,16,32", "profile many: comma-separated numbers of volumes written at once")
 	)
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: bench [flags]   (needs root; see go -C e2e doc ./cmd/bench)")
@@ -84,6 +86,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 	demo := false
 	switch *profile {
+	case "many":
+		counts, err := parseCounts(*volumes)
+		if err != nil {
+			fmt.Fprintln(stderr, "bench: --volumes:", err)
+			return 2
+		}
+		if *outPath == "" {
+			*outPath = "out/many.json"
+		}
+		return runMany(ctx, bench.ManyOptions{
+			Counts: counts, Duration: *duration, Ramp: *ramp, Span: 64 << 20,
+			RW: "write", BlockSize: 1 << 20, QueueDepth: 8,
+			ServerBin: filepath.Join(*binDir, "nbd-server"), LoadBin: filepath.Join(*binDir, "nbdload"),
+			Name: *name, Port: *port, Progress: stderr,
+		}, *tmpDir, *outPath, stdout, stderr)
 	case "full":
 	case "demo":
 		demo = true
@@ -245,6 +262,56 @@ func wlNames(m bench.Matrix) string {
 		s = append(s, w.Name)
 	}
 	return strings.Join(s, ",")
+}
+
+// parseCounts parses "1,2,4": positive numbers.
+func parseCounts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%q is not a positive number", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// runMany runs the many-volumes profile and prints its table.
+func runMany(ctx context.Context, o bench.ManyOptions, tmpDir, outPath string, stdout, stderr io.Writer) int {
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(stderr, "bench: needs root to create network namespaces")
+		return 1
+	}
+	dir, unmount, err := bench.EnsureTmpfs(tmpDir)
+	if err != nil {
+		fmt.Fprintln(stderr, "bench:", err)
+		return 1
+	}
+	defer unmount()
+	o.TmpDir = dir
+	for _, p := range []*string{&o.ServerBin, &o.LoadBin} {
+		if abs, err := filepath.Abs(*p); err == nil {
+			*p = abs
+		}
+	}
+	rep, err := bench.RunMany(ctx, o)
+	if rep != nil {
+		fmt.Fprintln(stdout)
+		if werr := bench.WriteManyTable(stdout, rep); werr != nil {
+			fmt.Fprintln(stderr, "bench:", werr)
+		}
+		if werr := bench.WriteJSON(outPath, rep); werr != nil {
+			fmt.Fprintln(stderr, "bench:", werr)
+		} else {
+			fmt.Fprintln(stdout, "report:", outPath)
+		}
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "bench:", err)
+		return 1
+	}
+	return 0
 }
 
 func contains(list []string, s string) bool {

@@ -1,0 +1,269 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+)
+
+// ManyOptions configure RunMany: one storage server with many volumes,
+// each written by its own client over its own MPTCP connection (a subflow
+// on each of the 4 paths), all at once.
+type ManyOptions struct {
+	// Counts are the numbers of volumes to measure, in order.
+	Counts []int
+	// Duration and Ramp of every step; Span is the region each client
+	// writes over again and again (what tmpfs holds per volume).
+	Duration, Ramp time.Duration
+	Span           int64
+	// RW is the access pattern (write by default), BlockSize and
+	// QueueDepth each client's.
+	RW                    string
+	BlockSize, QueueDepth int
+	ServerBin, LoadBin    string
+	TmpDir, Name          string
+	Port                  int
+	Progress              io.Writer
+}
+
+// ManyStep is one count of volumes.
+type ManyStep struct {
+	Volumes int `json:"volumes"`
+	// MBps is the sum of the clients' rates; PctLine its share of the
+	// line (the 4 paths).
+	MBps    float64 `json:"mb_per_s"`
+	PctLine float64 `json:"pct_line_rate"`
+	// Per-volume rates: the slowest, the median and the fastest, and
+	// Jain's fairness index (1: all equal, 1/n: one volume takes all).
+	MinMBps    float64 `json:"min_mb_per_s"`
+	MedianMBps float64 `json:"median_mb_per_s"`
+	MaxMBps    float64 `json:"max_mb_per_s"`
+	Fairness   float64 `json:"fairness"`
+	// Subflows is the fewest established subflows a client's connection
+	// had at the end.
+	Subflows int `json:"min_subflows"`
+	// ServerRSSMiB is the server's resident memory after the step and
+	// ServerCPUPerGB its CPU seconds per 10^9 bytes moved.
+	ServerRSSMiB   float64  `json:"server_rss_mib"`
+	ServerCPUPerGB float64  `json:"server_cpu_s_per_gb"`
+	Errors         []string `json:"errors,omitempty"`
+}
+
+// ManyReport is the JSON document of a many-volumes run.
+type ManyReport struct {
+	Started  time.Time  `json:"started"`
+	LineMBps float64    `json:"line_mb_per_s"`
+	Steps    []ManyStep `json:"steps"`
+}
+
+// Jain returns Jain's fairness index of xs: (sum x)^2 / (n * sum x^2).
+func Jain(xs []float64) float64 {
+	var s, s2 float64
+	for _, x := range xs {
+		s += x
+		s2 += x * x
+	}
+	if len(xs) == 0 || s2 == 0 {
+		return 0
+	}
+	return s * s / (float64(len(xs)) * s2)
+}
+
+// RunMany runs the steps on a fresh 4 x 1 Gbit/s topology with our
+// server, which exports max(Counts) volumes from sparse files on tmpfs.
+func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
+	if len(o.Counts) == 0 {
+		return nil, errors.New("no volume counts")
+	}
+	n := slices.Max(o.Counts)
+	logf := func(format string, args ...any) {
+		fmt.Fprintf(o.Progress, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+	}
+	for _, msg := range cleanLeftovers(o.Name, o.TmpDir) {
+		logf("leftover of an earlier run: %s", msg)
+	}
+	t, err := topo.Up(topo.Default4(o.Name))
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err := t.Down(); err != nil {
+			logf("removing the topology: %v", err)
+		}
+	}()
+	rep := &ManyReport{Started: time.Now(), LineMBps: Network{MPTCP: true}.LineRateMBps(t)}
+
+	e := &serverEnv{topo: t, mptcp: true, port: o.Port, serverBin: o.ServerBin, tmpDir: o.TmpDir, tag: o.Name}
+	argv := inNS(t.ServerNS, false, o.ServerBin, "--listen", e.addr(),
+		"--metrics-addr", "", "--log-level", "warn", "--shutdown-timeout", "2s")
+	var files []string
+	for i := range n {
+		f := filepath.Join(o.TmpDir, fmt.Sprintf("%smany-%d.img", leftoverMarker(o.Name), i))
+		if err := createSparse(f, ExportSize); err != nil {
+			return nil, err
+		}
+		files = append(files, f)
+		argv = append(argv, "--export", fmt.Sprintf("v%d=%s,size=%d", i, f, ExportSize))
+	}
+	defer func() {
+		for _, f := range files {
+			os.Remove(f)
+		}
+	}()
+	s := &serverProc{name: ServerOurs, log: &tailBuffer{}}
+	s.cmd = exec.Command(argv[0], argv[1:]...)
+	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		return nil, err
+	}
+	s.pid = s.cmd.Process.Pid
+	s.done = make(chan struct{})
+	go func() { _ = s.cmd.Wait(); close(s.done) }()
+	defer func() {
+		if err := s.stop(); err != nil {
+			logf("stopping the server: %v", err)
+		}
+	}()
+	if err := waitListening(ctx, e, s); err != nil {
+		return nil, err
+	}
+	logf("server with %d exports listening on %s (pid %d)", n, e.addr(), s.pid)
+
+	for _, count := range o.Counts {
+		if err := ctx.Err(); err != nil {
+			return rep, err
+		}
+		step := o.step(ctx, e, s, count)
+		logf("%d volumes: %.1f MB/s in all (%.1f%% of the line), per volume %.1f / %.1f / %.1f MB/s, fairness %.3f, server %.0f MiB, %.3f CPU s/GB%s",
+			count, step.MBps, step.PctLine, step.MinMBps, step.MedianMBps, step.MaxMBps, step.Fairness,
+			step.ServerRSSMiB, step.ServerCPUPerGB, errSuffix(step.Errors))
+		rep.Steps = append(rep.Steps, step)
+	}
+	return rep, nil
+}
+
+func errSuffix(errs []string) string {
+	if len(errs) == 0 {
+		return ""
+	}
+	return "; errors: " + strings.Join(errs, "; ")
+}
+
+// step runs count clients at once against the first count volumes.
+func (o ManyOptions) step(ctx context.Context, e *serverEnv, s *serverProc, count int) ManyStep {
+	st := ManyStep{Volumes: count}
+	cpu0, _ := TreeCPU(s.pid)
+	type result struct {
+		rep *LoadReport
+		err error
+	}
+	results := make(chan result, count)
+	for i := range count {
+		go func() {
+			argv := inNS(e.topo.ClientNS, false, o.LoadBin, "--addr", e.addr(), "--export", fmt.Sprintf("v%d", i),
+				"--mptcp", "--rw", o.RW, "--bs", strconv.Itoa(o.BlockSize), "--qd", strconv.Itoa(o.QueueDepth),
+				"--span", strconv.FormatInt(o.Span, 10), "--time", o.Duration.String(), "--warmup", o.Ramp.String())
+			cctx, cancel := context.WithTimeout(ctx, o.Ramp+o.Duration+60*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(cctx, argv[0], argv[1:]...)
+			var out, errb bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, &errb
+			if err := cmd.Run(); err != nil {
+				results <- result{err: fmt.Errorf("v%d: %v: %s", i, err, strings.TrimSpace(errb.String()))}
+				return
+			}
+			var r LoadReport
+			if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+				results <- result{err: fmt.Errorf("v%d: %v", i, err)}
+				return
+			}
+			results <- result{rep: &r}
+		}()
+	}
+	var rates []float64
+	var bytesMoved int64
+	st.Subflows = math.MaxInt
+	for range count {
+		r := <-results
+		if r.err != nil {
+			st.Errors = append(st.Errors, r.err.Error())
+			continue
+		}
+		rates = append(rates, r.rep.MBps)
+		bytesMoved += r.rep.Bytes
+		for _, sf := range r.rep.Subflows {
+			st.Subflows = min(st.Subflows, sf)
+		}
+	}
+	if st.Subflows == math.MaxInt {
+		st.Subflows = 0
+	}
+	if len(rates) > 0 {
+		for _, r := range rates {
+			st.MBps += r
+		}
+		st.MinMBps, st.MaxMBps, st.MedianMBps = slices.Min(rates), slices.Max(rates), Median(rates)
+		st.Fairness = Jain(rates)
+		if line := (Network{MPTCP: true}).LineRateMBps(e.topo); line > 0 {
+			st.PctLine = 100 * st.MBps / line
+		}
+	}
+	if cpu1, err := TreeCPU(s.pid); err == nil && bytesMoved > 0 {
+		st.ServerCPUPerGB = (cpu1 - cpu0) / (float64(bytesMoved) / 1e9)
+	}
+	st.ServerRSSMiB = rssMiB(s.pid)
+	return st
+}
+
+// rssMiB is a process's resident memory (VmRSS) in MiB, 0 if unknown.
+func rssMiB(pid int) float64 {
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			f := strings.Fields(rest)
+			if len(f) > 0 {
+				kb, _ := strconv.ParseFloat(f[0], 64)
+				return kb / 1024
+			}
+		}
+	}
+	return 0
+}
+
+// WriteManyTable prints the steps as a table.
+func WriteManyTable(w io.Writer, rep *ManyReport) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "volumes\tMB/s\t% line\tmin\tmedian\tmax\tfairness\tsubflows\tsrv RSS MiB\tsrv CPU s/GB\tstatus\t")
+	for _, s := range rep.Steps {
+		status := "ok"
+		if len(s.Errors) > 0 {
+			status = fmt.Sprintf("%d FAILED", len(s.Errors))
+		}
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.3f\t%d\t%.0f\t%.3f\t%s\t\n", s.Volumes, s.MBps, s.PctLine,
+			s.MinMBps, s.MedianMBps, s.MaxMBps, s.Fairness, s.Subflows, s.ServerRSSMiB, s.ServerCPUPerGB, status)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "line %.0f MB/s (4 x 1 Gbit/s, one MPTCP connection per volume); min/median/max: MB/s of single volumes; fairness: Jain's index of their rates.\n", rep.LineMBps)
+	return nil
+}

@@ -1,0 +1,41 @@
+package bench
+
+import (
+	"bytes"
+	"math"
+	"strings"
+	"testing"
+)
+
+func TestJain(t *testing.T) {
+	for _, c := range []struct {
+		xs   []float64
+		want float64
+	}{
+		{[]float64{100, 100, 100, 100}, 1},
+		{[]float64{400, 0, 0, 0}, 0.25},
+		{[]float64{300, 100}, 0.8},
+		{nil, 0},
+		{[]float64{0, 0}, 0},
+	} {
+		if got := Jain(c.xs); math.Abs(got-c.want) > 1e-9 {
+			t.Errorf("Jain(%v) = %v, want %v", c.xs, got, c.want)
+		}
+	}
+}
+
+func TestWriteManyTable(t *testing.T) {
+	rep := &ManyReport{LineMBps: 500, Steps: []ManyStep{
+		{Volumes: 1, MBps: 451, PctLine: 90.2, MinMBps: 451, MedianMBps: 451, MaxMBps: 451, Fairness: 1, Subflows: 4, ServerRSSMiB: 38},
+		{Volumes: 32, MBps: 470, PctLine: 94, MinMBps: 10, MedianMBps: 14.5, MaxMBps: 20, Fairness: 0.97, Subflows: 3, Errors: []string{"v3: refused"}},
+	}}
+	var b bytes.Buffer
+	if err := WriteManyTable(&b, rep); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"volumes", "fairness", "451.0", "0.970", "1 FAILED", "line 500 MB/s"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, b.String())
+		}
+	}
+}
