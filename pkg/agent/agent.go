@@ -65,6 +65,9 @@ type ExportObserver interface {
 	// Capacity gets what the NBDStorageNode reports: the data directory's
 	// filesystem size and what new volumes may still take.
 	Capacity(capacityBytes, availableBytes int64)
+	// StrayJoin counts a connection closed because a subflow joined it
+	// from outside its node's published storage addresses.
+	StrayJoin(name string)
 }
 
 // Config configures an Agent.

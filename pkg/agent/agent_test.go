@@ -66,6 +66,22 @@ type recordingObserver struct {
 	exports             map[string]bool
 	capacity, available int64
 	reports             int
+	stray               map[string]int
+}
+
+func (o *recordingObserver) StrayJoin(name string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.stray == nil {
+		o.stray = map[string]int{}
+	}
+	o.stray[name]++
+}
+
+func (o *recordingObserver) strays(name string) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.stray[name]
 }
 
 func (o *recordingObserver) ExportAdded(name string) {
@@ -96,12 +112,18 @@ func (o *recordingObserver) last() (capacity, available int64, reports int) {
 
 func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	t.Helper()
-	log := testLogger(t)
-	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
 	l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startAgentOn(t, cfg, dir, l, "127.0.0.1")
+}
+
+// startAgentOn is startAgent serving on l, reporting address addr.
+func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, addr string) *running {
+	t.Helper()
+	log := testLogger(t)
+	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
 	srv := &nbd.Server{Logger: log}
 	served := make(chan struct{})
 	go func() {
@@ -126,7 +148,7 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 		Snapshots:         true,
 		DataDir:           dir,
 		Namespace:         testNamespace,
-		Addresses:         []string{"127.0.0.1"},
+		Addresses:         []string{addr},
 		Port:              int32(l.Addr().(*net.TCPAddr).Port),
 		Topology:          map[string]string{"topology.mpnbd.io/node": testNode},
 		HeartbeatInterval: 500 * time.Millisecond,

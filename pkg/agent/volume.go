@@ -92,6 +92,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := mgr.Add(runnable(a.runHeartbeat)); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
+	if err := mgr.Add(runnable(a.runJoinGuard)); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
 	if len(a.cfg.SignalNICs) > 0 {
 		if err := mgr.Add(runnable(a.runEndpoints)); err != nil {
 			return fmt.Errorf("agent: %w", err)

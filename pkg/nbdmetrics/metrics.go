@@ -50,6 +50,7 @@ type Observer struct {
 	// reason (nbd.RefusalReasons): never by export, whose names may
 	// carry secrets.
 	refused    *prometheus.CounterVec
+	strayJoins *prometheus.CounterVec
 	clients    prometheus.Gauge
 	handshakes prometheus.Gauge
 	// capacity and available have no labels; their one series appears
@@ -95,6 +96,8 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 			"Connections that completed negotiation and attached to the export.", "export"),
 		refused: counter("refused_connections_total",
 			"Connections closed by the server's limits, by reason: total, per_source (open connections), handshakes_total, handshakes_per_source (connections still negotiating), handshake_timeout (negotiation not finished in time), per_export (connections to the chosen export).", "reason"),
+		strayJoins: counter("stray_subflow_connections_total",
+			"Connections the storage agent closed because a subflow joined them from outside their node's published storage addresses, by export.", "export"),
 		clients: prometheus.NewGauge(prometheus.GaugeOpts(opts("client_connections",
 			"Open client connections, negotiating or in the transmission phase (what the total and per-source connection limits bound)."))),
 		handshakes: prometheus.NewGauge(prometheus.GaugeOpts(opts("handshakes",
@@ -107,7 +110,7 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 	}
 	for _, c := range []prometheus.Collector{
 		o.readBytes, o.writtenBytes, o.requests, o.requestErrors, o.duration,
-		o.connsOpen, o.connsAccepted, o.refused, o.clients, o.handshakes,
+		o.connsOpen, o.connsAccepted, o.refused, o.strayJoins, o.clients, o.handshakes,
 		o.capacity, o.available, o.live,
 	} {
 		if err := reg.Register(c); err != nil {
@@ -140,6 +143,13 @@ func (o *Observer) ExportRemoved(export string) {
 	o.duration.DeletePartialMatch(l)
 	o.connsOpen.DeletePartialMatch(l)
 	o.connsAccepted.DeletePartialMatch(l)
+	o.strayJoins.DeletePartialMatch(l)
+}
+
+// StrayJoin counts a connection of export closed for a subflow from
+// outside its node's published addresses.
+func (o *Observer) StrayJoin(export string) {
+	o.strayJoins.WithLabelValues(export).Inc()
 }
 
 // Capacity records the storage node's room as the storage agent measured
