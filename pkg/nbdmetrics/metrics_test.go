@@ -590,3 +590,23 @@ func TestRefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestStrayJoinMetric: the storage agent's closes for stray subflows are
+// counted per export, and go with the export.
+func TestStrayJoinMetric(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	o, err := New(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.ExportAdded("vol")
+	o.StrayJoin("vol")
+	o.StrayJoin("vol")
+	if v, ok := value(t, reg, "mpnbd_server_stray_subflow_connections_total", map[string]string{"export": "vol"}); !ok || v != 2 {
+		t.Fatalf("stray_subflow_connections_total = %v, %v; want 2", v, ok)
+	}
+	o.ExportRemoved("vol")
+	if _, ok := value(t, reg, "mpnbd_server_stray_subflow_connections_total", map[string]string{"export": "vol"}); ok {
+		t.Fatal("the series outlived its export")
+	}
+}
