@@ -1,12 +1,10 @@
 package mptcp_test
 
 import (
-	"context"
 	"io"
 	"net"
 	"net/netip"
 	"testing"
-	"time"
 
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -20,58 +18,9 @@ func TestSubflowsPerPath(t *testing.T) {
 	if err := mptcp.Available(); err != nil {
 		t.Skipf("skipping: MPTCP unavailable: %v", err)
 	}
-	var ln net.Listener
-	err := tp.InServer(func() error {
-		var err error
-		ln, err = mptcp.Listen(context.Background(), "tcp4", net.JoinHostPort(tp.ServerAddr(1).String(), "0"), true)
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			t.Errorf("accept: %v", err)
-		}
-		accepted <- c
-	}()
-	var client net.Conn
-	err = tp.InClient(func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		var err error
-		client, err = mptcp.Dialer(true).DialContext(ctx, "tcp4", ln.Addr().String())
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { client.Close() })
-	server := <-accepted
-	if server == nil {
-		t.FailNow()
-	}
-	t.Cleanup(func() { server.Close() })
-
-	// Wait for the second subflow before moving data, so both paths
-	// carry some.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		subs, err := mptcp.GetSubflows(client)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(subs) == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d subflows after 10 s, want 2: %+v", len(subs), subs)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	// Both paths carry some: the data moves once the second subflow is
+	// there.
+	client, server := connectAllPaths(t, tp)
 
 	const up, down = 16 << 20, 8 << 20
 	done := make(chan error, 1)

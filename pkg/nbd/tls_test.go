@@ -131,21 +131,10 @@ func TestStartTLS(t *testing.T) {
 	_, err = Dial(context.Background(), DialOptions{Addr: addr, Export: "disk", Logger: quietLogger()})
 	wantOptionError(t, err, RepErrTLSReqd)
 	// Plaintext LIST: ERR_TLS_REQD.
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	_, err = ListExports(c)
+	_, err = ListExports(dialRaw(t, addr))
 	wantOptionError(t, err, RepErrTLSReqd)
 	// Plaintext EXPORT_NAME: the server hangs up.
-	c2, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	c2.SetDeadline(time.Now().Add(10 * time.Second))
+	c2 := dialRaw(t, addr)
 	noZeroes, err := clientHello(c2)
 	if err != nil {
 		t.Fatal(err)
@@ -218,15 +207,7 @@ func TestStartTLSRefusals(t *testing.T) {
 	// A client that offers only TLS 1.2.
 	old := pki.client.Clone()
 	old.MaxVersion = tls.VersionTLS12
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := clientHello(c); err != nil {
-		t.Fatal(err)
-	}
+	c := greeted(t, addr)
 	o := option{Code: OptStartTLS}
 	if _, err := c.Write(o.encode()); err != nil {
 		t.Fatal(err)
@@ -239,15 +220,7 @@ func TestStartTLSRefusals(t *testing.T) {
 	}
 
 	// STARTTLS with data, then twice, then data behind it.
-	c2, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	c2.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := clientHello(c2); err != nil {
-		t.Fatal(err)
-	}
+	c2 := greeted(t, addr)
 	bad := option{Code: OptStartTLS, Data: []byte("x")}
 	if _, err := c2.Write(bad.encode()); err != nil {
 		t.Fatal(err)
@@ -265,15 +238,7 @@ func TestStartTLSRefusals(t *testing.T) {
 		wantOptionError(t, err, RepErrInvalid)
 	}
 
-	c3, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c3.Close()
-	c3.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := clientHello(c3); err != nil {
-		t.Fatal(err)
-	}
+	c3 := greeted(t, addr)
 	q := InfoRequest{Name: "disk"}
 	msg := append(o.encode(), (&option{Code: OptGo, Data: q.encode()}).encode()...)
 	if _, err := c3.Write(msg); err != nil {
@@ -291,6 +256,28 @@ func TestStartTLSRefusals(t *testing.T) {
 	if _, err := dialTLS(t, addr, "disk", pki.client); err != nil {
 		t.Fatalf("after the refusals: %v", err)
 	}
+}
+
+// dialRaw connects to addr with a 10 s deadline on everything.
+func dialRaw(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	return c
+}
+
+// greeted is dialRaw past the server's greeting.
+func greeted(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c := dialRaw(t, addr)
+	if _, err := clientHello(c); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 func isReset(err error) bool {
