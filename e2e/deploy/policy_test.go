@@ -1,0 +1,134 @@
+package deploy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+)
+
+// TestNodePluginMayAnnotateOnlyItsNode applies the node plugin's RBAC and
+// admission policy of the kustomize tree to a real API server and acts as
+// the node plugin's ServiceAccount of node-a (impersonated, with the
+// node-name its pod's token carries): it may publish its storage
+// addresses on node-a, and nothing else: not on node-b, not another
+// annotation, not a label, not without a node name.
+func TestNodePluginMayAnnotateOnlyItsNode(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mpnbd-system"}}); err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	for _, o := range parseObjects(t, kustomizeDeploy(t)) {
+		switch o.GetKind() {
+		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
+		default:
+			continue
+		}
+		if o.GetName() != "mpnbd-node" && o.GetName() != "mpnbd-node-own-annotation" {
+			continue
+		}
+		if err := c.Create(ctx, o); err != nil {
+			t.Fatalf("%s: %v", objectKey(o), err)
+		}
+		applied++
+	}
+	if applied != 5 {
+		t.Fatalf("applied %d objects of the node plugin's RBAC and policy, want 5", applied)
+	}
+	for _, n := range []string{"node-a", "node-b"} {
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n, Labels: map[string]string{"zone": "a"},
+			Annotations: map[string]string{"other": "x"}}}
+		if err := c.Create(ctx, node); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	as := func(nodeName string) client.Client {
+		ic := rest.CopyConfig(cfg)
+		ic.Impersonate = rest.ImpersonationConfig{
+			UserName: "system:serviceaccount:mpnbd-system:mpnbd-node",
+			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:mpnbd-system", "system:authenticated"},
+		}
+		if nodeName != "" {
+			ic.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {nodeName}}
+		}
+		cl, err := client.New(ic, client.Options{Scheme: c.Scheme()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cl
+	}
+	plugin := as("node-a")
+	patch := func(cl client.Client, node string, meta map[string]any) error {
+		b, err := json.Marshal(map[string]any{"metadata": meta})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}
+		return cl.Patch(ctx, n, client.RawPatch(types.MergePatchType, b))
+	}
+	denied := func(err error) string {
+		switch {
+		case err == nil:
+			return "allowed"
+		case !strings.Contains(err.Error(), "mpnbd-node-own-annotation"):
+			return fmt.Sprintf("refused, but not by the policy: %v", err)
+		}
+		return ""
+	}
+
+	// The policy takes effect once the API server has loaded it.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		msg := denied(driver.PublishStorageAddresses(ctx, plugin, "node-b", []string{"10.0.0.2"}))
+		if msg == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node-a's plugin publishing addresses on node-b: %s after 30 s", msg)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	if err := driver.PublishStorageAddresses(ctx, plugin, "node-a", []string{"10.0.0.1", "10.0.1.1"}); err != nil {
+		t.Fatalf("node-a's plugin publishing its own addresses: %v", err)
+	}
+	var got corev1.Node
+	if err := c.Get(ctx, client.ObjectKey{Name: "node-a"}, &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Annotations[access.AnnotationStorageAddresses] != "10.0.0.1,10.0.1.1" {
+		t.Fatalf("node-a's annotations %v", got.Annotations)
+	}
+	for _, c := range []struct {
+		what string
+		err  error
+	}{
+		{"another annotation of its node", patch(plugin, "node-a", map[string]any{"annotations": map[string]any{"other": "y"}})},
+		{"removing another annotation", patch(plugin, "node-a", map[string]any{"annotations": map[string]any{"other": nil}})},
+		{"a label of its node", patch(plugin, "node-a", map[string]any{"labels": map[string]any{"zone": "b"}})},
+		{"its addresses without a node name in its token", driver.PublishStorageAddresses(ctx, as(""), "node-a", []string{"10.0.0.9"})},
+	} {
+		if msg := denied(c.err); msg != "" {
+			t.Errorf("node-a's plugin changing %s: %s", c.what, msg)
+		}
+	}
+	// Others are not the policy's business.
+	if err := patch(c, "node-b", map[string]any{"labels": map[string]any{"zone": "b"}}); err != nil {
+		t.Errorf("an administrator labelling node-b: %v", err)
+	}
+}
