@@ -39,3 +39,15 @@ func TestWriteManyTable(t *testing.T) {
 		}
 	}
 }
+
+func TestManySVG(t *testing.T) {
+	rep := &ManyReport{LineMBps: 500, Steps: []ManyStep{
+		{Volumes: 1, MBps: 451, MinMBps: 451}, {Volumes: 8, MBps: 470, MinMBps: 50}, {Volumes: 32, MBps: 468, MinMBps: 9},
+	}}
+	svg := ManySVG(rep, "4 x 1 Gbit/s <test>")
+	for _, want := range []string{"<svg", "</svg>", "line 500 MB/s", ">32<", ">470<", "&lt;test&gt;", "polyline"} {
+		if !strings.Contains(svg, want) {
+			t.Errorf("SVG lacks %q", want)
+		}
+	}
+}

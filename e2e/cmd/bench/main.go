@@ -306,6 +306,13 @@ func runMany(ctx context.Context, o bench.ManyOptions, tmpDir, outPath string, s
 		} else {
 			fmt.Fprintln(stdout, "report:", outPath)
 		}
+		svg := strings.TrimSuffix(outPath, ".json") + ".svg"
+		sub := fmt.Sprintf("4 x 1 Gbit/s, one MPTCP connection per volume, 1 MiB writes at QD 8, %v each", o.Duration)
+		if werr := os.WriteFile(svg, []byte(bench.ManySVG(rep, sub)), 0o644); werr != nil {
+			fmt.Fprintln(stderr, "bench:", werr)
+		} else {
+			fmt.Fprintln(stdout, "chart:", svg)
+		}
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, "bench:", err)
