@@ -75,6 +75,52 @@ type ExportDialer struct {
 	Logger *slog.Logger
 }
 
+// mptcpAttempts bounds the connections DialExport opens to get one that
+// MPTCP carries, and mptcpRetryPause is the pause between them.
+const (
+	mptcpAttempts   = 3
+	mptcpRetryPause = 200 * time.Millisecond
+)
+
+// connect opens a TCP connection to addr. Asked for MPTCP, a connection
+// that fell back to plain TCP is closed and dialed again, up to
+// mptcpAttempts times: a fallback is often a moment's (a SYN lost while
+// the server restarts makes the kernel retry without MPTCP), and the
+// connection would keep one path for its whole life. The last one is
+// kept whatever it is: a network without MPTCP still gets its volume.
+func (x ExportDialer) connect(ctx context.Context, d *net.Dialer, addr string, useMPTCP bool) (net.Conn, error) {
+	for attempt := 1; ; attempt++ {
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return nil, fmt.Errorf("dial %s: %w", addr, err)
+		}
+		if !useMPTCP || mptcp.IsMPTCP(c) {
+			return c, nil
+		}
+		// No retry that could run out of time: a connection of one path
+		// beats none.
+		short := false
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < minAddrTimeout {
+			short = true
+		}
+		if attempt >= mptcpAttempts || short || ctx.Err() != nil {
+			if x.Logger != nil {
+				x.Logger.Warn("MPTCP requested but the connection fell back to TCP", "remote", addr, "attempts", attempt)
+			}
+			return c, nil
+		}
+		c.Close()
+		if x.Logger != nil {
+			x.Logger.Info("MPTCP requested but the connection fell back to TCP: dialing again", "remote", addr, "attempt", attempt)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("dial %s: %w", addr, ctx.Err())
+		case <-time.After(mptcpRetryPause):
+		}
+	}
+}
+
 // DialExport connects to addr (from the local address local, if set),
 // with MPTCP when useMPTCP, and negotiates export announcing sess (none
 // when nil). A refusal of the export by the server is ErrServerRefused.
@@ -87,12 +133,9 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 		}
 		d.LocalAddr = la
 	}
-	c, err := d.DialContext(ctx, "tcp", addr)
+	c, err := x.connect(ctx, d, addr, useMPTCP)
 	if err != nil {
-		return nil, nbd.ExportInfo{}, fmt.Errorf("dial %s: %w", addr, err)
-	}
-	if useMPTCP && !mptcp.IsMPTCP(c) && x.Logger != nil {
-		x.Logger.Warn("MPTCP requested but the connection fell back to TCP", "remote", addr)
+		return nil, nbd.ExportInfo{}, err
 	}
 	info, err := nbd.NegotiateConnWith(ctx, c, export, nbd.NegotiateOptions{Session: sess})
 	if err != nil {
