@@ -15,7 +15,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -127,21 +126,12 @@ func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 		}
 	}()
 	s := &serverProc{name: ServerOurs, log: &tailBuffer{}}
-	s.cmd = exec.Command(argv[0], argv[1:]...)
-	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		return nil, err
-	}
-	s.pid = s.cmd.Process.Pid
-	s.done = make(chan struct{})
-	go func() { _ = s.cmd.Wait(); close(s.done) }()
 	defer func() {
 		if err := s.stop(); err != nil {
 			logf("stopping the server: %v", err)
 		}
 	}()
-	if err := waitListening(ctx, e, s); err != nil {
+	if err := s.start(ctx, e, argv); err != nil {
 		return nil, err
 	}
 	logf("server with %d exports listening on %s (pid %d)", n, e.addr(), s.pid)

@@ -129,11 +129,17 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 	default:
 		return s, fmt.Errorf("unknown server %q", name)
 	}
+	return s, s.start(ctx, e, argv)
+}
+
+// start runs argv as the server's process, killed with the benchmark, and
+// waits until it listens.
+func (s *serverProc) start(ctx context.Context, e *serverEnv, argv []string) error {
 	s.cmd = exec.Command(argv[0], argv[1:]...)
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := s.cmd.Start(); err != nil {
-		return s, fmt.Errorf("starting %s: %w", name, err)
+		return fmt.Errorf("starting %s: %w", s.name, err)
 	}
 	s.pid = s.cmd.Process.Pid
 	s.done = make(chan struct{})
@@ -141,7 +147,7 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 		_ = s.cmd.Wait() // how it ended is in its log
 		close(s.done)
 	}()
-	return s, waitListening(ctx, e, s)
+	return waitListening(ctx, e, s)
 }
 
 // nbdServerConfig is the generated configuration of Debian's nbd-server.
