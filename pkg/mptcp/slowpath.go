@@ -118,6 +118,35 @@ type pathState struct {
 	samples   int           // busy samples (probing)
 	probeAt   time.Time     // flagged: when to probe
 	probeWait time.Duration // the wait that set probeAt
+	// recent are the rates of the last busy samples (at most
+	// rateHistory; cleared when the path is flagged or probed): their
+	// median is the path's rate, which one sample inflated by a burst
+	// (a token bucket that filled while idle, compressed ACKs) does not
+	// move.
+	recent []float64
+}
+
+// rateHistory is how many busy samples make a path's rate.
+const rateHistory = 3
+
+// rate is the median of the path's recent busy samples, 0 without any.
+func (st *pathState) rate() float64 {
+	if len(st.recent) == 0 {
+		return 0
+	}
+	s := slices.Clone(st.recent)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func (st *pathState) record(r float64) {
+	st.recent = append(st.recent, r)
+	if len(st.recent) > rateHistory {
+		st.recent = st.recent[len(st.recent)-rateHistory:]
+	}
 }
 
 // pathSample is one path's measurement in one Observe.
@@ -195,15 +224,24 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 	}
 	s.acked, s.primed = acked, true
 
-	// bestOther is the best rate measured on a path other than a.
-	bestOther := func(a netip.Addr) float64 {
-		best := 0.0
-		for b, smp := range samples {
-			if b != a {
-				best = max(best, smp.rate)
+	for a, smp := range samples {
+		s.paths[a].record(smp.rate)
+	}
+	// reference is what the paths other than a deliver: the median of
+	// their rates, so that neither one burst nor one odd path decides.
+	reference := func(a netip.Addr) float64 {
+		var rates []float64
+		for b, st := range s.paths {
+			if b != a && st.phase != phaseFlagged {
+				if r := st.rate(); r > 0 {
+					rates = append(rates, r)
+				}
 			}
 		}
-		return best
+		if len(rates) == 0 {
+			return 0
+		}
+		return (&pathState{recent: rates}).rate()
 	}
 	inUse := func(except netip.Addr) int {
 		n := 0
@@ -218,8 +256,8 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 	for _, a := range slices.SortedFunc(maps.Keys(s.paths), netip.Addr.Compare) {
 		st := s.paths[a]
 		smp, busy := samples[a]
-		best := bestOther(a)
-		slow := busy && smp.limited && best > 0 && smp.rate < s.p.SlowRatio*best
+		best := reference(a)
+		slow := busy && smp.limited && best > 0 && st.rate() < s.p.SlowRatio*best
 		switch st.phase {
 		case phaseInUse:
 			switch {
@@ -234,25 +272,30 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 			}
 		case phaseFlagged:
 			if !now.Before(st.probeAt) {
-				st.phase, st.good, st.samples = phaseProbing, 0, 0
+				st.phase, st.good, st.samples, st.recent = phaseProbing, 0, 0, nil
 				events = append(events, PathEvent{Addr: a, Kind: PathProbe})
 			}
 		case phaseProbing:
+			// A path just back in use starts from an idle window: its
+			// verdict waits for two busy samples.
 			if !busy {
 				continue
 			}
 			st.samples++
+			if st.samples < 2 {
+				continue
+			}
 			switch {
 			case slow:
 				s.flag(st, now, min(2*st.probeWait, s.p.ProbeMax))
-				events = append(events, PathEvent{Addr: a, Kind: PathStillSlow, Rate: smp.rate, Best: best, NextProbe: st.probeWait})
+				events = append(events, PathEvent{Addr: a, Kind: PathStillSlow, Rate: st.rate(), Best: best, NextProbe: st.probeWait})
 				continue
-			case best == 0 || smp.rate >= s.p.RecoverRatio*best:
+			case best == 0 || st.rate() >= s.p.RecoverRatio*best:
 				st.good++
 			}
-			if st.good >= 2 || st.samples >= s.p.ProbeSamples {
+			if st.good >= 1 || st.samples >= s.p.ProbeSamples {
+				events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: st.rate(), Best: best})
 				*st = pathState{}
-				events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: smp.rate, Best: best})
 			}
 		}
 	}
@@ -268,7 +311,7 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 }
 
 func (s *SlowPaths) flag(st *pathState, now time.Time, wait time.Duration) {
-	st.phase, st.slow = phaseFlagged, 0
+	st.phase, st.slow, st.recent = phaseFlagged, 0, nil
 	st.probeWait = wait
 	st.probeAt = now.Add(wait)
 }

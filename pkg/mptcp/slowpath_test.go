@@ -103,9 +103,13 @@ func TestSlowPathsFlagProbeRecover(t *testing.T) {
 	if len(sp.Flagged()) != 0 {
 		t.Fatal("a probed path stays flagged")
 	}
-	// Idle samples leave the probe open; one slow busy sample flags
-	// again, the next probe waits twice as long.
+	// Idle samples leave the probe open; two slow busy samples (a path
+	// back in use starts from an idle window) flag it again, the next
+	// probe waits twice as long.
 	step(idle, idle, idle, idle)
+	if ev := step(fast, fast, fast, slow); len(ev) != 0 {
+		t.Fatalf("first slow probe sample: %v", kinds(ev))
+	}
 	ev = step(fast, fast, fast, slow)
 	if len(ev) != 1 || ev[0].Kind != PathStillSlow || ev[0].NextProbe != 6*time.Second {
 		t.Fatalf("probe of a slow path: %+v, want still-slow with the next probe in 6s", ev)
@@ -139,12 +143,28 @@ func TestSlowPathsHysteresis(t *testing.T) {
 	sp := NewSlowPaths(SlowPathPolicy{})
 	step := func(r ...rate) []PathEvent { return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs) }
 	step(busy(900), busy(100))
-	// A slow sample, then a fine one: the count starts over.
+	// Slow one sample in three: its rate (the median of its last
+	// samples) is not slow.
 	for range 10 {
-		step(busy(900), busy(100))
-		step(busy(900), busy(100))
-		if ev := step(busy(900), busy(500)); len(ev) != 0 {
-			t.Fatalf("alternating: %v", kinds(ev))
+		for _, r := range []rate{busy(100), busy(500), busy(500)} {
+			if ev := step(busy(900), r); len(ev) != 0 {
+				t.Fatalf("slow one sample in three: %v", kinds(ev))
+			}
+		}
+	}
+	// Bursts on one path (a token bucket that filled while idle,
+	// measured at the wire's speed), several samples in a row, make no
+	// other path slow: they are compared with what the others deliver
+	// as a whole, not with the best one.
+	f4 := newFakePaths(4)
+	sp4 := NewSlowPaths(SlowPathPolicy{})
+	for i := range 10 {
+		first := busy(950)
+		if i >= 4 && i < 8 {
+			first = busy(7500)
+		}
+		if ev := sp4.Observe(f4.now.Add(time.Second), f4.sample(first, busy(950), busy(900), busy(1000)), f4.addrs); len(ev) != 0 {
+			t.Fatalf("sample %d with a burst on path 1: %v", i, kinds(ev))
 		}
 	}
 	// App-limited samples never flag: the path was not full.
