@@ -23,17 +23,21 @@ import (
 // subflow's data reached the peer over its last round trips. A subflow
 // whose window the scheduler keeps full (not app-limited) measures its
 // path's capacity, and a subflow of a fast path measures at least its own
-// share; so a path whose busy subflows deliver at under SlowRatio of the
-// best other path, FlagAfter samples in a row, is slow. The decision is
+// share; so a path whose busy subflows deliver at under SlowRatio of what
+// the other paths deliver, FlagAfter samples in a row, is slow. A path's
+// rate is the median of its last busy samples and the others' is the
+// median of theirs: a token bucket that filled while idle, or compressed
+// ACKs, make single samples far above any line. The decision is
 // the sender's: each host measures what it sends (the node its writes, the
 // storage server its reads), and its flag reaches the peer by MP_PRIO, so
 // either host's flag takes the path out of both directions.
 //
 // A flagged path carries no data, so nothing measures it any more. To
 // notice its recovery, SlowPaths clears the flag after ProbeAfter and
-// watches the path's next busy samples: at RecoverRatio of the best other
-// path or more (twice) it stays in use; still under SlowRatio, it is
-// flagged again at once and the next probe waits twice as long, up to
+// watches the path's next two busy samples (it starts from an idle
+// window): at RecoverRatio of the others or more it stays in use; still
+// under SlowRatio, it is flagged again and the next probe waits twice as
+// long, up to
 // ProbeMax. While nothing is sent, a probe waits: an unflagged path costs
 // nothing without traffic. The gap between SlowRatio and RecoverRatio,
 // the samples in a row and the growing wait between probes are the
@@ -42,9 +46,9 @@ import (
 // SlowPathPolicy tunes SlowPaths; zero fields take the defaults.
 type SlowPathPolicy struct {
 	// SlowRatio: a path whose busy subflows deliver at less than this
-	// fraction of the best other path is slow. Default 0.3.
+	// fraction of the other paths is slow. Default 0.3.
 	SlowRatio float64
-	// RecoverRatio: a probed path delivering at this fraction of the best
+	// RecoverRatio: a probed path delivering at this fraction of the
 	// other path or more has recovered. Default 0.6.
 	RecoverRatio float64
 	// FlagAfter is how many slow samples in a row flag a path. Default 3.
@@ -96,7 +100,7 @@ const (
 type PathEvent struct {
 	Addr netip.Addr
 	Kind PathEventKind
-	// Rate is the path's delivery rate, Best the best other path's; both
+	// Rate is the path's delivery rate, Best the other paths'; both
 	// zero for probes and releases.
 	Rate, Best float64
 	// NextProbe is the wait before the next probe of a flagged path.
