@@ -37,8 +37,7 @@ import (
 // watches the path's next two busy samples (it starts from an idle
 // window): at RecoverRatio of the others or more it stays in use; still
 // under SlowRatio, it is flagged again and the next probe waits twice as
-// long, up to
-// ProbeMax. While nothing is sent, a probe waits: an unflagged path costs
+// long, up to ProbeMax. While nothing is sent, a probe waits: an unflagged path costs
 // nothing without traffic. The gap between SlowRatio and RecoverRatio,
 // the samples in a row and the growing wait between probes are the
 // hysteresis that keeps a path from flapping.
@@ -49,7 +48,7 @@ type SlowPathPolicy struct {
 	// fraction of the other paths is slow. Default 0.3.
 	SlowRatio float64
 	// RecoverRatio: a probed path delivering at this fraction of the
-	// other path or more has recovered. Default 0.6.
+	// other paths or more has recovered. Default 0.6.
 	RecoverRatio float64
 	// FlagAfter is how many slow samples in a row flag a path. Default 3.
 	FlagAfter int
