@@ -152,7 +152,10 @@ func DecodeFullInfo(full, sfinfo, tcpinfo []byte) (FullInfo, error) {
 	if n == 0 {
 		return fi, nil
 	}
-	if sfSize < 0 || tcpSize < 0 || n*sfSize > len(sfinfo) || n*tcpSize > len(tcpinfo) {
+	// Zero-sized elements would make any count fit (the kernel never
+	// reports them when it fills the arrays), and counts and sizes are
+	// compared by division: their product may overflow.
+	if sfSize <= 0 || tcpSize <= 0 || n > len(sfinfo)/sfSize || n > len(tcpinfo)/tcpSize {
 		return FullInfo{}, fmt.Errorf("%w: %d subflows of %d+%d bytes, arrays of %d and %d bytes",
 			ErrShortSubflows, n, sfSize, tcpSize, len(sfinfo), len(tcpinfo))
 	}
