@@ -2,11 +2,14 @@ package mptcp_test
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -251,4 +254,118 @@ type tWriter struct{ t *testing.T }
 func (w tWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
+}
+
+// TestSlowPathFlaggedCarriesDataWhenOthersCut: once the slow path is
+// flagged backup, the fast paths are cut (their client links down) in the
+// middle of a transfer; the flagged path carries the rest, and what the
+// receiver got is exactly what was sent (length and SHA-256).
+func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
+	tp := topo.NewForTest(t, topo.Asymmetric(topo.UniqueName("sc")))
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	client, server := connectAllPaths(t, tp)
+	d := mptcp.Desired{Role: mptcp.RoleClient}
+	for i := range tp.Paths {
+		d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(tp.ClientAddr(i+1), 32).String()))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	kept := make(chan error, 1)
+	go func() {
+		kept <- tp.InClient(func() error {
+			return mptcp.Keep(ctx, d, slog.New(slog.NewTextHandler(tWriter{t}, nil)), &mptcp.SlowPathPolicy{ProbeAfter: time.Hour})
+		})
+	}()
+	t.Cleanup(func() { cancel(); <-kept })
+
+	// Warm up until path 4 is flagged.
+	received := make(chan struct {
+		n   int64
+		sum [32]byte
+		err error
+	}, 1)
+	go func() {
+		h := sha256.New()
+		n, err := io.Copy(h, server)
+		var s [32]byte
+		copy(s[:], h.Sum(nil))
+		received <- struct {
+			n   int64
+			sum [32]byte
+			err error
+		}{n, s, err}
+	}()
+	sent := sha256.New()
+	var total int64
+	block := make([]byte, 1<<20)
+	write := func() {
+		if _, err := rand.Read(block); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.Write(block); err != nil {
+			t.Fatalf("write after %d bytes: %v", total, err)
+		}
+		sent.Write(block)
+		total += int64(len(block))
+	}
+	flagged := time.Now().Add(30 * time.Second)
+	for {
+		write()
+		socks, err := func() ([]mptcp.TCPSocket, error) {
+			var out []mptcp.TCPSocket
+			err := tp.InClient(func() error {
+				dg, err := mptcp.DialSocketDiag()
+				if err != nil {
+					return err
+				}
+				defer dg.Close()
+				out, err = dg.Established()
+				return err
+			})
+			return out, err
+		}()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.ContainsFunc(socks, func(s mptcp.TCPSocket) bool {
+			return s.Subflow && s.Local.Addr() == tp.ClientAddr(4) && s.BackupLocal
+		}) {
+			break
+		}
+		if time.Now().After(flagged) {
+			t.Fatal("path 4 not flagged backup within 30 s")
+		}
+	}
+	t.Logf("path 4 flagged after %d MiB; cutting paths 1-3", total>>20)
+	for p := 1; p <= 3; p++ {
+		if err := topo.Exec(tp.ClientNS, "ip", "link", "set", "dev", tp.Paths[p-1].ClientIf, "down").Run(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 16 MiB more, over the backup path alone (100 Mbit/s), bounded.
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 16 {
+			write()
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("16 MiB not written over the backup path in 60 s (%d MiB in all)", total>>20)
+	}
+	if err := client.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-received:
+		if r.err != nil || r.n != total || r.sum != [32]byte(sent.Sum(nil)) {
+			t.Fatalf("received %d bytes (err %v), sent %d; checksums equal: %v", r.n, r.err, total, r.sum == [32]byte(sent.Sum(nil)))
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("the receiver did not get the end of the stream in 60 s")
+	}
+	t.Logf("%d MiB sent and received intact, the last 16 MiB over the flagged path alone", total>>20)
 }
