@@ -277,7 +277,12 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 			return mptcp.Keep(ctx, d, slog.New(slog.NewTextHandler(tWriter{t}, nil)), &mptcp.SlowPathPolicy{ProbeAfter: time.Hour})
 		})
 	}()
-	t.Cleanup(func() { cancel(); <-kept })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-kept; err != nil {
+			t.Errorf("Keep: %v", err)
+		}
+	})
 
 	// Warm up until path 4 is flagged.
 	received := make(chan struct {
