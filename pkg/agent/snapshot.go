@@ -240,8 +240,13 @@ func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1a
 		return &failure{code: "InvalidArgument", retry: exhaustedRetry,
 			message: "contentSource names both a volume and a snapshot, or neither"}
 	}
+	opts = append(opts, snapshot.WithMaxSize(want))
 	res, err := snapshot.Clone(ctx, src, path, opts...)
+	var tooLarge *snapshot.TooLargeError
 	switch {
+	case errors.As(err, &tooLarge):
+		return &failure{code: "OutOfRange", retry: exhaustedRetry,
+			message: fmt.Sprintf("%s holds %d bytes, more than the %d the volume asks for", what, tooLarge.Size, want)}
 	case errors.Is(err, fs.ErrNotExist):
 		return &failure{code: "NotFound", retry: snapshotRetry,
 			message: fmt.Sprintf("%s is not on storage node %s", what, a.cfg.NodeName)}
@@ -250,11 +255,6 @@ func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1a
 			message: fmt.Sprintf("no room to copy %s on storage node %s: %v", what, a.cfg.NodeName, err)}
 	case err != nil:
 		return internal("copying %s: %v", what, err)
-	}
-	if res.Size > want {
-		os.Remove(path)
-		return &failure{code: "OutOfRange", retry: exhaustedRetry,
-			message: fmt.Sprintf("%s holds %d bytes, more than the %d the volume asks for", what, res.Size, want)}
 	}
 	log.Info("backing file made from "+what, "path", path, "method", res.Method, "size", res.Size, "writes_held", res.Held, "took", res.Duration)
 	return nil

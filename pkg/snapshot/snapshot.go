@@ -115,6 +115,7 @@ type options struct {
 	changes   func() (take func() []Range, stop func())
 	noReflink bool
 	chunk     int64
+	maxSize   int64
 }
 
 // Range is a byte range [Off, Off+Len) of the source.
@@ -159,6 +160,23 @@ func WithChunkSize(n int64) Option {
 
 const defaultChunk = 8 << 20
 
+// WithMaxSize makes Clone refuse a source larger than n bytes with a
+// *TooLargeError, before it copies anything when the source is larger
+// already, and before the rename when it grew to that during the copy:
+// nothing ever appears at dst.
+func WithMaxSize(n int64) Option {
+	return func(o *options) { o.maxSize = n }
+}
+
+// TooLargeError is Clone's refusal of a source larger than WithMaxSize.
+type TooLargeError struct {
+	Size, Max int64
+}
+
+func (e *TooLargeError) Error() string {
+	return fmt.Sprintf("the source holds %d bytes, more than %d", e.Size, e.Max)
+}
+
 // Clone makes dst a point-in-time copy of the regular file src: a reflink
 // when the filesystem can, else a sparse copy. dst must not exist
 // (fs.ErrExist otherwise) and its directory must. On error nothing is left
@@ -181,6 +199,8 @@ func Clone(ctx context.Context, src, dst string, opts ...Option) (Result, error)
 		return Result{}, err
 	} else if !fi.Mode().IsRegular() {
 		return Result{}, &fs.PathError{Op: "snapshot", Path: src, Err: errors.New("not a regular file")}
+	} else if o.maxSize > 0 && fi.Size() > o.maxSize {
+		return Result{}, &TooLargeError{Size: fi.Size(), Max: o.maxSize}
 	}
 	if _, err := os.Lstat(dst); err == nil {
 		return Result{}, &fs.PathError{Op: "snapshot", Path: dst, Err: fs.ErrExist}
@@ -212,6 +232,9 @@ func Clone(ctx context.Context, src, dst string, opts ...Option) (Result, error)
 		return Result{}, err
 	}
 	res.Held = h.total
+	if o.maxSize > 0 && res.Size > o.maxSize {
+		return Result{}, &TooLargeError{Size: res.Size, Max: o.maxSize}
+	}
 
 	if err := out.Sync(); err != nil {
 		return Result{}, fmt.Errorf("sync %s: %w", tmp, err)

@@ -589,6 +589,37 @@ func TestCloneErrors(t *testing.T) {
 			t.Errorf("existing destination now %q (%v)", b, err)
 		}
 	})
+	t.Run("source larger than the maximum", func(t *testing.T) {
+		_, err := Clone(bg, src, filepath.Join(dir, "snap.img"), WithMaxSize(16*mib-1))
+		var tl *TooLargeError
+		if !errors.As(err, &tl) || tl.Size != 16*mib || tl.Max != 16*mib-1 {
+			t.Errorf("error %v, want a TooLargeError of 16 MiB over 16 MiB - 1", err)
+		}
+		noLeftovers(t)
+	})
+	t.Run("source grown past the maximum before the flush point", func(t *testing.T) {
+		// The source grows while writes are held for the point the copy
+		// claims: the size taken there is the one checked, and nothing
+		// appears at the destination.
+		grown := filepath.Join(t.TempDir(), "grown.img")
+		makeFile(t, grown, 4*mib, []span{{0, 4 * mib}}, 3)
+		_, err := Clone(bg, grown, filepath.Join(dir, "snap.img"), WithoutReflink(), WithMaxSize(4*mib),
+			WithQuiesce(func(context.Context) (func(), error) {
+				return nil, os.Truncate(grown, 8*mib)
+			}))
+		var tl *TooLargeError
+		if !errors.As(err, &tl) || tl.Size != 8*mib {
+			t.Errorf("error %v, want a TooLargeError of 8 MiB", err)
+		}
+		noLeftovers(t)
+	})
+	t.Run("source at the maximum", func(t *testing.T) {
+		dst := filepath.Join(dir, "snap.img")
+		if res, err := Clone(bg, src, dst, WithMaxSize(16*mib)); err != nil || res.Size != 16*mib {
+			t.Errorf("Clone at the maximum: %+v, %v", res, err)
+		}
+		os.Remove(dst)
+	})
 	t.Run("cancelled before", func(t *testing.T) {
 		ctx, cancel := context.WithCancel(bg)
 		cancel()
