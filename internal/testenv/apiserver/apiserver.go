@@ -10,8 +10,10 @@ package apiserver
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,7 +23,9 @@ import (
 	"testing"
 
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	apiruntime "k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -201,4 +205,41 @@ func WriteKubeconfigFile(path string, cfg *rest.Config) error {
 	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
 	kc.CurrentContext = "test"
 	return clientcmd.WriteToFile(*kc, path)
+}
+
+// Apply creates every object of the YAML files (paths relative to the
+// repository root), as `kubectl create -f` would: the deploy tree's RBAC,
+// for a test that acts as the driver's ServiceAccounts.
+func Apply(ctx context.Context, c client.Client, paths ...string) error {
+	root, err := repo.Root()
+	if err != nil {
+		return err
+	}
+	for _, p := range paths {
+		f, err := os.Open(filepath.Join(root, p))
+		if err != nil {
+			return err
+		}
+		dec := utilyaml.NewYAMLOrJSONDecoder(f, 4096)
+		for {
+			var u unstructured.Unstructured
+			err := dec.Decode(&u.Object)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				f.Close()
+				return fmt.Errorf("%s: %w", p, err)
+			}
+			if len(u.Object) == 0 {
+				continue
+			}
+			if err := c.Create(ctx, &u); err != nil {
+				f.Close()
+				return fmt.Errorf("%s: %s %s: %w", p, u.GetKind(), u.GetName(), err)
+			}
+		}
+		f.Close()
+	}
+	return nil
 }

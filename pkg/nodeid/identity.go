@@ -1,0 +1,425 @@
+package nodeid
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	mrand "math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"time"
+
+	certv1 "k8s.io/api/certificates/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+)
+
+// IdentityConfig configures a component's certificate.
+type IdentityConfig struct {
+	Client client.Client
+	Kind   Kind
+	// NodeName is the node the component runs on, the one its token is
+	// bound to.
+	NodeName string
+	// Namespace holds the CA bundle.
+	Namespace string
+	// Dir keeps the key and certificate across restarts (0600 file); ""
+	// keeps them in memory only.
+	Dir string
+	// Lifetime is asked for each certificate (default DefaultLifetime).
+	Lifetime time.Duration
+	// BundleRefresh is how often the CA bundle is read again (default 5
+	// minutes).
+	BundleRefresh time.Duration
+	Logger        *slog.Logger
+}
+
+// Identity is a component's certificate, kept valid: Start gets one and
+// renews it in the background; every TLS handshake takes the current one.
+type Identity struct {
+	cfg   IdentityConfig
+	log   *slog.Logger
+	cert  atomic.Pointer[tls.Certificate]
+	roots atomic.Pointer[x509.CertPool]
+	// renewals counts certificates obtained through a request.
+	renewals atomic.Int64
+}
+
+// NewIdentity returns an identity with no certificate yet.
+func NewIdentity(cfg IdentityConfig) (*Identity, error) {
+	if err := ValidNodeName(cfg.NodeName); err != nil {
+		return nil, err
+	}
+	if cfg.Lifetime <= 0 {
+		cfg.Lifetime = DefaultLifetime
+	}
+	cfg.Lifetime = min(max(cfg.Lifetime, MinLifetime), MaxLifetime)
+	if cfg.BundleRefresh <= 0 {
+		cfg.BundleRefresh = 5 * time.Minute
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Identity{cfg: cfg, log: log.With("identity", CommonName(cfg.Kind, cfg.NodeName))}, nil
+}
+
+// Certificate is the current certificate, nil before Start succeeded.
+func (id *Identity) Certificate() *tls.Certificate { return id.cert.Load() }
+
+// Roots is the current CA bundle, nil before Start succeeded.
+func (id *Identity) Roots() *x509.CertPool { return id.roots.Load() }
+
+// Requested is how many certificates were obtained through requests.
+func (id *Identity) Requested() int64 { return id.renewals.Load() }
+
+// Start reads the CA bundle and gets a certificate: the one kept in Dir
+// while it is not due for renewal, else a new one through a request (a
+// kept one still valid is used if the request fails). It returns once
+// there is a certificate, or with the error when within (0: no bound)
+// passes first, and keeps both fresh in the background until ctx ends.
+func (id *Identity) Start(ctx context.Context, within time.Duration) error {
+	life := ctx
+	if within > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, within)
+		defer cancel()
+	}
+	for {
+		err := id.readBundle(ctx)
+		if err == nil {
+			break
+		}
+		id.log.Warn("reading the CA bundle", "error", err)
+		if sleep(ctx, 2*time.Second); ctx.Err() != nil {
+			return fmt.Errorf("the CA bundle: %w", err)
+		}
+	}
+	if kept, err := id.load(); err != nil {
+		id.log.Warn("the kept certificate is not usable; asking for a new one", "error", err)
+	} else if kept != nil {
+		id.cert.Store(kept)
+		id.log.Info("certificate read from the state directory", "expires", kept.Leaf.NotAfter)
+	}
+	backoff := time.Second
+	for {
+		cur := id.cert.Load()
+		if cur != nil && time.Now().Before(renewAt(cur.Leaf)) {
+			break
+		}
+		err := id.renew(ctx)
+		if err == nil {
+			break
+		}
+		if cur != nil && time.Now().Before(cur.Leaf.NotAfter) {
+			id.log.Warn("renewing the certificate failed; the current one is used meanwhile", "error", err, "expires", cur.Leaf.NotAfter)
+			break
+		}
+		id.log.Warn("getting a certificate", "error", err)
+		if sleep(ctx, backoff); ctx.Err() != nil {
+			return fmt.Errorf("getting a %s certificate: %w", id.cfg.Kind, err)
+		}
+		backoff = min(2*backoff, 30*time.Second)
+	}
+	go id.keepFresh(life)
+	return nil
+}
+
+// renewAt is when a certificate is renewed: two thirds into its life.
+func renewAt(c *x509.Certificate) time.Time {
+	life := c.NotAfter.Sub(c.NotBefore)
+	return c.NotBefore.Add(life * 2 / 3)
+}
+
+// keepFresh renews the certificate when due (with up to 5 % of its life
+// earlier, so that a fleet does not renew at once), retrying with backoff
+// while it fails, and reads the bundle every BundleRefresh.
+func (id *Identity) keepFresh(ctx context.Context) {
+	bundle := time.NewTicker(id.cfg.BundleRefresh)
+	defer bundle.Stop()
+	backoff := time.Second
+	var retryAt time.Time
+	for ctx.Err() == nil {
+		leaf := id.cert.Load().Leaf
+		due := renewAt(leaf).Add(-time.Duration(mrand.Float64() * 0.05 * float64(leaf.NotAfter.Sub(leaf.NotBefore))))
+		if retryAt.After(due) {
+			due = retryAt
+		}
+		t := time.NewTimer(time.Until(due))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-bundle.C:
+			t.Stop()
+			if err := id.readBundle(ctx); err != nil {
+				id.log.Warn("reading the CA bundle", "error", err)
+			}
+		case <-t.C:
+			if err := id.renew(ctx); err != nil {
+				id.log.Warn("renewing the certificate", "error", err, "retry_in", backoff, "expires", leaf.NotAfter)
+				retryAt = time.Now().Add(backoff)
+				backoff = min(2*backoff, 5*time.Minute)
+				continue
+			}
+			retryAt, backoff = time.Time{}, time.Second
+		}
+	}
+}
+
+// readBundle reads the CA certificates from the bundle ConfigMap.
+func (id *Identity) readBundle(ctx context.Context) error {
+	var cm corev1.ConfigMap
+	if err := id.cfg.Client.Get(ctx, client.ObjectKey{Namespace: id.cfg.Namespace, Name: BundleConfigMap}, &cm); err != nil {
+		return fmt.Errorf("configmap %s/%s: %w", id.cfg.Namespace, BundleConfigMap, err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM([]byte(cm.Data[BundleKey])) {
+		return fmt.Errorf("configmap %s/%s holds no CA certificate under %s", id.cfg.Namespace, BundleConfigMap, BundleKey)
+	}
+	id.roots.Store(pool)
+	return nil
+}
+
+func (id *Identity) file() string {
+	if id.cfg.Dir == "" {
+		return ""
+	}
+	name := "node.pem"
+	if id.cfg.Kind == Storage {
+		name = "storage.pem"
+	}
+	return filepath.Join(id.cfg.Dir, name)
+}
+
+// load reads the kept certificate: nil when there is none, an error when
+// it is unusable (another node's, expired, not of our CA).
+func (id *Identity) load() (*tls.Certificate, error) {
+	f := id.file()
+	if f == "" {
+		return nil, nil
+	}
+	b, err := os.ReadFile(f)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	} else if err != nil {
+		return nil, err
+	}
+	cert, err := tls.X509KeyPair(b, b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", f, err)
+	}
+	if err := id.check(&cert); err != nil {
+		return nil, fmt.Errorf("%s: %w", f, err)
+	}
+	return &cert, nil
+}
+
+// check makes sure cert is ours: our kind and node, of the CA, valid now.
+func (id *Identity) check(cert *tls.Certificate) error {
+	node, err := Verify(id.cfg.Kind, id.roots.Load(), []*x509.Certificate{cert.Leaf})
+	if err != nil {
+		return err
+	}
+	if node != id.cfg.NodeName {
+		return fmt.Errorf("the certificate names node %s, this is %s", node, id.cfg.NodeName)
+	}
+	return nil
+}
+
+// renew asks for a new certificate with a new key, waits (at most two
+// minutes) for the controller to issue it, keeps it and makes it current.
+func (id *Identity) renew(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return err
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{
+		Subject: pkix.Name{CommonName: CommonName(id.cfg.Kind, id.cfg.NodeName)},
+	}, key)
+	if err != nil {
+		return err
+	}
+	usage := certv1.UsageClientAuth
+	if id.cfg.Kind == Storage {
+		usage = certv1.UsageServerAuth
+	}
+	secs := int32(math.Min(id.cfg.Lifetime.Seconds(), math.MaxInt32))
+	csr := &certv1.CertificateSigningRequest{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: requestPrefix(id.cfg.Kind, id.cfg.NodeName)},
+		Spec: certv1.CertificateSigningRequestSpec{
+			Request:           pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
+			SignerName:        id.cfg.Kind.Signer(),
+			Usages:            []certv1.KeyUsage{certv1.UsageDigitalSignature, usage},
+			ExpirationSeconds: &secs,
+		},
+	}
+	if err := id.cfg.Client.Create(ctx, csr); err != nil {
+		return fmt.Errorf("creating a certificate signing request: %w", err)
+	}
+	certPEM, err := id.await(ctx, csr.Name)
+	if err != nil {
+		return err
+	}
+	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
+	if err != nil {
+		return err
+	}
+	pair := append(append([]byte{}, certPEM...), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER})...)
+	cert, err := tls.X509KeyPair(pair, pair)
+	if err != nil {
+		return fmt.Errorf("the issued certificate (%s): %w", csr.Name, err)
+	}
+	if err := id.check(&cert); err != nil {
+		return fmt.Errorf("the issued certificate (%s): %w", csr.Name, err)
+	}
+	if f := id.file(); f != "" {
+		if err := writeFileAtomic(f, pair); err != nil {
+			// The certificate works; only a restart would ask again.
+			id.log.Warn("keeping the certificate in the state directory", "error", err)
+		}
+	}
+	id.cert.Store(&cert)
+	id.renewals.Add(1)
+	id.log.Info("certificate issued", "csr", csr.Name, "expires", cert.Leaf.NotAfter)
+	return nil
+}
+
+// requestPrefix is the generateName of a request: readable in `kubectl
+// get csr`, short enough for any node name.
+func requestPrefix(k Kind, node string) string {
+	p := "mpnbd-node-"
+	if k == Storage {
+		p = "mpnbd-storage-"
+	}
+	if len(node) > 200 {
+		node = node[:200]
+	}
+	return p + node + "-"
+}
+
+// await polls the request until it holds a certificate or is refused.
+func (id *Identity) await(ctx context.Context, name string) ([]byte, error) {
+	wait := 100 * time.Millisecond
+	for {
+		var csr certv1.CertificateSigningRequest
+		err := id.cfg.Client.Get(ctx, client.ObjectKey{Name: name}, &csr)
+		switch {
+		case err != nil:
+			id.log.Debug("reading the certificate signing request", "csr", name, "error", err)
+		case len(csr.Status.Certificate) > 0:
+			return csr.Status.Certificate, nil
+		default:
+			for _, c := range csr.Status.Conditions {
+				if (c.Type == certv1.CertificateDenied || c.Type == certv1.CertificateFailed) && c.Status == corev1.ConditionTrue {
+					return nil, fmt.Errorf("certificate signing request %s %s: %s", name, c.Type, c.Message)
+				}
+			}
+		}
+		if sleep(ctx, wait); ctx.Err() != nil {
+			return nil, fmt.Errorf("certificate signing request %s: no certificate issued: %w", name, ctx.Err())
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// writeFileAtomic writes b to path (0600) so that a crash leaves the old
+// file or the new one.
+func writeFileAtomic(path string, b []byte) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp)
+	if _, err := f.Write(b); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// ClientConfig is the TLS configuration a node plugin dials storageNode
+// with: TLS 1.3, its current certificate, and the server's certificate
+// checked to be the storage certificate of storageNode.
+func (id *Identity) ClientConfig(storageNode string) *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			return id.current()
+		},
+		// The chain and the name are checked in VerifyConnection: the
+		// certificate names a node, not a host.
+		InsecureSkipVerify: true,
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			node, err := Verify(Storage, id.roots.Load(), cs.PeerCertificates)
+			if err != nil {
+				return fmt.Errorf("the storage server's certificate: %w", err)
+			}
+			if node != storageNode {
+				return fmt.Errorf("the storage server is %s, not %s", node, storageNode)
+			}
+			return nil
+		},
+	}
+}
+
+// ServerConfig is the TLS configuration a storage agent serves with: TLS
+// 1.3, its current certificate, and a node certificate of our CA required
+// of every client (which node it names is for the caller to match, with
+// PeerNode).
+func (id *Identity) ServerConfig() *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return id.current()
+		},
+		ClientAuth: tls.RequireAnyClientCert,
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			if _, err := Verify(Node, id.roots.Load(), cs.PeerCertificates); err != nil {
+				return fmt.Errorf("the client's certificate: %w", err)
+			}
+			return nil
+		},
+	}
+}
+
+func (id *Identity) current() (*tls.Certificate, error) {
+	c := id.cert.Load()
+	if c == nil {
+		return nil, errors.New("no certificate yet")
+	}
+	return c, nil
+}
+
+// PeerNode is the node a verified TLS client's certificate names ("" and
+// an error when the connection has none of ours).
+func PeerNode(cs *tls.ConnectionState, roots *x509.CertPool) (string, error) {
+	if cs == nil {
+		return "", errors.New("not a TLS connection")
+	}
+	return Verify(Node, roots, cs.PeerCertificates)
+}
