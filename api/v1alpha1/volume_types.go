@@ -44,9 +44,10 @@ type Publication struct {
 	NodeID string `json:"nodeID"`
 	// SecretRef names the Secret holding the per-(volume, node) token that
 	// the node presents in the export name. The token itself never appears
-	// in this resource.
-	// +kubebuilder:validation:MinLength=1
-	SecretRef string `json:"secretRef"`
+	// in this resource. Empty: the node proves who it is with its node
+	// certificate over TLS instead (no token exists).
+	// +optional
+	SecretRef string `json:"secretRef,omitempty"`
 	// Addresses are the node's storage addresses; connections from other
 	// addresses are refused.
 	// +optional
@@ -55,6 +56,16 @@ type Publication struct {
 	// +optional
 	ReadOnly bool `json:"readOnly,omitempty"`
 }
+
+// Encryption is an NBDVolume's encryption in transit.
+type Encryption string
+
+// The encryption settings of a volume.
+const (
+	EncryptionNone      Encryption = "none"
+	EncryptionPreferred Encryption = "preferred"
+	EncryptionRequired  Encryption = "required"
+)
 
 // NBDVolumeSpec is the desired state of a volume.
 type NBDVolumeSpec struct {
@@ -74,6 +85,12 @@ type NBDVolumeSpec struct {
 	// (validated), kept so CreateVolume is idempotent by name.
 	// +optional
 	Parameters map[string]string `json:"parameters,omitempty"`
+	// Encryption is whether the volume's connections are encrypted:
+	// required (the storage agent serves it only over TLS, to nodes that
+	// present their node certificate), preferred, or none (the default).
+	// +kubebuilder:validation:Enum=none;preferred;required
+	// +optional
+	Encryption Encryption `json:"encryption,omitempty"`
 	// ContentSource fills a new volume from a volume or snapshot.
 	// +optional
 	ContentSource *ContentSource `json:"contentSource,omitempty"`

@@ -13,6 +13,7 @@ package agent
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -34,6 +35,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // Defaults for Config fields left zero.
@@ -106,6 +108,11 @@ type Config struct {
 	// Exports, when set, is told about added and removed exports and the
 	// measured capacity.
 	Exports ExportObserver
+	// NodeRoots, when set, returns the CA that issues node certificates:
+	// a TLS connection presenting one is the node it names (see resolve).
+	// The server's TLS configuration must ask for and verify them
+	// (nodeid.Identity.ServerConfig).
+	NodeRoots func() *x509.CertPool
 	// Logger receives structured logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -254,14 +261,28 @@ func (a *Agent) Started() bool { return a.started.Load() }
 // client only sees ERR_POLICY.
 var errUnpublished = errors.New("no current publication with this token")
 
-// resolve is the nbd.Server's Resolve hook: it serves NodeExport(volume,
-// token) to a connection when token is that of a current publication of
-// the volume and the connection comes from one of its addresses (if it
-// lists any). Everything else is refused.
+// resolve is the nbd.Server's Resolve hook. A node opens a volume in one
+// of two ways:
+//
+//   - NodeExport(volume, token): served when token is that of a current
+//     publication of the volume; over TLS the node certificate must name
+//     the node the token was issued to;
+//   - the volume's name alone, over TLS with a node certificate: served
+//     when the volume is published to the node the certificate names.
+//
+// Either way the connection must come from one of the publication's
+// addresses (if it lists any). Everything else is refused.
 func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
-	vol, token, ok := access.SplitExport(name)
-	if !ok {
-		return nbd.Grant{}, fmt.Errorf("export name is not <volume>/<token>")
+	peer, err := a.peerNode(c)
+	if err != nil {
+		return nbd.Grant{}, err
+	}
+	vol, token, withToken := access.SplitExport(name)
+	if !withToken {
+		if peer == "" {
+			return nbd.Grant{}, fmt.Errorf("export name is not <volume>/<token> and the connection has no node certificate")
+		}
+		vol = name
 	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
@@ -270,15 +291,36 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 		return nbd.Grant{}, fmt.Errorf("volume %q: %w", vol, nbd.ErrUnknownExport)
 	}
 	for _, g := range v.grants {
-		if !access.TokenEqual(g.token, token) {
+		switch {
+		case withToken && !access.TokenEqual(g.token, token):
+			continue
+		case withToken && peer != "" && g.nodeID != peer:
+			return nbd.Grant{}, fmt.Errorf("the token was issued to node %s; the certificate names node %s", g.nodeID, peer)
+		case !withToken && g.nodeID != peer:
 			continue
 		}
 		if g.limited && !slices.Contains(g.addrs, remoteIP(c)) {
 			return nbd.Grant{}, fmt.Errorf("node %s: connection from %v, not one of its storage addresses", g.nodeID, c.RemoteAddr)
 		}
-		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID}, nil
+		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.token == ""}, nil
+	}
+	if !withToken {
+		return nbd.Grant{}, fmt.Errorf("volume %q is not published to node %s", vol, peer)
 	}
 	return nbd.Grant{}, errUnpublished
+}
+
+// peerNode is the node a TLS connection's certificate names ("" for a
+// connection without TLS, or when node certificates are not in use).
+func (a *Agent) peerNode(c nbd.ConnInfo) (string, error) {
+	if c.TLS == nil || a.cfg.NodeRoots == nil || len(c.TLS.PeerCertificates) == 0 {
+		return "", nil
+	}
+	node, err := nodeid.PeerNode(c.TLS, a.cfg.NodeRoots())
+	if err != nil {
+		return "", fmt.Errorf("the client's certificate: %w", err)
+	}
+	return node, nil
 }
 
 // remoteIP is the connection's peer address, or the zero Addr.

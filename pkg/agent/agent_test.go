@@ -119,8 +119,9 @@ func startAgent(t *testing.T, cfg *rest.Config, dir string) *running {
 	return startAgentOn(t, cfg, dir, l, "127.0.0.1")
 }
 
-// startAgentOn is startAgent serving on l, reporting address addr.
-func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, addr string) *running {
+// startAgentOn is startAgent serving on l, reporting address addr; each
+// of with may change the server and the agent's configuration first.
+func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, addr string, with ...func(*nbd.Server, *Config)) *running {
 	t.Helper()
 	log := testLogger(t)
 	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
@@ -143,7 +144,7 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 		t.Fatal(err)
 	}
 	obs := &recordingObserver{exports: map[string]bool{}}
-	a, err := New(Config{
+	acfg := Config{
 		NodeName:          testNode,
 		Snapshots:         true,
 		DataDir:           dir,
@@ -155,7 +156,11 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 		DrainTimeout:      5 * time.Second,
 		Exports:           obs,
 		Logger:            log,
-	}, srv, mgr.GetClient(), mgr.GetAPIReader())
+	}
+	for _, f := range with {
+		f(srv, &acfg)
+	}
+	a, err := New(acfg, srv, mgr.GetClient(), mgr.GetAPIReader())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -243,7 +243,8 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 		a.kickCapacity()
 	}
 	if _, ok := a.srv.Export(name); !ok {
-		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: v.backend})
+		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: v.backend,
+			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired})
 		if err != nil {
 			return nil, internal("exporting: %v", err)
 		}
@@ -277,6 +278,11 @@ func (a *Agent) checkRoom(need int64, what string) *failure {
 func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (string, error) {
 	next := make(map[string]grant, len(vol.Spec.Publications))
 	for _, p := range vol.Spec.Publications {
+		if p.SecretRef == "" {
+			// No token: the node shows its certificate over TLS.
+			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
+			continue
+		}
 		var sec corev1.Secret
 		key := types.NamespacedName{Namespace: a.cfg.Namespace, Name: p.SecretRef}
 		if err := a.reader.Get(ctx, key, &sec); err != nil {
@@ -289,17 +295,7 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 		if !access.ValidToken(token) {
 			return fmt.Sprintf("secret %s of node %s has no valid %q", key, p.NodeID, access.SecretKeyToken), nil
 		}
-		g := grant{nodeID: p.NodeID, token: token, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0}
-		for _, s := range p.Addresses {
-			ip, err := netip.ParseAddr(strings.TrimSpace(s))
-			if err != nil {
-				// It matches no connection; the others still may.
-				log.Warn("ignoring an invalid publication address", "node_id", p.NodeID, "address", s)
-				continue
-			}
-			g.addrs = append(g.addrs, ip.Unmap())
-		}
-		next[p.NodeID] = g
+		next[p.NodeID] = grant{nodeID: p.NodeID, token: token, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
 	}
 
 	a.mu.Lock()
@@ -501,4 +497,19 @@ func (a *Agent) forget(log *slog.Logger, name string) {
 		log.Warn("closing the backing file", "error", err)
 	}
 	a.kickCapacity()
+}
+
+// parseAddrs is a publication's addresses; an invalid one is left out
+// (it matches no connection; the others still may).
+func parseAddrs(log *slog.Logger, p v1alpha1.Publication) []netip.Addr {
+	var addrs []netip.Addr
+	for _, s := range p.Addresses {
+		ip, err := netip.ParseAddr(strings.TrimSpace(s))
+		if err != nil {
+			log.Warn("ignoring an invalid publication address", "node_id", p.NodeID, "address", s)
+			continue
+		}
+		addrs = append(addrs, ip.Unmap())
+	}
+	return addrs
 }

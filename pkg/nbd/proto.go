@@ -181,6 +181,8 @@ func (e *OptionError) Is(target error) bool {
 		return e.Reply == RepErrPolicy
 	case ErrUnsupported:
 		return e.Reply == RepErrUnsup
+	case ErrTLSRequired:
+		return e.Reply == RepErrTLSReqd
 	}
 	return false
 }

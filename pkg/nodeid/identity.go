@@ -363,19 +363,32 @@ func writeFileAtomic(path string, b []byte) error {
 }
 
 // ClientConfig is the TLS configuration a node plugin dials storageNode
-// with: TLS 1.3, its current certificate, and the server's certificate
-// checked to be the storage certificate of storageNode.
+// with (ClientTLS with the current certificate and CA bundle).
 func (id *Identity) ClientConfig(storageNode string) *tls.Config {
+	return ClientTLS(storageNode, id.current, id.roots.Load)
+}
+
+// ServerConfig is the TLS configuration a storage agent serves with
+// (ServerTLS with the current certificate and CA bundle).
+func (id *Identity) ServerConfig() *tls.Config {
+	return ServerTLS(id.current, id.roots.Load)
+}
+
+// ClientTLS is a node's TLS configuration for dialling storageNode: TLS
+// 1.3, the certificate cert returns at each handshake, and the server's
+// certificate checked to be storageNode's storage certificate of the CA
+// roots returns.
+func ClientTLS(storageNode string, cert func() (*tls.Certificate, error), roots func() *x509.CertPool) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-			return id.current()
+			return cert()
 		},
 		// The chain and the name are checked in VerifyConnection: the
 		// certificate names a node, not a host.
 		InsecureSkipVerify: true,
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			node, err := Verify(Storage, id.roots.Load(), cs.PeerCertificates)
+			node, err := Verify(Storage, roots(), cs.PeerCertificates)
 			if err != nil {
 				return fmt.Errorf("the storage server's certificate: %w", err)
 			}
@@ -387,19 +400,19 @@ func (id *Identity) ClientConfig(storageNode string) *tls.Config {
 	}
 }
 
-// ServerConfig is the TLS configuration a storage agent serves with: TLS
-// 1.3, its current certificate, and a node certificate of our CA required
-// of every client (which node it names is for the caller to match, with
-// PeerNode).
-func (id *Identity) ServerConfig() *tls.Config {
+// ServerTLS is a storage agent's TLS configuration: TLS 1.3, the
+// certificate cert returns at each handshake, and a node certificate of
+// the CA roots returns required of every client (which node it names is
+// for the caller to match, with PeerNode).
+func ServerTLS(cert func() (*tls.Certificate, error), roots func() *x509.CertPool) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-			return id.current()
+			return cert()
 		},
 		ClientAuth: tls.RequireAnyClientCert,
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			if _, err := Verify(Node, id.roots.Load(), cs.PeerCertificates); err != nil {
+			if _, err := Verify(Node, roots(), cs.PeerCertificates); err != nil {
 				return fmt.Errorf("the client's certificate: %w", err)
 			}
 			return nil

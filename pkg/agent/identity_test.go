@@ -1,0 +1,189 @@
+package agent
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
+)
+
+// issue is a certificate of kind k for node from ca.
+func issue(t *testing.T, ca *nodeid.CA, k nodeid.Kind, node string) *tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	certPEM, err := ca.Issue(k, node, &x509.CertificateRequest{PublicKey: key.Public()}, time.Hour, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := pem.Decode(certPEM)
+	leaf, err := x509.ParseCertificate(b.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &tls.Certificate{Certificate: [][]byte{b.Bytes}, PrivateKey: key, Leaf: leaf}
+}
+
+// TestAgentNodeCertificates serves volumes to nodes that show their node
+// certificate over TLS: a volume published without a token opens by its
+// name alone, only for the node the certificate names; a token and a
+// certificate must agree; an encrypted volume is refused in plaintext.
+func TestAgentNodeCertificates(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
+		t.Fatal(err)
+	}
+	ca, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AddCert(ca.Cert)
+	rootsOf := func() *x509.CertPool { return roots }
+	storageCert := issue(t, ca, nodeid.Storage, testNode)
+	l, err := mptcp.Listen(ctx, "tcp", "127.0.0.1:0", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := startAgentOn(t, cfg, t.TempDir(), l, "127.0.0.1", func(srv *nbd.Server, c *Config) {
+		srv.TLSConfig = nodeid.ServerTLS(func() (*tls.Certificate, error) { return storageCert, nil }, rootsOf)
+		c.NodeRoots = rootsOf
+	})
+
+	// as dials export presenting cert (nil: plaintext).
+	as := func(cert *tls.Certificate, export string) (*nbd.Client, error) {
+		t.Helper()
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		o := nbd.DialOptions{Addr: r.addr, Export: export, MPTCP: true, Logger: testLogger(t)}
+		if cert != nil {
+			o.TLS = nodeid.ClientTLS(testNode, func() (*tls.Certificate, error) { return cert, nil }, rootsOf)
+		}
+		cl, err := nbd.Dial(dctx, o)
+		if err == nil {
+			t.Cleanup(func() { cl.Close() })
+		}
+		return cl, err
+	}
+	refusedAs := func(what string, cert *tls.Certificate, export string) {
+		t.Helper()
+		if cl, err := as(cert, export); err == nil {
+			cl.Close()
+			t.Errorf("%s: open %q succeeded", what, export)
+		}
+	}
+	node1, node2 := issue(t, ca, nodeid.Node, "node-1"), issue(t, ca, nodeid.Node, "node-2")
+
+	// An encrypted volume, published to node-1 by certificate.
+	enc := newVolume("vol-enc", 1<<20)
+	enc.Spec.Encryption = v1alpha1.EncryptionRequired
+	if err := c.Create(ctx, enc); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vol-enc"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vol-enc: %+v", v.Status)
+	}
+	editVolume(t, c, "vol-enc", func(v *v1alpha1.NBDVolume) {
+		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-1", Addresses: []string{"127.0.0.1"}})
+	})
+	var cl1 *nbd.Client
+	eventually(t, "node-1 opens vol-enc with its certificate", func() string {
+		var err error
+		if cl1, err = as(node1, "vol-enc"); err != nil {
+			return err.Error()
+		}
+		return ""
+	})
+	data := bytes.Repeat([]byte("certified"), 512)
+	if _, err := cl1.WriteAt(data, 4096); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(data))
+	if _, err := cl1.ReadAt(got, 4096); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read back over TLS: %v (equal %v)", err, bytes.Equal(got, data))
+	}
+	refusedAs("another node's certificate", node2, "vol-enc")
+	refusedAs("no certificate", nil, "vol-enc")
+	other, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusedAs("node-1's name from another CA", issue(t, other, nodeid.Node, "node-1"), "vol-enc")
+	refusedAs("a storage certificate", issue(t, ca, nodeid.Storage, "node-1"), "vol-enc")
+
+	// A token does not open an encrypted volume in plaintext.
+	tok2 := publish(t, c, "vol-enc", "node-2", false)
+	eventually(t, "node-2 opens vol-enc with its token over TLS", func() string {
+		cl, err := as(node2, access.NodeExport("vol-enc", tok2))
+		if err != nil {
+			return err.Error()
+		}
+		cl.Close()
+		return ""
+	})
+	if _, err := as(nil, access.NodeExport("vol-enc", tok2)); !errors.Is(err, nbd.ErrTLSRequired) {
+		t.Errorf("a token in plaintext on an encrypted volume: %v, want ErrTLSRequired", err)
+	}
+	// The certificate and the token must name the same node.
+	refusedAs("node-1's certificate with node-2's token", node1, access.NodeExport("vol-enc", tok2))
+
+	// A plaintext volume: a token opens it with or without TLS.
+	if err := c.Create(ctx, newVolume("vol-plain", 1<<20)); err != nil {
+		t.Fatal(err)
+	}
+	waitObserved(t, c, "vol-plain")
+	tokP := publish(t, c, "vol-plain", "node-1", false)
+	eventually(t, "node-1 opens vol-plain in plaintext and over TLS", func() string {
+		for _, cert := range []*tls.Certificate{nil, node1} {
+			cl, err := as(cert, access.NodeExport("vol-plain", tokP))
+			if err != nil {
+				return err.Error()
+			}
+			cl.Close()
+		}
+		return ""
+	})
+	// By name, a certificate of a node it is published to opens it too
+	// (the certificate proves more than the token); another node's not.
+	if cl, err := as(node1, "vol-plain"); err != nil {
+		t.Errorf("vol-plain by name with node-1's certificate: %v", err)
+	} else {
+		cl.Close()
+	}
+	refusedAs("vol-plain by name with node-2's certificate", node2, "vol-plain")
+
+	// Unpublishing node-1 closes its open connection.
+	if _, err := cl1.ReadAt(got, 0); err != nil {
+		t.Fatalf("node-1's connection before unpublishing: %v", err)
+	}
+	closed := time.Now()
+	unpublish(t, c, "vol-enc", "node-1")
+	eventually(t, "node-1's connection closed", func() string {
+		if _, err := cl1.ReadAt(got, 0); err == nil {
+			return "I/O still works"
+		}
+		return ""
+	})
+	t.Logf("node-1's connection closed %v after it was unpublished", time.Since(closed).Round(time.Millisecond))
+	refusedAs("node-1 after unpublishing", node1, "vol-enc")
+}
