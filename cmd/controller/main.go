@@ -20,13 +20,16 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 func main() {
@@ -45,6 +48,10 @@ type options struct {
 	defaultSize int64
 	logLevel    slog.Level
 	logFormat   string
+	// sign runs the signer of node and storage certificates, approving
+	// requests of these ServiceAccounts (NAMESPACE:NAME).
+	sign                        bool
+	nodeAccount, storageAccount string
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -60,6 +67,9 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return o.logLevel.UnmarshalText([]byte(s))
 	})
 	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	fs.BoolVar(&o.sign, "sign-certificates", true, "issue the node plugins' and storage agents' certificates for the storage network (signers "+nodeid.SignerNode+" and "+nodeid.SignerStorage+"; CA in the Secret "+nodeid.CASecret+" of --namespace)")
+	fs.StringVar(&o.nodeAccount, "node-service-account", "", "`NAMESPACE:NAME` of the node plugin's ServiceAccount, the only one given node certificates (default --namespace:mpnbd-node)")
+	fs.StringVar(&o.storageAccount, "storage-service-account", "", "`NAMESPACE:NAME` of the storage agent's ServiceAccount, the only one given storage certificates (default --namespace:mpnbd-storage-agent)")
 	return fs
 }
 
@@ -81,6 +91,19 @@ func parseArgs(args []string) (*options, error) {
 	}
 	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
 		return nil, fmt.Errorf("--endpoint: %v", err)
+	}
+	for _, a := range []struct {
+		flag string
+		v    *string
+		def  string
+	}{{"node-service-account", &o.nodeAccount, "mpnbd-node"}, {"storage-service-account", &o.storageAccount, "mpnbd-storage-agent"}} {
+		if *a.v == "" {
+			*a.v = o.namespace + ":" + a.def
+		}
+		ns, name, ok := strings.Cut(*a.v, ":")
+		if !ok || len(validation.IsDNS1123Label(ns)) > 0 || len(validation.IsDNS1123Subdomain(name)) > 0 {
+			return nil, fmt.Errorf("--%s %q: want NAMESPACE:NAME of a ServiceAccount", a.flag, *a.v)
+		}
 	}
 	return o, nil
 }
@@ -158,6 +181,48 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		},
 	})
 	csi.RegisterControllerServer(s, ctl)
+	if o.sign {
+		go runSigner(ctx, cfg, scheme, o, log)
+	}
 	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
+}
+
+// serviceAccountUser is the user name the API server gives a
+// ServiceAccount's tokens.
+func serviceAccountUser(nsName string) string {
+	return "system:serviceaccount:" + nsName
+}
+
+// runSigner issues node and storage certificates until ctx ends. Without
+// the CA (no access to its Secret yet, say) it keeps trying: volumes work
+// without it, certificates wait for it.
+func runSigner(ctx context.Context, cfg *rest.Config, scheme *runtime.Scheme, o *options, log *slog.Logger) {
+	log = log.With("signers", []string{nodeid.SignerNode, nodeid.SignerStorage})
+	c, err := client.NewWithWatch(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		log.Error("no certificates will be issued", "error", err)
+		return
+	}
+	var ca *nodeid.CA
+	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
+		if ca, err = nodeid.LoadOrCreateCA(ctx, c, o.namespace); err == nil {
+			break
+		}
+		log.Error("no CA to issue certificates with; retrying", "error", err, "retry_in", delay)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
+	log.Info("issuing certificates", "ca_expires", ca.Cert.NotAfter, "node_account", o.nodeAccount, "storage_account", o.storageAccount)
+	s := nodeid.NewSigner(nodeid.SignerConfig{
+		Client: c, CA: ca, Logger: log,
+		NodeUser:    serviceAccountUser(o.nodeAccount),
+		StorageUser: serviceAccountUser(o.storageAccount),
+	})
+	if err := s.Run(ctx); err != nil {
+		log.Error("signer stopped", "error", err)
+	}
 }

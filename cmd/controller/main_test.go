@@ -9,7 +9,8 @@ import (
 
 func TestParseArgs(t *testing.T) {
 	o, err := parseArgs([]string{"--namespace", "mpnbd", "--endpoint", "tcp://127.0.0.1:0"})
-	if err != nil || o.namespace != "mpnbd" || o.waitTimeout <= 0 {
+	if err != nil || o.namespace != "mpnbd" || o.waitTimeout <= 0 || !o.sign ||
+		o.nodeAccount != "mpnbd:mpnbd-node" || o.storageAccount != "mpnbd:mpnbd-storage-agent" {
 		t.Fatalf("parseArgs = %+v, %v", o, err)
 	}
 	for _, c := range []struct {
@@ -21,6 +22,8 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--namespace", "x", "--log-format", "xml"}, "--log-format"},
 		{[]string{"--namespace", "x", "--wait-timeout", "0s"}, "--wait-timeout"},
 		{[]string{"--namespace", "x", "extra"}, "extra"},
+		{[]string{"--namespace", "x", "--node-service-account", "mpnbd-node"}, "--node-service-account"},
+		{[]string{"--namespace", "x", "--storage-service-account", "Bad:agent"}, "--storage-service-account"},
 	} {
 		t.Setenv("POD_NAMESPACE", "")
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {

@@ -7,13 +7,16 @@ import (
 
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // clusterAgent is the storage agent of a --cluster run.
@@ -56,7 +59,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 	if err != nil {
 		return nil, fmt.Errorf("controller manager: %w", err)
 	}
-	a, err := agent.New(agent.Config{
+	acfg := agent.Config{
 		NodeName:          co.nodeName,
 		Snapshots:         snapshots,
 		DataDir:           co.dataDir,
@@ -70,19 +73,55 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		AutoBackup:        co.autoBackup,
 		Exports:           d.metrics,
 		Logger:            d.log,
-	}, d.srv, mgr.GetClient(), mgr.GetAPIReader())
+	}
+	mctx, cancel := context.WithCancel(ctx)
+	if co.identity {
+		// Before serving: every connection offers STARTTLS with the
+		// storage certificate, refused until it is issued.
+		id, err := d.startIdentity(mctx, cfg, scheme)
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+		d.srv.TLSConfig = id.ServerConfig()
+		acfg.NodeRoots = id.Roots
+	}
+	a, err := agent.New(acfg, d.srv, mgr.GetClient(), mgr.GetAPIReader())
 	if err != nil {
+		cancel()
 		return nil, err
 	}
 	if err := a.SetupWithManager(mgr); err != nil {
+		cancel()
 		return nil, err
 	}
-	mctx, cancel := context.WithCancel(ctx)
 	ca := &clusterAgent{agent: a, done: make(chan error, 1), stop: cancel}
 	go func() { ca.done <- mgr.Start(mctx) }()
 	d.log.Info("storage agent started", "node", co.nodeName, "data_dir", co.dataDir, "namespace", co.namespace,
 		"storage_addresses", co.addresses, "port", port, "signal_nics", co.signalNICs)
 	return ca, nil
+}
+
+// startIdentity gets this storage node's certificate in the background
+// and keeps it renewed until ctx ends.
+func (d *daemon) startIdentity(ctx context.Context, cfg *rest.Config, scheme *runtime.Scheme) (*nodeid.Identity, error) {
+	co := d.opts.cluster
+	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		return nil, err
+	}
+	id, err := nodeid.NewIdentity(nodeid.IdentityConfig{
+		Client: c, Kind: nodeid.Storage, NodeName: co.nodeName, Namespace: co.namespace, Logger: d.log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	go func() {
+		if err := id.Start(ctx, 0); err != nil && ctx.Err() == nil {
+			d.log.Error("no storage certificate: TLS connections are refused", "error", err)
+		}
+	}()
+	return id, nil
 }
 
 // listenerPort is the TCP port l is bound to.

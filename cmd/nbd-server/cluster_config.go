@@ -34,10 +34,11 @@ type clusterFlags struct {
 	topology         string
 	heartbeat        time.Duration
 	kubeconfig       string
+	identity         bool
 }
 
 // clusterOnly are the flags that mean something only with --cluster.
-var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "topology", "heartbeat", "kubeconfig"}
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "topology", "heartbeat", "kubeconfig", "identity"}
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
@@ -50,6 +51,7 @@ type clusterOptions struct {
 	topology   map[string]string
 	heartbeat  time.Duration
 	kubeconfig string
+	identity   bool
 }
 
 func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
@@ -63,6 +65,7 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.StringVar(&c.topology, "topology", "", "cluster mode: topology labels reported for the node")
 	fs.DurationVar(&c.heartbeat, "heartbeat", defaultHeartbeat, "cluster mode: report the node's capacity every `DURATION`")
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
+	fs.BoolVar(&c.identity, "identity", true, "cluster mode: get this storage node's certificate from the controller (CertificateSigningRequest) and offer STARTTLS with it; nodes then open volumes with their node certificates")
 }
 
 // checkModeFlags refuses flags of the other mode.
@@ -71,6 +74,11 @@ func checkModeFlags(v *flagValues, set map[string]bool) error {
 		for _, f := range []string{"export", "config"} {
 			if set[f] {
 				return fmt.Errorf("--%s cannot be combined with --cluster (cluster mode serves the node's NBDVolumes)", f)
+			}
+		}
+		for _, f := range []string{"tls", "tls-cert", "tls-key", "tls-ca"} {
+			if set[f] {
+				return fmt.Errorf("--%s cannot be combined with --cluster (cluster mode's TLS uses the certificate of --identity)", f)
 			}
 		}
 		return nil
@@ -105,6 +113,7 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		heartbeat:  c.heartbeat,
 		autoBackup: c.autoBackup,
 		kubeconfig: c.kubeconfig,
+		identity:   c.identity,
 	}
 	if !set["node-name"] {
 		o.nodeName = os.Getenv("NODE_NAME")

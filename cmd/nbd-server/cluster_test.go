@@ -27,6 +27,7 @@ func TestParseArgsCluster(t *testing.T) {
 		topology:   map[string]string{access.TopologyKey: access.DefaultTopology},
 		heartbeat:  defaultHeartbeat,
 		autoBackup: true,
+		identity:   true,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
@@ -38,7 +39,7 @@ func TestParseArgsCluster(t *testing.T) {
 	o, err = parseArgs([]string{"--cluster", "--node-name", "n1", "--namespace", "mpnbd",
 		"--storage-address", "192.168.1.5", "--data-dir", "/srv/vols", "--signal-nic", "eth1,10.7.0.0/16",
 		"--signal-nic", "eth2", "--topology", "topology.kubernetes.io/zone=a,rack=r1", "--heartbeat", "3s",
-		"--auto-backup=false", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp"})
+		"--auto-backup=false", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp", "--identity=false"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -91,6 +92,8 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		{"config in cluster mode", with("--config", cfg), "--config cannot be combined with --cluster"},
 		{"cluster flag without cluster", []string{"--export", "a=/a", "--node-name", "n1"}, "--node-name needs --cluster"},
 		{"address without cluster", []string{"--export", "a=/a", "--storage-address", "10.0.0.1"}, "--storage-address needs --cluster"},
+		{"identity without cluster", []string{"--export", "a=/a", "--identity"}, "--identity needs --cluster"},
+		{"tls files in cluster mode", with("--tls", "on", "--tls-cert", "c.pem", "--tls-key", "k.pem"), "--tls cannot be combined with --cluster"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o, err := parseArgs(tc.args)
@@ -111,7 +114,7 @@ func TestRunClusterUsage(t *testing.T) {
 		t.Fatalf("--help: exit %d", code)
 	}
 	for _, want := range []string{"--cluster", "--node-name NAME", "--storage-address IP[,IP...]", "--signal-nic NIC[,NIC...]",
-		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--kubeconfig FILE", "--data-dir DIR",
+		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--kubeconfig FILE", "--data-dir DIR", "--identity",
 		defaultDataDir, "$NODE_NAME", "$POD_NAMESPACE", "/readyz"} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("help text lacks %q", want)

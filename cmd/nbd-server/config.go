@@ -99,7 +99,13 @@ Cluster mode (--cluster):
   backup the endpoint of a path much slower than the others, from what its
   subflows deliver, and clears the flag once the path recovers. The cluster is reached with --kubeconfig, else
   $KUBECONFIG, else the in-cluster service account. Files never backed by an
-  NBDVolume are reported as orphans, never deleted.
+  NBDVolume are reported as orphans, never deleted. With --identity (on by
+  default) the agent gets this node's storage certificate from the
+  controller (a CertificateSigningRequest, renewed before it expires) and
+  offers STARTTLS with it; a node presenting its node certificate opens a
+  volume published to it by the volume's name, and volumes whose
+  spec.encryption is required are served only over TLS. The --tls flags
+  are for standalone runs.
 
 TLS (--tls on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]):
   clients upgrade with NBD_OPT_STARTTLS to TLS 1.3 before choosing an

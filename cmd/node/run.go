@@ -33,6 +33,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
@@ -56,8 +57,11 @@ type options struct {
 	// process is that component, serving there.
 	datapathSocket string
 	serveDatapath  string
-	readyFile      string
-	generation     int64
+	// namespace holds the CA bundle; identity gets the node certificate.
+	namespace  string
+	identity   bool
+	readyFile  string
+	generation int64
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -106,6 +110,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	})
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics of the attached volumes (connected, MPTCP subflows, health) at http://ADDR/metrics; empty: off")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing --storage-address (default: in-cluster, then $KUBECONFIG)")
+	fs.StringVar(&o.namespace, "namespace", os.Getenv("POD_NAMESPACE"), "the driver's namespace, which holds the CA bundle of the storage network (default $POD_NAMESPACE)")
+	fs.BoolVar(&o.identity, "identity", true, "get this node's certificate for the storage network from the controller (a CertificateSigningRequest, renewed before it expires), kept in --state-dir/identity; needs --namespace")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
 		return o.logLevel.UnmarshalText([]byte(s))
 	})
@@ -239,6 +245,9 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	}
 	if len(o.storageAddrs) > 0 {
 		go publishAddresses(ctx, o, log)
+	}
+	if o.identity && o.namespace != "" {
+		go keepIdentity(ctx, o, log)
 	}
 
 	cfg := driver.NodeConfig{
@@ -437,6 +446,32 @@ func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
 			return
 		case <-time.After(delay):
 		}
+	}
+}
+
+// keepIdentity gets this node's certificate and keeps it renewed, in
+// --state-dir/identity, until ctx ends.
+func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
+	cfg, err := kubeconfig.Load(o.kubeconfig)
+	if err != nil {
+		log.Error("no node certificate: no API server access", "error", err)
+		return
+	}
+	c, err := client.New(cfg, client.Options{})
+	if err != nil {
+		log.Error("no node certificate", "error", err)
+		return
+	}
+	id, err := nodeid.NewIdentity(nodeid.IdentityConfig{
+		Client: c, Kind: nodeid.Node, NodeName: o.nodeID, Namespace: o.namespace,
+		Dir: filepath.Join(o.stateDir, "identity"), Logger: log,
+	})
+	if err != nil {
+		log.Error("no node certificate", "error", err)
+		return
+	}
+	if err := id.Start(ctx, 0); err != nil && ctx.Err() == nil {
+		log.Error("no node certificate", "error", err)
 	}
 }
 

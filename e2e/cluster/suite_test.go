@@ -370,6 +370,7 @@ storageAgent:
 		}
 	})
 
+	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	s.upgradeScenario()
 	s.filesystemScenario()
 	s.expandScenario()

@@ -1,6 +1,7 @@
 package nodeid
 
 import (
+	"bytes"
 	"context"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -96,6 +97,9 @@ func TestCertificatesThroughAPIServer(t *testing.T) {
 	}
 	if fi, err := os.Stat(filepath.Join(nodeDir, "node.pem")); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Fatalf("the kept certificate: %v (mode %v)", err, fi)
+	}
+	if b, err := os.ReadFile(filepath.Join(nodeDir, BundleFile)); err != nil || !bytes.Equal(b, ca.PEM) {
+		t.Fatalf("the kept CA bundle: %v", err)
 	}
 	var csrs certv1.CertificateSigningRequestList
 	if err := c.List(ctx, &csrs); err != nil || len(csrs.Items) != 1 || !hasCondition(&csrs.Items[0], certv1.CertificateApproved) ||

@@ -32,6 +32,11 @@ const (
 	backdate = 5 * time.Minute
 )
 
+// labels mark the CA's Secret and bundle as the driver's. They are not
+// the Helm release's: an uninstall keeps the CA, so that a reinstall
+// trusts the certificates nodes still hold.
+var labels = map[string]string{"app.kubernetes.io/name": "mpnbd", "app.kubernetes.io/component": "controller"}
+
 // CA issues the node and storage certificates.
 type CA struct {
 	Cert *x509.Certificate
@@ -130,7 +135,7 @@ func loadOrCreateCA(ctx context.Context, c client.Client, namespace string) (*CA
 		return nil, err
 	}
 	s = corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: CASecret},
+		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: CASecret, Labels: labels},
 		Type:       corev1.SecretTypeTLS,
 		Data: map[string][]byte{
 			corev1.TLSCertKey:       ca.PEM,
@@ -152,7 +157,7 @@ func publishBundle(ctx context.Context, c client.Client, namespace string, caPEM
 	switch {
 	case apierrors.IsNotFound(err):
 		cm = corev1.ConfigMap{
-			ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: BundleConfigMap},
+			ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: BundleConfigMap, Labels: labels},
 			Data:       map[string]string{BundleKey: string(caPEM)},
 		}
 		if err := c.Create(ctx, &cm); err != nil && !apierrors.IsAlreadyExists(err) {

@@ -1,6 +1,7 @@
 package nodeid
 
 import (
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -34,8 +35,9 @@ type IdentityConfig struct {
 	NodeName string
 	// Namespace holds the CA bundle.
 	Namespace string
-	// Dir keeps the key and certificate across restarts (0600 file); ""
-	// keeps them in memory only.
+	// Dir keeps the key and certificate across restarts (a 0600 file,
+	// node.pem or storage.pem) and the CA bundle (BundleFile); "" keeps
+	// them in memory only.
 	Dir string
 	// Lifetime is asked for each certificate (default DefaultLifetime).
 	Lifetime time.Duration
@@ -44,6 +46,9 @@ type IdentityConfig struct {
 	BundleRefresh time.Duration
 	Logger        *slog.Logger
 }
+
+// BundleFile is the CA bundle's file in IdentityConfig.Dir.
+const BundleFile = "ca.pem"
 
 // Identity is a component's certificate, kept valid: Start gets one and
 // renews it in the background; every TLS handshake takes the current one.
@@ -130,7 +135,9 @@ func (id *Identity) Start(ctx context.Context, within time.Duration) error {
 		if sleep(ctx, backoff); ctx.Err() != nil {
 			return fmt.Errorf("getting a %s certificate: %w", id.cfg.Kind, err)
 		}
-		backoff = min(2*backoff, 30*time.Second)
+		// Up to 5 minutes: a cluster that denies (one older than 1.30,
+		// whose tokens name no node) gets a request every 5 minutes.
+		backoff = min(2*backoff, 5*time.Minute)
 	}
 	go id.keepFresh(life)
 	return nil
@@ -184,9 +191,19 @@ func (id *Identity) readBundle(ctx context.Context) error {
 	if err := id.cfg.Client.Get(ctx, client.ObjectKey{Namespace: id.cfg.Namespace, Name: BundleConfigMap}, &cm); err != nil {
 		return fmt.Errorf("configmap %s/%s: %w", id.cfg.Namespace, BundleConfigMap, err)
 	}
+	bundle := []byte(cm.Data[BundleKey])
 	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM([]byte(cm.Data[BundleKey])) {
+	if !pool.AppendCertsFromPEM(bundle) {
 		return fmt.Errorf("configmap %s/%s holds no CA certificate under %s", id.cfg.Namespace, BundleConfigMap, BundleKey)
+	}
+	if id.cfg.Dir != "" {
+		// For the processes that dial without API access (the data path).
+		f := filepath.Join(id.cfg.Dir, BundleFile)
+		if old, err := os.ReadFile(f); err != nil || !bytes.Equal(old, bundle) {
+			if err := writeFileAtomic(f, bundle); err != nil {
+				return fmt.Errorf("keeping the CA bundle: %w", err)
+			}
+		}
 	}
 	id.roots.Store(pool)
 	return nil
