@@ -259,6 +259,9 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		Logger:     log,
 		StateDir:   filepath.Join(o.stateDir, "node"),
 	}
+	if o.identity && o.namespace != "" {
+		cfg.IdentityDir = identityDir(o)
+	}
 	watch := newVolumeWatch(o, log)
 	if watch != nil {
 		cfg.Observer = watch
@@ -449,6 +452,10 @@ func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
 	}
 }
 
+// identityDir keeps the node certificate and the CA bundle, where the
+// data path (maybe another container) reads them at each dial.
+func identityDir(o *options) string { return filepath.Join(o.stateDir, "identity") }
+
 // keepIdentity gets this node's certificate and keeps it renewed, in
 // --state-dir/identity, until ctx ends.
 func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
@@ -464,7 +471,7 @@ func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
 	}
 	id, err := nodeid.NewIdentity(nodeid.IdentityConfig{
 		Client: c, Kind: nodeid.Node, NodeName: o.nodeID, Namespace: o.namespace,
-		Dir: filepath.Join(o.stateDir, "identity"), Logger: log,
+		Dir: identityDir(o), Logger: log,
 	})
 	if err != nil {
 		log.Error("no node certificate", "error", err)

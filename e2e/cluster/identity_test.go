@@ -1,13 +1,18 @@
 package cluster
 
 import (
+	"context"
 	"crypto/x509"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // identityScenario checks that the node plugin and the storage agent got
@@ -74,4 +79,103 @@ func (s *suite) issued(signer, cn string) string {
 		}
 	}
 	return "requests of " + signer + ": " + seen
+}
+
+// encryptedScenario: a StorageClass with encryption: required. A pod
+// writes and a new pod reads back the same data; the volume has no token
+// anywhere (no Secret, nothing in its VolumeAttachment but its name),
+// its storage agent serves it only over TLS with the node certificate,
+// and a client without one is refused.
+func (s *suite) encryptedScenario() {
+	t := s.t
+	s.apply(`apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: mpnbd-encrypted}
+provisioner: nbd.mptcp.mpnbd.io
+parameters: {encryption: required, transport: fuse}
+volumeBindingMode: WaitForFirstConsumer
+`)
+	s.apply(pvc("enc", "mpnbd-encrypted", "256Mi", false))
+	var sum string
+	s.step("encrypted: write from a pod, read back from a new pod", func() {
+		out := s.runPod("enc-writer", pod("enc-writer", "enc",
+			`head -c 32M /dev/urandom > /data/file && sync && echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if sum = field(out, "sum"); len(sum) != 64 {
+			t.Fatalf("writer output %q", out)
+		}
+		out = s.runPod("enc-reader", pod("enc-reader", "enc", `echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if got := field(out, "sum"); got != sum {
+			t.Fatalf("read back sha256 %q, want %q", got, sum)
+		}
+	})
+	pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "enc")
+	s.step("encrypted: no credential in its VolumeAttachment, no Secret", func() {
+		s.startPod("enc-app", pod("enc-app", "enc", `sleep 3600`, false))
+		var meta map[string]string
+		s.waitFor("the VolumeAttachment of "+pv, time.Minute, func() string {
+			out, err := s.c.Kubectl(s.ctx, "get", "volumeattachments", "-o", "json")
+			if err != nil {
+				return err.Error()
+			}
+			var l struct {
+				Items []struct {
+					Spec struct {
+						Source struct{ PersistentVolumeName string }
+					}
+					Status struct {
+						Attached           bool
+						AttachmentMetadata map[string]string
+					}
+				}
+			}
+			if err := json.Unmarshal([]byte(out), &l); err != nil {
+				return err.Error()
+			}
+			for _, va := range l.Items {
+				if va.Spec.Source.PersistentVolumeName == pv && va.Status.Attached {
+					meta = va.Status.AttachmentMetadata
+					return ""
+				}
+			}
+			return "not attached yet"
+		})
+		if meta["export"] != pv || meta["storageNode"] != s.c.NodeName {
+			t.Fatalf("attachment metadata %v: want the export %s by its name alone and storage node %s", meta, pv, s.c.NodeName)
+		}
+		if sec := s.jsonpath("{.items[*].metadata.name}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume="+pv); sec != "" {
+			t.Fatalf("Secrets of the encrypted volume: %s", sec)
+		}
+		if enc := s.jsonpath("{.spec.encryption}", "get", "nbdvolume", pv); enc != "required" {
+			t.Fatalf("NBDVolume %s spec.encryption %q", pv, enc)
+		}
+		if refs := s.jsonpath("{.spec.publications[*].secretRef}", "get", "nbdvolume", pv); refs != "" {
+			t.Fatalf("NBDVolume %s publications name Secrets: %s", pv, refs)
+		}
+	})
+	s.step("encrypted: a client without a node certificate is refused", func() {
+		addr := net.JoinHostPort(pathAddr(1, false), "10809")
+		for _, export := range []string{pv, pv + "/0123456789abcdef0123456789abcdef"} {
+			ctx, cancel := context.WithTimeout(s.ctx, 20*time.Second)
+			cl, err := nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: export})
+			cancel()
+			if err == nil {
+				cl.Close()
+				t.Fatalf("a plaintext client opened %q", export)
+			}
+			if !errors.Is(err, nbd.ErrAccessDenied) && !errors.Is(err, nbd.ErrTLSRequired) {
+				t.Fatalf("a plaintext client opening %q: %v, want a refusal", export, err)
+			}
+		}
+	})
+	s.step("encrypted: deleted", func() {
+		s.kubectl("delete", "pod", "enc-app", "--wait=true", "--timeout=120s")
+		s.kubectl("delete", "pvc", "enc", "--wait=true", "--timeout=180s")
+		s.waitFor("the encrypted volume gone", 3*time.Minute, func() string {
+			if v := s.jsonpath("{.metadata.name}", "get", "pv", pv, "--ignore-not-found"); v != "" {
+				return "PV left"
+			}
+			return ""
+		})
+		s.kubectl("delete", "storageclass", "mpnbd-encrypted")
+	})
 }

@@ -370,8 +370,9 @@ storageAgent:
 		}
 	})
 
-	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	s.upgradeScenario()
+	s.identityScenario(filepath.Join(s.dir, "node-state"))
+	s.encryptedScenario()
 	s.filesystemScenario()
 	s.expandScenario()
 	s.snapshotScenario(dataDir)

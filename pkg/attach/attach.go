@@ -16,6 +16,7 @@ package attach
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -23,6 +24,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
@@ -83,6 +85,40 @@ type Target struct {
 	Addrs []string
 	// LocalAddrs are the node's storage addresses, for multiconn.
 	LocalAddrs []string
+	// TLS, when set, makes every connection upgrade to TLS before the
+	// export is chosen. Only the transports that own their connections
+	// (relay, ublk, fuse) can (CanEncrypt); the others refuse such a
+	// target with ErrUnsupported, or connect in plaintext when the TLS
+	// is Optional.
+	TLS *TargetTLS `json:",omitempty"`
+}
+
+// CanEncrypt reports whether transport t can carry a volume's
+// connections over TLS: those whose connections the kernel's NBD client
+// holds cannot.
+func CanEncrypt(t Transport) bool {
+	return t == Relay || t == Ublk || t == FUSE
+}
+
+// EncryptionRequired reports whether the target's connections must run
+// TLS.
+func (t Target) EncryptionRequired() bool { return t.TLS != nil && !t.TLS.Optional }
+
+// TargetTLS is how a target's connections authenticate over TLS.
+type TargetTLS struct {
+	// StorageNode is the node the server's certificate must name.
+	StorageNode string
+	// IdentityDir holds the node's certificate and the CA bundle (as
+	// nodeid.Identity keeps them).
+	IdentityDir string
+	// Optional lets a transport that cannot encrypt connect in
+	// plaintext (the volume's encryption is preferred, not required).
+	Optional bool `json:",omitempty"`
+}
+
+// Config is the TLS configuration of the target's connections.
+func (t *TargetTLS) Config() *tls.Config {
+	return nodeid.FileClientTLS(t.IdentityDir, t.StorageNode)
 }
 
 // Options tune an attach. Zero values mean the defaults above.

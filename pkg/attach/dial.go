@@ -2,6 +2,7 @@ package attach
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -73,6 +74,9 @@ func Dial[T any](ctx context.Context, d *AddrDialer, addrs []string, dial DialFu
 // fallback logged, the session announced, refusals told apart).
 type ExportDialer struct {
 	Logger *slog.Logger
+	// TLS, when set, upgrades each connection (NBD_OPT_STARTTLS) before
+	// the export is chosen; the connection returned is the TLS one.
+	TLS *tls.Config
 }
 
 // mptcpAttempts bounds the connections DialExport opens to get one that
@@ -137,10 +141,19 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 	if err != nil {
 		return nil, nbd.ExportInfo{}, err
 	}
-	info, err := nbd.NegotiateConnWith(ctx, c, export, nbd.NegotiateOptions{Session: sess})
+	no := nbd.NegotiateOptions{Session: sess}
+	var info nbd.ExportInfo
+	if x.TLS != nil {
+		var tc net.Conn
+		if tc, info, err = nbd.NegotiateConnTLS(ctx, c, export, x.TLS, no); err == nil {
+			c = tc
+		}
+	} else {
+		info, err = nbd.NegotiateConnWith(ctx, c, export, no)
+	}
 	if err != nil {
 		c.Close()
-		if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) {
+		if errors.Is(err, nbd.ErrUnknownExport) || errors.Is(err, nbd.ErrAccessDenied) || errors.Is(err, nbd.ErrTLSRequired) {
 			return nil, nbd.ExportInfo{}, fmt.Errorf("%w: %w", ErrServerRefused, err)
 		}
 		return nil, nbd.ExportInfo{}, fmt.Errorf("handshake with %s: %w", addr, err)

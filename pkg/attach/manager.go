@@ -54,10 +54,13 @@ func (m *Manager) Available() []Transport {
 // candidates resolves a requested transport to what will be tried, in
 // order; for auto also the transports passed over without a try (missing
 // on this node, or the kernel's known refusal), in auto's order.
-func (m *Manager) candidates(tr Transport) (out []Transport, passed []passedOver, err error) {
+func (m *Manager) candidates(tr Transport, encrypted bool) (out []Transport, passed []passedOver, err error) {
 	if tr != Auto {
 		if _, ok := m.attachers[tr]; !ok {
 			return nil, nil, fmt.Errorf("%w: %s (this node has %v)", ErrUnsupported, tr, m.Available())
+		}
+		if encrypted && !CanEncrypt(tr) {
+			return nil, nil, fmt.Errorf("%w: the volume's encryption is required, and %s", ErrInvalid, NoEncryption(tr))
 		}
 		return []Transport{tr}, nil, nil
 	}
@@ -68,6 +71,8 @@ func (m *Manager) candidates(tr Transport) (out []Transport, passed []passedOver
 		switch _, ok := m.attachers[t]; {
 		case !ok:
 			passed = append(passed, passedOver{t, ""})
+		case encrypted && !CanEncrypt(t):
+			passed = append(passed, passedOver{t, "the volume is encrypted and " + NoEncryption(t)})
 		case t == Kernel && refused:
 			passed = append(passed, passedOver{t, "refused by an earlier attach on this node: " + refusal})
 		default:
@@ -78,6 +83,11 @@ func (m *Manager) candidates(tr Transport) (out []Transport, passed []passedOver
 		return nil, nil, fmt.Errorf("%w: no transport for auto on this node", ErrUnsupported)
 	}
 	return out, passed, nil
+}
+
+// NoEncryption says why transport t cannot encrypt (for !CanEncrypt(t)).
+func NoEncryption(t Transport) string {
+	return fmt.Sprintf("the %s transport cannot encrypt a volume's connections: the kernel's NBD client holds them and speaks no TLS", t)
 }
 
 // passedOver is a transport auto did not try: missing on the node
@@ -130,7 +140,7 @@ func (m *Manager) Attach(ctx context.Context, tr Transport, t Target, o Options)
 	if tr == "" {
 		tr = Auto
 	}
-	cands, passed, err := m.candidates(tr)
+	cands, passed, err := m.candidates(tr, t.EncryptionRequired())
 	if err != nil {
 		return nil, err
 	}

@@ -273,3 +273,42 @@ func TestAttachChoice(t *testing.T) {
 		t.Fatalf("skipped %+v, want kernel>relay refused earlier with EINVAL", s)
 	}
 }
+
+// TestEncryptedVolumesSkipTheKernel: auto passes over the transports that
+// cannot encrypt for a volume whose encryption is required (without
+// trying them, and without marking the kernel refused for the others),
+// and says why; a transport named that cannot encrypt is an invalid
+// request; a preferred encryption lets the kernel have the volume.
+func TestEncryptedVolumesSkipTheKernel(t *testing.T) {
+	k, u, r := &fakeAttacher{}, &fakeAttacher{}, &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{Kernel: k, Ublk: u, Relay: r, TCP: {}})
+	enc := target
+	enc.TLS = &TargetTLS{StorageNode: "store-1", IdentityDir: "/id"}
+	att, err := m.Attach(context.Background(), Auto, enc, Options{})
+	if err != nil || att.Transport != Ublk || k.calls != 0 {
+		t.Fatalf("auto for an encrypted volume: %+v, %v (kernel tried %d times)", att, err, k.calls)
+	}
+	if c := att.Choice; c == nil || len(c.Skipped) != 1 || c.Skipped[0].From != Kernel || c.Skipped[0].To != Ublk ||
+		!strings.Contains(c.Skipped[0].Reason, "cannot encrypt") {
+		t.Fatalf("choice %+v, want the kernel skipped for its lack of TLS", att.Choice)
+	}
+	if m.KernelRefused() {
+		t.Fatal("an encrypted volume marked the kernel refused for every volume")
+	}
+	for _, tr := range []Transport{Kernel, TCP} {
+		e := enc
+		e.VolumeID = "v-" + string(tr)
+		if _, err := m.Attach(context.Background(), tr, e, Options{}); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "cannot encrypt") {
+			t.Errorf("%s named for an encrypted volume: %v, want ErrInvalid", tr, err)
+		}
+	}
+	if _, err := m.Attach(context.Background(), Relay, Target{VolumeID: "v-relay", Export: "e", Addrs: []string{"a:1"}, TLS: enc.TLS}, Options{}); err != nil {
+		t.Errorf("relay named for an encrypted volume: %v", err)
+	}
+	pref := target
+	pref.VolumeID = "v-pref"
+	pref.TLS = &TargetTLS{StorageNode: "store-1", IdentityDir: "/id", Optional: true}
+	if att, err := m.Attach(context.Background(), Auto, pref, Options{}); err != nil || att.Transport != Kernel {
+		t.Fatalf("auto for a volume that prefers encryption: %+v, %v", att, err)
+	}
+}

@@ -61,6 +61,9 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 		s.ID = nbd.NewSessionID()
 	}
 	x := ExportDialer{Logger: log}
+	if t.TLS != nil {
+		x.TLS = t.TLS.Config()
+	}
 	dial := func(ctx context.Context) (*relay.Remote, error) {
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()
@@ -153,6 +156,9 @@ func ProbeSize(ctx context.Context, t Target, addrs *AddrDialer) (uint64, error)
 	ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 	defer cancel()
 	var x ExportDialer
+	if t.TLS != nil {
+		x.TLS = t.TLS.Config()
+	}
 	info, _, err := Dial(ctx, addrs, t.Addrs, func(ctx context.Context, addr string) (nbd.ExportInfo, error) {
 		c, info, err := x.DialExport(ctx, addr, "", t.Export, true, nil)
 		if err != nil {

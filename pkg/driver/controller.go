@@ -236,6 +236,7 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			Spec: v1alpha1.NBDVolumeSpec{
 				SizeBytes:     size,
 				StorageNode:   nodeName,
+				Encryption:    p.Encryption,
 				AccessType:    accessType,
 				MultiNode:     multiNode,
 				Parameters:    params,
@@ -447,15 +448,19 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 		}
 	}
 	// The Secret comes first: a publication always names a Secret that
-	// exists.
-	token, err := c.ensureSecret(ctx, v, nodeID)
-	if err != nil {
-		return nil, err
+	// exists. An encrypted volume has none: the node shows its node
+	// certificate, and no credential reaches the VolumeAttachment.
+	token, secretRef := "", ""
+	if v.Spec.Encryption != v1alpha1.EncryptionRequired {
+		if token, err = c.ensureSecret(ctx, v, nodeID); err != nil {
+			return nil, err
+		}
+		secretRef = access.SecretName(id, nodeID)
 	}
 	if add {
 		pub := v1alpha1.Publication{
 			NodeID:    nodeID,
-			SecretRef: access.SecretName(id, nodeID),
+			SecretRef: secretRef,
 			Addresses: storageAddresses(&node),
 			ReadOnly:  readOnly,
 		}

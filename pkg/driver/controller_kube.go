@@ -265,7 +265,8 @@ func (c *Controller) deleteSecrets(ctx context.Context, id, nodeID string) error
 }
 
 // publishContext is what the node plugin needs to open the export: the
-// export name with the node's token, and the storage node's addresses.
+// export name (with the node's token, for a volume that has one), the
+// storage node's addresses and its name (which its certificate names).
 func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, token string) (map[string]string, error) {
 	exportName := v.Name
 	var addrs []string
@@ -297,9 +298,13 @@ func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, 
 	for i, a := range addrs {
 		hostports[i] = net.JoinHostPort(a, strconv.Itoa(int(port)))
 	}
+	if token != "" {
+		exportName = access.NodeExport(exportName, token)
+	}
 	return map[string]string{
-		PublishContextExport:    access.NodeExport(exportName, token),
-		PublishContextAddresses: strings.Join(hostports, ","),
+		PublishContextExport:      exportName,
+		PublishContextAddresses:   strings.Join(hostports, ","),
+		PublishContextStorageNode: v.Spec.StorageNode,
 	}, nil
 }
 

@@ -757,7 +757,7 @@ func TestPublishUnpublish(t *testing.T) {
 		t.Errorf("publications %+v (generation %d, observed %d)", v.Spec.Publications, v.Generation, v.Status.ObservedGeneration)
 	}
 	// The node plugin can use what it got.
-	if _, err := parseAttachSpec("fs", pc, nil); err != nil {
+	if _, err := parseAttachSpec("fs", pc, nil, ""); err != nil {
 		t.Errorf("node side rejects the publish context: %v", err)
 	}
 
@@ -1226,5 +1226,57 @@ func TestPublishAttachLimit(t *testing.T) {
 	}
 	if _, err := ctl.ControllerPublishVolume(ctx, publishReq("second", "worker-1", fsCap(rwo), false)); err != nil {
 		t.Fatalf("publish after making room: %v", err)
+	}
+}
+
+// TestPublishEncrypted: a volume whose StorageClass requires encryption
+// is published without a token: no Secret, no credential in the publish
+// context (which Kubernetes keeps in the VolumeAttachment); the node opens
+// it by name with its certificate, which must name the storage node the
+// context gives.
+func TestPublishEncrypted(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t)
+	if _, err := ctl.CreateVolume(ctx, createReq("enc", gib, map[string]string{ParamEncryption: "required"})); err != nil {
+		t.Fatal(err)
+	}
+	v := getVolume(t, c, "enc")
+	if v.Spec.Encryption != v1alpha1.EncryptionRequired {
+		t.Fatalf("spec.encryption %q", v.Spec.Encryption)
+	}
+	resp, err := ctl.ControllerPublishVolume(ctx, publishReq("enc", "worker-1", fsCap(rwo), false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := resp.GetPublishContext()
+	if pc[PublishContextExport] != "enc" || pc[PublishContextStorageNode] != v.Spec.StorageNode || pc[PublishContextStorageNode] == "" {
+		t.Errorf("publish context %v", pc)
+	}
+	if _, ok := getSecret(t, c, "enc", "worker-1"); ok {
+		t.Error("an encrypted volume's publication made a Secret")
+	}
+	v = getVolume(t, c, "enc")
+	if len(v.Spec.Publications) != 1 || v.Spec.Publications[0].SecretRef != "" || v.Spec.Publications[0].NodeID != "worker-1" {
+		t.Errorf("publications %+v", v.Spec.Publications)
+	}
+	spec, err := parseAttachSpec("enc", pc, map[string]string{ParamEncryption: "required"}, "/state/identity")
+	if err != nil || spec.Target.TLS == nil || spec.Target.TLS.StorageNode != v.Spec.StorageNode || spec.Target.TLS.Optional {
+		t.Errorf("node side: %+v, %v", spec.Target, err)
+	}
+	// Preferred keeps a token: a transport without TLS may still be used.
+	if _, err := ctl.CreateVolume(ctx, createReq("pref", gib, map[string]string{ParamEncryption: "preferred"})); err != nil {
+		t.Fatal(err)
+	}
+	resp, err = ctl.ControllerPublishVolume(ctx, publishReq("pref", "worker-1", fsCap(rwo), false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, ok := getSecret(t, c, "pref", "worker-1"); !ok || resp.GetPublishContext()[PublishContextExport] != access.NodeExport("pref", string(s.Data[access.SecretKeyToken])) {
+		t.Errorf("preferred: publish context %v, secret %v", resp.GetPublishContext(), ok)
+	}
+	if _, err := ctl.CreateVolume(ctx, createReq("bad", gib, map[string]string{ParamEncryption: "always"})); err == nil {
+		t.Error("encryption=always accepted")
+	} else {
+		wantStatus(t, err, codes.InvalidArgument, "encryption")
 	}
 }

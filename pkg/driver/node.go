@@ -90,6 +90,11 @@ type NodeConfig struct {
 	// volume missing subflows (in the directory expectedDir names). Empty:
 	// remembered in memory only, and unknown after a restart.
 	StateDir string
+	// IdentityDir holds the node's certificate and the CA bundle
+	// (nodeid.Identity), with which encrypted volumes are opened. Empty:
+	// no certificate, and volumes whose encryption is required fail to
+	// stage.
+	IdentityDir string
 }
 
 // expectedDir is the directory under NodeConfig.StateDir holding, per
@@ -210,7 +215,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err := checkCapability(capability); err != nil {
 		return nil, err
 	}
-	spec, err := parseAttachSpec(id, req.GetPublishContext(), req.GetVolumeContext())
+	spec, err := parseAttachSpec(id, req.GetPublishContext(), req.GetVolumeContext(), n.cfg.IdentityDir)
 	if err != nil {
 		return nil, toStatus(err)
 	}

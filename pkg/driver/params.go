@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
@@ -19,6 +20,7 @@ const (
 	ParamDeadConnTimeout = "deadConnTimeout"
 	ParamRequestTimeout  = "requestTimeout"
 	ParamBlockSize       = "blockSize"
+	ParamEncryption      = "encryption"
 
 	// reservedPrefix marks keys the Kubernetes sidecars add or reserve.
 	reservedPrefix = "csi.storage.k8s.io/"
@@ -33,12 +35,14 @@ type Params struct {
 	DeadConnTimeout time.Duration
 	RequestTimeout  time.Duration
 	BlockSize       uint64
+	// Encryption is none (the default), preferred or required.
+	Encryption v1alpha1.Encryption
 }
 
 // ParseParams validates StorageClass parameters. Every unknown or invalid
 // key is an InvalidArgument error that names it.
 func ParseParams(in map[string]string) (Params, error) {
-	p := Params{FSType: "ext4", Transport: attach.Auto}
+	p := Params{FSType: "ext4", Transport: attach.Auto, Encryption: v1alpha1.EncryptionNone}
 	keys := make([]string, 0, len(in))
 	for k := range in {
 		keys = append(keys, k)
@@ -88,6 +92,13 @@ func ParseParams(in map[string]string) (Params, error) {
 				return bad("want 512, 1024, 2048 or 4096")
 			}
 			p.BlockSize = n
+		case ParamEncryption:
+			switch e := v1alpha1.Encryption(v); e {
+			case v1alpha1.EncryptionNone, v1alpha1.EncryptionPreferred, v1alpha1.EncryptionRequired:
+				p.Encryption = e
+			default:
+				return bad("want none, preferred or required")
+			}
 		default:
 			if strings.HasPrefix(k, reservedPrefix) {
 				continue

@@ -15,18 +15,18 @@ import (
 func TestParseParams(t *testing.T) {
 	p, err := ParseParams(map[string]string{
 		"fsType": "xfs", "transport": "relay", "storageNode": "node-a", "storageNodeSelector": "zone=a, rack=3",
-		"deadConnTimeout": "90s", "requestTimeout": "10s", "blockSize": "512",
+		"deadConnTimeout": "90s", "requestTimeout": "10s", "blockSize": "512", "encryption": "required",
 		"csi.storage.k8s.io/pvc/name": "data",
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p.FSType != "xfs" || p.Transport != attach.Relay || p.StorageNode != "node-a" || p.NodeSelector["rack"] != "3" ||
-		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.BlockSize != 512 {
+		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.BlockSize != 512 || p.Encryption != "required" {
 		t.Fatalf("%+v", p)
 	}
 	def, err := ParseParams(nil)
-	if err != nil || def.FSType != "ext4" || def.Transport != attach.Auto {
+	if err != nil || def.FSType != "ext4" || def.Transport != attach.Auto || def.Encryption != "none" {
 		t.Fatalf("defaults: %+v %v", def, err)
 	}
 }
@@ -34,7 +34,7 @@ func TestParseParams(t *testing.T) {
 func TestParseParamsErrorsNameTheKey(t *testing.T) {
 	for key, val := range map[string]string{
 		"fsType": "btrfs", "transport": "iscsi", "storageNode": "a b", "storageNodeSelector": "novalue",
-		"deadConnTimeout": "forever", "requestTimeout": "-1s", "blockSize": "8192", "replicas": "3",
+		"deadConnTimeout": "forever", "requestTimeout": "-1s", "blockSize": "8192", "replicas": "3", "encryption": "yes",
 	} {
 		_, err := ParseParams(map[string]string{key: val})
 		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), key) {

@@ -5,6 +5,7 @@ import (
 	"net"
 	"strings"
 
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
@@ -17,13 +18,16 @@ const (
 	// PublishContextAddresses lists the storage node's addresses
 	// (host:port, comma-separated); the first is the primary one.
 	PublishContextAddresses = "addresses"
+	// PublishContextStorageNode names the storage node: its certificate
+	// must name it when the connection runs TLS.
+	PublishContextStorageNode = "storageNode"
 )
 
 // nodeParamKeys are the StorageClass parameters (copied into the volume
 // context) that matter on the node. Everything else in the volume context
 // (the provisioner's identity, pod info, controller-only parameters) is
 // ignored here: the controller validated it when the volume was created.
-var nodeParamKeys = []string{ParamFSType, ParamTransport, ParamDeadConnTimeout, ParamRequestTimeout, ParamBlockSize}
+var nodeParamKeys = []string{ParamFSType, ParamTransport, ParamDeadConnTimeout, ParamRequestTimeout, ParamBlockSize, ParamEncryption}
 
 // attachSpec is what the node needs to attach a volume.
 type attachSpec struct {
@@ -35,9 +39,10 @@ type attachSpec struct {
 }
 
 // parseAttachSpec builds the attach target of a volume from the publish
-// and volume contexts. A missing or malformed key is an InvalidArgument
-// error that names it.
-func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string) (attachSpec, error) {
+// and volume contexts; an encrypted volume's connections use the node
+// certificate kept in identityDir. A missing or malformed key is an
+// InvalidArgument error that names it.
+func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, identityDir string) (attachSpec, error) {
 	export := strings.TrimSpace(publishCtx[PublishContextExport])
 	if export == "" {
 		return attachSpec{}, fmt.Errorf("%w: publish context %q is missing", ErrInvalidArgument, PublishContextExport)
@@ -56,9 +61,21 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string) (
 	if err != nil {
 		return attachSpec{}, fmt.Errorf("volume context: %w", err)
 	}
+	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs}
+	switch {
+	case p.Encryption == v1alpha1.EncryptionRequired && identityDir == "":
+		return attachSpec{}, fmt.Errorf("%w: the volume is encrypted and this node plugin has no node certificate (--identity)", ErrPrecondition)
+	case p.Encryption == v1alpha1.EncryptionRequired || p.Encryption == v1alpha1.EncryptionPreferred && identityDir != "":
+		storageNode := strings.TrimSpace(publishCtx[PublishContextStorageNode])
+		if storageNode == "" {
+			return attachSpec{}, fmt.Errorf("%w: publish context %q is missing (the volume is encrypted)", ErrInvalidArgument, PublishContextStorageNode)
+		}
+		target.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: identityDir,
+			Optional: p.Encryption == v1alpha1.EncryptionPreferred}
+	}
 	return attachSpec{
 		Transport: p.Transport,
-		Target:    attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs},
+		Target:    target,
 		Options: attach.Options{
 			DeadConnTimeout: p.DeadConnTimeout,
 			RequestTimeout:  p.RequestTimeout,

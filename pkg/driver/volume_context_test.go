@@ -18,8 +18,12 @@ func TestParseAttachSpec(t *testing.T) {
 		name    string
 		pub     map[string]string
 		vol     map[string]string
+		idDir   string
 		want    attachSpec
 		wantErr string
+		// wantPrecondition: the error is ErrPrecondition, not
+		// ErrInvalidArgument.
+		wantPrecondition bool
 	}{
 		{
 			name: "defaults",
@@ -43,13 +47,43 @@ func TestParseAttachSpec(t *testing.T) {
 		{name: "no port", pub: pub("e", "a"), wantErr: `"addresses"`},
 		{name: "bad fs", pub: pub("e", "a:1"), vol: map[string]string{ParamFSType: "ntfs"}, wantErr: "fsType"},
 		{name: "bad timeout", pub: pub("e", "a:1"), vol: map[string]string{ParamRequestTimeout: "soon"}, wantErr: "requestTimeout"},
+		{
+			name: "encryption required", idDir: "/state/identity",
+			pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
+			vol: map[string]string{ParamEncryption: "required"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1", Addrs: []string{"a:1"},
+				TLS: &attach.TargetTLS{StorageNode: "store-1", IdentityDir: "/state/identity"}}},
+		},
+		{
+			name: "encryption preferred", idDir: "/state/identity",
+			pub: map[string]string{PublishContextExport: "pv-1/tok", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
+			vol: map[string]string{ParamEncryption: "preferred"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/tok", Addrs: []string{"a:1"},
+				TLS: &attach.TargetTLS{StorageNode: "store-1", IdentityDir: "/state/identity", Optional: true}}},
+		},
+		{
+			name: "encryption preferred without a certificate",
+			pub:  map[string]string{PublishContextExport: "pv-1/tok", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
+			vol:  map[string]string{ParamEncryption: "preferred"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/tok", Addrs: []string{"a:1"}}},
+		},
+		{name: "encryption required, no storage node", idDir: "/id", pub: pub("pv-1", "a:1"), vol: map[string]string{ParamEncryption: "required"}, wantErr: `"storageNode"`},
+		{name: "bad encryption", pub: pub("e", "a:1"), vol: map[string]string{ParamEncryption: "yes"}, wantErr: "encryption"},
+		{
+			name: "encryption required without a certificate", pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextStorageNode: "s"},
+			vol: map[string]string{ParamEncryption: "required"}, wantErr: "no node certificate", wantPrecondition: true,
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseAttachSpec("pv-1", tt.pub, tt.vol)
+			got, err := parseAttachSpec("pv-1", tt.pub, tt.vol, tt.idDir)
 			if tt.wantErr != "" {
-				if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), tt.wantErr) {
-					t.Fatalf("error %v, want InvalidArgument naming %s", err, tt.wantErr)
+				want := ErrInvalidArgument
+				if tt.wantPrecondition {
+					want = ErrPrecondition
+				}
+				if !errors.Is(err, want) || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error %v, want %v naming %s", err, want, tt.wantErr)
 				}
 				return
 			}
@@ -57,7 +91,8 @@ func TestParseAttachSpec(t *testing.T) {
 				t.Fatal(err)
 			}
 			if got.Transport != tt.want.Transport || got.FSType != tt.want.FSType || got.Options != tt.want.Options ||
-				got.Target.VolumeID != tt.want.Target.VolumeID || got.Target.Export != tt.want.Target.Export || !slices.Equal(got.Target.Addrs, tt.want.Target.Addrs) {
+				got.Target.VolumeID != tt.want.Target.VolumeID || got.Target.Export != tt.want.Target.Export || !slices.Equal(got.Target.Addrs, tt.want.Target.Addrs) ||
+				(got.Target.TLS == nil) != (tt.want.Target.TLS == nil) || got.Target.TLS != nil && *got.Target.TLS != *tt.want.Target.TLS {
 				t.Errorf("got %+v, want %+v", got, tt.want)
 			}
 		})

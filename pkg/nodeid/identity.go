@@ -101,13 +101,13 @@ func (id *Identity) Start(ctx context.Context, within time.Duration) error {
 		ctx, cancel = context.WithTimeout(ctx, within)
 		defer cancel()
 	}
-	for {
+	for wait := time.Second; ; wait = min(2*wait, time.Minute) {
 		err := id.readBundle(ctx)
 		if err == nil {
 			break
 		}
-		id.log.Warn("reading the CA bundle", "error", err)
-		if sleep(ctx, 2*time.Second); ctx.Err() != nil {
+		id.log.Warn("reading the CA bundle", "error", err, "retry_in", wait)
+		if sleep(ctx, wait); ctx.Err() != nil {
 			return fmt.Errorf("the CA bundle: %w", err)
 		}
 	}

@@ -159,6 +159,11 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	if err := validate(t); err != nil {
 		return nil, err
 	}
+	if t.EncryptionRequired() && !attach.CanEncrypt(a.cfg.Mode) {
+		// The kernel's NBD client speaks no TLS: only a relay, which owns
+		// the connection to the server, can carry it.
+		return nil, fmt.Errorf("%w: %s", attach.ErrUnsupported, attach.NoEncryption(a.cfg.Mode))
+	}
 	o = withDefaults(o)
 	a.mu.Lock()
 	if v, ok := a.vols[t.VolumeID]; ok {
@@ -531,6 +536,9 @@ func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useM
 		sess = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
 	}
 	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID)}
+	if v.target.TLS != nil && attach.CanEncrypt(a.cfg.Mode) {
+		x.TLS = v.target.TLS.Config()
+	}
 	c, info, err := x.DialExport(ctx, addr, local, v.target.Export, useMPTCP, sess)
 	if err != nil {
 		return nil, err
