@@ -7,6 +7,11 @@ package faults
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
 	"net"
 	"os"
@@ -23,6 +28,7 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // plan is how long a fault run lasts and how often the server dies.
@@ -172,8 +178,55 @@ type ourServer struct {
 	bin, image string
 	port       int
 	ns, host   string
-	cmd        *exec.Cmd
-	done       chan struct{}
+	// tls, when set, makes the server require TLS with a storage
+	// certificate of its CA, and client certificates of the same CA.
+	tls  *testPKI
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// testPKI is a CA, a storage certificate for the server and a node
+// certificate in an identity directory (as the node plugin keeps it).
+type testPKI struct {
+	serverPEM, caPEM string // files
+	identityDir      string
+}
+
+// storageNode is the name the test server's certificate gives.
+const storageNode = "store-faults"
+
+func newTestPKI(t *testing.T) *testPKI {
+	t.Helper()
+	ca, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pair := func(k nodeid.Kind, node string) []byte {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		certPEM, err := ca.Issue(k, node, &x509.CertificateRequest{PublicKey: key.Public()}, 24*time.Hour, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		der, err := x509.MarshalPKCS8PrivateKey(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return append(certPEM, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})...)
+	}
+	dir, id := t.TempDir(), t.TempDir()
+	p := &testPKI{serverPEM: filepath.Join(dir, "server.pem"), caPEM: filepath.Join(dir, "ca.pem"), identityDir: id}
+	for f, b := range map[string][]byte{
+		p.serverPEM: pair(nodeid.Storage, storageNode), p.caPEM: ca.PEM,
+		filepath.Join(id, "node.pem"): pair(nodeid.Node, "node-faults"), filepath.Join(id, nodeid.BundleFile): ca.PEM,
+	} {
+		if err := os.WriteFile(f, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return p
 }
 
 func (s *ourServer) name() string { return "mpnbd nbd-server" }
@@ -191,6 +244,9 @@ func (s *ourServer) start(t *testing.T) {
 	var err error
 	for attempt := 0; attempt < 50; attempt++ {
 		argv := []string{s.bin, "--listen", s.addr(), "--export", "disk=" + s.image, "--metrics-addr", "", "--log-level", "warn"}
+		if s.tls != nil {
+			argv = append(argv, "--tls", "require", "--tls-cert", s.tls.serverPEM, "--tls-key", s.tls.serverPEM, "--tls-ca", s.tls.caPEM)
+		}
 		if s.ns != "" {
 			// ip netns exec execs the server: its pid is the server's.
 			argv = append([]string{"ip", "netns", "exec", s.ns}, argv...)
@@ -257,7 +313,11 @@ func newServer(t *testing.T, kind string, size int64) server {
 		if err != nil {
 			t.Fatalf("build the commands: %v", err)
 		}
-		s = &ourServer{bin: filepath.Join(bin, "nbd-server"), image: image, port: freePort(t)}
+		o := &ourServer{bin: filepath.Join(bin, "nbd-server"), image: image, port: freePort(t)}
+		if kind == "ours-tls" {
+			o.tls = newTestPKI(t)
+		}
+		s = o
 	}
 	s.start(t)
 	t.Cleanup(func() { s.kill(t) })
@@ -283,7 +343,11 @@ func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 	a := fuse.New(fuse.Config{StateDir: t.TempDir()})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}, o)
+	tg := attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}
+	if our, ok := s.(*ourServer); ok && our.tls != nil {
+		tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: our.tls.identityDir}
+	}
+	att, err := a.Attach(ctx, tg, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -342,11 +406,13 @@ func killer(t *testing.T, s server, p plan, stop <-chan struct{}) <-chan int {
 
 // TestFuseServerKills: fio with crc32c verification on the fuse transport
 // while the storage server is SIGKILLed and restarted again and again:
-// no I/O error, no verify failure.
+// no I/O error, no verify failure. ours-tls: an encrypted volume (the
+// server requires TLS and the node certificate; every reconnect upgrades
+// again).
 func TestFuseServerKills(t *testing.T) {
 	need(t, "fio", "nbd-server")
 	p := faultPlan()
-	for _, kind := range []string{"nbd-server", "ours"} {
+	for _, kind := range []string{"nbd-server", "ours", "ours-tls"} {
 		t.Run(kind, func(t *testing.T) {
 			s := newServer(t, kind, 256<<20)
 			dev := attachFuse(t, s)
