@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 )
 
@@ -39,6 +40,9 @@ func TestValuesSchemaRejects(t *testing.T) {
 			[]string{"/controller/podDisruptionBudget/maxUnavailable"}},
 		{"snapshot deletion policy", []string{"--set", "snapshots.volumeSnapshotClass.deletionPolicy=Keep"},
 			[]string{"/snapshots/volumeSnapshotClass/deletionPolicy"}},
+		{"default encryption", []string{"--set", "defaultEncryption=always"}, []string{"/defaultEncryption"}},
+		{"encryption parameter", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=yes"},
+			[]string{"/storageClasses/0/parameters/encryption"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := tryTemplate(t, tc.args...)
@@ -159,5 +163,35 @@ func TestValuesSchemaMatchesValuesFile(t *testing.T) {
 	walk("", schema, values)
 	if objects < 10 {
 		t.Errorf("walked only %d objects of values.yaml", objects)
+	}
+}
+
+// TestStorageClassEncryption: new classes get defaultEncryption unless
+// they name their own; a class whose transport cannot encrypt is refused
+// with a message naming it while the encryption is required.
+func TestStorageClassEncryption(t *testing.T) {
+	params := func(objs []*unstructured.Unstructured, name string) map[string]string {
+		t.Helper()
+		p, _, _ := unstructured.NestedStringMap(find(t, objs, "StorageClass", name).Object, "parameters")
+		return p
+	}
+	objs := render(t)
+	for _, sc := range []string{"mpnbd-ext4", "mpnbd-xfs", "mpnbd-block"} {
+		if p := params(objs, sc); p["encryption"] != "required" {
+			t.Errorf("%s parameters %v: want encryption required by default", sc, p)
+		}
+	}
+	objs = render(t, "--set", "defaultEncryption=none")
+	if p := params(objs, "mpnbd-ext4"); p["encryption"] != "" {
+		t.Errorf("defaultEncryption=none: parameters %v", p)
+	}
+	objs = render(t, "--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=preferred",
+		"--set", "storageClasses[0].parameters.transport=kernel")
+	if p := params(objs, "c"); p["encryption"] != "preferred" || p["transport"] != "kernel" {
+		t.Errorf("a class's own encryption: parameters %v", p)
+	}
+	_, err := tryTemplate(t, "--set", "storageClasses[0].name=k", "--set", "storageClasses[0].parameters.transport=kernel")
+	if err == nil || !strings.Contains(err.Error(), "storageClasses k: transport kernel cannot encrypt") {
+		t.Errorf("a kernel class with encryption required: %v", err)
 	}
 }

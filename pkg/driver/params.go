@@ -106,6 +106,10 @@ func ParseParams(in map[string]string) (Params, error) {
 			return bad("unknown parameter")
 		}
 	}
+	if p.Encryption == v1alpha1.EncryptionRequired && p.Transport != attach.Auto && !attach.CanEncrypt(p.Transport) {
+		return Params{}, fmt.Errorf("%w: StorageClass parameters %s=%s and %s=%s: %s; use encryption preferred or none, or another transport",
+			ErrInvalidArgument, ParamEncryption, p.Encryption, ParamTransport, p.Transport, attach.NoEncryption(p.Transport))
+	}
 	return p, nil
 }
 

@@ -31,6 +31,23 @@ func TestParseParams(t *testing.T) {
 	}
 }
 
+func TestParseParamsEncryptionNeedsATransportThatCan(t *testing.T) {
+	for _, tr := range []string{"kernel", "tcp", "multiconn"} {
+		_, err := ParseParams(map[string]string{"encryption": "required", "transport": tr})
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "encryption") || !strings.Contains(err.Error(), tr) {
+			t.Errorf("required with %s: %v", tr, err)
+		}
+		if _, err := ParseParams(map[string]string{"encryption": "preferred", "transport": tr}); err != nil {
+			t.Errorf("preferred with %s: %v", tr, err)
+		}
+	}
+	for _, tr := range []string{"auto", "relay", "ublk", "fuse"} {
+		if _, err := ParseParams(map[string]string{"encryption": "required", "transport": tr}); err != nil {
+			t.Errorf("required with %s: %v", tr, err)
+		}
+	}
+}
+
 func TestParseParamsErrorsNameTheKey(t *testing.T) {
 	for key, val := range map[string]string{
 		"fsType": "btrfs", "transport": "iscsi", "storageNode": "a b", "storageNodeSelector": "novalue",
