@@ -43,8 +43,9 @@ func issuePEM(t *testing.T, ca *nodeid.CA, k nodeid.Kind, node string) []byte {
 
 // TestSessionOverTLS runs a volume's session over TLS with the node's
 // certificate read from its identity directory: I/O works, the session
-// redials over TLS when the server drops it, and a server that is not the
-// storage node named, or no certificate, fails the attach.
+// redials over TLS when the server drops it, a renewed certificate is
+// used from the next connection on with no I/O error, and a server that
+// is not the storage node named, or no certificate, fails the attach.
 func TestSessionOverTLS(t *testing.T) {
 	ca, err := nodeid.NewCA(time.Now())
 	if err != nil {
@@ -146,6 +147,47 @@ func TestSessionOverTLS(t *testing.T) {
 	}
 	if n := conns(); n != 1 || tlsConns != 1 {
 		t.Fatalf("after the redial the server sees %d connections, %d of them TLS; want 1, 1", n, tlsConns)
+	}
+
+	// The node's certificate is renewed (the file replaced, as the node
+	// plugin does) while the session runs: the open connection goes on,
+	// and the next one presents the new certificate; no I/O fails.
+	serial := func() string {
+		var sn string
+		_, _ = srv.CloseConns(context.Background(), "vol", func(c nbd.ConnInfo) bool {
+			if c.TLS != nil && len(c.TLS.PeerCertificates) > 0 {
+				sn = c.TLS.PeerCertificates[0].SerialNumber.String()
+			}
+			return false
+		})
+		return sn
+	}
+	before := serial()
+	renewed := issuePEM(t, ca, nodeid.Node, "node-a")
+	if err := os.WriteFile(filepath.Join(dir, "node.pem.tmp"), renewed, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(dir, "node.pem.tmp"), filepath.Join(dir, "node.pem")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Client.WriteAt(data, 1<<18); err != nil {
+		t.Fatalf("write after the renewal: %v", err)
+	}
+	if serial() != before {
+		t.Fatal("the open connection changed certificate")
+	}
+	if n, err := srv.CloseConns(context.Background(), "vol", func(nbd.ConnInfo) bool { return true }); n != 1 || err != nil {
+		t.Fatalf("closing the server's connection: %d, %v", n, err)
+	}
+	if _, err := s.Client.ReadAt(got, 1<<18); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("read after the renewal and a redial: %v (equal %v)", err, bytes.Equal(got, data))
+	}
+	renewedCert, err := tls.X509KeyPair(renewed, renewed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after := serial(); after == before || after != renewedCert.Leaf.SerialNumber.String() {
+		t.Fatalf("after the redial the server sees certificate %s; want the renewed %s (was %s)", after, renewedCert.Leaf.SerialNumber, before)
 	}
 
 	if _, err := open(target("store-2", dir)); err == nil || !strings.Contains(err.Error(), "not store-2") {
