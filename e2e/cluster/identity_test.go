@@ -3,13 +3,17 @@ package cluster
 import (
 	"context"
 	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -167,6 +171,9 @@ volumeBindingMode: WaitForFirstConsumer
 			}
 		}
 	})
+	s.step("encrypted: no secret in any log, Event or metrics", func() {
+		s.noSecretsExposed()
+	})
 	s.step("encrypted: deleted", func() {
 		s.kubectl("delete", "pod", "enc-app", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "enc", "--wait=true", "--timeout=180s")
@@ -178,4 +185,68 @@ volumeBindingMode: WaitForFirstConsumer
 		})
 		s.kubectl("delete", "storageclass", "mpnbd-encrypted")
 	})
+}
+
+// noSecretsExposed searches every log line of the driver's pods, every
+// Event and the node plugin's metrics for the secrets the driver holds:
+// the node's private key (and any PEM private key) and the tokens of the
+// volumes published with one. The VolumeAttachment of a volume without
+// encryption holds its token by design; nothing else may.
+func (s *suite) noSecretsExposed() {
+	t := s.t
+	var secrets []string
+	b, err := os.ReadFile(filepath.Join(s.dir, "node-state", "identity", "node.pem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rest := b; ; {
+		var blk *pem.Block
+		if blk, rest = pem.Decode(rest); blk == nil {
+			break
+		}
+		if blk.Type == "PRIVATE KEY" {
+			// Any 32 bytes of the key's DER, in base64 as a PEM would hold it.
+			secrets = append(secrets, base64.StdEncoding.EncodeToString(blk.Bytes)[8:40])
+		}
+	}
+	if len(secrets) == 0 {
+		t.Fatal("no private key in the node's kept identity")
+	}
+	for _, tok := range strings.Fields(s.jsonpath("{.items[*].data.token}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume")) {
+		raw, err := base64.StdEncoding.DecodeString(tok)
+		if err != nil {
+			t.Fatal(err)
+		}
+		secrets = append(secrets, string(raw))
+	}
+	var haystack strings.Builder
+	pods := strings.Fields(s.jsonpath("{.items[*].metadata.name}", "get", "pods", "-n", namespace))
+	for _, p := range pods {
+		out, err := s.c.Kubectl(s.ctx, "logs", "-n", namespace, p, "--all-containers")
+		if err != nil {
+			t.Fatalf("logs of %s: %v", p, err)
+		}
+		haystack.WriteString(out)
+	}
+	haystack.WriteString(s.kubectl("get", "events", "-A", "-o", "yaml"))
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", nodeMetricsPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	haystack.Write(m)
+	all := haystack.String()
+	if strings.Contains(all, "PRIVATE KEY") {
+		t.Error("a PEM private key appears in a log, an Event or the metrics")
+	}
+	for i, sec := range secrets {
+		if strings.Contains(all, sec) {
+			t.Errorf("secret %d of %d (a private key or a token) appears in a log, an Event or the metrics", i+1, len(secrets))
+		}
+	}
+	t.Logf("searched %d bytes of logs (%d pods), Events and metrics for %d secrets", len(all), len(pods), len(secrets))
 }

@@ -1,10 +1,13 @@
 package nbd
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -103,6 +106,53 @@ func TestResolveRefusals(t *testing.T) {
 	if err != nil || len(names) != 0 {
 		t.Fatalf("list = %v, %v", names, err)
 	}
+}
+
+// TestResolveRefusalsLogNoName: the names clients ask for may carry a
+// credential; a refusal logs Resolve's reason, never the name.
+func TestResolveRefusalsLogNoName(t *testing.T) {
+	s, _, _ := newResolveServer(t)
+	var buf syncBuffer
+	s.Logger = slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	const secret = "0123456789abcdef0123456789abcdef"
+	for _, name := range []string{"vol/" + secret, "unknown"} {
+		if _, err := NegotiateConn(context.Background(), pipeConn(t, s), name); err == nil {
+			t.Fatalf("open %q succeeded", name)
+		}
+	}
+	c := pipeConn(t, s)
+	noZeroes, err := clientHello(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := exportNameFallback(c, "vol/"+secret, noZeroes); err == nil {
+		t.Fatal("EXPORT_NAME of an ungranted name succeeded")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(buf.String(), "not published") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if log := buf.String(); !strings.Contains(log, "not published") || strings.Contains(log, secret) {
+		t.Fatalf("the server's log holds the name asked for, or not the reason:\n%s", log)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger and a reader at once.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
 
 func TestResolveReadOnlyGrant(t *testing.T) {

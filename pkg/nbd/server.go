@@ -135,7 +135,8 @@ type Server struct {
 	// and says whether this connection may only read. Its error refuses
 	// the export with ERR_POLICY (or ERR_UNKNOWN if it wraps
 	// ErrUnknownExport). Export names may then differ from the names
-	// clients use, e.g. carry a per-client token.
+	// clients use, e.g. carry a per-client token: the server never logs
+	// or repeats the name asked for, only Resolve's error.
 	Resolve func(c ConnInfo, name string) (Grant, error)
 	// DisableList refuses NBD_OPT_LIST (export names may carry secrets).
 	DisableList bool
@@ -562,16 +563,19 @@ func (s *Server) lookup(c ConnInfo, name string) (*Export, Grant, uint32, error)
 		name = s.DefaultExport
 	}
 	if s.Resolve != nil {
+		// The name a client asked for is not repeated: with Resolve it
+		// may carry a credential (logs must not); Resolve's error says
+		// what matters.
 		g, err := s.Resolve(c, name)
 		if err != nil {
 			if errors.Is(err, ErrUnknownExport) {
-				return nil, Grant{}, RepErrUnknown, fmt.Errorf("export %q: %w", name, err)
+				return nil, Grant{}, RepErrUnknown, err
 			}
-			return nil, Grant{}, RepErrPolicy, fmt.Errorf("export %q: %w: %v", name, ErrAccessDenied, err)
+			return nil, Grant{}, RepErrPolicy, fmt.Errorf("%w: %v", ErrAccessDenied, err)
 		}
 		e, ok := s.Export(g.Export)
 		if !ok {
-			return nil, Grant{}, RepErrUnknown, fmt.Errorf("export %q (for %q): %w", g.Export, name, ErrUnknownExport)
+			return nil, Grant{}, RepErrUnknown, fmt.Errorf("export %q: %w", g.Export, ErrUnknownExport)
 		}
 		return e, g, 0, nil
 	}
