@@ -7,11 +7,6 @@ package faults
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"fmt"
 	"net"
 	"os"
@@ -25,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
@@ -202,19 +198,11 @@ func newTestPKI(t *testing.T) *testPKI {
 		t.Fatal(err)
 	}
 	pair := func(k nodeid.Kind, node string) []byte {
-		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		b, err := pki.NodeIDPEM(ca, k, node)
 		if err != nil {
 			t.Fatal(err)
 		}
-		certPEM, err := ca.Issue(k, node, &x509.CertificateRequest{PublicKey: key.Public()}, 24*time.Hour, time.Now())
-		if err != nil {
-			t.Fatal(err)
-		}
-		der, err := x509.MarshalPKCS8PrivateKey(key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return append(certPEM, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})...)
+		return b
 	}
 	dir, id := t.TempDir(), t.TempDir()
 	p := &testPKI{serverPEM: filepath.Join(dir, "server.pem"), caPEM: filepath.Join(dir, "ca.pem"), identityDir: id}

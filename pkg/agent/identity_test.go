@@ -3,12 +3,8 @@ package agent
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"testing"
 	"time"
@@ -18,6 +14,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -27,20 +24,11 @@ import (
 // issue is a certificate of kind k for node from ca.
 func issue(t *testing.T, ca *nodeid.CA, k nodeid.Kind, node string) *tls.Certificate {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	c, err := pki.NodeIDCert(ca, k, node)
 	if err != nil {
 		t.Fatal(err)
 	}
-	certPEM, err := ca.Issue(k, node, &x509.CertificateRequest{PublicKey: key.Public()}, time.Hour, time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := pem.Decode(certPEM)
-	leaf, err := x509.ParseCertificate(b.Bytes)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &tls.Certificate{Certificate: [][]byte{b.Bytes}, PrivateKey: key, Leaf: leaf}
+	return c
 }
 
 // TestAgentNodeCertificates serves volumes to nodes that show their node

@@ -3,12 +3,8 @@ package attach
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"encoding/pem"
 	"errors"
 	"log/slog"
 	"os"
@@ -17,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
@@ -26,19 +23,11 @@ import (
 // PEM (as nodeid.Identity keeps it).
 func issuePEM(t *testing.T, ca *nodeid.CA, k nodeid.Kind, node string) []byte {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	b, err := pki.NodeIDPEM(ca, k, node)
 	if err != nil {
 		t.Fatal(err)
 	}
-	certPEM, err := ca.Issue(k, node, &x509.CertificateRequest{PublicKey: key.Public()}, time.Hour, time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	der, err := x509.MarshalPKCS8PrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return append(certPEM, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der})...)
+	return b
 }
 
 // TestSessionOverTLS runs a volume's session over TLS with the node's
