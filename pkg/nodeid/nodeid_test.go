@@ -209,3 +209,38 @@ func mustPKCS8(t *testing.T, key any) []byte {
 	}
 	return b
 }
+
+// FuzzSignerCheck: a request's bytes come from whoever may create
+// CertificateSigningRequests; Check never panics on them, and anything it
+// accepts is a request of our kind for the requester's node, signed by
+// its key.
+func FuzzSignerCheck(f *testing.F) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		f.Fatal(err)
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{Subject: pkix.Name{CommonName: "mpnbd-node:node-a"}}, key)
+	if err != nil {
+		f.Fatal(err)
+	}
+	good := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der})
+	f.Add(good, "node-a")
+	f.Add(append(append([]byte{}, good...), good...), "node-a")
+	f.Add([]byte("-----BEGIN CERTIFICATE REQUEST-----\nMA==\n-----END CERTIFICATE REQUEST-----\n"), "node-a")
+	f.Add(der, "node-b")
+	s := NewSigner(SignerConfig{NodeUser: nodeUser, StorageUser: storageUser})
+	f.Fuzz(func(t *testing.T, req []byte, node string) {
+		csr := &certv1.CertificateSigningRequest{Spec: certv1.CertificateSigningRequestSpec{
+			SignerName: SignerNode, Username: nodeUser, Request: req,
+			Usages: []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageClientAuth},
+			Extra:  map[string]certv1.ExtraValue{NodeNameExtra: {node}},
+		}}
+		k, got, parsed, err := s.Check(csr)
+		if err != nil {
+			return
+		}
+		if k != Node || got != node || parsed == nil || parsed.Subject.CommonName != CommonName(Node, node) || parsed.CheckSignature() != nil {
+			t.Fatalf("accepted %q for node %q: kind %v, node %q", req, node, k, got)
+		}
+	})
+}
