@@ -192,7 +192,36 @@ volumeBindingMode: WaitForFirstConsumer
 // the node's private key (and any PEM private key) and the tokens of the
 // volumes published with one. The VolumeAttachment of a volume without
 // encryption holds its token by design; nothing else may.
-func (s *suite) noSecretsExposed() {
+func (s *suite) noSecretsExposed() { s.searchSecrets(0) }
+
+// tokenScenario: with a volume of a class without encryption attached
+// (published with a token), no log line, Event or metric holds its token.
+func (s *suite) tokenScenario() {
+	s.apply(pvc("tok", "mpnbd-ext4", "64Mi", false))
+	s.step("tokens: none in any log, Event or metrics while a volume is published with one", func() {
+		s.startPod("tok-app", pod("tok-app", "tok", `head -c 8M /dev/urandom > /data/f && sync && sleep 3600`, false))
+		pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "tok")
+		s.waitFor("the token of "+pv, time.Minute, func() string {
+			if s.jsonpath("{.items[*].metadata.name}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume="+pv) == "" {
+				return "no publication Secret yet"
+			}
+			return ""
+		})
+		s.searchSecrets(1)
+		s.kubectl("delete", "pod", "tok-app", "--wait=true", "--timeout=120s")
+		s.kubectl("delete", "pvc", "tok", "--wait=true", "--timeout=180s")
+		s.waitFor("the volume "+pv+" gone", 3*time.Minute, func() string {
+			if v := s.jsonpath("{.metadata.name}", "get", "pv", pv, "--ignore-not-found"); v != "" {
+				return "PV left"
+			}
+			return ""
+		})
+	})
+}
+
+// searchSecrets is noSecretsExposed, failing when fewer than minTokens
+// publication tokens exist to search for.
+func (s *suite) searchSecrets(minTokens int) {
 	t := s.t
 	var secrets []string
 	b, err := os.ReadFile(filepath.Join(s.dir, "node-state", "identity", "node.pem"))
@@ -212,7 +241,11 @@ func (s *suite) noSecretsExposed() {
 	if len(secrets) == 0 {
 		t.Fatal("no private key in the node's kept identity")
 	}
-	for _, tok := range strings.Fields(s.jsonpath("{.items[*].data.token}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume")) {
+	tokens := strings.Fields(s.jsonpath("{.items[*].data.token}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume"))
+	if len(tokens) < minTokens {
+		t.Fatalf("%d publication tokens to search for, want at least %d", len(tokens), minTokens)
+	}
+	for _, tok := range tokens {
 		raw, err := base64.StdEncoding.DecodeString(tok)
 		if err != nil {
 			t.Fatal(err)

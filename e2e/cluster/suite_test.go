@@ -374,7 +374,7 @@ storageAgent:
 	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	s.encryptedScenario()
 	s.filesystemScenario()
-	s.step("no secret in any log, Event or metrics", s.noSecretsExposed)
+	s.tokenScenario()
 	s.expandScenario()
 	s.snapshotScenario(dataDir)
 	s.sidecarEndpointsScenario()
