@@ -353,9 +353,7 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 		}
 	}
 	if want(attach.Ublk) {
-		// In process: a handover between per-volume processes can leave the
-		// device live with no server on 6.12 (see the README).
-		a, err := ublkdev.New(ublkdev.Config{StateDir: filepath.Join(o.stateDir, "ublk"), Logger: log})
+		a, err := ublkdev.NewSupervisor(ublkdev.Config{StateDir: filepath.Join(o.stateDir, "ublk"), Logger: log})
 		switch {
 		case errors.Is(err, attach.ErrUnsupported):
 			log.Warn("the kernel has no ublk; ublk transport disabled", "reason", err)

@@ -18,7 +18,6 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
-	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
@@ -126,8 +125,9 @@ func TestHelperAttachProcess(t *testing.T) {
 		attach.Adopter
 	}
 	if cs.Mode == attach.Ublk {
-		// The datapath serves ublk volumes in process (see the README).
-		u, err := ublkdev.New(ublkdev.Config{StateDir: cs.StateDir, Logger: testLogger(t)})
+		// The caller's network namespace is the client's: the volume
+		// processes stay in it.
+		u, err := newUblkSupervisor("", cs.StateDir, testLogger(t))
 		if err != nil {
 			t.Fatal(err)
 		}

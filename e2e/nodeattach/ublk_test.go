@@ -78,8 +78,11 @@ func newUblkAttacher(t *testing.T, tp *topo.Topology, stateDir string) *ublkdev.
 }
 
 // newUblkSupervisor makes a Supervisor whose volume processes run in
-// network namespace ns.
+// network namespace ns (in ours when ns is empty).
 func newUblkSupervisor(ns, stateDir string, log *slog.Logger) (*ublkdev.Supervisor, error) {
+	if ns == "" {
+		return ublkdev.NewSupervisor(ublkdev.Config{StateDir: stateDir, Logger: log})
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -173,10 +176,12 @@ func TestUblkServerKills(t *testing.T) {
 	}
 }
 
-// TestUblkProcessKilledMidWrite: the process serving a ublk volume (the
-// datapath) is SIGKILLed in the middle of a fio write+verify round; the
-// kernel holds the I/O; a new process takes the device over from the
-// state directory, and fio finishes with no error, every block verified.
+// TestUblkProcessKilledMidWrite: the process that supervises a ublk
+// volume (the datapath component) is SIGKILLed in the middle of a fio
+// write+verify round; the volume's own process, left without its
+// supervisor, stops serving and exits; the kernel holds the I/O; a new
+// supervisor takes the device over from the state directory with a new
+// volume process, and fio finishes with no error, every block verified.
 func TestUblkProcessKilledMidWrite(t *testing.T) {
 	requireUblkGuest(t)
 	requireFaultTools(t)

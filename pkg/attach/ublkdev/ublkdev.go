@@ -8,8 +8,8 @@
 //
 // # One server process per volume
 //
-// Supervisor serves each volume from a process of its own (not yet the
-// transport the node uses: see the README) (Config.ServeCommand, by default this executable
+// Supervisor, the transport the node uses, serves each volume from a
+// process of its own (Config.ServeCommand, by default this executable
 // again: ServeRequested and ServeMain), which runs an Attacher for that one
 // volume. The supervisor talks to it over a socket pair (descriptor 3 of
 // the process): the volume to serve first, then health, resize, handoff,
