@@ -4,6 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"unsafe"
@@ -28,10 +31,30 @@ func Available() error {
 
 // Control sends control commands to the ublk driver. It is safe for
 // concurrent use (commands go one at a time).
+//
+// Every command is submitted and waited for on one OS thread of its own
+// (the control thread), which runs nothing else. io_uring ties a request
+// to the task (thread) that submitted it; a command the driver will not
+// run without blocking (ublk_drv on 6.1 runs every control command so) goes
+// to an io worker of that task, started for it when the task has none. The
+// request is cancelled (ECANCELED) before the driver sees it when that
+// worker cannot be started (the kernel refuses to create it while a signal
+// is pending on the task, and gives up after a few tries) or the task
+// exits. An ordinary Go thread is a poor owner: after an interrupted wait
+// the scheduler may move the waiting goroutine elsewhere and give the
+// thread other goroutines (and their preemption signals), or a queue's
+// goroutine that ends it. The control thread waits in the kernel or for
+// the next command, and lives as long as the Control.
 type Control struct {
 	mu   sync.Mutex
 	f    *os.File
 	ring *iouring.Ring
+	// cmds takes each command to the control thread; closed by Close.
+	cmds chan func()
+	// exited is closed when the control thread is done.
+	exited chan struct{}
+	// tid is the control thread's id.
+	tid int
 	// buf is what a command's addr points at: outside the Go heap, since
 	// the kernel may read or write it after the submission returns.
 	buf []byte
@@ -58,11 +81,14 @@ func OpenControl() (*Control, error) {
 	}
 	buf, err := unix.Mmap(-1, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 	if err != nil {
-		ring.Close()
+		_ = ring.Close() // ours, unused: nothing to lose
 		f.Close()
 		return nil, fmt.Errorf("ublk: %w", err)
 	}
-	c := &Control{f: f, ring: ring, buf: buf}
+	c := &Control{f: f, ring: ring, buf: buf, cmds: make(chan func()), exited: make(chan struct{})}
+	tid := make(chan int)
+	go c.thread(tid)
+	c.tid = <-tid
 	// GET_FEATURES exists in the ioctl encoding only (6.5 and later); a
 	// driver that refuses it gets the plain command numbers.
 	if feat, err := c.Features(); err == nil {
@@ -73,21 +99,46 @@ func OpenControl() (*Control, error) {
 	return c, nil
 }
 
+// thread is the control thread: it runs the commands cmds brings until
+// Close closes it.
+func (c *Control) thread(tid chan<- int) {
+	runtime.LockOSThread()
+	defer close(c.exited)
+	tid <- unix.Gettid()
+	for cmd := range c.cmds {
+		cmd()
+	}
+	// No command of ours is left in the kernel: the thread may serve
+	// others.
+	runtime.UnlockOSThread()
+}
+
 // Close releases the control device.
 func (c *Control) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.cmds != nil {
+		close(c.cmds)
+		<-c.exited
+		c.cmds = nil
+	}
 	return errors.Join(c.ring.Close(), unix.Munmap(c.buf), c.f.Close())
 }
 
-// CommandError is a control command the driver refused.
+// CommandError is a control command the driver refused (or io_uring
+// cancelled before the driver saw it: ECANCELED, with Detail).
 type CommandError struct {
 	Cmd   string
 	DevID uint32
 	Errno syscall.Errno
+	// Detail says more, when there is more to say.
+	Detail string
 }
 
 func (e *CommandError) Error() string {
+	if e.Detail != "" {
+		return fmt.Sprintf("ublk: %s (device %d): %v (%s)", e.Cmd, int32(e.DevID), e.Errno, e.Detail)
+	}
 	return fmt.Sprintf("ublk: %s (device %d): %v", e.Cmd, int32(e.DevID), e.Errno)
 }
 
@@ -100,12 +151,30 @@ var cmdNames = map[uint32]string{
 	cmdGetDevInfo2: "GET_DEV_INFO2", cmdGetFeatures: "GET_FEATURES", cmdUpdateSize: "UPDATE_SIZE",
 }
 
-// command runs one control command. in is copied to the command buffer
-// first (addr and len then describe it); out, if not nil, receives the
-// buffer afterwards.
+// command runs one control command on the control thread. in is copied
+// to the command buffer first (addr and len then describe it); out, if
+// not nil, receives the buffer afterwards.
 func (c *Control) command(nr uint32, devID uint32, data uint64, in []byte, out []byte) (int32, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if c.cmds == nil {
+		return 0, fmt.Errorf("ublk: %s: %w", cmdNames[nr], os.ErrClosed)
+	}
+	var (
+		res int32
+		err error
+	)
+	done := make(chan struct{})
+	c.cmds <- func() {
+		defer close(done)
+		res, err = c.run(nr, devID, data, in, out)
+	}
+	<-done
+	return res, err
+}
+
+// run is command, on the control thread.
+func (c *Control) run(nr uint32, devID uint32, data uint64, in []byte, out []byte) (int32, error) {
 	clear(c.buf)
 	n := max(len(in), len(out))
 	copy(c.buf, in)
@@ -131,10 +200,31 @@ func (c *Control) command(nr uint32, devID uint32, data uint64, in []byte, out [
 		return 0, err
 	}
 	if cqe.Res < 0 {
-		return cqe.Res, &CommandError{Cmd: cmdNames[nr], DevID: devID, Errno: syscall.Errno(-cqe.Res)}
+		e := &CommandError{Cmd: cmdNames[nr], DevID: devID, Errno: syscall.Errno(-cqe.Res)}
+		if e.Errno == syscall.ECANCELED {
+			e.Detail = fmt.Sprintf("io_uring cancelled it before the driver saw it; submitted by thread %d, which has %d io workers", c.tid, ioWorkers(c.tid))
+		}
+		return cqe.Res, e
 	}
 	copy(out, c.buf)
 	return cqe.Res, nil
+}
+
+// ioWorkers counts the io_uring workers of thread tid (named
+// iou-wrk-<tid>), -1 when /proc cannot say.
+func ioWorkers(tid int) int {
+	comms, err := filepath.Glob("/proc/self/task/*/comm")
+	if err != nil {
+		return -1
+	}
+	want := fmt.Sprintf("iou-wrk-%d", tid)
+	n := 0
+	for _, p := range comms {
+		if b, err := os.ReadFile(p); err == nil && strings.TrimSpace(string(b)) == want {
+			n++
+		}
+	}
+	return n
 }
 
 func bytesOf[T any](v *T) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(v)), unsafe.Sizeof(*v)) }
