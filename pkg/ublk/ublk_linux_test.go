@@ -504,7 +504,11 @@ func TestRecoverAfterKill(t *testing.T) {
 	dev := BlockPath(id)
 	data := make([]byte, 32<<20)
 	rand.Read(data)
+	// The same data is written several times over, so that the write is
+	// still going when the server dies however fast the guest runs.
+	const passes = 8
 	errc := make(chan error, 1)
+	started := make(chan struct{})
 	go func() {
 		f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT, 0)
 		if err != nil {
@@ -518,16 +522,33 @@ func TestRecoverAfterKill(t *testing.T) {
 			return
 		}
 		defer func() { _ = unix.Munmap(buf) }() // ours: it cannot fail
-		for off := 0; off < len(data); off += len(buf) {
-			copy(buf, data[off:])
-			if _, err := f.WriteAt(buf, int64(off)); err != nil {
-				errc <- fmt.Errorf("write at %d: %w", off, err)
-				return
+		for pass := range passes {
+			for off := 0; off < len(data); off += len(buf) {
+				copy(buf, data[off:])
+				if _, err := f.WriteAt(buf, int64(off)); err != nil {
+					errc <- fmt.Errorf("pass %d: write at %d: %w", pass, off, err)
+					return
+				}
+				if pass == 0 && off == 0 {
+					close(started)
+				}
 			}
 		}
 		errc <- f.Sync()
 	}()
-	time.Sleep(300 * time.Millisecond)
+	select {
+	case <-started:
+	case err := <-errc:
+		t.Fatalf("the write failed before it began: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("no write went through in 30s")
+	}
+	time.Sleep(100 * time.Millisecond)
+	select {
+	case err := <-errc:
+		t.Fatalf("the whole write (%d MiB) ended before the server could be killed (%v): the test proves nothing", passes*len(data)>>20, err)
+	default:
+	}
 	first.Process.Kill()
 	first.Wait()
 	deadline := time.Now().Add(20 * time.Second)
