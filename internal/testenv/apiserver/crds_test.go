@@ -138,6 +138,7 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 			"zero-size":  func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = 0 },
 			"no-access":  func(v *v1alpha1.NBDVolume) { v.Spec.AccessType = "" },
 			"dup-nodeid": func(v *v1alpha1.NBDVolume) { v.Spec.Publications = append(v.Spec.Publications, v.Spec.Publications[0]) },
+			"encryption": func(v *v1alpha1.NBDVolume) { v.Spec.Encryption = "always" },
 		}
 		for name, mutate := range cases {
 			v := validVolume("bad-" + name)
@@ -153,13 +154,20 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 		for name, mutate := range map[string]func(*v1alpha1.NBDVolume){
 			"empty storageNode": func(v *v1alpha1.NBDVolume) { v.Spec.StorageNode = "" },
 			"empty nodeID":      func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].NodeID = "" },
-			"empty secretRef":   func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].SecretRef = "" },
 		} {
 			v := validVolume("pvc-empty")
 			mutate(v)
 			if err := c.Create(ctx, v); !apierrors.IsInvalid(err) {
 				t.Errorf("%s: got %v, want an Invalid error", name, err)
 			}
+		}
+		// A publication without a Secret is one by node certificate, on
+		// an encrypted volume.
+		cert := validVolume("pvc-by-certificate")
+		cert.Spec.Encryption = v1alpha1.EncryptionRequired
+		cert.Spec.Publications[0].SecretRef = ""
+		if err := c.Create(ctx, cert); err != nil {
+			t.Errorf("a publication by certificate: %v", err)
 		}
 
 		// An invalid value is rejected on update too.
