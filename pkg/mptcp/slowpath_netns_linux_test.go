@@ -112,18 +112,20 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 		}
 		return m
 	}
-	subflow := func(a netip.Addr) mptcp.TCPSocket {
+	// subflow is the subflow from a; a missing one (the endpoints are
+	// being set up, and the kernel makes it again) is for the waits to
+	// report, bounded.
+	subflow := func(a netip.Addr) (mptcp.TCPSocket, string) {
 		socks, err := diag.Established()
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, s := range socks {
 			if s.Subflow && s.Local.Addr() == a {
-				return s
+				return s, ""
 			}
 		}
-		t.Fatalf("no subflow from %s in %s: %+v", a, senderNS, socks)
-		return mptcp.TCPSocket{}
+		return mptcp.TCPSocket{}, fmt.Sprintf("no subflow from %s in %s: %+v", a, senderNS, socks)
 	}
 
 	// Slow: flagged within 20 s (three slow samples a second apart,
@@ -131,10 +133,14 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 	start := time.Now()
 	waitFor(t, 20*time.Second, "the 100 Mbit/s path's endpoint flagged backup", func() string {
 		f := flagged()
-		if f[slowAddr] && len(f) == 1 && subflow(slowAddr).BackupLocal {
+		s, missing := subflow(slowAddr)
+		if missing != "" {
+			return missing
+		}
+		if f[slowAddr] && len(f) == 1 && s.BackupLocal {
 			return ""
 		}
-		return fmt.Sprintf("flagged %v, subflow %+v", f, subflow(slowAddr))
+		return fmt.Sprintf("flagged %v, subflow %+v", f, s)
 	})
 	t.Logf("path 4 (%s) flagged backup %v after the data started", slowAddr, time.Since(start).Round(100*time.Millisecond))
 
@@ -158,12 +164,22 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 	}
 	start = time.Now()
 	waitFor(t, 45*time.Second, "the recovered path's flag cleared and data on it", func() string {
-		before := subflow(slowAddr).BytesAcked
+		b, missing := subflow(slowAddr)
+		if missing != "" {
+			return missing
+		}
+		before := b.BytesAcked
 		if flagged()[slowAddr] {
 			return "still flagged"
 		}
 		time.Sleep(time.Second)
-		s := subflow(slowAddr)
+		s, missing := subflow(slowAddr)
+		if missing != "" {
+			return missing
+		}
+		if s.Cookie != b.Cookie {
+			return "the subflow was replaced meanwhile"
+		}
 		if s.BackupLocal || s.BytesAcked-before < 4<<20 {
 			return fmt.Sprintf("subflow %+v, %d bytes in a second", s, s.BytesAcked-before)
 		}
