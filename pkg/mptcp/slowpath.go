@@ -220,6 +220,11 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 		if !seen || !s.primed || k.BytesAcked < prev || k.BytesAcked-prev < s.p.MinBytes {
 			continue
 		}
+		if k.DeliveryRate == 0 {
+			// No rate sample taken yet (a subflow just back from being
+			// a backup): data moved, but nothing says how fast.
+			continue
+		}
 		smp := samples[k.Local.Addr()]
 		smp.rate = max(smp.rate, float64(k.DeliveryRate))
 		smp.limited = smp.limited || !k.AppLimited

@@ -138,6 +138,66 @@ func TestSlowPathsFlagProbeRecover(t *testing.T) {
 	}
 }
 
+// TestSlowPathsIgnoreSamplesWithoutRate: data that moved with no
+// delivery rate measured (the kernel reports 0 until it has one) says
+// nothing about the path: it neither flags a path nor fails a probe.
+func TestSlowPathsIgnoreSamplesWithoutRate(t *testing.T) {
+	f := newFakePaths(4)
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: 3 * time.Second, ProbeMax: 10 * time.Second})
+	fast, slow, unmeasured := busy(950), busy(95), busy(0)
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	step(fast, fast, fast, fast) // primes the counters
+	for i := range 6 {
+		if ev := step(fast, fast, fast, unmeasured); len(ev) != 0 {
+			t.Fatalf("sample %d without a rate: events %v", i, kinds(ev))
+		}
+	}
+	// Flag the path for real, then probe it with unmeasured samples
+	// first: only measured ones decide.
+	var flagged bool
+	for range 5 {
+		if ev := step(fast, fast, fast, slow); slices.Contains(kinds(ev), PathSlow) {
+			flagged = true
+			break
+		}
+	}
+	if !flagged {
+		t.Fatal("the slow path was not flagged")
+	}
+	var probed bool
+	for range 5 {
+		if ev := step(fast, fast, fast, idle); slices.Contains(kinds(ev), PathProbe) {
+			probed = true
+			break
+		}
+	}
+	if !probed {
+		t.Fatal("no probe")
+	}
+	for i := range 4 {
+		if ev := step(fast, fast, fast, unmeasured); len(ev) != 0 {
+			t.Fatalf("probe sample %d without a rate: events %v", i, kinds(ev))
+		}
+	}
+	var recovered bool
+	for range 3 {
+		if ev := step(fast, fast, fast, fast); slices.Contains(kinds(ev), PathRecovered) {
+			recovered = true
+			break
+		}
+		if ev := step(fast, fast, fast, fast); slices.Contains(kinds(ev), PathRecovered) {
+			recovered = true
+			break
+		}
+	}
+	if !recovered {
+		t.Fatal("measured fast samples did not end the probe")
+	}
+}
+
 func TestSlowPathsHysteresis(t *testing.T) {
 	f := newFakePaths(2)
 	sp := NewSlowPaths(SlowPathPolicy{})
