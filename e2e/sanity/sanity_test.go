@@ -271,7 +271,9 @@ func (cl *cluster) checkClean(t *testing.T) {
 		return nil
 	})
 	secrets := &corev1.SecretList{}
-	if err := cl.client.List(ctx, secrets, client.InNamespace(namespace)); err != nil {
+	// Publication Secrets carry the volume label; the controller's CA
+	// (Secret mpnbd-ca) is meant to stay.
+	if err := cl.client.List(ctx, secrets, client.InNamespace(namespace), client.HasLabels{access.LabelVolume}); err != nil {
 		t.Fatal(err)
 	}
 	if len(secrets.Items) > 0 {

@@ -106,6 +106,8 @@ type Result struct {
 	// PID is the process id qemu had; the process is gone when Run
 	// returns.
 	PID int
+	// Started reports whether the payload began (init's start marker).
+	Started bool
 }
 
 // ErrTimeout is reported (wrapped, together with the context's error)
@@ -140,7 +142,27 @@ const (
 // run that exceeded cfg.Timeout or ctx wraps ErrTimeout, and a guest that
 // ended without reporting a status is another error. Result.Log holds the
 // console log in every case. qemu is killed before Run returns.
+//
+// A kernel that panics while it boots, before the payload began (seen
+// under TCG now and then, in code of the kernel's own: nothing of ours
+// ran yet), is booted again, up to bootAttempts times.
 func Run(ctx context.Context, cfg Config) (Result, error) {
+	for attempt := 1; ; attempt++ {
+		res, err := runOnce(ctx, cfg)
+		if err == nil || res.Started || attempt >= bootAttempts || ctx.Err() != nil || !strings.Contains(res.Log, "Kernel panic") {
+			return res, err
+		}
+		if cfg.Output != nil {
+			fmt.Fprintf(cfg.Output, "vm: the kernel panicked while booting, before the payload began (%s); booting again\n", lastLines(res.Log, 1))
+		}
+	}
+}
+
+// bootAttempts bounds the boots of one Run whose kernel panics before the
+// payload begins.
+const bootAttempts = 3
+
+func runOnce(ctx context.Context, cfg Config) (Result, error) {
 	res := Result{ExitCode: -1}
 	if cfg.Kernel == "" {
 		return res, errors.New("vm: Config.Kernel is empty")
@@ -249,6 +271,7 @@ loop:
 	res.Duration = time.Since(start)
 	con.flush()
 	res.Log, res.Output = con.logs()
+	res.Started = con.started()
 	code, reported, setupErr := con.status()
 
 	switch {
@@ -274,6 +297,13 @@ loop:
 		msg += "; console ends with:\n" + tail
 	}
 	return res, errors.New(msg)
+}
+
+// started reports whether the payload's start marker arrived.
+func (c *console) started() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.startOff >= 0
 }
 
 func newNonce() (string, error) {
