@@ -155,47 +155,27 @@ func TestSlowPathsIgnoreSamplesWithoutRate(t *testing.T) {
 			t.Fatalf("sample %d without a rate: events %v", i, kinds(ev))
 		}
 	}
+	// until steps with rates, at most n samples, until an event of kind
+	// comes.
+	until := func(kind PathEventKind, n int, r ...rate) {
+		t.Helper()
+		for range n {
+			if slices.Contains(kinds(step(r...)), kind) {
+				return
+			}
+		}
+		t.Fatalf("no %v event in %d samples of %v", kind, n, r)
+	}
 	// Flag the path for real, then probe it with unmeasured samples
 	// first: only measured ones decide.
-	var flagged bool
-	for range 5 {
-		if ev := step(fast, fast, fast, slow); slices.Contains(kinds(ev), PathSlow) {
-			flagged = true
-			break
-		}
-	}
-	if !flagged {
-		t.Fatal("the slow path was not flagged")
-	}
-	var probed bool
-	for range 5 {
-		if ev := step(fast, fast, fast, idle); slices.Contains(kinds(ev), PathProbe) {
-			probed = true
-			break
-		}
-	}
-	if !probed {
-		t.Fatal("no probe")
-	}
+	until(PathSlow, 5, fast, fast, fast, slow)
+	until(PathProbe, 5, fast, fast, fast, idle)
 	for i := range 4 {
 		if ev := step(fast, fast, fast, unmeasured); len(ev) != 0 {
 			t.Fatalf("probe sample %d without a rate: events %v", i, kinds(ev))
 		}
 	}
-	var recovered bool
-	for range 3 {
-		if ev := step(fast, fast, fast, fast); slices.Contains(kinds(ev), PathRecovered) {
-			recovered = true
-			break
-		}
-		if ev := step(fast, fast, fast, fast); slices.Contains(kinds(ev), PathRecovered) {
-			recovered = true
-			break
-		}
-	}
-	if !recovered {
-		t.Fatal("measured fast samples did not end the probe")
-	}
+	until(PathRecovered, 6, fast, fast, fast, fast)
 }
 
 func TestSlowPathsHysteresis(t *testing.T) {

@@ -183,7 +183,7 @@ func publishBundle(ctx context.Context, c client.Client, namespace string, caPEM
 // key, valid for lifetime (clamped to [MinLifetime, MaxLifetime] and to
 // the CA's own validity). It returns the certificate in PEM form.
 func (ca *CA) Issue(k Kind, node string, req *x509.CertificateRequest, lifetime time.Duration, now time.Time) ([]byte, error) {
-	lifetime = min(max(lifetime, MinLifetime), MaxLifetime)
+	lifetime = clampLifetime(lifetime)
 	serial, err := newSerial()
 	if err != nil {
 		return nil, err
@@ -205,6 +205,11 @@ func (ca *CA) Issue(k Kind, node string, req *x509.CertificateRequest, lifetime 
 		return nil, err
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), nil
+}
+
+// clampLifetime is the lifetime a certificate asked to live d gets.
+func clampLifetime(d time.Duration) time.Duration {
+	return min(max(d, MinLifetime), MaxLifetime)
 }
 
 func newSerial() (*big.Int, error) {

@@ -69,7 +69,7 @@ func NewIdentity(cfg IdentityConfig) (*Identity, error) {
 	if cfg.Lifetime <= 0 {
 		cfg.Lifetime = DefaultLifetime
 	}
-	cfg.Lifetime = min(max(cfg.Lifetime, MinLifetime), MaxLifetime)
+	cfg.Lifetime = clampLifetime(cfg.Lifetime)
 	if cfg.BundleRefresh <= 0 {
 		cfg.BundleRefresh = 5 * time.Minute
 	}

@@ -273,5 +273,5 @@ func (s *Signer) Handle(ctx context.Context, csr *certv1.CertificateSigningReque
 		}
 		return
 	}
-	log.Info("certificate issued", "kind", k.String(), "node", node, "lifetime", min(max(lifetime, MinLifetime), MaxLifetime))
+	log.Info("certificate issued", "kind", k.String(), "node", node, "lifetime", clampLifetime(lifetime))
 }
