@@ -48,6 +48,14 @@ type Publication struct {
 	// certificate over TLS instead (no token exists).
 	// +optional
 	SecretRef string `json:"secretRef,omitempty"`
+	// TokenSHA256 is the SHA-256 (64 hex digits) of the token in that
+	// Secret. The storage agent checks a node's token against it and so
+	// never holds the token itself: it cannot open the export as the
+	// node, and it needs no access to Secrets. Set by the controller with
+	// the Secret (and added by it to publications made before it existed).
+	// +kubebuilder:validation:Pattern=`^[0-9a-f]{64}$`
+	// +optional
+	TokenSHA256 string `json:"tokenSHA256,omitempty"`
 	// Addresses are the node's storage addresses; connections from other
 	// addresses are refused.
 	// +optional

@@ -184,8 +184,30 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if o.sign {
 		go runSigner(ctx, cfg, scheme, o, log)
 	}
+	go backfill(ctx, ctl, log)
 	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
+}
+
+// backfill gives the publications made before they carried their token's
+// hash that hash (retrying until it succeeds): the storage agents grant a
+// token only by it.
+func backfill(ctx context.Context, ctl *driver.Controller, log *slog.Logger) {
+	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
+		n, err := ctl.BackfillTokenHashes(ctx)
+		if err == nil {
+			if n > 0 {
+				log.Info("publications given their token hashes", "count", n)
+			}
+			return
+		}
+		log.Error("giving publications their token hashes; retrying", "error", err, "filled", n, "retry_in", delay)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(delay):
+		}
+	}
 }
 
 // serviceAccountUser is the user name the API server gives a

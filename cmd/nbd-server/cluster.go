@@ -63,7 +63,6 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		NodeName:          co.nodeName,
 		Snapshots:         snapshots,
 		DataDir:           co.dataDir,
-		Namespace:         co.namespace,
 		Addresses:         co.addresses,
 		Port:              int32(port),
 		Topology:          co.topology,

@@ -78,19 +78,12 @@ func TestRunCluster(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	secret := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: access.SecretName("pvc-1", "w1"), Namespace: "mpnbd"},
-		Data:       map[string][]byte{access.SecretKeyToken: []byte(tok)},
-	}
-	if err := c.Create(ctx, secret); err != nil {
-		t.Fatal(err)
-	}
 	// The agent writes the status meanwhile: retry conflicts.
 	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
 			return err
 		}
-		vol.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", SecretRef: secret.Name, Addresses: []string{"127.0.0.1"}}}
+		vol.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", SecretRef: access.SecretName("pvc-1", "w1"), TokenSHA256: access.TokenHash(tok), Addresses: []string{"127.0.0.1"}}}
 		return c.Update(ctx, vol)
 	})
 	if err != nil {

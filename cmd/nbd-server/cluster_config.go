@@ -58,7 +58,7 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.BoolVar(&c.enabled, "cluster", false, "run as the storage agent of a Kubernetes node (see Cluster mode); not with --export or --config")
 	fs.StringVar(&c.nodeName, "node-name", "", "cluster mode: this storage node's `NAME` (default $NODE_NAME)")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir, "cluster mode: `DIR` holding the volumes' backing files")
-	fs.StringVar(&c.namespace, "namespace", "", "cluster mode: `NAMESPACE` of the publication Secrets (default $POD_NAMESPACE)")
+	fs.StringVar(&c.namespace, "namespace", "", "cluster mode: `NAMESPACE` of the CA bundle ConfigMap the storage certificate is checked with (default $POD_NAMESPACE)")
 	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage IP addresses, reported to clients; repeatable or comma-separated; required")
 	fs.Var(&c.signalNICs, "signal-nic", "cluster mode: keep MPTCP signal endpoints on these storage NICs (interface names or CIDRs); repeatable or comma-separated")
 	fs.BoolVar(&c.autoBackup, "auto-backup", true, "cluster mode: flag backup the signal endpoint of a path much slower than the others while it stays slow (needs --signal-nic)")

@@ -81,6 +81,28 @@ func TokenEqual(a, b string) bool {
 	return subtle.ConstantTimeCompare([]byte(a), []byte(b)) == 1
 }
 
+// TokenHash is what a publication keeps of its token: its SHA-256 in
+// hex. Whoever can read the hash cannot present the token.
+func TokenHash(token string) string {
+	sum := sha256.Sum256([]byte(token))
+	return hex.EncodeToString(sum[:])
+}
+
+// ValidTokenHash reports whether s has the form TokenHash makes.
+func ValidTokenHash(s string) bool {
+	if len(s) != 2*sha256.Size || strings.ToLower(s) != s {
+		return false
+	}
+	_, err := hex.DecodeString(s)
+	return err == nil
+}
+
+// TokenMatches reports, in constant time, whether token is the one whose
+// TokenHash is hash.
+func TokenMatches(hash, token string) bool {
+	return hash != "" && subtle.ConstantTimeCompare([]byte(hash), []byte(TokenHash(token))) == 1
+}
+
 // SecretName names the Secret of the publication of volume to nodeID. It
 // is a valid object name for any inputs, and differs for different pairs.
 func SecretName(volume, nodeID string) string {

@@ -79,8 +79,6 @@ type Config struct {
 	NodeName string
 	// DataDir holds one sparse file <volume>.img per volume.
 	DataDir string
-	// Namespace holds the publication Secrets.
-	Namespace string
 	// Addresses are the node's storage IP addresses, reported in the
 	// volumes' status.export and in the NBDStorageNode.
 	Addresses []string
@@ -123,8 +121,8 @@ type Agent struct {
 	log    *slog.Logger
 	srv    *nbd.Server
 	client client.Client
-	// reader reads Secrets uncached: the agent may get them, not list or
-	// watch them.
+	// reader reads uncached (its own NBDStorageNode, which it may get
+	// but not list or watch).
 	reader client.Reader
 
 	mu   sync.RWMutex
@@ -153,30 +151,28 @@ type volume struct {
 
 // grant is one applied publication.
 type grant struct {
-	nodeID   string
-	token    string
-	addrs    []netip.Addr
-	limited  bool // the publication lists addresses (maybe none valid)
-	readOnly bool
+	nodeID    string
+	tokenHash string // TokenHash of the node's token; "" for certificate grants
+	addrs     []netip.Addr
+	limited   bool // the publication lists addresses (maybe none valid)
+	readOnly  bool
 }
 
 func (g grant) equal(o grant) bool {
-	return g.nodeID == o.nodeID && access.TokenEqual(g.token, o.token) && g.limited == o.limited &&
+	return g.nodeID == o.nodeID && g.tokenHash == o.tokenHash && g.limited == o.limited &&
 		g.readOnly == o.readOnly && slices.Equal(g.addrs, o.addrs)
 }
 
 // New returns an agent serving on srv. It installs srv.Resolve (only
 // access.NodeExport names of current publications are served) and sets
 // srv.DisableList. k8sClient should be the manager's (cached) client;
-// apiReader an uncached reader (mgr.GetAPIReader()) for Secrets.
+// apiReader an uncached reader (mgr.GetAPIReader()).
 func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Reader) (*Agent, error) {
 	switch {
 	case c.NodeName == "":
 		return nil, errors.New("agent: no node name")
 	case c.DataDir == "":
 		return nil, errors.New("agent: no data directory")
-	case c.Namespace == "":
-		return nil, errors.New("agent: no namespace for publication secrets")
 	case len(c.Addresses) == 0:
 		return nil, errors.New("agent: no storage addresses")
 	case c.Port <= 0 || c.Port > 65535:
@@ -292,7 +288,7 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 	}
 	for _, g := range v.grants {
 		switch {
-		case withToken && !access.TokenEqual(g.token, token):
+		case withToken && !access.TokenMatches(g.tokenHash, token):
 			continue
 		case withToken && peer != "" && g.nodeID != peer:
 			return nbd.Grant{}, fmt.Errorf("the token was issued to node %s; the certificate names node %s", g.nodeID, peer)
@@ -302,7 +298,7 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 		if g.limited && !slices.Contains(g.addrs, remoteIP(c)) {
 			return nbd.Grant{}, fmt.Errorf("node %s: connection from %v, not one of its storage addresses", g.nodeID, c.RemoteAddr)
 		}
-		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.token == ""}, nil
+		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.tokenHash == ""}, nil
 	}
 	if !withToken {
 		return nbd.Grant{}, fmt.Errorf("volume %q is not published to node %s", vol, peer)

@@ -135,7 +135,16 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 	if err != nil {
 		t.Fatal(err)
 	}
-	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+	// The agent acts as its ServiceAccount with the deploy tree's RBAC:
+	// what it needs and no more (no Secrets, say) is granted there.
+	admin, err := client.New(cfg, client.Options{Scheme: scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := apiserver.Apply(context.Background(), admin, "deploy/rbac-storage-agent.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	mgr, err := ctrl.NewManager(apiserver.As(cfg, "mpnbd-storage-agent", testNode), ctrl.Options{
 		Scheme:  scheme,
 		Cache:   CacheOptions(testNode, true),
 		Metrics: metricsserver.Options{BindAddress: "0"},
@@ -148,7 +157,6 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 		NodeName:          testNode,
 		Snapshots:         true,
 		DataDir:           dir,
-		Namespace:         testNamespace,
 		Addresses:         []string{addr},
 		Port:              int32(l.Addr().(*net.TCPAddr).Port),
 		Topology:          map[string]string{"topology.mpnbd.io/node": testNode},
@@ -260,33 +268,16 @@ func editVolume(t *testing.T, c client.Client, name string, edit func(*v1alpha1.
 	return waitObserved(t, c, name)
 }
 
-// makeSecret stores a fresh token for (volume, node) and returns the
-// Secret's name and the token.
-func makeSecret(t *testing.T, c client.Client, volume, node string) (string, string) {
-	t.Helper()
-	tok, err := access.NewToken()
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := access.SecretName(volume, node)
-	s := &corev1.Secret{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: testNamespace,
-			Labels: map[string]string{access.LabelVolume: volume, access.LabelNode: node}},
-		Data: map[string][]byte{access.SecretKeyToken: []byte(tok)},
-	}
-	if err := c.Create(context.Background(), s); err != nil {
-		t.Fatal(err)
-	}
-	return name, tok
-}
-
-// publish grants node access to volume and returns its token.
+// publish grants node access to volume and returns its token. As the
+// controller does, the publication names the token's Secret and carries
+// its hash; the Secret itself is not made: the agent never reads it.
 func publish(t *testing.T, c client.Client, volume, node string, readOnly bool, addrs ...string) string {
 	t.Helper()
-	secret, tok := makeSecret(t, c, volume, node)
+	tok := must(t, access.NewToken)
 	editVolume(t, c, volume, func(v *v1alpha1.NBDVolume) {
 		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
-			NodeID: node, SecretRef: secret, Addresses: addrs, ReadOnly: readOnly,
+			NodeID: node, SecretRef: access.SecretName(volume, node), TokenSHA256: access.TokenHash(tok),
+			Addresses: addrs, ReadOnly: readOnly,
 		})
 	})
 	return tok
@@ -402,6 +393,24 @@ func TestAgent(t *testing.T) {
 		}
 	})
 
+	t.Run("no access to Secrets", func(t *testing.T) {
+		// The agent runs as its ServiceAccount: any Secret, the
+		// publications' included, is out of its reach.
+		cl, err := client.New(apiserver.As(cfg, "mpnbd-storage-agent", testNode), client.Options{Scheme: c.Scheme()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ns := range []string{testNamespace, apiserver.DeployNamespace} {
+			err := cl.Get(ctx, types.NamespacedName{Namespace: ns, Name: access.SecretName("vol-a", "node-1")}, &corev1.Secret{})
+			if !apierrors.IsForbidden(err) {
+				t.Errorf("the storage agent reading a Secret in %s: %v, want Forbidden", ns, err)
+			}
+			if err := cl.List(ctx, &corev1.SecretList{}, client.InNamespace(ns)); !apierrors.IsForbidden(err) {
+				t.Errorf("the storage agent listing Secrets in %s: %v, want Forbidden", ns, err)
+			}
+		}
+	})
+
 	t.Run("finalizer added when missing", func(t *testing.T) {
 		v := newVolume("vol-b", size)
 		v.Finalizers = nil
@@ -438,9 +447,11 @@ func TestAgent(t *testing.T) {
 	t.Run("refused names", func(t *testing.T) {
 		wrong, _ := access.NewToken()
 		refused(t, r, "wrong token", access.NodeExport("vol-a", wrong))
-		// A Secret exists for node-2, but the volume is not published to it.
-		_, tok2 := makeSecret(t, c, "vol-a", "node-2")
+		// A token made for node-2, but the volume is not published to it.
+		tok2 := must(t, access.NewToken)
 		refused(t, r, "unpublished node", access.NodeExport("vol-a", tok2))
+		// The hash of a publication is no token.
+		refused(t, r, "the hash of a token", access.NodeExport("vol-a", access.TokenHash(tokA)[:32]))
 		refused(t, r, "plain volume name", "vol-a")
 		refused(t, r, "malformed token", "vol-a/"+tokA[:10])
 		refused(t, r, "token of another volume", access.NodeExport("vol-b", tokA))
@@ -456,8 +467,19 @@ func TestAgent(t *testing.T) {
 		mustDial(t, r, access.NodeExport("vol-a", tok4))
 	})
 
-	t.Run("secret not there yet", func(t *testing.T) {
+	t.Run("token hash not there yet", func(t *testing.T) {
+		// As an older controller published: a Secret, no hash. The agent
+		// cannot read the Secret; the publication grants nothing until
+		// the controller adds the hash, and the others keep theirs.
 		secret := access.SecretName("vol-a", "node-6")
+		tok := must(t, access.NewToken)
+		s := &corev1.Secret{
+			ObjectMeta: metav1.ObjectMeta{Name: secret, Namespace: testNamespace},
+			Data:       map[string][]byte{access.SecretKeyToken: []byte(tok)},
+		}
+		if err := c.Create(ctx, s); err != nil {
+			t.Fatal(err)
+		}
 		var gen int64
 		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			v := getVolume(t, c, "vol-a")
@@ -474,17 +496,17 @@ func TestAgent(t *testing.T) {
 		// Long enough for many reconciles: none may report the generation.
 		time.Sleep(time.Second)
 		if v := getVolume(t, c, "vol-a"); v.Status.ObservedGeneration >= gen {
-			t.Fatalf("generation %d reported without the publication's secret", gen)
+			t.Fatalf("generation %d reported without the publication's token hash", gen)
 		}
-		tok := must(t, access.NewToken)
-		s := &corev1.Secret{
-			ObjectMeta: metav1.ObjectMeta{Name: secret, Namespace: testNamespace},
-			Data:       map[string][]byte{access.SecretKeyToken: []byte(tok)},
-		}
-		if err := c.Create(ctx, s); err != nil {
-			t.Fatal(err)
-		}
-		waitObserved(t, c, "vol-a")
+		refused(t, r, "a publication without its token hash", access.NodeExport("vol-a", tok))
+		mustDial(t, r, access.NodeExport("vol-a", tokA)).Close()
+		editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+			for i := range v.Spec.Publications {
+				if p := &v.Spec.Publications[i]; p.NodeID == "node-6" {
+					p.TokenSHA256 = access.TokenHash(tok)
+				}
+			}
+		})
 		mustDial(t, r, access.NodeExport("vol-a", tok))
 		unpublish(t, c, "vol-a", "node-6")
 	})

@@ -12,12 +12,10 @@ import (
 	"strings"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -35,9 +33,10 @@ import (
 const (
 	// fileSuffix ends every backing file's name.
 	fileSuffix = ".img"
-	// secretRetry is how soon a publication whose Secret is not there
-	// yet is tried again (the agent may not watch Secrets).
-	secretRetry = 200 * time.Millisecond
+	// hashRetry is how soon a publication without its token hash is
+	// looked at again (the controller's update to it wakes the volume
+	// sooner).
+	hashRetry = 5 * time.Second
 	// deletionRetry is how often a volume deleted while in use looks
 	// again (a publication change requeues it at once).
 	deletionRetry = 10 * time.Second
@@ -152,8 +151,8 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		return ctrl.Result{}, err
 	}
 	if waiting != "" {
-		log.Debug("waiting for a publication secret", "reason", waiting)
-		return ctrl.Result{RequeueAfter: secretRetry}, nil
+		log.Info("a publication waits", "reason", waiting)
+		return ctrl.Result{RequeueAfter: hashRetry}, nil
 	}
 	if err := a.reportAvailable(ctx, &vol, v, f); err != nil {
 		return ctrl.Result{}, err
@@ -274,28 +273,25 @@ func (a *Agent) checkRoom(need int64, what string) *failure {
 
 // applyPublications makes the volume's grants those of spec.publications
 // and closes the connections no longer allowed. It returns a reason when a
-// publication's Secret is not usable yet (nothing is changed then).
+// publication cannot be applied yet (it grants nothing then).
 func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (string, error) {
 	next := make(map[string]grant, len(vol.Spec.Publications))
+	var waiting []string
 	for _, p := range vol.Spec.Publications {
 		if p.SecretRef == "" {
 			// No token: the node shows its certificate over TLS.
 			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
 			continue
 		}
-		var sec corev1.Secret
-		key := types.NamespacedName{Namespace: a.cfg.Namespace, Name: p.SecretRef}
-		if err := a.reader.Get(ctx, key, &sec); err != nil {
-			if apierrors.IsNotFound(err) {
-				return fmt.Sprintf("secret %s of node %s not found", key, p.NodeID), nil
-			}
-			return "", fmt.Errorf("reading secret %s: %w", key, err)
+		// The agent holds the token's hash, never the token: the
+		// controller writes it into the publication with the Secret.
+		// A publication without one (made by an older controller) grants
+		// nothing until the controller adds it.
+		if !access.ValidTokenHash(p.TokenSHA256) {
+			waiting = append(waiting, p.NodeID)
+			continue
 		}
-		token := string(sec.Data[access.SecretKeyToken])
-		if !access.ValidToken(token) {
-			return fmt.Sprintf("secret %s of node %s has no valid %q", key, p.NodeID, access.SecretKeyToken), nil
-		}
-		next[p.NodeID] = grant{nodeID: p.NodeID, token: token, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
+		next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
 	}
 
 	a.mu.Lock()
@@ -331,6 +327,9 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	}
 	if n > 0 || len(changed) > 0 {
 		log.Info("publications changed; connections closed", "nodes", len(changed), "connections_closed", n, "drain_error", err)
+	}
+	if len(waiting) > 0 {
+		return "no token hash yet in the publications to " + strings.Join(waiting, ", ") + " (the controller adds it)", nil
 	}
 	return "", nil
 }

@@ -457,12 +457,17 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 		}
 		secretRef = access.SecretName(id, nodeID)
 	}
+	hash := ""
+	if token != "" {
+		hash = access.TokenHash(token)
+	}
 	if add {
 		pub := v1alpha1.Publication{
-			NodeID:    nodeID,
-			SecretRef: secretRef,
-			Addresses: storageAddresses(&node),
-			ReadOnly:  readOnly,
+			NodeID:      nodeID,
+			SecretRef:   secretRef,
+			TokenSHA256: hash,
+			Addresses:   storageAddresses(&node),
+			ReadOnly:    readOnly,
 		}
 		v, err = c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
 			add, err := check(v)
@@ -476,6 +481,13 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 		}
 		c.log.Info("volume published", "volume_id", id, "node_id", nodeID, "read_only", readOnly,
 			"node_addresses", strings.Join(pub.Addresses, ","))
+	} else if i := slices.IndexFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool { return p.NodeID == nodeID }); i >= 0 &&
+		(v.Spec.Publications[i].TokenSHA256 != hash || v.Spec.Publications[i].SecretRef != secretRef) {
+		// Made before publications carried the hash, or its Secret was
+		// renewed: the storage agent checks the token against this.
+		if v, err = c.setTokenHash(ctx, id, nodeID, secretRef, hash); err != nil {
+			return nil, err
+		}
 	}
 	w, err := c.waitApplied(ctx, v, "grant node "+nodeID+" access")
 	if err != nil {

@@ -96,7 +96,7 @@ func TestControllerAPIServer(t *testing.T) {
 			t.Errorf("publish context %v", got)
 		}
 		if v.Generation != 2 || v.Status.ObservedGeneration != 2 || len(v.Spec.Publications) != 1 ||
-			v.Spec.Publications[0].SecretRef != s.Name || !slices.Equal(v.Spec.Publications[0].Addresses, []string{"10.0.0.1", "10.0.1.1"}) {
+			v.Spec.Publications[0].SecretRef != s.Name || v.Spec.Publications[0].TokenSHA256 != access.TokenHash(tok) || !slices.Equal(v.Spec.Publications[0].Addresses, []string{"10.0.0.1", "10.0.1.1"}) {
 			t.Errorf("NBDVolume after publish: generation %d, status %+v, publications %+v", v.Generation, v.Status, v.Spec.Publications)
 		}
 		again, err := ctl.ControllerPublishVolume(ctx, publishReq("api-pub", "worker-1", fsCap(rwo), false))

@@ -188,6 +188,80 @@ func (c *Controller) getVolume(ctx context.Context, id string) (*v1alpha1.NBDVol
 	return v, nil
 }
 
+// setTokenHash writes the token hash (and Secret) of the publication of
+// volume id to nodeID; no publication to nodeID, nothing is changed.
+func (c *Controller) setTokenHash(ctx context.Context, id, nodeID, secretRef, hash string) (*v1alpha1.NBDVolume, error) {
+	return c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
+		for i := range v.Spec.Publications {
+			p := &v.Spec.Publications[i]
+			if p.NodeID != nodeID || (p.SecretRef == secretRef && p.TokenSHA256 == hash) {
+				continue
+			}
+			p.SecretRef, p.TokenSHA256 = secretRef, hash
+			return true, nil
+		}
+		return false, nil
+	})
+}
+
+// BackfillTokenHashes gives every publication that names a Secret but
+// carries no token hash (made by a controller that did not write one) the
+// hash of its Secret's token: storage agents grant a token only by its
+// hash. It returns how many it filled in. A publication whose Secret is
+// gone or damaged is left alone (it grants nothing; publishing the volume
+// again renews both).
+func (c *Controller) BackfillTokenHashes(ctx context.Context) (int, error) {
+	var l v1alpha1.NBDVolumeList
+	if err := c.c.List(ctx, &l); err != nil {
+		return 0, kubeErr(err, "listing NBDVolumes")
+	}
+	filled := 0
+	for _, v := range l.Items {
+		for _, p := range v.Spec.Publications {
+			if p.SecretRef == "" || p.TokenSHA256 != "" {
+				continue
+			}
+			var s corev1.Secret
+			if err := c.c.Get(ctx, client.ObjectKey{Namespace: c.cfg.Namespace, Name: p.SecretRef}, &s); err != nil {
+				if apierrors.IsNotFound(err) {
+					c.log.Warn("a publication's Secret is gone: it grants nothing until the volume is published again",
+						"volume_id", v.Name, "node_id", p.NodeID, "secret", p.SecretRef)
+					continue
+				}
+				return filled, kubeErr(err, "reading Secret "+p.SecretRef)
+			}
+			tok := string(s.Data[access.SecretKeyToken])
+			if !access.ValidToken(tok) {
+				c.log.Warn("a publication's Secret holds no valid token: it grants nothing until the volume is published again",
+					"volume_id", v.Name, "node_id", p.NodeID, "secret", p.SecretRef)
+				continue
+			}
+			hash, ref, node := access.TokenHash(tok), p.SecretRef, p.NodeID
+			set := false
+			_, err := c.updateVolume(ctx, v.Name, func(v *v1alpha1.NBDVolume) (bool, error) {
+				set = false
+				for i := range v.Spec.Publications {
+					// Only a hash still missing: a publish may have
+					// renewed the Secret and written its hash meanwhile.
+					if q := &v.Spec.Publications[i]; q.NodeID == node && q.SecretRef == ref && q.TokenSHA256 == "" {
+						q.TokenSHA256, set = hash, true
+						return true, nil
+					}
+				}
+				return false, nil
+			})
+			if err != nil && !errors.Is(err, ErrNotFound) {
+				return filled, err
+			}
+			if err == nil && set {
+				filled++
+				c.log.Info("publication given its token hash", "volume_id", v.Name, "node_id", node)
+			}
+		}
+	}
+	return filled, nil
+}
+
 // ensureSecret returns the token of the publication Secret of volume v
 // and nodeID, creating the Secret (or renewing a stale one) as needed.
 func (c *Controller) ensureSecret(ctx context.Context, v *v1alpha1.NBDVolume, nodeID string) (string, error) {

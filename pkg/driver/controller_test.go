@@ -752,7 +752,8 @@ func TestPublishUnpublish(t *testing.T) {
 		pc[PublishContextAddresses] != "192.0.2.1:10809,192.0.2.2:10809" {
 		t.Errorf("publish context %v", pc)
 	}
-	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", SecretRef: s.Name, Addresses: []string{"10.0.0.1", "10.0.1.1"}}}
+	// The publication carries the token's hash, never the token.
+	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", SecretRef: s.Name, TokenSHA256: access.TokenHash(token), Addresses: []string{"10.0.0.1", "10.0.1.1"}}}
 	if !equality.Semantic.DeepEqual(v.Spec.Publications, wantPub) || v.Status.ObservedGeneration != v.Generation {
 		t.Errorf("publications %+v (generation %d, observed %d)", v.Spec.Publications, v.Generation, v.Status.ObservedGeneration)
 	}
@@ -815,6 +816,76 @@ func TestPublishUnpublish(t *testing.T) {
 	}
 	_, err = ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{NodeId: "worker-1"})
 	wantStatus(t, err, codes.InvalidArgument, "volume_id")
+}
+
+// TestTokenHashes: publications made before they carried their token's
+// hash (by an older controller) get it from BackfillTokenHashes, or when
+// the volume is published again; one whose Secret is gone gets a new
+// token, Secret and hash from the next publish.
+func TestTokenHashes(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t)
+	tokens := map[string]string{}
+	for _, id := range []string{"old", "lost", "again"} {
+		if _, err := ctl.CreateVolume(ctx, createReq(id, gib, nil)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ctl.ControllerPublishVolume(ctx, publishReq(id, "worker-1", fsCap(rwo), false)); err != nil {
+			t.Fatal(err)
+		}
+		s, ok := getSecret(t, c, id, "worker-1")
+		if !ok {
+			t.Fatalf("%s: no publication Secret", id)
+		}
+		tokens[id] = string(s.Data[access.SecretKeyToken])
+		// As an older controller left it: no hash.
+		v := getVolume(t, c, id)
+		v.Spec.Publications[0].TokenSHA256 = ""
+		if err := c.Update(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: testNamespace, Name: access.SecretName("lost", "worker-1")}}); err != nil {
+		t.Fatal(err)
+	}
+	hashOf := func(id string) string { return getVolume(t, c, id).Spec.Publications[0].TokenSHA256 }
+
+	// Published again: the hash of the token it hands out.
+	resp, err := ctl.ControllerPublishVolume(ctx, publishReq("again", "worker-1", fsCap(rwo), false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := hashOf("again"); got != access.TokenHash(tokens["again"]) || resp.GetPublishContext()[PublishContextExport] != access.NodeExport("again", tokens["again"]) {
+		t.Errorf("published again: hash %q, context %v; want the hash of the same token", got, resp.GetPublishContext())
+	}
+
+	n, err := ctl.BackfillTokenHashes(ctx)
+	if err != nil || n != 1 {
+		t.Fatalf("backfill: %d, %v; want 1 publication filled in", n, err)
+	}
+	if got := hashOf("old"); got != access.TokenHash(tokens["old"]) {
+		t.Errorf("old: hash %q, want that of its Secret's token", got)
+	}
+	if got := hashOf("lost"); got != "" {
+		t.Errorf("lost: hash %q without a Secret to take it from", got)
+	}
+	if n, err := ctl.BackfillTokenHashes(ctx); err != nil || n != 0 {
+		t.Errorf("second backfill: %d, %v; want nothing left to fill", n, err)
+	}
+
+	// The Secret gone: a new token, whose hash the publication gets.
+	resp, err = ctl.ControllerPublishVolume(ctx, publishReq("lost", "worker-1", fsCap(rwo), false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, ok := getSecret(t, c, "lost", "worker-1")
+	if !ok {
+		t.Fatal("lost: publishing again made no Secret")
+	}
+	tok := string(s.Data[access.SecretKeyToken])
+	if tok == tokens["lost"] || hashOf("lost") != access.TokenHash(tok) || resp.GetPublishContext()[PublishContextExport] != access.NodeExport("lost", tok) {
+		t.Errorf("lost, published again: token renewed %t, hash %q, context %v", tok != tokens["lost"], hashOf("lost"), resp.GetPublishContext())
+	}
 }
 
 func TestPublishMultiNode(t *testing.T) {

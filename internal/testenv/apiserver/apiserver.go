@@ -22,7 +22,10 @@ import (
 	"sync"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	apiruntime "k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -208,8 +211,8 @@ func WriteKubeconfigFile(path string, cfg *rest.Config) error {
 }
 
 // Apply creates every object of the YAML files (paths relative to the
-// repository root), as `kubectl create -f` would: the deploy tree's RBAC,
-// for a test that acts as the driver's ServiceAccounts.
+// repository root) that does not exist yet, and their namespaces: the deploy tree's RBAC, for a
+// test that acts as the driver's ServiceAccounts (see As).
 func Apply(ctx context.Context, c client.Client, paths ...string) error {
 	root, err := repo.Root()
 	if err != nil {
@@ -234,7 +237,14 @@ func Apply(ctx context.Context, c client.Client, paths ...string) error {
 			if len(u.Object) == 0 {
 				continue
 			}
-			if err := c.Create(ctx, &u); err != nil {
+			if ns := u.GetNamespace(); ns != "" {
+				n := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}
+				if err := c.Create(ctx, n); err != nil && !apierrors.IsAlreadyExists(err) {
+					f.Close()
+					return fmt.Errorf("%s: namespace %s: %w", p, ns, err)
+				}
+			}
+			if err := c.Create(ctx, &u); err != nil && !apierrors.IsAlreadyExists(err) {
 				f.Close()
 				return fmt.Errorf("%s: %s %s: %w", p, u.GetKind(), u.GetName(), err)
 			}
@@ -242,4 +252,23 @@ func Apply(ctx context.Context, c client.Client, paths ...string) error {
 		f.Close()
 	}
 	return nil
+}
+
+// DeployNamespace is the namespace of the deploy tree's ServiceAccounts.
+const DeployNamespace = "mpnbd-system"
+
+// As returns a copy of cfg that acts as the deploy tree's ServiceAccount
+// name (mpnbd-storage-agent, say), holding a token bound to a pod on node
+// when node is not empty, as the kubelet's tokens are. Apply its RBAC
+// first.
+func As(cfg *rest.Config, name, node string) *rest.Config {
+	ic := rest.CopyConfig(cfg)
+	ic.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + DeployNamespace + ":" + name,
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + DeployNamespace, "system:authenticated"},
+	}
+	if node != "" {
+		ic.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
+	}
+	return ic
 }

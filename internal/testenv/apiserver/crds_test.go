@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,7 +26,7 @@ func validVolume(name string) *v1alpha1.NBDVolume {
 			AccessType:  v1alpha1.AccessFilesystem,
 			Parameters:  map[string]string{"fsType": "ext4"},
 			Publications: []v1alpha1.Publication{
-				{NodeID: "node-b", SecretRef: "pvc-1-node-b", Addresses: []string{"10.0.0.2"}},
+				{NodeID: "node-b", SecretRef: "pvc-1-node-b", TokenSHA256: strings.Repeat("0f", 32), Addresses: []string{"10.0.0.2"}},
 			},
 		},
 	}
@@ -139,6 +140,8 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 			"no-access":  func(v *v1alpha1.NBDVolume) { v.Spec.AccessType = "" },
 			"dup-nodeid": func(v *v1alpha1.NBDVolume) { v.Spec.Publications = append(v.Spec.Publications, v.Spec.Publications[0]) },
 			"encryption": func(v *v1alpha1.NBDVolume) { v.Spec.Encryption = "always" },
+			"token hash": func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].TokenSHA256 = strings.Repeat("0F", 32) },
+			"a token":    func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].TokenSHA256 = strings.Repeat("0f", 16) },
 		}
 		for name, mutate := range cases {
 			v := validVolume("bad-" + name)
