@@ -113,6 +113,22 @@ volumeBindingMode: WaitForFirstConsumer
 		}
 	})
 	pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "enc")
+	s.step("encrypted: a read-only clone holds the data and refuses the node's writes", func() {
+		// Cloned while the source is not mounted: a clean filesystem,
+		// which a read-only mount takes as it is.
+		s.apply(strings.Replace(pvcFrom("enc-ro", "mpnbd-encrypted", "256Mi", "PersistentVolumeClaim", "enc"),
+			"accessModes: [ReadWriteOnce]", "accessModes: [ReadOnlyMany]", 1))
+		s.startPod("enc-ro-app", pod("enc-ro-app", "enc-ro", `echo sum=$(sha256sum /data/file | cut -d' ' -f1); sleep 3600`, false))
+		s.waitFor("the read-only clone's checksum", time.Minute, func() string {
+			if got := field(s.kubectl("logs", "enc-ro-app"), "sum"); got != sum {
+				return fmt.Sprintf("sha256 %q, want %q", got, sum)
+			}
+			return ""
+		})
+		s.readOnlyRefusesWrites(s.jsonpath("{.spec.volumeName}", "get", "pvc", "enc-ro"))
+		s.kubectl("delete", "pod", "enc-ro-app", "--wait=true", "--timeout=120s")
+		s.kubectl("delete", "pvc", "enc-ro", "--wait=true", "--timeout=180s")
+	})
 	s.step("encrypted: no credential in its VolumeAttachment, no Secret", func() {
 		s.startPod("enc-app", pod("enc-app", "enc", `sleep 3600`, false))
 		var meta map[string]string
@@ -156,6 +172,10 @@ volumeBindingMode: WaitForFirstConsumer
 			t.Fatalf("NBDVolume %s publications name Secrets: %s", pv, refs)
 		}
 	})
+	var held *nbd.Client
+	s.step("encrypted: served to its node's certificate, refused to another node's", func() {
+		held = s.onlyThisNode(pv)
+	})
 	s.step("encrypted: a client without a node certificate is refused", func() {
 		addr := net.JoinHostPort(pathAddr(1, false), "10809")
 		for _, export := range []string{pv, pv + "/0123456789abcdef0123456789abcdef"} {
@@ -174,8 +194,13 @@ volumeBindingMode: WaitForFirstConsumer
 	s.step("encrypted: no secret in any log, Event or metrics", func() {
 		s.noSecretsExposed()
 	})
+	s.step("encrypted: unpublished, the node's connection closed within a second", func() {
+		defer held.Close()
+		s.closedOnUnpublish(pv, held, func() {
+			s.kubectl("delete", "pod", "enc-app", "--wait=true", "--timeout=120s")
+		})
+	})
 	s.step("encrypted: deleted", func() {
-		s.kubectl("delete", "pod", "enc-app", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "enc", "--wait=true", "--timeout=180s")
 		s.waitFor("the encrypted volume gone", 3*time.Minute, func() string {
 			if v := s.jsonpath("{.metadata.name}", "get", "pv", pv, "--ignore-not-found"); v != "" {
