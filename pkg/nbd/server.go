@@ -281,6 +281,24 @@ func (s *Server) CloseConns(ctx context.Context, name string, match func(ConnInf
 	return len(conns), drainAll(ctx, conns)
 }
 
+// ExportConns is the number of connections that chose an export named
+// name and are not closed yet: those serving it, those between choosing it
+// and their first request, and those of an export of that name that was
+// removed (RemoveExport) but whose handlers have not finished. A caller
+// that removed an export waits for zero before it destroys what the
+// export's backend stood for.
+func (s *Server) ExportConns(name string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for c := range s.conns {
+		if c.reserved != nil && c.reserved.Name == name {
+			n++
+		}
+	}
+	return n
+}
+
 func drainAll(ctx context.Context, conns []*serverConn) error {
 	for _, c := range conns {
 		c.drain()

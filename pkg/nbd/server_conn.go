@@ -28,7 +28,8 @@ type serverConn struct {
 	hsReader *bufio.Reader
 	// session is what the client announced with OptSession, if anything.
 	session *Session
-	// reserved is the export whose connection slot sc holds, if any.
+	// reserved is the export whose connection slot sc holds, if any;
+	// written under srv.mu (read without it by sc's own goroutine).
 	reserved *Export
 
 	draining atomic.Bool

@@ -290,12 +290,14 @@ func tlsConfig(c *tls.Config) *tls.Config {
 }
 
 // reserve takes a connection slot of e for sc, which keeps it until it is
-// closed.
+// closed. sc.reserved is set under the server's lock, for ExportConns.
 func (sc *serverConn) reserve(e *Export, max int) bool {
 	if !e.reserve(max) {
 		return false
 	}
+	sc.srv.mu.Lock()
 	sc.reserved = e
+	sc.srv.mu.Unlock()
 	return true
 }
 

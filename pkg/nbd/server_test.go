@@ -476,6 +476,73 @@ func TestRemoveExportDrains(t *testing.T) {
 	}
 }
 
+func TestExportConns(t *testing.T) {
+	g := &gateBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{})}
+	s := newTestServer(t, &Export{Name: "d", Backend: g}, &Export{Name: "e", Backend: NewMemBackend(1 << 20)})
+	counts := func() [3]int { return [3]int{s.ExportConns("d"), s.ExportConns("e"), s.ExportConns("x")} }
+	if got := counts(); got != [3]int{} {
+		t.Fatalf("connections before any client: %v", got)
+	}
+	c := rawSession(t, s, "d")
+	cl := dialPipe(t, s, "e", 2)
+	// Still negotiating: it chose no export yet.
+	pipeConn(t, s)
+	if got := counts(); got != [3]int{1, 2, 0} {
+		t.Fatalf("connections of d, e, x = %v, want [1 2 0]", got)
+	}
+
+	// A connection of a removed export counts until its handler is done
+	// (here: until its request in flight is answered).
+	sendReq(t, c, Request{Type: CmdRead, Handle: 1, Offset: 0, Length: 4096}, nil)
+	for g.active.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.RemoveExport(context.Background(), "d") }()
+	for {
+		if _, ok := s.Export("d"); !ok {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if n := s.ExportConns("d"); n != 1 {
+		t.Fatalf("connections of removed export d while it drains: %d, want 1", n)
+	}
+	// Counted by name: those of a new export of the same name add up.
+	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	c2 := rawSession(t, s, "d")
+	if n := s.ExportConns("d"); n != 2 {
+		t.Fatalf("connections of d, the old export draining and the new one: %d, want 2", n)
+	}
+	close(g.gate)
+	if r := readRep(t, c); r.Handle != 1 || r.Errno != 0 {
+		t.Fatalf("in-flight reply: %+v", r)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	// RemoveExport returns once the handlers are done: nothing of the
+	// old export is left.
+	if n := s.ExportConns("d"); n != 1 {
+		t.Fatalf("connections of d once the old export drained: %d, want 1 (the new export's)", n)
+	}
+
+	c2.Close()
+	cl.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for counts() != [3]int{} {
+		if time.Now().After(deadline) {
+			t.Fatalf("connections after every client closed: %v", counts())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 func TestAddExportErrors(t *testing.T) {
 	s := newTestServer(t, &Export{Name: "d", Backend: NewMemBackend(1)})
 	for _, e := range []*Export{
