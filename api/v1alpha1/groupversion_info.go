@@ -20,3 +20,22 @@ var (
 
 // Finalizer keeps a volume until its storage agent removed the backing store.
 const Finalizer = "mpnbd.io/backing-store"
+
+// DeleteDataAnnotation, set to DeleteDataTrue on an NBDVolume, asks its
+// storage agent to delete the backing file once the object is deleted. The
+// controller sets it in CSI DeleteVolume, just before it deletes the
+// object (or on an object someone else deleted already). An NBDVolume
+// deleted without it (kubectl delete, or deleting the CRD) keeps its data:
+// the agent closes the export, keeps the file, releases the finalizer, and
+// reports the file in its NBDStorageNode's status.orphans. Either way the
+// volume stays while it is published (condition DeletionBlocked).
+const (
+	DeleteDataAnnotation = "mpnbd.io/delete-data"
+	DeleteDataTrue       = "true"
+)
+
+// DeletesData reports whether deleting v deletes its backing file
+// (DeleteDataAnnotation).
+func (v *NBDVolume) DeletesData() bool {
+	return v.Annotations[DeleteDataAnnotation] == DeleteDataTrue
+}

@@ -51,3 +51,20 @@ func TestCRDsAreGenerated(t *testing.T) {
 		}
 	}
 }
+
+func TestDeletesData(t *testing.T) {
+	for _, tc := range []struct {
+		ann  map[string]string
+		want bool
+	}{
+		{nil, false},
+		{map[string]string{DeleteDataAnnotation: DeleteDataTrue}, true},
+		{map[string]string{DeleteDataAnnotation: "yes"}, false},
+		{map[string]string{DeleteDataAnnotation: ""}, false},
+	} {
+		v := &NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", Annotations: tc.ann}}
+		if got := v.DeletesData(); got != tc.want {
+			t.Errorf("annotations %v: DeletesData() = %t, want %t", tc.ann, got, tc.want)
+		}
+	}
+}

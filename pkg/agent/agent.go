@@ -51,7 +51,8 @@ const (
 	ConditionReady = "Ready"
 	ConditionGrown = "Grown"
 	// ConditionDeletionBlocked is True while a deleted volume stays
-	// because it is in use.
+	// because it is in use: published (reason InUse), or, its export
+	// closed, with connections to it still open (ConnectionsOpen).
 	ConditionDeletionBlocked = "DeletionBlocked"
 )
 

@@ -290,6 +290,59 @@ func unpublish(t *testing.T, c client.Client, volume, node string) {
 	})
 }
 
+// markDeleteData sets v1alpha1.DeleteDataAnnotation on a volume, as
+// DeleteVolume does before it deletes the object.
+func markDeleteData(t *testing.T, c client.Client, name string) {
+	t.Helper()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := getVolume(t, c, name)
+		metav1.SetMetaDataAnnotation(&v.ObjectMeta, v1alpha1.DeleteDataAnnotation, v1alpha1.DeleteDataTrue)
+		return c.Update(context.Background(), v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deleteWithData deletes a volume the way DeleteVolume does: marked
+// first, so that its backing file goes with it.
+func deleteWithData(t *testing.T, c client.Client, name string) {
+	t.Helper()
+	markDeleteData(t, c, name)
+	if err := c.Delete(context.Background(), getVolume(t, c, name)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitGone waits until a volume's object is gone.
+func waitGone(t *testing.T, c client.Client, name string) {
+	t.Helper()
+	eventually(t, name+" gone", func() string {
+		var v v1alpha1.NBDVolume
+		err := c.Get(context.Background(), types.NamespacedName{Name: name}, &v)
+		if apierrors.IsNotFound(err) {
+			return ""
+		}
+		return fmt.Sprintf("finalizers %v, err %v", v.Finalizers, err)
+	})
+}
+
+// waitOrphans waits until the storage node reports exactly want as its
+// orphans.
+func waitOrphans(t *testing.T, c client.Client, want ...string) {
+	t.Helper()
+	eventually(t, fmt.Sprintf("orphans %v reported", want), func() string {
+		n := storageNode(t, c)
+		if n == nil {
+			return "no NBDStorageNode"
+		}
+		if !slices.Equal(n.Status.Orphans, want) {
+			return fmt.Sprintf("orphans %v", n.Status.Orphans)
+		}
+		return ""
+	})
+}
+
 func dial(t *testing.T, r *running, export string) (*nbd.Client, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -649,8 +702,10 @@ func TestAgent(t *testing.T) {
 			}
 			return ""
 		})
-		if err := c.Delete(ctx, getVolume(t, c, "vol-c")); err != nil {
-			t.Fatal(err)
+		deleteWithData(t, c, "vol-c")
+		waitGone(t, c, "vol-c")
+		if _, err := os.Stat(filepath.Join(dir, "vol-c.img")); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("backing file of vol-c after DeleteVolume's deletion: %v", err)
 		}
 	})
 
@@ -659,13 +714,7 @@ func TestAgent(t *testing.T) {
 		if err := os.WriteFile(orphan, []byte("keep me"), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, "orphan reported", func() string {
-			n := storageNode(t, c)
-			if !slices.Equal(n.Status.Orphans, []string{"left-behind"}) {
-				return fmt.Sprintf("orphans %v", n.Status.Orphans)
-			}
-			return ""
-		})
+		waitOrphans(t, c, "left-behind")
 		if b, err := os.ReadFile(orphan); err != nil || string(b) != "keep me" {
 			t.Fatalf("orphan file: %q, %v", b, err)
 		}
@@ -680,6 +729,9 @@ func TestAgent(t *testing.T) {
 		}
 		if _, err := cl.WriteAt(want, 0); err != nil {
 			t.Fatal(err)
+		}
+		if why := r.agent.connected("vol-a"); !strings.Contains(why, "connection(s) to its export still open") {
+			t.Fatalf("connections of a served volume: %q", why)
 		}
 		// Deleted by hand while published: it stays, serves, and says why.
 		if err := c.Delete(ctx, getVolume(t, c, "vol-a")); err != nil {
@@ -700,8 +752,10 @@ func TestAgent(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(dir, "vol-a.img")); err != nil {
 			t.Fatalf("backing file of a volume deleted while published: %v", err)
 		}
-		// Unpublished, it goes (a deleted volume's status describes no
-		// new generation, so no editVolume).
+		// DeleteVolume marks the object someone deleted already; once
+		// unpublished it goes, with its data (a deleted volume's status
+		// describes no new generation, so no editVolume).
+		markDeleteData(t, c, "vol-a")
 		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			v := getVolume(t, c, "vol-a")
 			v.Spec.Publications = nil
@@ -709,36 +763,93 @@ func TestAgent(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, "vol-a gone", func() string {
-			var v v1alpha1.NBDVolume
-			err := c.Get(ctx, types.NamespacedName{Name: "vol-a"}, &v)
-			if apierrors.IsNotFound(err) {
-				return ""
-			}
-			return fmt.Sprintf("finalizers %v, err %v", v.Finalizers, err)
-		})
+		waitGone(t, c, "vol-a")
 		if _, err := os.Stat(filepath.Join(dir, "vol-a.img")); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("backing file after delete: %v", err)
 		}
 		if _, ok := r.srv.Export("vol-a"); ok {
 			t.Fatal("export vol-a still served")
 		}
+		if why := r.agent.connected("vol-a"); why != "" {
+			t.Fatalf("connections of a deleted volume: %q", why)
+		}
 		if _, err := cl.ReadAt(make([]byte, 4096), 0); err == nil {
 			t.Fatal("I/O on a deleted volume succeeded")
 		}
 		refused(t, r, "deleted volume", access.NodeExport("vol-a", tok8))
 
-		// A volume whose file was never made just loses its finalizer.
+		// A volume whose file was never made just loses its finalizer,
+		// and leaves no orphan.
 		if err := c.Delete(ctx, getVolume(t, c, "vol-huge")); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, "vol-huge gone", func() string {
-			err := c.Get(ctx, types.NamespacedName{Name: "vol-huge"}, &v1alpha1.NBDVolume{})
-			if apierrors.IsNotFound(err) {
-				return ""
+		waitGone(t, c, "vol-huge")
+		waitOrphans(t, c, "left-behind")
+	})
+
+	t.Run("deleted by hand keeps the data", func(t *testing.T) {
+		if err := c.Create(ctx, newVolume("vol-k", size)); err != nil {
+			t.Fatal(err)
+		}
+		waitObserved(t, c, "vol-k")
+		tok := publish(t, c, "vol-k", "node-k", false)
+		cl := mustDial(t, r, access.NodeExport("vol-k", tok))
+		want := bytes.Repeat([]byte("kept by hand!"), 4096/13+1)[:4096]
+		const off = 12288
+		if _, err := cl.WriteAt(want, off); err != nil {
+			t.Fatal(err)
+		}
+		if err := cl.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		// Without the annotation: blocked while published, like any
+		// deletion, then released with the file kept.
+		if err := c.Delete(ctx, getVolume(t, c, "vol-k")); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "DeletionBlocked on vol-k", func() string {
+			v := getVolume(t, c, "vol-k")
+			if cond := meta.FindStatusCondition(v.Status.Conditions, ConditionDeletionBlocked); cond == nil || cond.Status != metav1.ConditionTrue {
+				return fmt.Sprintf("condition %+v", cond)
 			}
-			return fmt.Sprint(err)
+			return ""
 		})
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vol-k")
+			v.Spec.Publications = nil
+			return c.Update(ctx, v)
+		}); err != nil {
+			t.Fatal(err)
+		}
+		waitGone(t, c, "vol-k")
+		path := filepath.Join(dir, "vol-k.img")
+		if got := fileSize(t, path); got != size {
+			t.Fatalf("kept backing file has %d bytes, want %d", got, size)
+		}
+		f, err := os.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, len(want))
+		_, err = f.ReadAt(got, off)
+		f.Close()
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("data of the kept backing file: %v (equal %v)", err, bytes.Equal(got, want))
+		}
+		if _, ok := r.srv.Export("vol-k"); ok {
+			t.Fatal("export vol-k still served")
+		}
+		if _, err := cl.ReadAt(make([]byte, 4096), 0); err == nil {
+			t.Fatal("I/O on a deleted volume succeeded")
+		}
+		refused(t, r, "volume deleted by hand", access.NodeExport("vol-k", tok))
+		waitOrphans(t, c, "left-behind", "vol-k")
+
+		// Removing the file by hand is what frees it.
+		if err := os.Remove(path); err != nil {
+			t.Fatal(err)
+		}
+		waitOrphans(t, c, "left-behind")
 	})
 
 	t.Run("restart", func(t *testing.T) {
@@ -770,13 +881,7 @@ func TestAgent(t *testing.T) {
 			t.Fatalf("size after a restart: %d", cl2.Size())
 		}
 		// The orphan is still reported, and still there.
-		eventually(t, "orphan reported after a restart", func() string {
-			n := storageNode(t, c)
-			if !slices.Equal(n.Status.Orphans, []string{"left-behind"}) {
-				return fmt.Sprintf("orphans %v", n.Status.Orphans)
-			}
-			return ""
-		})
+		waitOrphans(t, c, "left-behind")
 		if _, err := os.Stat(filepath.Join(dir, "left-behind.img")); err != nil {
 			t.Fatal(err)
 		}

@@ -40,6 +40,10 @@ const (
 	// deletionRetry is how often a volume deleted while in use looks
 	// again (a publication change requeues it at once).
 	deletionRetry = 10 * time.Second
+	// connectionsRetry is how soon a deleted volume whose export was
+	// closed, but still has connections, looks again before its backing
+	// file goes.
+	connectionsRetry = time.Second
 	// exhaustedRetry and internalRetry are how soon a failed volume is
 	// tried again without a change to it.
 	exhaustedRetry = time.Minute
@@ -400,13 +404,18 @@ func (a *Agent) reportFailure(ctx context.Context, log *slog.Logger, vol *v1alph
 }
 
 // remove tears a deleted volume down: export drained and removed, file
-// closed and deleted, then the finalizer released. A volume still
-// published to a node is not: deleting its object by hand, or its CRD,
-// must not take a mounted filesystem's blocks away. It keeps serving,
-// says why in the DeletionBlocked condition, and goes once the last node
-// is unpublished (ControllerUnpublishVolume; by hand, removing the
-// node's entry from spec.publications). Connections of nodes no longer
-// published do not hold it: they are drained with the export.
+// closed, then the finalizer released. A volume still published to a node
+// is not: deleting its object by hand, or its CRD, must not take a mounted
+// filesystem's blocks away. It keeps serving, says why in the
+// DeletionBlocked condition, and goes once the last node is unpublished
+// (ControllerUnpublishVolume; by hand, removing the node's entry from
+// spec.publications). Connections of nodes no longer published do not hold
+// it: they are drained with the export.
+//
+// The backing file is deleted only when DeleteVolume asked for it
+// (v1alpha1.DeleteDataAnnotation), and only once no connection to the
+// export is left. Without the annotation the object was deleted by hand
+// or with its CRD: the file stays, and is reported as an orphan.
 func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (ctrl.Result, error) {
 	if !controllerutil.ContainsFinalizer(vol, v1alpha1.Finalizer) {
 		a.forget(log, vol.Name)
@@ -422,7 +431,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 		} else if f != nil {
 			log.Warn("a volume deleted while in use cannot be served", "code", f.code, "message", f.message)
 		}
-		return ctrl.Result{RequeueAfter: deletionRetry}, a.blockDeletion(ctx, log, vol, why)
+		return ctrl.Result{RequeueAfter: deletionRetry}, a.blockDeletion(ctx, log, vol, reasonInUse, why)
 	}
 	a.mu.Lock()
 	v := a.vols[vol.Name]
@@ -434,19 +443,31 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 		}
 	}
 	path := a.path(vol.Name)
-	switch err := os.Remove(path); {
-	case err == nil:
-		log.Info("backing file removed", "path", path)
-		a.kickCapacity()
-	case !errors.Is(err, fs.ErrNotExist):
-		return ctrl.Result{}, fmt.Errorf("removing %s: %w", path, err)
+	if vol.DeletesData() {
+		if why := a.connected(vol.Name); why != "" {
+			return ctrl.Result{RequeueAfter: connectionsRetry}, a.blockDeletion(ctx, log, vol, reasonConnected, why)
+		}
+		switch err := os.Remove(path); {
+		case err == nil:
+			log.Info("backing file removed", "path", path)
+			a.kickCapacity()
+		case !errors.Is(err, fs.ErrNotExist):
+			return ctrl.Result{}, fmt.Errorf("removing %s: %w", path, err)
+		}
+	} else if _, err := os.Stat(path); err == nil {
+		// The report that lists the orphan comes once the object is
+		// gone (forget).
+		log.Warn("volume deleted without the annotation "+v1alpha1.DeleteDataAnnotation+"="+v1alpha1.DeleteDataTrue+
+			" that DeleteVolume sets (by hand, or with its CRD): export closed, backing file and its data kept, "+
+			"reported in the storage node's status.orphans; to remove the data, delete the file on the storage node",
+			"path", path)
 	}
 	patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 	controllerutil.RemoveFinalizer(vol, v1alpha1.Finalizer)
 	if err := a.client.Patch(ctx, vol, patch); err != nil && !apierrors.IsNotFound(err) {
 		return ctrl.Result{}, fmt.Errorf("removing the finalizer: %w", err)
 	}
-	log.Info("volume deleted")
+	log.Info("volume deleted", "data_deleted", vol.DeletesData())
 	return ctrl.Result{}, nil
 }
 
@@ -463,16 +484,39 @@ func (a *Agent) inUse(vol *v1alpha1.NBDVolume) string {
 	return "published to " + strings.Join(nodes, ", ")
 }
 
+// connected says why the backing file of a volume whose export was
+// removed must not go yet: the connections to that export the NBD server
+// still has (they end once their handlers finish); empty when none.
+func (a *Agent) connected(name string) string {
+	if n := a.srv.ExportConns(name); n > 0 {
+		return fmt.Sprintf("%d connection(s) to its export still open", n)
+	}
+	return ""
+}
+
+// Reasons of the DeletionBlocked condition.
+const (
+	// reasonInUse: the volume is published; it keeps serving.
+	reasonInUse = "InUse"
+	// reasonConnected: the export is closed, but connections to it are
+	// still open; the backing file goes once they are gone.
+	reasonConnected = "ConnectionsOpen"
+)
+
 // blockDeletion records why a deleted volume stays (once per reason).
-func (a *Agent) blockDeletion(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, why string) error {
+func (a *Agent) blockDeletion(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, reason, why string) error {
 	msg := "deletion waits until the volume is no longer in use: " + why
-	if c := meta.FindStatusCondition(vol.Status.Conditions, ConditionDeletionBlocked); c != nil && c.Status == metav1.ConditionTrue && c.Message == msg {
+	if c := meta.FindStatusCondition(vol.Status.Conditions, ConditionDeletionBlocked); c != nil && c.Status == metav1.ConditionTrue && c.Reason == reason && c.Message == msg {
 		return nil
 	}
-	log.Warn("the volume was deleted while in use: it keeps serving, and goes once it is not", "reason", why)
+	if reason == reasonConnected {
+		log.Warn("the volume's export is closed, but connections to it are still open: its backing file is deleted once they are gone", "reason", why)
+	} else {
+		log.Warn("the volume was deleted while in use: it keeps serving, and goes once it is not", "reason", why)
+	}
 	orig := vol.DeepCopy()
 	meta.SetStatusCondition(&vol.Status.Conditions, metav1.Condition{
-		Type: ConditionDeletionBlocked, Status: metav1.ConditionTrue, Reason: "InUse", Message: msg,
+		Type: ConditionDeletionBlocked, Status: metav1.ConditionTrue, Reason: reason, Message: msg,
 		ObservedGeneration: vol.Generation,
 	})
 	if err := a.client.Status().Patch(ctx, vol, client.MergeFrom(orig)); err != nil && !apierrors.IsNotFound(err) {
@@ -481,21 +525,26 @@ func (a *Agent) blockDeletion(ctx context.Context, log *slog.Logger, vol *v1alph
 	return nil
 }
 
-// forget stops serving a volume whose object is gone without the agent's
-// finalizer (removed by hand): the file stays and is reported an orphan.
+// forget stops serving a volume whose object is gone, or going without the
+// agent's finalizer (removed by hand): its file stays. A backing file still
+// there is an orphan once the object is gone, also after remove released a
+// volume deleted without DeleteDataAnnotation: the capacity report that
+// lists it is asked for at once (the cache this reconcile read no longer
+// has the object).
 func (a *Agent) forget(log *slog.Logger, name string) {
 	a.mu.Lock()
 	v := a.vols[name]
 	delete(a.vols, name)
 	a.mu.Unlock()
-	if v == nil {
-		return
+	if v != nil {
+		log.Warn("volume object gone without its finalizer; export closed, backing file kept")
+		if err := a.closeVolume(v); err != nil {
+			log.Warn("closing the backing file", "error", err)
+		}
 	}
-	log.Warn("volume object gone without its finalizer; export closed, backing file kept")
-	if err := a.closeVolume(v); err != nil {
-		log.Warn("closing the backing file", "error", err)
+	if _, err := os.Stat(a.path(name)); v != nil || err == nil {
+		a.kickCapacity()
 	}
-	a.kickCapacity()
 }
 
 // parseAddrs is a publication's addresses; an invalid one is left out

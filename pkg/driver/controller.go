@@ -328,9 +328,13 @@ func (c *Controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequ
 }
 
 // deleteVolume deletes a volume and waits until its storage agent removed
-// the backing store (the finalizer). When the agent does not finish in
-// time the call fails with DeadlineExceeded, so the CO retries; a retry
-// after the volume is gone succeeds.
+// the backing store (the finalizer). The object is marked with
+// v1alpha1.DeleteDataAnnotation first: the agent deletes the backing file
+// only of a volume so marked (one deleted by hand keeps its data). An
+// object someone else deleted already is marked too, so that its data
+// goes if its agent has not released it yet. When the agent does not
+// finish in time the call fails with DeadlineExceeded, so the CO retries;
+// a retry after the volume is gone succeeds.
 func (c *Controller) deleteVolume(ctx context.Context, id string) error {
 	if id == "" {
 		return invalid("volume_id is required")
@@ -355,6 +359,12 @@ func (c *Controller) deleteVolume(ctx context.Context, id string) error {
 		if nodes := publishedNodes(&v); len(nodes) > 0 {
 			return fmt.Errorf("%w: volume %s is still published to %s", ErrPrecondition, id, strings.Join(nodes, ", "))
 		}
+	}
+	gone, err := c.markDeleteData(ctx, &v)
+	if err != nil {
+		return err
+	}
+	if !gone && v.DeletionTimestamp == nil {
 		if err := c.c.Delete(ctx, &v, client.Preconditions{UID: &v.UID}); err != nil && !apierrors.IsNotFound(err) {
 			return kubeErr(err, "deleting NBDVolume "+id)
 		}
@@ -363,7 +373,7 @@ func (c *Controller) deleteVolume(ctx context.Context, id string) error {
 	if err := c.deleteSecrets(ctx, id, ""); err != nil {
 		return err
 	}
-	_, err := c.waitVolume(ctx, id, "remove its backing store", func(v *v1alpha1.NBDVolume) (bool, error) {
+	_, err = c.waitVolume(ctx, id, "remove its backing store", func(v *v1alpha1.NBDVolume) (bool, error) {
 		return v == nil, nil
 	})
 	return err

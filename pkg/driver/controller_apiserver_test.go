@@ -194,8 +194,8 @@ func TestControllerAPIServer(t *testing.T) {
 		short := newTestController(t, c, func(cfg *ControllerConfig) { cfg.WaitTimeout = 300 * time.Millisecond })
 		_, err = short.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-del"})
 		wantStatus(t, err, codes.DeadlineExceeded, "api-del")
-		if v := getVolume(t, c, "api-del"); v.DeletionTimestamp == nil {
-			t.Fatal("volume not marked for deletion")
+		if v := getVolume(t, c, "api-del"); v.DeletionTimestamp == nil || !v.DeletesData() {
+			t.Fatalf("volume not being deleted with its data: deletion %v, annotations %v", v.DeletionTimestamp, v.Annotations)
 		}
 		agent.setHold("api-del", false)
 		if _, err := ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-del"}); err != nil {
@@ -206,6 +206,31 @@ func TestControllerAPIServer(t *testing.T) {
 		}
 		if _, err := ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-del"}); err != nil {
 			t.Fatalf("second DeleteVolume: %v", err)
+		}
+		if withData, released := agent.releasedWithData("api-del"); !released || !withData {
+			t.Errorf("agent released api-del %t, asked to delete its data %t; want both", released, withData)
+		}
+
+		// Deleted by hand first: the API server takes the annotation on
+		// an object being deleted.
+		if _, err := ctl.CreateVolume(ctx, createReq("api-hand", gib, nil)); err != nil {
+			t.Fatal(err)
+		}
+		agent.setHold("api-hand", true)
+		if err := c.Delete(ctx, getVolume(t, c, "api-hand")); err != nil {
+			t.Fatal(err)
+		}
+		_, err = short.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-hand"})
+		wantStatus(t, err, codes.DeadlineExceeded, "api-hand")
+		if v := getVolume(t, c, "api-hand"); !v.DeletesData() {
+			t.Fatalf("DeleteVolume of a volume deleted by hand left annotations %v", v.Annotations)
+		}
+		agent.setHold("api-hand", false)
+		if _, err := ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-hand"}); err != nil {
+			t.Fatal(err)
+		}
+		if withData, released := agent.releasedWithData("api-hand"); !released || !withData {
+			t.Errorf("agent released api-hand %t, asked to delete its data %t; want both", released, withData)
 		}
 	})
 

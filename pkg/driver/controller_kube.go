@@ -171,6 +171,47 @@ func (c *Controller) updateVolume(ctx context.Context, id string, mutate func(*v
 	return out, nil
 }
 
+// markDeleteData sets v1alpha1.DeleteDataAnnotation on v (as read, and
+// updated to what was written), under an optimistic lock: a conflict (the
+// agent writes the status meanwhile) reads the volume again and retries,
+// as long as it is the same object (UID). gone reports that the volume no
+// longer exists.
+func (c *Controller) markDeleteData(ctx context.Context, v *v1alpha1.NBDVolume) (gone bool, err error) {
+	uid := v.UID
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if v.DeletesData() {
+			return nil
+		}
+		patch := client.MergeFromWithOptions(v.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		metav1.SetMetaDataAnnotation(&v.ObjectMeta, v1alpha1.DeleteDataAnnotation, v1alpha1.DeleteDataTrue)
+		err := c.c.Patch(ctx, v, patch)
+		if err == nil {
+			c.log.Info("volume marked to delete its data", "volume_id", v.Name, "storage_node", v.Spec.StorageNode,
+				"annotation", v1alpha1.DeleteDataAnnotation, "already_deleting", v.DeletionTimestamp != nil)
+			return nil
+		}
+		if !apierrors.IsConflict(err) {
+			return err
+		}
+		var fresh v1alpha1.NBDVolume
+		if err := c.c.Get(ctx, client.ObjectKeyFromObject(v), &fresh); err != nil {
+			return err
+		}
+		if fresh.UID != uid {
+			return fmt.Errorf("%w: volume %s was replaced by another object while being deleted; retry", ErrAborted, v.Name)
+		}
+		*v = fresh
+		return err
+	})
+	switch {
+	case apierrors.IsNotFound(err):
+		return true, nil
+	case err != nil && isAPIStatus(err):
+		return false, kubeErr(err, "marking NBDVolume "+v.Name+" to delete its data")
+	}
+	return false, err
+}
+
 func isAPIStatus(err error) bool {
 	var s apierrors.APIStatus
 	return errors.As(err, &s)

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"maps"
 	"math"
@@ -41,17 +42,21 @@ var testExportAddrs = []string{"192.0.2.1", "192.0.2.2"}
 // simAgent stands in for the storage agent: it puts each volume's spec in
 // effect (phase Available, capacity = spec size, observedGeneration =
 // generation), fails the volumes it is told to fail, ignores the ones it
-// is told to hold, and removes the finalizer of deleted volumes.
+// is told to hold, and removes the finalizer of deleted volumes, noting
+// whether they asked for their data to be deleted.
 type simAgent struct {
 	c    client.Client
 	mu   sync.Mutex
 	fail map[string]string // volume ID -> gRPC code name for its next generation
 	hold map[string]bool   // volume IDs left alone
+	// released: volume ID -> whether it carried DeleteDataAnnotation
+	// when its finalizer was removed.
+	released map[string]bool
 }
 
 func startAgent(t *testing.T, c client.Client) *simAgent {
 	t.Helper()
-	a := &simAgent{c: c, fail: map[string]string{}, hold: map[string]bool{}}
+	a := &simAgent{c: c, fail: map[string]string{}, hold: map[string]bool{}, released: map[string]bool{}}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -87,6 +92,15 @@ func (a *simAgent) setHold(id string, hold bool) {
 	a.hold[id] = hold
 }
 
+// releasedWithData reports whether the agent released volume id, and
+// whether it had been asked to delete its data then.
+func (a *simAgent) releasedWithData(id string) (withData, released bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	withData, released = a.released[id]
+	return withData, released
+}
+
 func (a *simAgent) step(ctx context.Context) {
 	a.stepSnapshots(ctx)
 	var list v1alpha1.NBDVolumeList
@@ -101,8 +115,10 @@ func (a *simAgent) step(ctx context.Context) {
 		switch {
 		case hold:
 		case v.DeletionTimestamp != nil:
-			if controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer) {
-				_ = a.c.Update(ctx, v)
+			if controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer) && a.c.Update(ctx, v) == nil {
+				a.mu.Lock()
+				a.released[v.Name] = v.DeletesData()
+				a.mu.Unlock()
 			}
 		case code != "" && v.Status.ObservedGeneration != v.Generation && v.Status.Phase == v1alpha1.VolumeAvailable:
 			// An existing volume that cannot grow keeps serving its
@@ -999,6 +1015,97 @@ func TestDeleteVolume(t *testing.T) {
 		if !volumeGone(t, c, "gone") {
 			t.Fatal("volume still there after DeleteVolume succeeded")
 		}
+	}
+	if withData, released := agent.releasedWithData("gone"); !released || !withData {
+		t.Errorf("agent released the volume %t, asked to delete its data %t; want both", released, withData)
+	}
+}
+
+// TestDeleteVolumeMarksData: DeleteVolume sets DeleteDataAnnotation before
+// it deletes the object (retrying a conflict), and on an object someone
+// deleted by hand, so that the agent deletes the data of both.
+func TestDeleteVolumeMarksData(t *testing.T) {
+	ctx := context.Background()
+	_, c, agent := setup(t)
+	var mu sync.Mutex
+	var deletes []string // volume ID: annotation value when Delete was called
+	conflicts := 1       // the first patch of "conflicted" fails so
+	ic := interceptor.NewClient(c.(client.WithWatch), interceptor.Funcs{
+		Delete: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
+			if _, ok := obj.(*v1alpha1.NBDVolume); ok {
+				var cur v1alpha1.NBDVolume
+				if err := cl.Get(ctx, client.ObjectKeyFromObject(obj), &cur); err == nil {
+					mu.Lock()
+					deletes = append(deletes, cur.Name+": "+cur.Annotations[v1alpha1.DeleteDataAnnotation])
+					mu.Unlock()
+				}
+			}
+			return cl.Delete(ctx, obj, opts...)
+		},
+		Patch: func(ctx context.Context, cl client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+			mu.Lock()
+			conflict := obj.GetName() == "conflicted" && conflicts > 0
+			if conflict {
+				conflicts--
+			}
+			mu.Unlock()
+			if conflict {
+				return apierrors.NewConflict(v1alpha1.GroupVersion.WithResource("nbdvolumes").GroupResource(), obj.GetName(), errors.New("simulated"))
+			}
+			return cl.Patch(ctx, obj, patch, opts...)
+		},
+	})
+	ctl := newTestController(t, ic)
+	short := newTestController(t, ic, func(cfg *ControllerConfig) { cfg.WaitTimeout = 200 * time.Millisecond })
+
+	for _, id := range []string{"marked", "conflicted"} {
+		if _, err := ctl.CreateVolume(ctx, createReq(id, gib, nil)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			t.Fatalf("DeleteVolume(%s): %v", id, err)
+		}
+		if withData, released := agent.releasedWithData(id); !released || !withData {
+			t.Errorf("%s: agent released it %t, asked to delete its data %t; want both", id, released, withData)
+		}
+	}
+	want := []string{"marked: " + v1alpha1.DeleteDataTrue, "conflicted: " + v1alpha1.DeleteDataTrue}
+	mu.Lock()
+	if !slices.Equal(deletes, want) || conflicts != 0 {
+		t.Errorf("deletes %q (conflicts left %d), want %q", deletes, conflicts, want)
+	}
+	mu.Unlock()
+
+	// Deleted by hand, held by its agent: DeleteVolume marks it, and
+	// does not delete it again.
+	if _, err := ctl.CreateVolume(ctx, createReq("by-hand", gib, nil)); err != nil {
+		t.Fatal(err)
+	}
+	agent.setHold("by-hand", true)
+	if err := c.Delete(ctx, getVolume(t, c, "by-hand")); err != nil {
+		t.Fatal(err)
+	}
+	if v := getVolume(t, c, "by-hand"); v.DeletionTimestamp == nil || v.DeletesData() {
+		t.Fatalf("deleted by hand: deletion %v, annotations %v", v.DeletionTimestamp, v.Annotations)
+	}
+	_, err := short.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "by-hand"})
+	wantStatus(t, err, codes.DeadlineExceeded, "backing store")
+	if v := getVolume(t, c, "by-hand"); !v.DeletesData() {
+		t.Fatalf("DeleteVolume of a volume deleted by hand left annotations %v", v.Annotations)
+	}
+	agent.setHold("by-hand", false)
+	for i := range 2 {
+		if _, err := ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "by-hand"}); err != nil {
+			t.Fatalf("delete %d: %v", i, err)
+		}
+	}
+	if withData, released := agent.releasedWithData("by-hand"); !released || !withData {
+		t.Errorf("by-hand: agent released it %t, asked to delete its data %t; want both", released, withData)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(deletes) != len(want) {
+		t.Errorf("DeleteVolume deleted a volume being deleted again: %q", deletes[len(want):])
 	}
 }
 
