@@ -98,8 +98,11 @@ Cluster mode (--cluster):
   endpoints are left alone. With it, --auto-backup (on by default) flags
   backup the endpoint of a path much slower than the others, from what its
   subflows deliver, and clears the flag once the path recovers. The cluster is reached with --kubeconfig, else
-  $KUBECONFIG, else the in-cluster service account. Files never backed by an
-  NBDVolume are reported as orphans, never deleted. With --identity (on by
+  $KUBECONFIG, else the in-cluster service account. A volume's file is
+  deleted only with an NBDVolume that CSI DeleteVolume deleted (annotation
+  mpnbd.io/delete-data); the file of one deleted otherwise (by hand, or
+  with its CRD) is kept, and like files never backed by an NBDVolume is
+  reported as an orphan, never deleted. With --identity (on by
   default) the agent gets this node's storage certificate from the
   controller (a CertificateSigningRequest, renewed before it expires) and
   offers STARTTLS with it; a node presenting its node certificate opens a
