@@ -564,9 +564,21 @@ func (s *Supervisor) spawn(ctx context.Context, sp serveSpec) (*server, *attach.
 		return nil, nil, fmt.Errorf("ublk: start the process of volume %s: %w", id, err)
 	}
 	srv := &server{pid: cmd.Process.Pid, cmd: cmd, conn: conn, started: time.Now(), exited: make(chan struct{}), calls: map[uint64]chan response{}}
+	// answered is closed (giveUp) once the process's answer to the start
+	// was read or given up on. A process that fails says why and exits at
+	// once: its answer waits in the socket, and closing the socket on its
+	// exit before the answer was read would lose it (the attach's error
+	// would be only the exit status). A socket whose other end outlives
+	// the process closes after ctlTimeout.
+	answered := make(chan struct{})
+	giveUp := sync.OnceFunc(func() { close(answered) })
 	go func() {
 		// Its exit status is in cmd.ProcessState (exitStatus).
 		_ = cmd.Wait()
+		select {
+		case <-answered:
+		case <-time.After(ctlTimeout):
+		}
 		conn.Close()
 		close(srv.exited)
 	}()
@@ -578,6 +590,7 @@ func (s *Supervisor) spawn(ctx context.Context, sp serveSpec) (*server, *attach.
 	ctx, cancel := context.WithDeadline(ctx, sp.Deadline.Add(exitTimeout))
 	defer cancel()
 	fail := func(err error) (*server, *attach.Attachment, error) {
+		giveUp()
 		srv.kill()
 		srv.awaitExit(s.log)
 		return nil, nil, err
@@ -595,22 +608,24 @@ func (s *Supervisor) spawn(ctx context.Context, sp serveSpec) (*server, *attach.
 		_, r.err = fdpass.RecvJSON(conn, &r.m, 0, time.Time{})
 		readyc <- r
 	}()
+	var r ready
 	select {
-	case r := <-readyc:
-		switch {
-		case r.err != nil:
-			return fail(fmt.Errorf("ublk: the process of volume %s ended before it served it (%s)", id, srv.exitStatusAfter(exitTimeout)))
-		case r.m.Error != nil:
-			srv.awaitExit(s.log)
-			return nil, nil, r.m.Error.Err()
-		case r.m.Attachment == nil:
-			return fail(fmt.Errorf("ublk: the process of volume %s said neither attachment nor error", id))
-		}
-		go srv.readResponses()
-		return srv, r.m.Attachment, nil
+	case r = <-readyc:
 	case <-ctx.Done():
 		return fail(fmt.Errorf("ublk: volume %s: %w", id, ctx.Err()))
 	}
+	giveUp()
+	switch {
+	case r.err != nil:
+		return fail(fmt.Errorf("ublk: the process of volume %s ended before it served it (%s)", id, srv.exitStatusAfter(exitTimeout)))
+	case r.m.Error != nil:
+		srv.awaitExit(s.log)
+		return nil, nil, r.m.Error.Err()
+	case r.m.Attachment == nil:
+		return fail(fmt.Errorf("ublk: the process of volume %s said neither attachment nor error", id))
+	}
+	go srv.readResponses()
+	return srv, r.m.Attachment, nil
 }
 
 // readResponses hands each response to its caller until the socket
