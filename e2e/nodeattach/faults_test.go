@@ -22,8 +22,8 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
 )
 
-// The fault tests run real storage-server processes (Debian's nbd-server)
-// in the topology's server namespace and kill them with SIGKILL while fio
+// The fault tests run real storage-server processes (Debian's nbd-server,
+// or ours) in the topology's server namespace and kill them with SIGKILL while fio
 // writes and verifies the raw device. MPNBD_SOAK=1 makes them long.
 
 const (
@@ -230,8 +230,9 @@ func (s *debianServer) kill() int {
 	return len(procs)
 }
 
-// children is the number of per-client processes the daemon runs.
-func (s *debianServer) children() int {
+// clients is the number of per-client processes the daemon runs: the
+// connections it serves.
+func (s *debianServer) clients() int {
 	s.mu.Lock()
 	leader := s.leader
 	s.mu.Unlock()
@@ -246,6 +247,8 @@ func (s *debianServer) killCount() int {
 	defer s.mu.Unlock()
 	return s.kills
 }
+
+func (s *debianServer) imagePath() string { return s.image }
 
 func (s *debianServer) target(id string) attach.Target {
 	var srv, cli []string
@@ -323,8 +326,17 @@ func sessionProcs(leader int) []int {
 
 // listening reports whether a socket listens on port in pid's network
 // namespace.
-func listening(pid, port int) bool {
+func listening(pid, port int) bool { return tcpSockets(pid, port, "0A") > 0 }
+
+// established counts the established TCP sockets on local port port in
+// pid's network namespace.
+func established(pid, port int) int { return tcpSockets(pid, port, "01") }
+
+// tcpSockets counts the TCP sockets on local port port in pid's network
+// namespace whose state (as /proc/net/tcp gives it, in hex) is state.
+func tcpSockets(pid, port int, state string) int {
 	want := fmt.Sprintf(":%04X", port)
+	n := 0
 	for _, f := range []string{"tcp", "tcp6"} {
 		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, f))
 		if err != nil {
@@ -332,12 +344,12 @@ func listening(pid, port int) bool {
 		}
 		for _, l := range strings.Split(string(b), "\n")[1:] {
 			fs := strings.Fields(l)
-			if len(fs) > 3 && strings.HasSuffix(fs[1], want) && fs[3] == "0A" {
-				return true
+			if len(fs) > 3 && strings.HasSuffix(fs[1], want) && fs[3] == state {
+				n++
 			}
 		}
 	}
-	return false
+	return n
 }
 
 // blockStat is the number of reads and writes dev completed (/sys/block
@@ -362,6 +374,24 @@ func deviceIOs(dev string) int64 {
 	return r + w
 }
 
+// faultServer is a storage server running as processes of its own that
+// the fault tests SIGKILL and start again: Debian's nbd-server
+// (debianServer) or ours (ourServer).
+type faultServer interface {
+	// kill SIGKILLs the server's processes, as a crash would, and waits
+	// until they are gone; it returns how many it killed.
+	kill() int
+	// start starts the server again and waits until it takes connections.
+	start() error
+	// killCount is the number of kills of a running server so far.
+	killCount() int
+	// clients is the number of client connections the server serves (at
+	// least: ours counts an MPTCP connection once per subflow).
+	clients() int
+	// imagePath is the file the server serves.
+	imagePath() string
+}
+
 // killer SIGKILLs the server again and again: once the client is back
 // (the server serves conns connections and the device completes I/O
 // again), it waits interval, kills, leaves the server down for down and
@@ -381,7 +411,7 @@ const reconnectLimit = 3 * time.Minute
 // start on a loaded host).
 const roundLimit = 5 * time.Minute
 
-func (s *debianServer) killEvery(dev string, conns int, interval, down time.Duration) *killer {
+func killEvery(t *testing.T, s faultServer, dev string, conns int, interval, down time.Duration) *killer {
 	k := &killer{stopc: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(k.done)
@@ -389,15 +419,15 @@ func (s *debianServer) killEvery(dev string, conns int, interval, down time.Dura
 			// Wait for the client to be back: a kill is meant to hit a live
 			// data path.
 			since, base := time.Now(), deviceIOs(dev)
-			for s.children() < conns || deviceIOs(dev)-base < 64 {
+			for s.clients() < conns || deviceIOs(dev)-base < 64 {
 				select {
 				case <-k.stopc:
 					return
 				case <-time.After(50 * time.Millisecond):
 				}
 				if time.Since(since) > reconnectLimit {
-					s.t.Errorf("the client did not come back within %v of nbd-server's restart: %d of %d connections, %d I/Os completed since",
-						reconnectLimit, s.children(), conns, deviceIOs(dev)-base)
+					t.Errorf("the client did not come back within %v of nbd-server's restart: %d of %d connections, %d I/Os completed since",
+						reconnectLimit, s.clients(), conns, deviceIOs(dev)-base)
 					return
 				}
 			}
@@ -407,10 +437,10 @@ func (s *debianServer) killEvery(dev string, conns int, interval, down time.Dura
 			case <-time.After(interval):
 			}
 			n := s.kill()
-			s.t.Logf("SIGKILL nbd-server (%d processes), kill #%d", n, s.killCount())
+			t.Logf("SIGKILL nbd-server (%d processes), kill #%d", n, s.killCount())
 			time.Sleep(down)
 			if err := s.start(); err != nil {
-				s.t.Errorf("restarting the killed server: %v", err)
+				t.Errorf("restarting the killed server: %v", err)
 				return
 			}
 		}
@@ -627,7 +657,7 @@ func attachFault(t *testing.T, mode attach.Transport) (*debianServer, *nbddev.At
 		}
 	})
 	if mode == attach.MultiConn {
-		if n := srv.children(); n != len(tp.Paths) {
+		if n := srv.clients(); n != len(tp.Paths) {
 			t.Fatalf("multiconn: nbd-server serves %d connections, want %d", n, len(tp.Paths))
 		}
 	}
@@ -690,10 +720,7 @@ func TestTransportsServerKills(t *testing.T) {
 	requireFaultTools(t)
 	// The fault tests wait out outages, stalls and timeouts side by side.
 	t.Parallel()
-	total, every, down := 20*time.Second, 3*time.Second, time.Second
-	if soak() {
-		total, every = 2*time.Minute, 10*time.Second
-	}
+	total, every, down := killTimes()
 	for _, mode := range faultModes() {
 		t.Run(string(mode), func(t *testing.T) {
 			// Side by side: each has its own topology, server and device.
@@ -708,14 +735,25 @@ func TestTransportsServerKills(t *testing.T) {
 	}
 }
 
+// killTimes are the kill rounds' length, the time between the client's
+// return and the next kill, and the time the server stays down: about 20
+// s of rounds with a kill every 3 s (two minutes, every 10 s with
+// MPNBD_SOAK=1).
+func killTimes() (total, every, down time.Duration) {
+	if soak() {
+		return 2 * time.Minute, 10 * time.Second, time.Second
+	}
+	return 20 * time.Second, 3 * time.Second, time.Second
+}
+
 // killRounds runs fio write+verify rounds on dev for about total while
 // srv is SIGKILLed every few seconds (see killEvery); every round must
 // finish with no error and verify, the client must have reconnected, and
 // the device must then read back the server's file.
-func killRounds(t *testing.T, srv *debianServer, a attach.Attacher, tg attach.Target, dev string, conns int, total, every, down time.Duration) {
+func killRounds(t *testing.T, srv faultServer, a attach.Attacher, tg attach.Target, dev string, conns int, total, every, down time.Duration) {
 	t.Helper()
 	start := time.Now()
-	k := srv.killEvery(dev, conns, every, down)
+	k := killEvery(t, srv, dev, conns, every, down)
 	stopped := false
 	defer func() {
 		if !stopped {
@@ -745,7 +783,7 @@ func killRounds(t *testing.T, srv *debianServer, a attach.Attacher, tg attach.Ta
 	if h.Reconnects < 1 {
 		t.Errorf("%d kills but no reconnect recorded: %+v", kills, h)
 	}
-	compareWithImage(t, srv.image, dev, attacherStuck(t, a, tg, dev))
+	compareWithImage(t, srv.imagePath(), dev, attacherStuck(t, a, tg, dev))
 }
 
 // TestTransportsLongOutage kills nbd-server in the middle of a fio

@@ -22,7 +22,8 @@ const envMPTCPKernel = "MPNBD_VM_NBD_MPTCP"
 var mptcpKernelTests = []string{"TestKernelTransportAttach", "TestKernelTransportPathFlap",
 	"TestKernelTransportServerRestart", "TestKernelTransportAuto", "TestTransportsServerKills",
 	"TestTransportsLongOutage", "TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout",
-	"TestReadoptHealthyDevices", "TestUblkTransportAttach", "TestUblkProcessKilledMidWrite", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
+	"TestReadoptHealthyDevices", "TestUblkTransportAttach", "TestUblkProcessKilledMidWrite", "TestDatapathHandover", "TestDatapathHandoverDuringOutage",
+	"TestRelayTLSServerKills"}
 
 // TestNodeAttachMPTCPKernelInVM boots the VM with the kernel whose nbd
 // accepts MPTCP sockets (built by hack/vm-kernel-mptcp.sh; the test skips

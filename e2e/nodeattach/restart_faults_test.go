@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -11,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,21 +27,35 @@ const ourServerPort = 10810
 
 // ourServer is our nbd-server binary running in the topology's server
 // namespace as a process of its own, so that a test can stop it (SIGSTOP)
-// as a stalled server would be, or kill it.
+// as a stalled server would be, or kill it and start it again.
 type ourServer struct {
 	t     *testing.T
 	tp    *topo.Topology
+	bin   string
 	image string
-	cmd   *exec.Cmd
+	// tls, when set, makes the server require TLS (see tlsFiles).
+	tls *tlsFiles
+
+	mu     sync.Mutex
+	cmd    *exec.Cmd     // nil while down
+	exited chan struct{} // closed once cmd is reaped
+	kills  int
 }
 
 func startOurServer(t *testing.T, tp *topo.Topology, size int64) *ourServer {
+	t.Helper()
+	return startOurServerTLS(t, tp, size, nil)
+}
+
+// startOurServerTLS is startOurServer with TLS required as tf says (none
+// when tf is nil).
+func startOurServerTLS(t *testing.T, tp *topo.Topology, size int64, tf *tlsFiles) *ourServer {
 	t.Helper()
 	bin := os.Getenv(envOurServer)
 	if bin == "" {
 		t.Skipf("our nbd-server is not in the VM (%s unset: the host test builds it)", envOurServer)
 	}
-	s := &ourServer{t: t, tp: tp, image: filepath.Join(t.TempDir(), "vol.img")}
+	s := &ourServer{t: t, tp: tp, bin: bin, image: filepath.Join(t.TempDir(), "vol.img"), tls: tf}
 	f, err := os.Create(s.image)
 	if err != nil {
 		t.Fatal(err)
@@ -48,36 +64,121 @@ func startOurServer(t *testing.T, tp *topo.Topology, size int64) *ourServer {
 		t.Fatal(err)
 	}
 	f.Close()
-	s.cmd = exec.Command("ip", "netns", "exec", tp.ServerNS, bin,
-		"--listen", net.JoinHostPort("0.0.0.0", strconv.Itoa(ourServerPort)),
-		"--export", "vol="+s.image, "--metrics-addr=", "--log-level", "info")
-	s.cmd.Stdout, s.cmd.Stderr = testWriter{t}, testWriter{t}
-	if err := s.cmd.Start(); err != nil {
+	if err := s.start(); err != nil {
 		t.Fatal(err)
 	}
 	// Registered after the topology's cleanup, so it runs before the
 	// namespaces go.
 	t.Cleanup(func() {
 		s.signal(syscall.SIGCONT)
-		s.signal(syscall.SIGKILL)
-		s.cmd.Wait()
+		s.kill()
 	})
-	pid := s.cmd.Process.Pid
-	deadline := time.Now().Add(30 * time.Second)
-	for !listening(pid, ourServerPort) {
-		if !alive(pid) || time.Now().After(deadline) {
-			t.Fatalf("our nbd-server (pid %d) is not listening on port %d after 30s (alive: %v)", pid, ourServerPort, alive(pid))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 	return s
 }
 
+// start runs the server and waits until it listens. A few attempts, since
+// a server that cannot listen exits.
+func (s *ourServer) start() error {
+	var last error
+	for attempt := 1; attempt <= 5; attempt++ {
+		begin := time.Now()
+		pid, err := s.startOnce()
+		if err == nil {
+			s.t.Logf("our nbd-server up (pid %d) after %v", pid, time.Since(begin).Round(time.Millisecond))
+			return nil
+		}
+		last = err
+		s.t.Logf("our nbd-server start attempt %d: %v", attempt, err)
+		time.Sleep(time.Duration(attempt) * 300 * time.Millisecond)
+	}
+	return fmt.Errorf("our nbd-server did not come up in 5 attempts: %w", last)
+}
+
+func (s *ourServer) startOnce() (int, error) {
+	args := []string{"netns", "exec", s.tp.ServerNS, s.bin,
+		"--listen", net.JoinHostPort("0.0.0.0", strconv.Itoa(ourServerPort)),
+		"--export", "vol=" + s.image, "--metrics-addr=", "--log-level", "info"}
+	if s.tls != nil {
+		args = append(args, "--tls", "require", "--tls-cert", s.tls.serverPEM, "--tls-key", s.tls.serverPEM, "--tls-ca", s.tls.caPEM)
+	}
+	// ip netns exec execs the server: its pid is the server's.
+	cmd := exec.Command("ip", args...)
+	cmd.Stdout, cmd.Stderr = testWriter{s.t}, testWriter{s.t}
+	if err := cmd.Start(); err != nil {
+		return 0, err
+	}
+	exited := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(exited)
+	}()
+	pid := cmd.Process.Pid
+	deadline := time.Now().Add(30 * time.Second)
+	for !listening(pid, ourServerPort) {
+		if !alive(pid) || time.Now().After(deadline) {
+			up := alive(pid)
+			cmd.Process.Kill()
+			<-exited
+			return 0, fmt.Errorf("our nbd-server (pid %d) is not listening on port %d (running: %v; it gives up after 30s)", pid, ourServerPort, up)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.mu.Lock()
+	s.cmd, s.exited = cmd, exited
+	s.mu.Unlock()
+	return pid, nil
+}
+
 func (s *ourServer) signal(sig syscall.Signal) {
-	if s.cmd.Process != nil {
-		syscall.Kill(s.cmd.Process.Pid, sig)
+	s.mu.Lock()
+	cmd := s.cmd
+	s.mu.Unlock()
+	if cmd != nil {
+		syscall.Kill(cmd.Process.Pid, sig)
 	}
 }
+
+// kill SIGKILLs the server and waits until it is gone; it returns how
+// many processes it killed (0 when it was down).
+func (s *ourServer) kill() int {
+	s.mu.Lock()
+	cmd, exited := s.cmd, s.exited
+	s.cmd = nil
+	s.mu.Unlock()
+	if cmd == nil {
+		return 0
+	}
+	cmd.Process.Kill()
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		s.t.Errorf("our nbd-server (pid %d) survived SIGKILL for 10s", cmd.Process.Pid)
+	}
+	s.mu.Lock()
+	s.kills++
+	s.mu.Unlock()
+	return 1
+}
+
+func (s *ourServer) killCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.kills
+}
+
+// clients counts the server's established TCP sockets on its port: one
+// per plain connection, one per subflow of an MPTCP one.
+func (s *ourServer) clients() int {
+	s.mu.Lock()
+	cmd := s.cmd
+	s.mu.Unlock()
+	if cmd == nil {
+		return 0
+	}
+	return established(cmd.Process.Pid, ourServerPort)
+}
+
+func (s *ourServer) imagePath() string { return s.image }
 
 func (s *ourServer) target(id string) attach.Target {
 	var srv, cli []string

@@ -17,7 +17,7 @@ import (
 )
 
 // ublkTests are the guest tests TestNodeAttachUblkInVM runs.
-var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkProcessKilledMidWrite", "TestUblkVolumeProcessKilled", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
+var ublkTests = []string{"TestUblkTransportAttach", "TestUblkServerKills", "TestUblkTLSServerKills", "TestUblkProcessKilledMidWrite", "TestUblkVolumeProcessKilled", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
 
 // TestNodeAttachUblkInVM boots Debian's stock 6.12 kernel, which has
 // ublk_drv (and an nbd that refuses MPTCP), and runs the ublk transport's
@@ -148,10 +148,7 @@ func TestUblkTransportAttach(t *testing.T) {
 func TestUblkServerKills(t *testing.T) {
 	requireUblkGuest(t)
 	requireFaultTools(t)
-	total, every, down := 20*time.Second, 3*time.Second, time.Second
-	if soak() {
-		total, every = 2*time.Minute, 10*time.Second
-	}
+	total, every, down := killTimes()
 	tp := guestTopology(t)
 	srv := startDebianServer(t, tp, faultExportSize)
 	a := newUblkAttacher(t, tp, t.TempDir())

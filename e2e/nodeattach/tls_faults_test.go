@@ -1,0 +1,175 @@
+package nodeattach
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/pki"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
+)
+
+// The TLS fault tests run the kill rounds of TestTransportsServerKills on
+// a volume whose connections are NBD over TLS: our nbd-server requires
+// STARTTLS and a node certificate of a test CA, and presents a storage
+// certificate of that CA; the node dials with the certificate of its
+// identity directory, as the node plugin's data path does.
+
+// tlsStorageNode is the storage node the server's certificate names.
+const tlsStorageNode = "store-vm"
+
+// refusalLimit bounds an attach the server or the node must refuse.
+const refusalLimit = 30 * time.Second
+
+// tlsFiles are a test CA's files: the server's certificate for
+// tlsStorageNode with its key (serverPEM), the CA's certificate it checks
+// clients against (caPEM), and a node's identity directory with a node
+// certificate of the CA and the CA bundle, as nodeid.Identity keeps them.
+type tlsFiles struct {
+	serverPEM, caPEM string
+	identityDir      string
+}
+
+func newTLSFiles(t *testing.T) *tlsFiles {
+	t.Helper()
+	ca, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	pair := func(k nodeid.Kind, node string) []byte {
+		b, err := pki.NodeIDPEM(ca, k, node)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	dir, id := t.TempDir(), t.TempDir()
+	f := &tlsFiles{serverPEM: filepath.Join(dir, "server.pem"), caPEM: filepath.Join(dir, "ca.pem"), identityDir: id}
+	for name, b := range map[string][]byte{
+		f.serverPEM: pair(nodeid.Storage, tlsStorageNode), f.caPEM: ca.PEM,
+		filepath.Join(id, "node.pem"): pair(nodeid.Node, "node-vm"), filepath.Join(id, nodeid.BundleFile): ca.PEM,
+	} {
+		if err := os.WriteFile(name, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+// over is tg dialled over TLS with the node's identity, expecting the
+// server's certificate to name storageNode.
+func (f *tlsFiles) over(tg attach.Target, storageNode string) attach.Target {
+	tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: f.identityDir}
+	return tg
+}
+
+// requireTLSOnly shows that srv's export can be reached only over TLS, to
+// the storage node its certificate names: attached by a in plaintext, the
+// server refuses it (TLS required); attached over TLS by a node that
+// expects another storage node, the node refuses the server's
+// certificate. Each attempt must fail within refusalLimit.
+func requireTLSOnly(t *testing.T, a attach.Attacher, srv *ourServer, tf *tlsFiles) {
+	t.Helper()
+	refused := func(what string, tg attach.Target) error {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), refusalLimit)
+		defer cancel()
+		begin := time.Now()
+		att, err := a.Attach(ctx, tg, attach.Options{})
+		if err == nil {
+			if derr := a.Detach(context.Background(), tg.VolumeID); derr != nil {
+				t.Errorf("detach: %v", derr)
+			}
+			t.Fatalf("%s: attached as %s", what, att.Device)
+		}
+		t.Logf("%s: refused after %v: %v", what, time.Since(begin).Round(time.Millisecond), err)
+		return err
+	}
+	// The server's reply is named in the error: the ublk volume process
+	// reports it across a pipe, where only ErrServerRefused stays a type.
+	tlsReqd := nbd.RepName(nbd.RepErrTLSReqd)
+	plain := srv.target(volID(t) + "-plain")
+	if err := refused("attach in plaintext", plain); !errors.Is(err, attach.ErrServerRefused) || !strings.Contains(err.Error(), tlsReqd) {
+		t.Fatalf("attach in plaintext: %v; want the server's refusal (%s)", err, tlsReqd)
+	}
+	const other = "store-other"
+	wrong := tf.over(srv.target(volID(t)+"-other"), other)
+	if err := refused("attach expecting storage node "+other, wrong); !strings.Contains(err.Error(), "the storage server is "+tlsStorageNode+", not "+other) {
+		t.Fatalf("attach expecting storage node %s: %v; want the node to refuse the certificate of %s", other, err, tlsStorageNode)
+	}
+}
+
+// TestRelayTLSServerKills: a relay volume (/dev/nbdX fed by this
+// process) whose connection is NBD over TLS with the node's certificate,
+// under fio write+verify rounds while our nbd-server, which requires TLS
+// and a node certificate of its CA, is SIGKILLed and started again every
+// few seconds: each reconnect makes a new TLS session from the identity
+// directory, no round sees an error, every block verifies, and the device
+// reads back the server's file. A plaintext attach of the same export is
+// refused, so the rounds' I/O went over TLS.
+func TestRelayTLSServerKills(t *testing.T) {
+	requireGuest(t)
+	requireFaultTools(t)
+	// The fault tests wait out outages, stalls and timeouts side by side.
+	t.Parallel()
+	total, every, down := killTimes()
+	tp := guestTopology(t)
+	tf := newTLSFiles(t)
+	srv := startOurServerTLS(t, tp, faultExportSize, tf)
+	a, _ := newAttacher(t, tp, attach.Relay)
+	requireTLSOnly(t, a, srv, tf)
+	tg := tf.over(srv.target(volID(t)), tlsStorageNode)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	att, err := a.Attach(ctx, tg, attach.Options{})
+	cancel()
+	if err != nil {
+		t.Fatalf("attach relay over TLS: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Errorf("detach: %v", err)
+		}
+	})
+	t.Logf("relay attached over TLS as %s (%d bytes, MPTCP %v)", att.Device, att.Size, att.MPTCP)
+	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
+}
+
+// TestUblkTLSServerKills is TestRelayTLSServerKills for a ublk volume
+// (/dev/ublkbN served by a volume process of its own, which reads the
+// node's certificate from the identity directory at each dial): no round
+// sees an error, every block verifies, the device reads back the server's
+// file, and the volume's process is the same throughout.
+func TestUblkTLSServerKills(t *testing.T) {
+	requireUblkGuest(t)
+	requireFaultTools(t)
+	total, every, down := killTimes()
+	tp := guestTopology(t)
+	tf := newTLSFiles(t)
+	srv := startOurServerTLS(t, tp, faultExportSize, tf)
+	a := newUblkAttacher(t, tp, t.TempDir())
+	requireTLSOnly(t, a, srv, tf)
+	tg := tf.over(srv.target(volID(t)), tlsStorageNode)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	att, err := a.Attach(ctx, tg, attach.Options{})
+	cancel()
+	if err != nil {
+		t.Fatalf("attach ublk over TLS: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+			t.Errorf("detach: %v", err)
+		}
+	})
+	t.Logf("ublk attached over TLS as %s (%d bytes, MPTCP %v)", att.Device, att.Size, att.MPTCP)
+	pid := a.ServerPID(tg.VolumeID)
+	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
+	if now := a.ServerPID(tg.VolumeID); now != pid {
+		t.Fatalf("the volume's process is %d, was %d: it was replaced while only the storage server died", now, pid)
+	}
+}
