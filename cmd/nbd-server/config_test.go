@@ -365,6 +365,22 @@ func TestParseArgsFlagsAndConfig(t *testing.T) {
 	}
 }
 
+// TestParseArgsBracketedAddresses: the chart's [$(HTTP_ADDRESS)]:PORT
+// expands to a bracketed address, IPv4 or IPv6, which the metrics (and
+// listen) addresses take.
+func TestParseArgsBracketedAddresses(t *testing.T) {
+	for _, a := range []string{"[192.0.2.10]:9810", "[2001:db8::10]:9810", "[::]:9810"} {
+		o, err := parseArgs([]string{"--export", "d=/x", "--metrics-addr", a, "--listen", a})
+		if err != nil {
+			t.Errorf("%s: %v", a, err)
+			continue
+		}
+		if o.metricsAddr != a || len(o.listen) != 1 || o.listen[0] != a {
+			t.Errorf("%s: metrics address %q, listen %q", a, o.metricsAddr, o.listen)
+		}
+	}
+}
+
 func TestParseArgsHelp(t *testing.T) {
 	for _, arg := range []string{"-h", "--help", "-help"} {
 		if _, err := parseArgs([]string{arg}); !errors.Is(err, flag.ErrHelp) {
@@ -394,6 +410,7 @@ func TestParseArgsErrors(t *testing.T) {
 		{"duplicate listen", []string{"--export", "a=/a", "--listen", ":1", "--listen", ":1"}, `listen address ":1" is given twice`},
 		{"duplicate listen with config", []string{"--config", cfg, "--listen", ":7000"}, `listen address ":7000" is given twice`},
 		{"bad metrics addr", []string{"--export", "a=/a", "--metrics-addr", "9100"}, `invalid metrics address: "9100"`},
+		{"unbracketed IPv6 metrics addr", []string{"--export", "a=/a", "--metrics-addr", "2001:db8::10:9100"}, `invalid metrics address: "2001:db8::10:9100"`},
 		{"bad log level", []string{"--export", "a=/a", "--log-level", "loud"}, `invalid log level "loud"`},
 		{"bad log format", []string{"--export", "a=/a", "--log-format", "xml"}, `invalid log format "xml": want text or json`},
 		{"bad timeout", []string{"--export", "a=/a", "--shutdown-timeout", "soon"}, `invalid value "soon" for flag --shutdown-timeout`},

@@ -202,6 +202,27 @@ func randBytes(n int) []byte {
 	return b
 }
 
+// TestMetricsBracketedAddress: the server serves /healthz and /metrics on
+// a bracketed IPv4 address, as the chart's [$(HTTP_ADDRESS)]:PORT gives it.
+func TestMetricsBracketedAddress(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "disk.img")
+	r := start(t, "--listen", "127.0.0.1:0", "--export", "d="+img+",size=1M,create",
+		"--metrics-addr", "[127.0.0.1]:0", "--log-format", "json")
+	if !strings.HasPrefix(r.metricsAddr, "127.0.0.1:") {
+		t.Fatalf("metrics on %q, want 127.0.0.1", r.metricsAddr)
+	}
+	for _, path := range []string{"/healthz", "/metrics"} {
+		resp, err := http.Get("http://" + r.metricsAddr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Errorf("%s: %s", path, resp.Status)
+		}
+	}
+}
+
 func TestEndToEnd(t *testing.T) {
 	useMPTCP := mptcp.Available() == nil
 	if !useMPTCP {

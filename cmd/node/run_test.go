@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -59,6 +60,44 @@ func TestParseArgs(t *testing.T) {
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("parseArgs(%q) = %v, want an error naming %s", c.args, err, c.want)
 		}
+	}
+}
+
+// TestServeMetricsBracketedAddress: --metrics-addr takes the chart's
+// [$(HTTP_ADDRESS)]:PORT, the brackets around an IPv4 address too, and
+// serves there only.
+func TestServeMetricsBracketedAddress(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	l.Close()
+	addr := "[127.0.0.1]:" + port
+	o, err := parseArgs([]string{"--node-id", "n", "--metrics-addr", addr})
+	if err != nil || o.metricsAddr != addr {
+		t.Fatalf("parseArgs(--metrics-addr %s): %+v, %v", addr, o, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	up := prometheus.NewGauge(prometheus.GaugeOpts{Name: "test_up"})
+	up.Set(1)
+	if err := serveMetrics(ctx, addr, up, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Get("http://127.0.0.1:" + port + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "test_up 1") {
+		t.Errorf("/metrics on %s: %s\n%.300s", addr, resp.Status, b)
+	}
+	// Bound to 127.0.0.1 only: another loopback address does not answer.
+	if c, err := net.DialTimeout("tcp", "127.0.0.2:"+port, time.Second); err == nil {
+		c.Close()
+		t.Errorf("%s answers on 127.0.0.2", addr)
 	}
 }
 

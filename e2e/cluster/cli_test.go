@@ -59,7 +59,7 @@ func (s *suite) mpnbdctl(args ...string) (string, error) {
 		s.cliBuilt = bin
 	}
 	cmd := exec.CommandContext(s.ctx, bin, append([]string{"--kubeconfig", s.c.Kubeconfig,
-		"--metrics-url", fmt.Sprintf("%s=http://127.0.0.1:%d", s.c.NodeName, nodeMetricsPort)}, args...)...)
+		"--metrics-url", s.c.NodeName + "=" + s.nodeMetricsURL()}, args...)...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
 }

@@ -287,7 +287,7 @@ func (s *suite) searchSecrets(minTokens int) {
 		haystack.WriteString(out)
 	}
 	haystack.WriteString(s.kubectl("get", "events", "-A", "-o", "yaml"))
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", nodeMetricsPort))
+	resp, err := http.Get(s.nodeMetricsURL())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -154,7 +154,7 @@ func (s *suite) filesystemScenario() {
 		// And its metrics: 4 subflows on the volume's one connection,
 		// as many as expected, not degraded.
 		s.waitFor("the node plugin's metrics", time.Minute, func() string {
-			m, err := nodeMetrics()
+			m, err := s.nodeMetrics()
 			if err != nil {
 				return err.Error()
 			}
@@ -218,8 +218,8 @@ func wideCells(out string, names ...string) []string {
 }
 
 // nodeMetrics scrapes the node plugin's metrics.
-func nodeMetrics() (string, error) {
-	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", nodeMetricsPort))
+func (s *suite) nodeMetrics() (string, error) {
+	resp, err := http.Get(s.nodeMetricsURL())
 	if err != nil {
 		return "", err
 	}

@@ -95,8 +95,8 @@ func (s *suite) sidecarEndpointsScenario() {
 			portCtr, portName string
 		}{
 			{ctl, "deploy/mpnbd-controller", "liveness-probe", "controller", "healthz"},
-			{"127.0.0.1", "ds/mpnbd-node", "liveness-probe", "node", "healthz"},
-			{"127.0.0.1", "ds/mpnbd-node", "node-driver-registrar", "node-driver-registrar", "registrar"},
+			{s.nodeHTTPHost(), "ds/mpnbd-node", "liveness-probe", "node", "healthz"},
+			{s.nodeHTTPHost(), "ds/mpnbd-node", "node-driver-registrar", "node-driver-registrar", "registrar"},
 		} {
 			port := s.containerPort(hc.workload, hc.portCtr)
 			code, body, err := httpGet(hc.host, port, "/healthz")

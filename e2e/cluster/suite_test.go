@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -54,6 +55,8 @@ type suite struct {
 	// snapshotterImage is the csi-snapshotter's image, which the
 	// previous chart does not know: the upgrade sets it.
 	snapshotterImage string
+	// nodeIP is nodeHTTPHost's answer, once asked.
+	nodeIP string
 }
 
 type timing struct {
@@ -148,6 +151,28 @@ func (s *suite) dumpState() {
 	out, _ := s.c.Kubectl(context.Background(), "logs", "-n", "kube-system", "deploy/snapshot-controller", "--tail=40")
 	s.t.Logf("logs snapshot-controller:\n%s", out)
 	s.t.Logf("kubelet:\n%s", s.c.LogTail("kubelet", 40))
+}
+
+// nodeHTTPHost is where the node plugin's pod serves HTTP (its metrics,
+// the registrar's and the livenessprobe's /healthz), as a scraper or the
+// kubelet reaches it: the node's first InternalIP, the pod IP of a pod on
+// the host network, to which the chart binds them (httpAddressFrom); not
+// 127.0.0.1.
+func (s *suite) nodeHTTPHost() string {
+	s.t.Helper()
+	if s.nodeIP == "" {
+		ips := strings.Fields(s.jsonpath(`{.status.addresses[?(@.type=="InternalIP")].address}`, "get", "node", s.c.NodeName))
+		if len(ips) == 0 {
+			s.t.Fatalf("node %s has no InternalIP", s.c.NodeName)
+		}
+		s.nodeIP = ips[0]
+	}
+	return s.nodeIP
+}
+
+// nodeMetricsURL is the node plugin's /metrics.
+func (s *suite) nodeMetricsURL() string {
+	return "http://" + net.JoinHostPort(s.nodeHTTPHost(), strconv.Itoa(nodeMetricsPort)) + "/metrics"
 }
 
 func (s *suite) jsonpath(path string, args ...string) string {

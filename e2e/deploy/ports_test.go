@@ -47,8 +47,9 @@ func podsOf(t testing.TB, objs []*unstructured.Unstructured) []pod {
 }
 
 // listenArg matches an argument giving an address to listen on:
-// --flag=[host]:port.
-var listenArg = regexp.MustCompile(`^--[a-z0-9-]+=(\[[0-9a-fA-F:]*\]|[0-9A-Za-z.-]*):([0-9]{1,5})$`)
+// --flag=[host]:port, the host in brackets an IP address or a $(VAR) the
+// kubelet expands (the chart's [$(HTTP_ADDRESS)]).
+var listenArg = regexp.MustCompile(`^--[a-z0-9-]+=(\[(?:[0-9a-fA-F:.]*|\$\([A-Za-z_][A-Za-z0-9_]*\))\]|[0-9A-Za-z.-]*):([0-9]{1,5})$`)
 
 // listeners returns the TCP ports a container's arguments make it listen
 // on, each with the argument.
@@ -331,5 +332,181 @@ func TestPortChecksCanFail(t *testing.T) {
 	if got := checkPortClashes(podsOf(t, objs)); !slices.Contains(got,
 		"Deployment/mpnbd-controller container csi-attacher: declares port 9813 (attacher), on which nothing in the pod listens") {
 		t.Errorf("checkPortClashes = %q", got)
+	}
+}
+
+// httpFlags are the flags giving the address an HTTP endpoint listens
+// on: the CSI sidecars' --http-endpoint, the node plugin's and the
+// storage agent's --metrics-addr (/metrics, /healthz, /readyz).
+var httpFlags = []string{"http-endpoint", "metrics-addr"}
+
+// httpAddressEnv is the variable holding the address the chart's HTTP
+// endpoints bind to (its httpAddressFrom).
+const httpAddressEnv = "HTTP_ADDRESS"
+
+// envFieldPath returns the downward API field a container's variable
+// name comes from ("" for a literal value), and whether it has one.
+func envFieldPath(c container, name string) (field string, ok bool) {
+	env, _, _ := unstructured.NestedSlice(c.spec, "env")
+	for _, e := range env {
+		em, _ := e.(map[string]any)
+		if n, _, _ := unstructured.NestedString(em, "name"); n != name {
+			continue
+		}
+		field, _, _ = unstructured.NestedString(em, "valueFrom", "fieldRef", "fieldPath")
+		return field, true
+	}
+	return "", false
+}
+
+// checkHTTPBindings reports, with from a downward API field (the chart's
+// httpAddressFrom), each HTTP flag that does not bind to
+// [$(HTTP_ADDRESS)]:PORT and each container with one whose own env does
+// not take HTTP_ADDRESS from that field (the kubelet expands only the
+// container's own variables); with from "", each HTTP flag that does not
+// bind to :PORT. Either way it reports an HTTP_ADDRESS in a container that
+// does not bind to it, and an HTTP probe naming a host: without one the
+// kubelet asks the pod IP, the address bound. It returns how many HTTP
+// flags it saw.
+func checkHTTPBindings(pods []pod, from string) (problems []string, flags int) {
+	want := regexp.MustCompile(`^:[0-9]{1,5}$`)
+	if from != "" {
+		want = regexp.MustCompile(`^\[\$\(` + httpAddressEnv + `\)\]:[0-9]{1,5}$`)
+	}
+	for _, p := range pods {
+		for _, c := range p.containers {
+			where := p.workload + " container " + c.name
+			binds := false
+			for _, f := range httpFlags {
+				v, ok := argValue(c.args, f)
+				if !ok {
+					continue
+				}
+				flags++
+				binds = binds || strings.Contains(v, "$("+httpAddressEnv+")")
+				if !want.MatchString(v) {
+					problems = append(problems, fmt.Sprintf("%s: --%s=%s, want it to match %s", where, f, v, want))
+				}
+			}
+			field, defined := envFieldPath(c, httpAddressEnv)
+			switch {
+			case binds && !defined:
+				problems = append(problems, fmt.Sprintf("%s: binds to $(%s), which its env does not define", where, httpAddressEnv))
+			case binds && from != "" && field != from:
+				problems = append(problems, fmt.Sprintf("%s: %s from field %q, want %q", where, httpAddressEnv, field, from))
+			case defined && !binds:
+				problems = append(problems, fmt.Sprintf("%s: defines %s, to which nothing of it binds", where, httpAddressEnv))
+			}
+			for _, probe := range []string{"livenessProbe", "readinessProbe", "startupProbe"} {
+				if host, ok, _ := unstructured.NestedString(c.spec, probe, "httpGet", "host"); ok {
+					problems = append(problems, fmt.Sprintf("%s: its %s asks host %q, not the pod IP its endpoint binds to", where, probe, host))
+				}
+			}
+		}
+	}
+	slices.Sort(problems)
+	return problems, flags
+}
+
+// TestHTTPEndpointsBindToPodIP: by default, in deploy/ and the chart,
+// every HTTP endpoint of the driver's pods binds to [$(HTTP_ADDRESS)]:PORT
+// and its container takes HTTP_ADDRESS from status.podIP (on the host
+// network the node's InternalIP, so the storage NICs' addresses do not
+// answer), and no probe names a host; with httpAddressFrom "" they bind
+// to :PORT and no container has HTTP_ADDRESS.
+func TestHTTPEndpointsBindToPodIP(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		objs  []*unstructured.Unstructured
+		from  string
+		flags int // 5 in the controller's pod, 2 or 3 in the node plugin's, 1 in the storage agent's
+	}{
+		{"deploy/", parseObjects(t, kustomizeDeploy(t)), "status.podIP", 8},
+		{"chart defaults", parseObjects(t, helmTemplate(t)), "status.podIP", 8},
+		{"all on the host", render(t, "--set", "controller.hostNetwork=true", "--set", "node.metricsPort=9811"), "status.podIP", 9},
+		{"values-cluster", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-cluster.yaml")), "status.podIP", 9},
+		{"no datapath", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")), "status.podIP", 8},
+		{"every address", render(t, "--set", "httpAddressFrom=", "--set", "node.metricsPort=9811"), "", 9},
+		{"values-custom", parseObjects(t, helmTemplate(t, customValues)), "", 9},
+	} {
+		problems, flags := checkHTTPBindings(podsOf(t, tc.objs), tc.from)
+		for _, p := range problems {
+			t.Errorf("%s: %s", tc.name, p)
+		}
+		if flags != tc.flags {
+			t.Errorf("%s: %d HTTP flags (--%s), want %d", tc.name, flags, strings.Join(httpFlags, ", --"), tc.flags)
+		}
+	}
+}
+
+// TestHTTPBindingCheckCanFail: the check above finds an endpoint on every
+// address, one whose container lacks the variable or takes it from
+// another field, a variable nothing binds to and a probe naming a host;
+// and, for httpAddressFrom "", the defaults' bindings.
+func TestHTTPBindingCheckCanFail(t *testing.T) {
+	pods := podsOf(t, render(t, "--set", "node.metricsPort=9811"))
+	ctr := func(workload, name string) *container {
+		for i := range pods {
+			for j := range pods[i].containers {
+				if c := &pods[i].containers[j]; c.workload == workload && c.name == name {
+					return c
+				}
+			}
+		}
+		t.Fatalf("no container %s in %s", name, workload)
+		return nil
+	}
+	setEnv := func(c *container, env []any) {
+		if err := unstructured.SetNestedSlice(c.spec, env, "env"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The attacher on every address.
+	att := ctr("Deployment/mpnbd-controller", "csi-attacher")
+	for i, a := range att.args {
+		if strings.HasPrefix(a, "--http-endpoint=") {
+			att.args[i] = "--http-endpoint=:9813"
+		}
+	}
+	// The node plugin without its HTTP_ADDRESS, the provisioner's from the
+	// host's IP.
+	node := ctr("DaemonSet/mpnbd-node", "node")
+	env, _, _ := unstructured.NestedSlice(node.spec, "env")
+	setEnv(node, slices.DeleteFunc(env, func(e any) bool { return e.(map[string]any)["name"] == httpAddressEnv }))
+	prov := ctr("Deployment/mpnbd-controller", "csi-provisioner")
+	env, _, _ = unstructured.NestedSlice(prov.spec, "env")
+	for _, e := range env {
+		if em := e.(map[string]any); em["name"] == httpAddressEnv {
+			if err := unstructured.SetNestedField(em, "status.hostIP", "valueFrom", "fieldRef", "fieldPath"); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	setEnv(prov, env)
+	// HTTP_ADDRESS in the datapath, which serves no HTTP.
+	setEnv(ctr("DaemonSet/mpnbd-datapath", "datapath"), []any{map[string]any{"name": httpAddressEnv,
+		"valueFrom": map[string]any{"fieldRef": map[string]any{"fieldPath": "status.podIP"}}}})
+	// The storage agent's readiness probe on 127.0.0.1.
+	agent := ctr("DaemonSet/mpnbd-storage-agent", "storage-agent")
+	if err := unstructured.SetNestedField(agent.spec, "127.0.0.1", "readinessProbe", "httpGet", "host"); err != nil {
+		t.Fatal(err)
+	}
+	got, flags := checkHTTPBindings(pods, "status.podIP")
+	want := []string{
+		"DaemonSet/mpnbd-datapath container datapath: defines HTTP_ADDRESS, to which nothing of it binds",
+		"DaemonSet/mpnbd-node container node: binds to $(HTTP_ADDRESS), which its env does not define",
+		`DaemonSet/mpnbd-storage-agent container storage-agent: its readinessProbe asks host "127.0.0.1", not the pod IP its endpoint binds to`,
+		`Deployment/mpnbd-controller container csi-attacher: --http-endpoint=:9813, want it to match ^\[\$\(HTTP_ADDRESS\)\]:[0-9]{1,5}$`,
+		"Deployment/mpnbd-controller container csi-attacher: defines HTTP_ADDRESS, to which nothing of it binds",
+		`Deployment/mpnbd-controller container csi-provisioner: HTTP_ADDRESS from field "status.hostIP", want "status.podIP"`,
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) || flags != 9 {
+		t.Errorf("checkHTTPBindings = %q, %d flags\nwant %q, 9", got, flags, want)
+	}
+
+	// The defaults, checked as if httpAddressFrom were "".
+	got, _ = checkHTTPBindings(podsOf(t, render(t)), "")
+	if len(got) != 8 || !slices.Contains(got, "DaemonSet/mpnbd-storage-agent container storage-agent: --metrics-addr=[$(HTTP_ADDRESS)]:9810, want it to match ^:[0-9]{1,5}$") {
+		t.Errorf("the defaults checked for binding to every address: %q, want the 8 flags", got)
 	}
 }

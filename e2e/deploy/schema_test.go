@@ -41,6 +41,11 @@ func TestValuesSchemaRejects(t *testing.T) {
 		{"snapshot deletion policy", []string{"--set", "snapshots.volumeSnapshotClass.deletionPolicy=Keep"},
 			[]string{"/snapshots/volumeSnapshotClass/deletionPolicy"}},
 		{"default encryption", []string{"--set", "defaultEncryption=always"}, []string{"/defaultEncryption"}},
+		// HTTP endpoints bind to the pod IP or to every address; the host's
+		// IP is no address of a pod network, a list no address at all.
+		{"HTTP address from the host", []string{"--set", "httpAddressFrom=status.hostIP"}, []string{"/httpAddressFrom"}},
+		{"HTTP address from a list", []string{"--set", "httpAddressFrom=status.podIPs"}, []string{"/httpAddressFrom"}},
+		{"HTTP address literal", []string{"--set", "httpAddressFrom=10.0.0.1"}, []string{"/httpAddressFrom"}},
 		{"encryption parameter", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=yes"},
 			[]string{"/storageClasses/0/parameters/encryption"}},
 	} {
@@ -80,6 +85,8 @@ func TestValuesSchemaAccepts(t *testing.T) {
 			"--set", "monitoring.prometheusRule.enabled=true",
 			"--set", "monitoring.prometheusRule.additionalLabels.release=kube-prometheus-stack",
 			"--set", "monitoring.grafanaDashboard.enabled=true", "--set", "monitoring.grafanaDashboard.namespace=monitoring"},
+		// Every HTTP endpoint on every address.
+		{"--set", "httpAddressFrom="},
 		// TestChartRefusesAgentWithoutAddresses.
 		{"--set", "storageAgent.storageAddressesFrom=", "--set", "storageAgent.enabled=false"},
 		// What --set makes of numbers, and emptied defaults.

@@ -67,6 +67,36 @@ path, exposed as $(STORAGE_ADDRESS)) and "list" (literal addresses).
 {{- end }}
 
 {{/*
+The environment entry HTTP_ADDRESS of a container that serves HTTP: the
+pod's field .Values.httpAddressFrom, the address its endpoints bind to
+(mpnbd.httpAddress); nothing when it is empty. Kubernetes expands
+$(HTTP_ADDRESS) in args only for variables of the same container: include
+this in each one that uses it.
+*/}}
+{{- define "mpnbd.httpAddressEnv" -}}
+{{- with .Values.httpAddressFrom -}}
+- name: HTTP_ADDRESS
+  valueFrom:
+    fieldRef:
+      fieldPath: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The address an HTTP endpoint (--http-endpoint, --metrics-addr) listens on:
+pass a dict with "root" (the chart context) and "port". [$(HTTP_ADDRESS)]:PORT
+(the brackets for an IPv6 address; Go takes them around IPv4 too) with
+.Values.httpAddressFrom, else :PORT, every address of the pod's network.
+*/}}
+{{- define "mpnbd.httpAddress" -}}
+{{- if .root.Values.httpAddressFrom -}}
+[$(HTTP_ADDRESS)]:{{ .port }}
+{{- else -}}
+:{{ .port }}
+{{- end -}}
+{{- end }}
+
+{{/*
 Environment entries pointing in-cluster clients at .Values.apiServer
 instead of the kubernetes Service; nothing when it is not set.
 */}}
