@@ -22,9 +22,18 @@ import (
 // kube-apiserver (with the CRDs of deploy/crds) and a simulated storage
 // agent.
 func TestControllerAPIServer(t *testing.T) {
-	_, c := apiserver.Start(t)
+	cfg, c := apiserver.Start(t)
 	ctx := context.Background()
 	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
+		t.Fatal(err)
+	}
+	// The controller acts as its ServiceAccount, with the deploy tree's
+	// RBAC: a call that needs more than it grants fails here.
+	if err := apiserver.Apply(ctx, c, "deploy/rbac-controller.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	asController, err := client.New(apiserver.As(cfg, "mpnbd-controller", ""), client.Options{Scheme: c.Scheme()})
+	if err != nil {
 		t.Fatal(err)
 	}
 	now := time.Now()
@@ -33,7 +42,7 @@ func TestControllerAPIServer(t *testing.T) {
 	putNode(t, c, "worker-1", "10.0.0.1,10.0.1.1")
 	putNode(t, c, "worker-2", "")
 	agent := startAgent(t, c)
-	ctl := newTestController(t, c, func(cfg *ControllerConfig) { cfg.PollInterval = 20 * time.Millisecond })
+	ctl := newTestController(t, asController, func(cfg *ControllerConfig) { cfg.PollInterval = 20 * time.Millisecond })
 
 	t.Run("create", func(t *testing.T) {
 		params := map[string]string{"fsType": "ext4", "csi.storage.k8s.io/pv/name": "pv-1"}
@@ -191,7 +200,7 @@ func TestControllerAPIServer(t *testing.T) {
 		// While the agent keeps its finalizer the volume stays, and
 		// DeleteVolume says so.
 		agent.setHold("api-del", true)
-		short := newTestController(t, c, func(cfg *ControllerConfig) { cfg.WaitTimeout = 300 * time.Millisecond })
+		short := newTestController(t, asController, func(cfg *ControllerConfig) { cfg.WaitTimeout = 300 * time.Millisecond })
 		_, err = short.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "api-del"})
 		wantStatus(t, err, codes.DeadlineExceeded, "api-del")
 		if v := getVolume(t, c, "api-del"); v.DeletionTimestamp == nil || !v.DeletesData() {

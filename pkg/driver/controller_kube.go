@@ -182,9 +182,10 @@ func (c *Controller) markDeleteData(ctx context.Context, v *v1alpha1.NBDVolume) 
 		if v.DeletesData() {
 			return nil
 		}
-		patch := client.MergeFromWithOptions(v.DeepCopy(), client.MergeFromWithOptimisticLock{})
+		// An update (the controller's role may update volumes, not
+		// patch them), of the version read: a conflict if it changed.
 		metav1.SetMetaDataAnnotation(&v.ObjectMeta, v1alpha1.DeleteDataAnnotation, v1alpha1.DeleteDataTrue)
-		err := c.c.Patch(ctx, v, patch)
+		err := c.c.Update(ctx, v)
 		if err == nil {
 			c.log.Info("volume marked to delete its data", "volume_id", v.Name, "storage_node", v.Spec.StorageNode,
 				"annotation", v1alpha1.DeleteDataAnnotation, "already_deleting", v.DeletionTimestamp != nil)

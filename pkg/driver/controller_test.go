@@ -1029,7 +1029,7 @@ func TestDeleteVolumeMarksData(t *testing.T) {
 	_, c, agent := setup(t)
 	var mu sync.Mutex
 	var deletes []string // volume ID: annotation value when Delete was called
-	conflicts := 1       // the first patch of "conflicted" fails so
+	conflicts := 1       // the first marking update of "conflicted" fails so
 	ic := interceptor.NewClient(c.(client.WithWatch), interceptor.Funcs{
 		Delete: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.DeleteOption) error {
 			if _, ok := obj.(*v1alpha1.NBDVolume); ok {
@@ -1042,9 +1042,10 @@ func TestDeleteVolumeMarksData(t *testing.T) {
 			}
 			return cl.Delete(ctx, obj, opts...)
 		},
-		Patch: func(ctx context.Context, cl client.WithWatch, obj client.Object, patch client.Patch, opts ...client.PatchOption) error {
+		Update: func(ctx context.Context, cl client.WithWatch, obj client.Object, opts ...client.UpdateOption) error {
 			mu.Lock()
-			conflict := obj.GetName() == "conflicted" && conflicts > 0
+			marking := obj.GetAnnotations()[v1alpha1.DeleteDataAnnotation] != ""
+			conflict := marking && obj.GetName() == "conflicted" && conflicts > 0
 			if conflict {
 				conflicts--
 			}
@@ -1052,7 +1053,7 @@ func TestDeleteVolumeMarksData(t *testing.T) {
 			if conflict {
 				return apierrors.NewConflict(v1alpha1.GroupVersion.WithResource("nbdvolumes").GroupResource(), obj.GetName(), errors.New("simulated"))
 			}
-			return cl.Patch(ctx, obj, patch, opts...)
+			return cl.Update(ctx, obj, opts...)
 		},
 	})
 	ctl := newTestController(t, ic)
