@@ -345,6 +345,15 @@ storageAgent:
 		if out, err := s.helm("install", "mpnbd", s.previousChart, "--create-namespace", "--values", vf, "--wait=false"); err != nil {
 			t.Fatalf("helm install %s: %v\n%s", filepath.Base(s.previousChart), err, out)
 		}
+		// The previous chart runs this release's image, whose API has
+		// fields the previous CRDs lack (the API server would drop them:
+		// a publication's token hash, say): this release's CRDs, which
+		// the upgrade applies with the chart anyway.
+		root, err := repo.Root()
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.kubectl("apply", "-f", filepath.Join(root, "deploy", "crds"))
 	})
 
 	s.step("storage paths to the agent", func() {
