@@ -116,8 +116,11 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 // MPTCP (false after a fallback to plain TCP, or for other socket types).
 // A TLS connection is looked through.
 func IsMultipathTCP(c net.Conn) bool {
-	if u, ok := c.(interface{ NetConn() net.Conn }); ok {
-		c = u.NetConn()
+	// A TLS connection, and the transport under it.
+	for range 2 {
+		if u, ok := c.(interface{ NetConn() net.Conn }); ok {
+			c = u.NetConn()
+		}
 	}
 	tc, ok := c.(*net.TCPConn)
 	if !ok {
@@ -374,6 +377,16 @@ func (c *clientConn) roundTrip(req Request, payload, dst []byte) error {
 		*b = append(append((*b)[:0], hdr[:]...), payload...)
 		_, err = c.conn.Write(*b)
 		smallWrites.Put(b)
+	case len(payload) > 0 && c.tls:
+		// The header's record and the payload's in as few system calls
+		// as the transport's batch allows.
+		err = Batched(c.conn, func() error {
+			if _, err := c.conn.Write(hdr[:]); err != nil {
+				return err
+			}
+			_, err := c.conn.Write(payload)
+			return err
+		})
 	case len(payload) > 0:
 		bufs := net.Buffers{hdr[:], payload}
 		_, err = bufs.WriteTo(c.conn)

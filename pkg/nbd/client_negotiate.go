@@ -53,7 +53,7 @@ func startTLS(c net.Conn, cfg *tls.Config) (*tls.Conn, error) {
 	case r.Type != RepAck:
 		return nil, fmt.Errorf("%w: STARTTLS answered with reply type %d", ErrProtocol, r.Type)
 	}
-	tc := tls.Client(c, tlsConfig(cfg))
+	tc := tlsOver(c, cfg, false)
 	if err := tc.Handshake(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrTLSHandshake, err)
 	}

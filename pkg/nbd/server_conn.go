@@ -424,14 +424,14 @@ func (c *serverConn) writeBatch(batch []queuedReply) error {
 		if c.tlsw == nil {
 			c.tlsw = bufio.NewWriterSize(c.conn, tlsRecord)
 		}
-		for _, b := range bufs {
-			if _, err = c.tlsw.Write(b); err != nil {
-				break
+		err = Batched(c.conn, func() error {
+			for _, b := range bufs {
+				if _, err := c.tlsw.Write(b); err != nil {
+					return err
+				}
 			}
-		}
-		if err == nil {
-			err = c.tlsw.Flush()
-		}
+			return c.tlsw.Flush()
+		})
 	} else {
 		_, err = bufs.WriteTo(c.conn)
 	}

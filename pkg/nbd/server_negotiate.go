@@ -111,7 +111,7 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				if br.Buffered() > 0 {
 					return nil, fmt.Errorf("%w: data sent behind STARTTLS before the TLS handshake", ErrProtocol)
 				}
-				tc := tls.Server(c, tlsConfig(s.TLSConfig))
+				tc := tlsOver(c, s.TLSConfig, true)
 				if err := tc.Handshake(); err != nil {
 					return nil, fmt.Errorf("%w: %w", ErrTLSHandshake, err)
 				}

@@ -5,6 +5,8 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // Frame sizes of the simple-reply transmission phase.
@@ -117,7 +119,12 @@ func (w *frameWriter) writeFrame(hdr, payload []byte) error {
 	}
 	w.vec = [3][]byte{w.batch, hdr, payload}
 	w.bufs = w.vec[:]
-	_, err := w.bufs.WriteTo(w.conn)
+	// Over TLS, the records of all three in as few system calls as
+	// the transport's batch allows.
+	err := nbd.Batched(w.conn, func() error {
+		_, err := w.bufs.WriteTo(w.conn)
+		return err
+	})
 	w.vec = [3][]byte{}
 	w.bufs = nil
 	w.batch = w.batch[:0]
@@ -128,7 +135,10 @@ func (w *frameWriter) flush() error {
 	if len(w.batch) == 0 || w.conn == nil {
 		return nil
 	}
-	_, err := w.conn.Write(w.batch)
+	err := nbd.Batched(w.conn, func() error {
+		_, err := w.conn.Write(w.batch)
+		return err
+	})
 	w.batch = w.batch[:0]
 	return err
 }
