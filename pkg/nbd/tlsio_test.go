@@ -3,10 +3,12 @@ package nbd
 import (
 	"bytes"
 	"crypto/rand"
+	"crypto/tls"
 	"io"
 	"net"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // countingConn counts the writes that reach the socket.
@@ -20,12 +22,10 @@ func (c *countingConn) Write(p []byte) (int, error) {
 	return c.Conn.Write(p)
 }
 
-// TestTLSTransportBatches: a megabyte written inside Batched reaches the
-// socket in a few writes of whole records (crypto/tls alone makes one per
-// 16 KiB record), and arrives intact; outside Batched every record is its
-// own write; a batch larger than the transport's buffer still arrives in
-// order.
-func TestTLSTransportBatches(t *testing.T) {
+// tlsPair is a TLS connection over loopback TCP, both ends made by
+// tlsOver, the server's socket writes counted; no handshake yet.
+func tlsPair(t *testing.T) (srv, cli *tls.Conn, counted *countingConn) {
+	t.Helper()
 	p := newTestPKI(t)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -49,11 +49,20 @@ func TestTLSTransportBatches(t *testing.T) {
 	if !ok {
 		t.Fatal("accept failed")
 	}
-	counted := &countingConn{Conn: srvRaw}
-	srv := tlsOver(counted, p.server, true)
-	cli := tlsOver(raw, p.client, false)
-	defer srv.Close()
-	defer cli.Close()
+	counted = &countingConn{Conn: srvRaw}
+	srv = tlsOver(counted, p.server, true)
+	cli = tlsOver(raw, p.client, false)
+	t.Cleanup(func() { srv.Close(); cli.Close() })
+	return srv, cli, counted
+}
+
+// TestTLSTransportBatches: a megabyte written inside Batched reaches the
+// socket in a few writes of whole records (crypto/tls alone makes one per
+// 16 KiB record), and arrives intact; outside Batched every record is its
+// own write; a batch larger than the transport's buffer still arrives in
+// order.
+func TestTLSTransportBatches(t *testing.T) {
+	srv, cli, counted := tlsPair(t)
 	hs := make(chan error, 1)
 	go func() { hs <- cli.Handshake() }()
 	if err := srv.Handshake(); err != nil {
@@ -95,6 +104,7 @@ func TestTLSTransportBatches(t *testing.T) {
 			_, err := srv.Write(data)
 			return err
 		}
+		var err error
 		if tc.batched {
 			err = Batched(srv, write)
 		} else {
@@ -111,6 +121,37 @@ func TestTLSTransportBatches(t *testing.T) {
 		t.Logf("%s: 2 MiB in %d socket writes", tc.name, calls)
 		if calls > tc.maxCalls*2 || calls < tc.minCalls {
 			t.Errorf("%s: 2 MiB in %d socket writes, want %d to %d", tc.name, calls, tc.minCalls, tc.maxCalls*2)
+		}
+	}
+}
+
+// TestTLSBatchedBeforeHandshake: a batch that starts the handshake does
+// not hold the handshake's own messages back (it would wait forever for
+// the answer to them).
+func TestTLSBatchedBeforeHandshake(t *testing.T) {
+	srv, cli, _ := tlsPair(t)
+	data := make([]byte, 64<<10)
+	got := make(chan error, 1)
+	go func() {
+		b := make([]byte, len(data))
+		_, err := io.ReadFull(cli, b)
+		got <- err
+	}()
+	wrote := make(chan error, 1)
+	go func() {
+		wrote <- Batched(srv, func() error {
+			_, err := srv.Write(data)
+			return err
+		})
+	}()
+	for _, ch := range []chan error{wrote, got} {
+		select {
+		case err := <-ch:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a batched write before the handshake: still waiting after 10 s")
 		}
 	}
 }
