@@ -24,7 +24,6 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
-	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // plan is how long a fault run lasts and how often the server dies.
@@ -183,38 +182,18 @@ type ourServer struct {
 
 // testPKI is a CA, a storage certificate for the server and a node
 // certificate in an identity directory (as the node plugin keeps it).
-type testPKI struct {
-	serverPEM, caPEM string // files
-	identityDir      string
-}
+type testPKI = pki.NodeIDFiles
 
 // storageNode is the name the test server's certificate gives.
 const storageNode = "store-faults"
 
 func newTestPKI(t *testing.T) *testPKI {
 	t.Helper()
-	ca, err := nodeid.NewCA(time.Now())
+	f, err := pki.WriteNodeIDFiles(t.TempDir(), t.TempDir(), storageNode, "node-faults")
 	if err != nil {
 		t.Fatal(err)
 	}
-	pair := func(k nodeid.Kind, node string) []byte {
-		b, err := pki.NodeIDPEM(ca, k, node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b
-	}
-	dir, id := t.TempDir(), t.TempDir()
-	p := &testPKI{serverPEM: filepath.Join(dir, "server.pem"), caPEM: filepath.Join(dir, "ca.pem"), identityDir: id}
-	for f, b := range map[string][]byte{
-		p.serverPEM: pair(nodeid.Storage, storageNode), p.caPEM: ca.PEM,
-		filepath.Join(id, "node.pem"): pair(nodeid.Node, "node-faults"), filepath.Join(id, nodeid.BundleFile): ca.PEM,
-	} {
-		if err := os.WriteFile(f, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return p
+	return f
 }
 
 func (s *ourServer) name() string { return "mpnbd nbd-server" }
@@ -233,7 +212,7 @@ func (s *ourServer) start(t *testing.T) {
 	for attempt := 0; attempt < 50; attempt++ {
 		argv := []string{s.bin, "--listen", s.addr(), "--export", "disk=" + s.image, "--metrics-addr", "", "--log-level", "warn"}
 		if s.tls != nil {
-			argv = append(argv, "--tls", "require", "--tls-cert", s.tls.serverPEM, "--tls-key", s.tls.serverPEM, "--tls-ca", s.tls.caPEM)
+			argv = append(argv, "--tls", "require", "--tls-cert", s.tls.ServerPEM, "--tls-key", s.tls.ServerPEM, "--tls-ca", s.tls.CAPEM)
 		}
 		if s.ns != "" {
 			// ip netns exec execs the server: its pid is the server's.
@@ -333,7 +312,7 @@ func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 	defer cancel()
 	tg := attach.Target{VolumeID: "pv-faults", Export: "disk", Addrs: []string{s.addr()}}
 	if our, ok := s.(*ourServer); ok && our.tls != nil {
-		tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: our.tls.identityDir}
+		tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: our.tls.IdentityDir}
 	}
 	att, err := a.Attach(ctx, tg, o)
 	if err != nil {

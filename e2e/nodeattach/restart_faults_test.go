@@ -99,7 +99,7 @@ func (s *ourServer) startOnce() (int, error) {
 		"--listen", net.JoinHostPort("0.0.0.0", strconv.Itoa(ourServerPort)),
 		"--export", "vol=" + s.image, "--metrics-addr=", "--log-level", "info"}
 	if s.tls != nil {
-		args = append(args, "--tls", "require", "--tls-cert", s.tls.serverPEM, "--tls-key", s.tls.serverPEM, "--tls-ca", s.tls.caPEM)
+		args = append(args, "--tls", "require", "--tls-cert", s.tls.ServerPEM, "--tls-key", s.tls.ServerPEM, "--tls-ca", s.tls.CAPEM)
 	}
 	// ip netns exec execs the server: its pid is the server's.
 	cmd := exec.Command("ip", args...)

@@ -3,8 +3,6 @@ package nodeattach
 import (
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +10,6 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
-	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // The TLS fault tests run the kill rounds of TestTransportsServerKills on
@@ -28,44 +25,22 @@ const tlsStorageNode = "store-vm"
 const refusalLimit = 30 * time.Second
 
 // tlsFiles are a test CA's files: the server's certificate for
-// tlsStorageNode with its key (serverPEM), the CA's certificate it checks
-// clients against (caPEM), and a node's identity directory with a node
-// certificate of the CA and the CA bundle, as nodeid.Identity keeps them.
-type tlsFiles struct {
-	serverPEM, caPEM string
-	identityDir      string
-}
+// tlsStorageNode, and the identity directory of node-vm.
+type tlsFiles = pki.NodeIDFiles
 
 func newTLSFiles(t *testing.T) *tlsFiles {
 	t.Helper()
-	ca, err := nodeid.NewCA(time.Now())
+	f, err := pki.WriteNodeIDFiles(t.TempDir(), t.TempDir(), tlsStorageNode, "node-vm")
 	if err != nil {
 		t.Fatal(err)
-	}
-	pair := func(k nodeid.Kind, node string) []byte {
-		b, err := pki.NodeIDPEM(ca, k, node)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return b
-	}
-	dir, id := t.TempDir(), t.TempDir()
-	f := &tlsFiles{serverPEM: filepath.Join(dir, "server.pem"), caPEM: filepath.Join(dir, "ca.pem"), identityDir: id}
-	for name, b := range map[string][]byte{
-		f.serverPEM: pair(nodeid.Storage, tlsStorageNode), f.caPEM: ca.PEM,
-		filepath.Join(id, "node.pem"): pair(nodeid.Node, "node-vm"), filepath.Join(id, nodeid.BundleFile): ca.PEM,
-	} {
-		if err := os.WriteFile(name, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
 	}
 	return f
 }
 
-// over is tg dialled over TLS with the node's identity, expecting the
+// overTLS is tg dialled over TLS with the node's identity, expecting the
 // server's certificate to name storageNode.
-func (f *tlsFiles) over(tg attach.Target, storageNode string) attach.Target {
-	tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: f.identityDir}
+func overTLS(f *tlsFiles, tg attach.Target, storageNode string) attach.Target {
+	tg.TLS = &attach.TargetTLS{StorageNode: storageNode, IdentityDir: f.IdentityDir}
 	return tg
 }
 
@@ -99,7 +74,7 @@ func requireTLSOnly(t *testing.T, a attach.Attacher, srv *ourServer, tf *tlsFile
 		t.Fatalf("attach in plaintext: %v; want the server's refusal (%s)", err, tlsReqd)
 	}
 	const other = "store-other"
-	wrong := tf.over(srv.target(volID(t)+"-other"), other)
+	wrong := overTLS(tf, srv.target(volID(t)+"-other"), other)
 	if err := refused("attach expecting storage node "+other, wrong); !strings.Contains(err.Error(), "the storage server is "+tlsStorageNode+", not "+other) {
 		t.Fatalf("attach expecting storage node %s: %v; want the node to refuse the certificate of %s", other, err, tlsStorageNode)
 	}
@@ -124,7 +99,7 @@ func TestRelayTLSServerKills(t *testing.T) {
 	srv := startOurServerTLS(t, tp, faultExportSize, tf)
 	a, _ := newAttacher(t, tp, attach.Relay)
 	requireTLSOnly(t, a, srv, tf)
-	tg := tf.over(srv.target(volID(t)), tlsStorageNode)
+	tg := overTLS(tf, srv.target(volID(t)), tlsStorageNode)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	att, err := a.Attach(ctx, tg, attach.Options{})
 	cancel()
@@ -154,7 +129,7 @@ func TestUblkTLSServerKills(t *testing.T) {
 	srv := startOurServerTLS(t, tp, faultExportSize, tf)
 	a := newUblkAttacher(t, tp, t.TempDir())
 	requireTLSOnly(t, a, srv, tf)
-	tg := tf.over(srv.target(volID(t)), tlsStorageNode)
+	tg := overTLS(tf, srv.target(volID(t)), tlsStorageNode)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	att, err := a.Attach(ctx, tg, attach.Options{})
 	cancel()

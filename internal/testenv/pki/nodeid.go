@@ -7,6 +7,8 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
+	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
@@ -42,4 +44,40 @@ func NodeIDCert(ca *nodeid.CA, k nodeid.Kind, node string) (*tls.Certificate, er
 		return nil, err
 	}
 	return &c, nil
+}
+
+// NodeIDFiles are the files of a storage server and a node of one test CA:
+// the server's storage certificate and key (ServerPEM), the CA's
+// certificate it checks clients with (CAPEM), and a node's identity
+// directory (node.pem and the CA bundle, as nodeid.Identity keeps them).
+type NodeIDFiles struct {
+	ServerPEM, CAPEM, IdentityDir string
+}
+
+// WriteNodeIDFiles makes a CA and writes its NodeIDFiles: ServerPEM and
+// CAPEM into dir, the identity of node into identityDir; the server's
+// certificate names storageNode.
+func WriteNodeIDFiles(dir, identityDir, storageNode, node string) (*NodeIDFiles, error) {
+	ca, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		return nil, err
+	}
+	server, err := NodeIDPEM(ca, nodeid.Storage, storageNode)
+	if err != nil {
+		return nil, err
+	}
+	client, err := NodeIDPEM(ca, nodeid.Node, node)
+	if err != nil {
+		return nil, err
+	}
+	f := &NodeIDFiles{ServerPEM: filepath.Join(dir, "server.pem"), CAPEM: filepath.Join(dir, "ca.pem"), IdentityDir: identityDir}
+	for name, b := range map[string][]byte{
+		f.ServerPEM: server, f.CAPEM: ca.PEM,
+		filepath.Join(identityDir, "node.pem"): client, filepath.Join(identityDir, nodeid.BundleFile): ca.PEM,
+	} {
+		if err := os.WriteFile(name, b, 0o600); err != nil {
+			return nil, err
+		}
+	}
+	return f, nil
 }
