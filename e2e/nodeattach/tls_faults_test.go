@@ -100,18 +100,7 @@ func TestRelayTLSServerKills(t *testing.T) {
 	a, _ := newAttacher(t, tp, attach.Relay)
 	requireTLSOnly(t, a, srv, tf)
 	tg := overTLS(tf, srv.target(volID(t)), tlsStorageNode)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	att, err := a.Attach(ctx, tg, attach.Options{})
-	cancel()
-	if err != nil {
-		t.Fatalf("attach relay over TLS: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
-			t.Errorf("detach: %v", err)
-		}
-	})
-	t.Logf("relay attached over TLS as %s (%d bytes, MPTCP %v)", att.Device, att.Size, att.MPTCP)
+	att := attachTLS(t, a, tg, "relay")
 	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
 }
 
@@ -130,21 +119,29 @@ func TestUblkTLSServerKills(t *testing.T) {
 	a := newUblkAttacher(t, tp, t.TempDir())
 	requireTLSOnly(t, a, srv, tf)
 	tg := overTLS(tf, srv.target(volID(t)), tlsStorageNode)
+	att := attachTLS(t, a, tg, "ublk")
+	pid := a.ServerPID(tg.VolumeID)
+	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
+	if now := a.ServerPID(tg.VolumeID); now != pid {
+		t.Fatalf("the volume's process is %d, was %d: it was replaced while only the storage server died", now, pid)
+	}
+}
+
+// attachTLS attaches tg with a (its transport named what), bounded, and
+// detaches it when the test ends.
+func attachTLS(t *testing.T, a attach.Attacher, tg attach.Target, what string) *attach.Attachment {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	att, err := a.Attach(ctx, tg, attach.Options{})
 	cancel()
 	if err != nil {
-		t.Fatalf("attach ublk over TLS: %v", err)
+		t.Fatalf("attach %s over TLS: %v", what, err)
 	}
 	t.Cleanup(func() {
 		if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
 			t.Errorf("detach: %v", err)
 		}
 	})
-	t.Logf("ublk attached over TLS as %s (%d bytes, MPTCP %v)", att.Device, att.Size, att.MPTCP)
-	pid := a.ServerPID(tg.VolumeID)
-	killRounds(t, srv, a, tg, att.Device, 1, total, every, down)
-	if now := a.ServerPID(tg.VolumeID); now != pid {
-		t.Fatalf("the volume's process is %d, was %d: it was replaced while only the storage server died", now, pid)
-	}
+	t.Logf("%s attached over TLS as %s (%d bytes, MPTCP %v)", what, att.Device, att.Size, att.MPTCP)
+	return att
 }

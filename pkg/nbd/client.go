@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"io"
 	"log/slog"
 	"net"
@@ -114,21 +115,8 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 
 // IsMultipathTCP reports whether c is a TCP connection really carried by
 // MPTCP (false after a fallback to plain TCP, or for other socket types).
-// A TLS connection is looked through.
-func IsMultipathTCP(c net.Conn) bool {
-	// A TLS connection, and the transport under it.
-	for range 2 {
-		if u, ok := c.(interface{ NetConn() net.Conn }); ok {
-			c = u.NetConn()
-		}
-	}
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return false
-	}
-	ok, err := tc.MultipathTCP()
-	return err == nil && ok
-}
+// A TLS connection (and its transport) is looked through.
+func IsMultipathTCP(c net.Conn) bool { return mptcp.IsMPTCP(c) }
 
 // NewClient starts a client on connections that already finished
 // negotiation for the export described by info.
