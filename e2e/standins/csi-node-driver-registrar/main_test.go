@@ -33,7 +33,7 @@ func TestParseFlagsChartArgs(t *testing.T) {
 			t.Fatalf("chart args %q: %v", args, err)
 		}
 		if o.csiAddress != "/csi/csi.sock" || o.kubeletRegPath != "/var/lib/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock" ||
-			o.pluginRegPath != "/registration" || o.verbosity != 2 || o.httpEndpoint != ":9815" {
+			o.pluginRegPath != "/registration" || o.verbosity != 2 || o.httpEndpoint != "[$(HTTP_ADDRESS)]:9815" {
 			t.Errorf("chart args %q parsed as %+v", args, o)
 		}
 	}

@@ -31,7 +31,8 @@ func TestParseFlagsChartArgs(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%s args %q: %v", file, args, err)
 			}
-			if o.csiAddress != "/csi/csi.sock" || o.httpEndpoint != fmt.Sprintf(":%d", port) || o.addr() != fmt.Sprintf(":%d", port) {
+			if o.csiAddress != "/csi/csi.sock" || o.httpEndpoint != fmt.Sprintf("[$(HTTP_ADDRESS)]:%d", port) ||
+				o.addr() != fmt.Sprintf("[$(HTTP_ADDRESS)]:%d", port) {
 				t.Errorf("%s args %q parsed as %+v", file, args, o)
 			}
 		}
