@@ -85,7 +85,8 @@ func Jain(xs []float64) float64 {
 }
 
 // RunMany runs the steps on a fresh 4 x 1 Gbit/s topology with our
-// server, which exports max(Counts) volumes from sparse files on tmpfs.
+// server, which exports max(Counts) volumes from files on tmpfs (the span
+// each client writes allocated beforehand).
 func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 	if len(o.Counts) == 0 {
 		return nil, errors.New("no volume counts")
@@ -114,7 +115,7 @@ func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 	var files []string
 	for i := range n {
 		f := filepath.Join(o.TmpDir, fmt.Sprintf("%smany-%d.img", leftoverMarker(o.Name), i))
-		if err := createSparse(f, ExportSize); err != nil {
+		if err := createExport(f, ExportSize, o.Span); err != nil {
 			return nil, err
 		}
 		files = append(files, f)

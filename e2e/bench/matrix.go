@@ -3,8 +3,8 @@
 // e2e/cmd/bench) and contains the load generator of e2e/cmd/nbdload.
 //
 // One run is one (server, network, client, workload) combination for a
-// fixed time. Every server exports a fresh sparse 2 GiB file on tmpfs,
-// so the backing store is never the bottleneck. Runs are repeated and
+// fixed time. Every server exports a fresh 2 GiB file on tmpfs, allocated
+// before the runs, so the backing store is never the bottleneck. Runs are repeated and
 // the table shows medians; every repeat is kept in the JSON report.
 package bench
 

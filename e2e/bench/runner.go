@@ -45,7 +45,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		"MB/s = 10^6 bytes/s measured by the client after the ramp",
 		"% line = MB/s relative to the network's line rate (path 1 for tcp1; sum of the non-backup paths for MPTCP)",
 		"CPU s/GB = CPU seconds of the server process tree (or the client process) over the whole client run, divided by the 10^9 bytes the server's interfaces carried in the data direction over the same interval",
-		"order per server: workloads in matrix order, each repeat runs every client (fio first); the export is sparse, so the first write run of each server also allocates the tmpfs pages it touches",
+		"order per server: workloads in matrix order, each repeat runs every client (fio first); every server's export file is allocated in full before its runs (no run pays for tmpfs page allocation)",
 	}
 	line := map[string]float64{}
 	for _, n := range o.Matrix.Networks {

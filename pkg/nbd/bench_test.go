@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"crypto/tls"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -9,10 +10,15 @@ import (
 )
 
 // benchmarkLoopback measures the server and client together over TCP on
-// loopback, qd requests of bs bytes in flight.
-func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
+// loopback (with STARTTLS when withTLS), qd requests of bs bytes in flight.
+func benchmarkLoopback(b *testing.B, write bool, bs, qd int, withTLS bool) {
 	const size = 256 << 20
 	s := &Server{Logger: quietLogger()}
+	var clientTLS *tls.Config
+	if withTLS {
+		p := newTestPKI(b)
+		s.TLSConfig, clientTLS = p.server, p.client
+	}
 	if err := s.AddExport(&Export{Name: "d", Backend: NewMemBackend(size)}); err != nil {
 		b.Fatal(err)
 	}
@@ -22,7 +28,7 @@ func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
 	}
 	go s.Serve(l)
 	defer s.Shutdown(context.Background())
-	cl, err := Dial(context.Background(), DialOptions{Addr: l.Addr().String(), Export: "d"})
+	cl, err := Dial(context.Background(), DialOptions{Addr: l.Addr().String(), Export: "d", TLS: clientTLS})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -59,7 +65,9 @@ func benchmarkLoopback(b *testing.B, write bool, bs, qd int) {
 	wg.Wait()
 }
 
-func BenchmarkLoopbackRead1M(b *testing.B)  { benchmarkLoopback(b, false, 1<<20, 8) }
-func BenchmarkLoopbackWrite1M(b *testing.B) { benchmarkLoopback(b, true, 1<<20, 8) }
-func BenchmarkLoopbackRead4K(b *testing.B)  { benchmarkLoopback(b, false, 4096, 32) }
-func BenchmarkLoopbackWrite4K(b *testing.B) { benchmarkLoopback(b, true, 4096, 32) }
+func BenchmarkLoopbackRead1M(b *testing.B)     { benchmarkLoopback(b, false, 1<<20, 8, false) }
+func BenchmarkLoopbackWrite1M(b *testing.B)    { benchmarkLoopback(b, true, 1<<20, 8, false) }
+func BenchmarkLoopbackRead4K(b *testing.B)     { benchmarkLoopback(b, false, 4096, 32, false) }
+func BenchmarkLoopbackWrite4K(b *testing.B)    { benchmarkLoopback(b, true, 4096, 32, false) }
+func BenchmarkLoopbackTLSRead1M(b *testing.B)  { benchmarkLoopback(b, false, 1<<20, 8, true) }
+func BenchmarkLoopbackTLSWrite1M(b *testing.B) { benchmarkLoopback(b, true, 1<<20, 8, true) }

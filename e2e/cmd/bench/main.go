@@ -13,7 +13,7 @@
 //	workloads: seqread, seqwrite (1 MiB, QD 8), randread, randwrite (4 KiB, QD 32)
 //
 // Third-party servers and fio run under `mptcpize run` on MPTCP networks.
-// Every server exports a fresh sparse 2 GiB file on tmpfs. Each run lasts
+// Every server exports a fresh 2 GiB file on tmpfs, allocated beforehand. Each run lasts
 // --ramp + --duration and is repeated --repeat times; the table shows the
 // medians, out/bench.json every repeat.
 //
@@ -245,7 +245,7 @@ func writeLegend(w io.Writer, rep *bench.Report, d time.Duration, repeat int) {
 	fmt.Fprintln(w, "vs tcp1: MB/s relative to the same server/client/workload on tcp1; vs nbdkit: relative to nbdkit with the same client/network/workload.")
 	fmt.Fprintln(w, "CPU s/GB: CPU seconds of the server process tree (client process) over the whole client run per 10^9 bytes carried in the data direction.")
 	fmt.Fprintln(w, "subflows: most established subflows of the client's MPTCP connection listed by ss during the run (act: carried >= 1% of its bytes, bk: backup).")
-	fmt.Fprintln(w, "Each server gets a fresh sparse export: its first seqwrite run (fio) also allocates the tmpfs pages, which shows in that repeat's server CPU.")
+	fmt.Fprintln(w, "Each server gets a fresh export, its tmpfs pages allocated before its runs.")
 }
 
 func netNames(m bench.Matrix) string {

@@ -5,7 +5,7 @@
 //
 //	nbdload --addr HOST:PORT --export NAME [--mptcp] [--conns 1]
 //	        --rw read|write|randread|randwrite --bs 1M --qd 8 --time 10s
-//	        [--warmup 0s] [--span 2G] [--seed N]
+//	        [--warmup 0s] [--span 2G] [--seed N] [--cpuprofile FILE]
 //	nbdload --addr HOST:PORT --export NAME --verify [--bs 1M --qd 8 --span 256M]
 //
 // Sequential patterns share one cursor: each worker takes the next block
@@ -34,6 +34,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 	"time"
 
@@ -83,6 +84,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&cfg.Verify, "verify", false, "correctness run: write a pattern over the span, read it back and compare")
 	tlsDir := fs.String("tls-certificates", "", "upgrade with STARTTLS, trusting `DIR`/ca-cert.pem and presenting DIR/client-cert.pem and client-key.pem if there (libnbd's layout); the server must be named localhost in its certificate")
 	indent := fs.Bool("pretty", false, "indent the JSON output")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE` (go tool pprof)")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: nbdload --addr HOST:PORT --export NAME [flags]")
 		fs.PrintDefaults()
@@ -110,6 +112,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(stderr, "nbdload:", err)
+			return 2
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(stderr, "nbdload:", err)
+			return 2
+		}
+		defer pprof.StopCPUProfile()
+	}
 	rep, err := bench.RunLoad(ctx, cfg)
 	if err != nil {
 		fmt.Fprintln(stderr, "nbdload:", err)
