@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"html"
 	"io"
 	"math"
 	"os"
@@ -265,72 +264,19 @@ func WriteManyTable(w io.Writer, rep *ManyReport) error {
 // number of volumes (the sum if every volume were as slow; the gap is the
 // unfairness), and the line rate.
 func ManySVG(rep *ManyReport, subtitle string) string {
-	const (
-		width, height = 800, 460
-		left, right   = 80, 30
-		top, bottom   = 80, 80
-		plotW         = width - left - right
-		plotH         = height - top - bottom
-		sumColor      = "#1f6fb2"
-		slowColor     = "#e67e22"
-		lineColor     = "#c0392b"
-		fontFamily    = "DejaVu Sans, Helvetica, Arial, sans-serif"
-	)
-	ymaxData := rep.LineMBps
-	for _, s := range rep.Steps {
-		ymaxData = max(ymaxData, s.MBps, s.MinMBps*float64(s.Volumes))
+	c := LineChart{
+		Title: "One storage server, many volumes written at once", Subtitle: subtitle,
+		XLabel: "volumes written at once", YLabel: "MB/s (10^6 bytes/s)",
+		Ref: rep.LineMBps, RefLabel: fmt.Sprintf("line %.0f MB/s", rep.LineMBps),
+		Series: []ChartSeries{
+			{Name: "sum of the volumes", Color: "#1f6fb2", Labels: true},
+			{Name: "slowest volume x number of volumes (equal to the sum when fair)", Color: "#e67e22"},
+		},
 	}
-	ymax, step := niceScale(ymaxData)
-	y := func(v float64) float64 { return top + plotH - plotH*v/ymax }
-	n := len(rep.Steps)
-	x := func(i int) float64 {
-		if n < 2 {
-			return left + plotW/2
-		}
-		return left + 20 + float64(plotW-40)*float64(i)/float64(n-1)
+	for _, st := range rep.Steps {
+		c.X = append(c.X, strconv.Itoa(st.Volumes))
+		c.Series[0].Y = append(c.Series[0].Y, st.MBps)
+		c.Series[1].Y = append(c.Series[1].Y, st.MinMBps*float64(st.Volumes))
 	}
-	var b strings.Builder
-	p := func(format string, args ...any) { fmt.Fprintf(&b, format+"\n", args...) }
-	p(`<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="%s">`, width, height, width, height, fontFamily)
-	p(`<rect x="0" y="0" width="%d" height="%d" fill="#ffffff"/>`, width, height)
-	p(`<text x="24" y="32" font-size="19" font-weight="bold" fill="#1a1a1a">One storage server, many volumes written at once</text>`)
-	p(`<text x="24" y="54" font-size="13" fill="#444444">%s</text>`, html.EscapeString(subtitle))
-	for i := 0; float64(i)*step <= ymax+step/100; i++ {
-		v := step * float64(i)
-		p(`<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#e3e3e3" stroke-width="1"/>`, left, y(v), width-right, y(v))
-		p(`<text x="%d" y="%.1f" font-size="13" fill="#555555" text-anchor="end">%g</text>`, left-8, y(v)+4, v)
-	}
-	p(`<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#888888"/>`, left, top+plotH, width-right, top+plotH)
-	p(`<text x="22" y="%d" font-size="13" fill="#333333" text-anchor="middle" transform="rotate(-90 22 %d)">MB/s (10^6 bytes/s)</text>`, top+plotH/2, top+plotH/2)
-	p(`<text x="%d" y="%d" font-size="13" fill="#333333" text-anchor="middle">volumes written at once</text>`, left+plotW/2, top+plotH+44)
-	p(`<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="%s" stroke-width="2" stroke-dasharray="6,4"/>`, left, y(rep.LineMBps), width-right, y(rep.LineMBps), lineColor)
-	p(`<text x="%d" y="%.1f" font-size="12" fill="%s" text-anchor="end">line %.0f MB/s</text>`, width-right, y(rep.LineMBps)-6, lineColor, rep.LineMBps)
-	series := []struct {
-		color string
-		v     func(ManyStep) float64
-	}{
-		{sumColor, func(s ManyStep) float64 { return s.MBps }},
-		{slowColor, func(s ManyStep) float64 { return s.MinMBps * float64(s.Volumes) }},
-	}
-	for _, s := range series {
-		var pts []string
-		for i, st := range rep.Steps {
-			pts = append(pts, fmt.Sprintf("%.1f,%.1f", x(i), y(s.v(st))))
-		}
-		p(`<polyline points="%s" fill="none" stroke="%s" stroke-width="3"/>`, strings.Join(pts, " "), s.color)
-		for i, st := range rep.Steps {
-			p(`<circle cx="%.1f" cy="%.1f" r="4" fill="%s"/>`, x(i), y(s.v(st)), s.color)
-		}
-	}
-	for i, st := range rep.Steps {
-		p(`<text x="%.1f" y="%d" font-size="13" fill="#1a1a1a" text-anchor="middle">%d</text>`, x(i), top+plotH+20, st.Volumes)
-		p(`<text x="%.1f" y="%.1f" font-size="12" fill="%s" text-anchor="middle">%.0f</text>`, x(i), y(st.MBps)-10, sumColor, st.MBps)
-	}
-	ly := height - 16
-	p(`<rect x="%d" y="%d" width="14" height="4" fill="%s"/>`, left, ly-6, sumColor)
-	p(`<text x="%d" y="%d" font-size="12" fill="#333333">sum of the volumes</text>`, left+20, ly)
-	p(`<rect x="%d" y="%d" width="14" height="4" fill="%s"/>`, left+180, ly-6, slowColor)
-	p(`<text x="%d" y="%d" font-size="12" fill="#333333">slowest volume x number of volumes (equal to the sum when fair)</text>`, left+200, ly)
-	p(`</svg>`)
-	return b.String()
+	return c.SVG()
 }

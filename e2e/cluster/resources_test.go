@@ -11,11 +11,12 @@ import (
 )
 
 // containerUse is what one container of the driver used, from its
-// cgroup (v1, the kubelet's cgroupfs driver): peak memory and CPU time
-// since it started.
+// cgroup (v1, the kubelet's cgroupfs driver): peak memory, resident
+// memory now and CPU time since it started.
 type containerUse struct {
 	pod, container string
 	peakBytes      int64
+	rssBytes       int64
 	cpu            time.Duration
 	age            time.Duration
 }
@@ -38,6 +39,20 @@ func readInt(path string) (int64, error) {
 		return 0, err
 	}
 	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+}
+
+// statValue reads key's value from a cgroup's memory.stat.
+func statValue(path, key string) (int64, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, key+" "); ok {
+			return strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("%s: no %s", path, key)
 }
 
 // resourceUse reads what every container of the driver's pods used so
@@ -65,6 +80,10 @@ func (s *suite) resourceUse() ([]containerUse, error) {
 				if err != nil {
 					return nil, err
 				}
+				rss, err := statValue(filepath.Join(mem, "memory.stat"), "total_rss")
+				if err != nil {
+					return nil, err
+				}
 				cpuDir, err := cgroupDir("cpuacct", f[2], id)
 				if err != nil {
 					return nil, err
@@ -73,7 +92,7 @@ func (s *suite) resourceUse() ([]containerUse, error) {
 				if err != nil {
 					return nil, err
 				}
-				pending[i].peakBytes, pending[i].cpu = peak, time.Duration(ns)
+				pending[i].peakBytes, pending[i].rssBytes, pending[i].cpu = peak, rss, time.Duration(ns)
 			}
 			uses = append(uses, pending...)
 			pending, ids = nil, nil

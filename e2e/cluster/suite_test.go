@@ -416,6 +416,7 @@ storageAgent:
 	s.sidecarEndpointsScenario()
 	s.blockScenario()
 	s.measureResources("after the upgrade, the filesystem, expansion, snapshot and block scenarios")
+	s.scaleScenario()
 	s.restartScenario()
 	s.uninstallRefusedScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
