@@ -115,10 +115,17 @@ func (a *simAgent) step(ctx context.Context) {
 		switch {
 		case hold:
 		case v.DeletionTimestamp != nil:
-			if controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer) && a.c.Update(ctx, v) == nil {
+			// Recorded before the update: the object goes with it, and
+			// a DeleteVolume that sees it gone may return at once.
+			if controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer) {
 				a.mu.Lock()
 				a.released[v.Name] = v.DeletesData()
 				a.mu.Unlock()
+				if a.c.Update(ctx, v) != nil {
+					a.mu.Lock()
+					delete(a.released, v.Name)
+					a.mu.Unlock()
+				}
 			}
 		case code != "" && v.Status.ObservedGeneration != v.Generation && v.Status.Phase == v1alpha1.VolumeAvailable:
 			// An existing volume that cannot grow keeps serving its

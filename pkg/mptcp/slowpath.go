@@ -164,6 +164,7 @@ type pathSample struct {
 type SlowPaths struct {
 	p      SlowPathPolicy
 	acked  map[uint64]uint64 // cookie -> bytes acked at the previous sample
+	at     time.Time         // the previous sample's time
 	paths  map[netip.Addr]*pathState
 	primed bool
 }
@@ -211,6 +212,7 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 
 	samples := map[netip.Addr]pathSample{}
 	acked := make(map[uint64]uint64, len(socks))
+	elapsed := now.Sub(s.at).Seconds()
 	for _, k := range socks {
 		if !k.Subflow || !inSet[k.Local.Addr()] {
 			continue
@@ -225,12 +227,20 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 			// a backup): data moved, but nothing says how fast.
 			continue
 		}
+		// What the subflow delivered since the last sample is a floor
+		// under its rate: the kernel's delivery rate is its last rate
+		// sample alone, which after a stretch as a backup (the probe of
+		// a recovered path) can be tiny while data flows at full speed.
+		r := float64(k.DeliveryRate)
+		if elapsed > 0 {
+			r = max(r, float64(k.BytesAcked-prev)/elapsed)
+		}
 		smp := samples[k.Local.Addr()]
-		smp.rate = max(smp.rate, float64(k.DeliveryRate))
+		smp.rate = max(smp.rate, r)
 		smp.limited = smp.limited || !k.AppLimited
 		samples[k.Local.Addr()] = smp
 	}
-	s.acked, s.primed = acked, true
+	s.acked, s.at, s.primed = acked, now, true
 
 	for a, smp := range samples {
 		s.paths[a].record(smp.rate)

@@ -178,6 +178,42 @@ func TestSlowPathsIgnoreSamplesWithoutRate(t *testing.T) {
 	until(PathRecovered, 6, fast, fast, fast, fast)
 }
 
+// TestSlowPathsProbeCountsDeliveredBytes: a probed path whose kernel
+// delivery rate is a stale, tiny sample while it carries data at full
+// speed is judged by what it delivered, not flagged again.
+func TestSlowPathsProbeCountsDeliveredBytes(t *testing.T) {
+	f := newFakePaths(4)
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: 3 * time.Second, ProbeMax: 10 * time.Second})
+	fast, slow := busy(950), busy(95)
+	// 100 MB in the second (800 Mbit/s) with a delivery rate of 10 kbit/s.
+	staleRate := rate{bytes: 100e6, mbit: 0.01, limited: true}
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	var got []PathEventKind
+	for range 12 {
+		got = append(got, kinds(step(fast, fast, fast, slow))...)
+		if slices.Contains(got, PathSlow) {
+			break
+		}
+	}
+	if !slices.Contains(got, PathSlow) {
+		t.Fatalf("the slow path was not flagged: %v", got)
+	}
+	got = nil
+	for range 8 {
+		ev := step(fast, fast, fast, staleRate)
+		got = append(got, kinds(ev)...)
+		if slices.Contains(got, PathRecovered) {
+			break
+		}
+	}
+	if slices.Contains(got, PathStillSlow) || !slices.Contains(got, PathRecovered) {
+		t.Fatalf("probe of a path delivering 800 Mbit/s with a stale rate sample: events %v, want a recovery", got)
+	}
+}
+
 func TestSlowPathsHysteresis(t *testing.T) {
 	f := newFakePaths(2)
 	sp := NewSlowPaths(SlowPathPolicy{})
