@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -69,22 +70,9 @@ func scalePod(name string, claims []string) string {
 		mounts = append(mounts, fmt.Sprintf("{name: v%d, mountPath: /data%d}", i, i))
 		vols = append(vols, fmt.Sprintf("{name: v%d, persistentVolumeClaim: {claimName: %s}}", i, c))
 	}
-	script := `n=0; for d in /data*; do echo "$d" > "$d/id" && sync "$d/id" && [ "$(cat "$d/id")" = "$d" ] && n=$((n+1)); done; echo checked=$n; sleep 3600`
-	return fmt.Sprintf(`apiVersion: v1
-kind: Pod
-metadata: {name: %s, namespace: default, labels: {mpnbd.io/scale: "true"}}
-spec:
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 1
-  containers:
-    - name: main
-      image: %s
-      imagePullPolicy: Never
-      securityContext: {runAsUser: 0}
-      command: ["/bin/sh", "-c", %q]
-      volumeMounts: [%s]
-  volumes: [%s]
-`, name, driverImage, script, strings.Join(mounts, ", "), strings.Join(vols, ", "))
+	script := `n=0; for d in /data*; do echo "$d" > "$d/id" && sync && [ "$(cat "$d/id")" = "$d" ] && n=$((n+1)); done; echo checked=$n; sleep 3600`
+	return podSpec(name, `labels: {mpnbd.io/scale: "true"}`, script,
+		"volumeMounts: ["+strings.Join(mounts, ", ")+"]", strings.Join(vols, ", "))
 }
 
 // scaleScenario creates N PVCs at once for each N of envScale, mounts
@@ -225,18 +213,8 @@ func (s *suite) scaleStep(n int) scaleStep {
 		start := time.Now()
 		s.kubectl("delete", "pod", "-l", "mpnbd.io/scale=true", "--wait=false")
 		s.waitFor("the step's volume attachments to go", bound, func() string {
-			attached := map[string]bool{}
-			_, names := count("{.items[*].spec.source.persistentVolumeName}", "get", "volumeattachments")
-			for _, pv := range names {
-				attached[pv] = true
-			}
-			left := 0
-			for _, pv := range pvs {
-				if attached[pv] {
-					left++
-				}
-			}
-			if left > 0 {
+			_, attached := count("{.items[*].spec.source.persistentVolumeName}", "get", "volumeattachments")
+			if left := among(pvs, attached); left > 0 {
 				return fmt.Sprintf("%d of %d still attached", left, n)
 			}
 			if p, _ := count("{.items[*].metadata.name}", "get", "pod", "-l", "mpnbd.io/scale=true"); p > 0 {
@@ -252,17 +230,7 @@ func (s *suite) scaleStep(n int) scaleStep {
 		s.waitFor("the step's volumes to go", bound, func() string {
 			_, allPVs := count("{.items[*].metadata.name}", "get", "pv")
 			_, allVols := count("{.items[*].metadata.name}", "get", "nbdvolumes")
-			present := map[string]bool{}
-			for _, name := range append(allPVs, allVols...) {
-				present[name] = true
-			}
-			left := 0
-			for _, pv := range pvs {
-				if present[pv] {
-					left++
-				}
-			}
-			if left > 0 {
+			if left := among(pvs, append(allPVs, allVols...)); left > 0 {
 				return fmt.Sprintf("%d of %d volumes left", left, n)
 			}
 			return ""
@@ -270,6 +238,17 @@ func (s *suite) scaleStep(n int) scaleStep {
 		st.DeletedSeconds = time.Since(start).Seconds()
 	})
 	return st
+}
+
+// among counts the names that are in list.
+func among(names, list []string) int {
+	n := 0
+	for _, name := range names {
+		if slices.Contains(list, name) {
+			n++
+		}
+	}
+	return n
 }
 
 // writeScale writes the steps as JSON and as a chart of the times

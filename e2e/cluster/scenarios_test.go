@@ -20,13 +20,23 @@ import (
 // pod returns a pod of the driver's image running script with the claim
 // mounted at /data (Filesystem) or attached at /dev/xvda (Block).
 func pod(name, claim, script string, block bool) string {
-	vol := `      volumeMounts: [{name: data, mountPath: /data}]`
+	vol := `volumeMounts: [{name: data, mountPath: /data}]`
 	if block {
-		vol = `      volumeDevices: [{name: data, devicePath: /dev/xvda}]`
+		vol = `volumeDevices: [{name: data, devicePath: /dev/xvda}]`
+	}
+	return podSpec(name, "", script, vol, fmt.Sprintf("{name: data, persistentVolumeClaim: {claimName: %s}}", claim))
+}
+
+// podSpec returns a pod of the driver's image named name (with the
+// metadata fields extra, if any) running script, its container's
+// volumes as uses (volumeMounts or volumeDevices) of the pod's volumes.
+func podSpec(name, extra, script, uses, volumes string) string {
+	if extra != "" {
+		extra = ", " + extra
 	}
 	return fmt.Sprintf(`apiVersion: v1
 kind: Pod
-metadata: {name: %s, namespace: default}
+metadata: {name: %s, namespace: default%s}
 spec:
   restartPolicy: Never
   terminationGracePeriodSeconds: 1
@@ -38,9 +48,9 @@ spec:
       # and a claim's new filesystem belongs to root.
       securityContext: {runAsUser: 0}
       command: ["/bin/sh", "-c", %q]
-%s
-  volumes: [{name: data, persistentVolumeClaim: {claimName: %s}}]
-`, name, driverImage, script, vol, claim)
+      %s
+  volumes: [%s]
+`, name, extra, driverImage, script, uses, volumes)
 }
 
 func pvc(name, class, size string, block bool) string {
