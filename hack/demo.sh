@@ -14,6 +14,11 @@
 #    shown, and everything is torn down. Writes out/driverdemo.json.
 #    DRIVERDEMO_ARGS passes flags to it (e.g. "--size 1GiB --volume-size
 #    2GiB", or "--transport relay" on a kernel with nbd).
+#    DRIVERDEMO_ARGS="--fio" then also measures fio through the block
+#    device, ext4 and xfs against the raw NBD client (bin/nbdload) on the
+#    same paths, one volume each, and prints the ratios (about 5 minutes;
+#    --fio-seconds 10s per run, --volume-size 2GiB by default; the backing
+#    files on /dev/shm). Alone, after a build: bin/driverdemo --fio.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then

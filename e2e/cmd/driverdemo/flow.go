@@ -55,8 +55,12 @@ func (d *demo) run(ctx context.Context) error {
 	if err := d.step("work directory", func() error {
 		dir := o.workDir
 		if dir == "" {
+			parent := ""
+			if o.fio {
+				parent = fioWorkParent()
+			}
 			var err error
-			if dir, err = os.MkdirTemp("", "driverdemo-"); err != nil {
+			if dir, err = os.MkdirTemp(parent, "driverdemo-"); err != nil {
 				return err
 			}
 		} else if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -148,20 +152,35 @@ func (d *demo) run(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
-	return d.volume(ctx, c, cc)
+	mark := len(d.undos)
+	if err := d.volume(ctx, c, cc); err != nil || !o.fio {
+		return err
+	}
+	// The measurement's volumes have the worker and the paths to
+	// themselves.
+	if err := d.tearDown("tear down the demo's volume", mark); err != nil {
+		return err
+	}
+	return d.fsBench(ctx, cc)
 }
 
 // checks fails early, with a clear message, when something the demo
 // needs is missing.
 func (d *demo) checks() error {
 	var missing []string
-	for _, b := range []string{"controller", "node", "nbd-server"} {
+	cmds := []string{"controller", "node", "nbd-server"}
+	tools := []string{"nsenter", "ip", "tc", "ss", "losetup", "mkfs." + d.o.fsType}
+	if d.o.fio {
+		cmds = append(cmds, "nbdload")
+		tools = append(tools, "fio", "mkfs.ext4", "mkfs.xfs")
+	}
+	for _, b := range cmds {
 		p := filepath.Join(d.o.binDir, b)
 		if st, err := os.Stat(p); err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
-			missing = append(missing, p+" (run hack/demo.sh, or go build -o bin/ ./cmd/...)")
+			missing = append(missing, p+" (run hack/demo.sh, which builds the commands into bin/)")
 		}
 	}
-	for _, tool := range []string{"nsenter", "ip", "tc", "ss", "losetup", "mkfs." + d.o.fsType} {
+	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			missing = append(missing, tool)
 		}
@@ -247,12 +266,17 @@ func (d *demo) startAgent(ctx context.Context, cfg *rest.Config, c client.Client
 	for _, p := range d.topo.Paths {
 		addrs = append(addrs, p.ServerAddr.String())
 	}
+	// --fio reads the agent's request counters.
+	metrics := ""
+	if d.o.fio {
+		metrics = agentMetricsAddr
+	}
 	p, err := d.startProc("nbd-server", d.topo.ServerNS,
 		"--cluster", "--node-name", storageNode, "--namespace", namespace,
 		"--data-dir", filepath.Join(d.dir, "volumes"),
 		"--storage-address", strings.Join(addrs, ","),
 		"--listen", hostPort(d.topo.ServerAddr(1).String(), nbdPort),
-		"--metrics-addr", "", "--heartbeat", "2s", "--kubeconfig", kc)
+		"--metrics-addr", metrics, "--heartbeat", "2s", "--kubeconfig", kc)
 	if err != nil {
 		return err
 	}

@@ -14,10 +14,15 @@
 // afterwards everything is torn down again, in reverse, also when a step
 // fails.
 //
+// With --fio it then measures the data path as users see it, through the
+// block device and through ext4 and xfs, against the raw NBD client
+// (bin/nbdload) on the same four paths in the same run: fsbench.go.
+//
 // Needs root (namespaces, mounts, loop devices, FUSE). It builds nothing:
 // hack/demo.sh builds the commands into bin/ first.
 //
 //	bin/driverdemo [--size 256MiB] [--transport fuse] [--out out/driverdemo.json]
+//	bin/driverdemo --fio [--fio-seconds 10s] [--volume-size 2GiB]
 package main
 
 import (
@@ -61,7 +66,20 @@ type options struct {
 	workDir    string
 	out        string
 	keep       bool
+	// fio turns on the measurement of fsbench.go, each run fioTime
+	// long.
+	fio     bool
+	fioTime time.Duration
 }
+
+// Defaults and bounds of the --fio measurement.
+const (
+	defaultVolumeSize    = 1 << 30
+	defaultFioVolumeSize = 2 << 30
+	minFioVolumeSize     = 1 << 30
+	minFioTime           = time.Second
+	maxFioTime           = 10 * time.Minute
+)
 
 func parseArgs(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
@@ -73,7 +91,7 @@ func parseArgs(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.binDir, "bin", exeDir, "`DIR` holding controller, node and nbd-server (default: this program's directory)")
 	size := fs.String("size", "256MiB", "size of the file written through the volume")
-	volSize := fs.String("volume-size", "1GiB", "size of the volume")
+	volSize := fs.String("volume-size", formatBytes(defaultVolumeSize), "size of the volume (default "+formatBytes(defaultFioVolumeSize)+" with --fio)")
 	fs.StringVar(&o.transport, "transport", string(attach.FUSE), "how the node attaches the volume: fuse (any kernel), or kernel, relay, multiconn, tcp (kernels with nbd), or auto")
 	fs.StringVar(&o.fsType, "fs", "ext4", "file system of the volume: ext4 or xfs")
 	fs.IntVar(&o.rateMbit, "rate", topo.DefaultRateMbit, "rate of each of the 4 paths in Mbit/s")
@@ -81,8 +99,15 @@ func parseArgs(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.workDir, "work-dir", "", "`DIR` for logs, sockets, mounts and backing files (default: a new temporary directory, removed afterwards)")
 	fs.StringVar(&o.out, "out", filepath.Join("out", "driverdemo.json"), "write the results as JSON to `FILE`")
 	fs.BoolVar(&o.keep, "keep-logs", false, "keep the work directory's logs (the directory is removed otherwise)")
+	fs.BoolVar(&o.fio, "fio", false, "after the demo, measure with fio through the block device, ext4 and xfs against the raw NBD client (nbdload), each on a volume of its own; the work directory defaults to one on /dev/shm")
+	fs.DurationVar(&o.fioTime, "fio-seconds", 10*time.Second, "measured `DURATION` of each --fio run (after an unmeasured ramp)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if o.fio && !set["volume-size"] {
+		*volSize = formatBytes(defaultFioVolumeSize)
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -109,6 +134,18 @@ func parseArgs(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.rateMbit <= 0 {
 		return nil, fmt.Errorf("--rate %d: must be positive", o.rateMbit)
+	}
+	if set["fio-seconds"] && !o.fio {
+		return nil, errors.New("--fio-seconds needs --fio")
+	}
+	if o.fio {
+		if o.fioTime < minFioTime || o.fioTime > maxFioTime || o.fioTime%time.Millisecond != 0 {
+			return nil, fmt.Errorf("--fio-seconds %s: want whole milliseconds from %s to %s", o.fioTime, minFioTime, maxFioTime)
+		}
+		if o.volumeSize < minFioVolumeSize {
+			return nil, fmt.Errorf("--volume-size %s: --fio needs at least %s (xfs needs 300 MiB, and the measured file is half the volume)",
+				formatBytes(o.volumeSize), formatBytes(minFioVolumeSize))
+		}
 	}
 	if o.name == "" {
 		o.name = topo.UniqueName(namePrefix)
@@ -147,6 +184,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintln(stdout, "\nSummary")
 	_ = writeSummary(stdout, d.res)
+	if b := d.res.FS; b != nil {
+		b.computeRatios()
+		fmt.Fprintf(stdout, "\nThe data path through the block device and the file systems vs the raw NBD client (%d x %d Mbit/s, MPTCP)\n", d.res.Paths, o.rateMbit)
+		_ = writeFSTable(stdout, b)
+	}
 	if werr := writeJSON(o.out, d.res); werr != nil {
 		fmt.Fprintf(stderr, "driverdemo: writing %s: %v\n", o.out, werr)
 		if d.res.OK {
@@ -210,14 +252,20 @@ func (d *demo) onCleanup(name string, fn func(ctx context.Context) error) {
 	d.undos = append(d.undos, undo{name: name, fn: fn})
 }
 
-// cleanup runs the teardown steps, each at most two minutes, all of them
-// even when some fail.
+// cleanup runs all the teardown steps.
 func (d *demo) cleanup() error {
 	if len(d.undos) > 0 {
 		fmt.Fprintln(d.out, "\nTeardown")
 	}
+	return d.unwind(0, "  ")
+}
+
+// unwind runs the teardown steps pushed since the first mark ones, last
+// in, first out, each at most two minutes, all of them even when some
+// fail, and forgets them. Each prints a line starting with indent.
+func (d *demo) unwind(mark int, indent string) error {
 	var errs []error
-	for i := len(d.undos) - 1; i >= 0; i-- {
+	for i := len(d.undos) - 1; i >= mark; i-- {
 		u := d.undos[i]
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		start := time.Now()
@@ -227,14 +275,14 @@ func (d *demo) cleanup() error {
 		s := Step{Name: "teardown: " + u.name, Seconds: el.Seconds()}
 		if err != nil {
 			s.Error = err.Error()
-			fmt.Fprintf(d.out, "  %-54s FAILED after %s: %v\n", u.name, round(el), err)
+			fmt.Fprintf(d.out, "%s%-54s FAILED after %s: %v\n", indent, u.name, round(el), err)
 			errs = append(errs, fmt.Errorf("teardown: %s: %w", u.name, err))
 		} else {
-			fmt.Fprintf(d.out, "  %-54s %s\n", u.name, round(el))
+			fmt.Fprintf(d.out, "%s%-54s %s\n", indent, u.name, round(el))
 		}
 		d.res.Steps = append(d.res.Steps, s)
 	}
-	d.undos = nil
+	d.undos = d.undos[:mark]
 	return errors.Join(errs...)
 }
 

@@ -206,12 +206,12 @@ func TestMain(m *testing.M) {
 
 // runDemo runs the demo in this process and returns its exit code, its
 // output and its results.
-func runDemo(t *testing.T, bin, name, work string) (int, string, *Result) {
+func runDemo(t *testing.T, bin, name, work string, extra ...string) (int, string, *Result) {
 	t.Helper()
 	out := filepath.Join(t.TempDir(), "driverdemo.json")
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"--bin", bin, "--size", "32MiB", "--name", name,
-		"--work-dir", work, "--out", out}, &stdout, &stderr)
+	code := run(context.Background(), append([]string{"--bin", bin, "--size", "32MiB", "--name", name,
+		"--work-dir", work, "--out", out}, extra...), &stdout, &stderr)
 	output := stdout.String() + stderr.String()
 	var r Result
 	b, err := os.ReadFile(out)

@@ -39,6 +39,9 @@ type Result struct {
 	SHA256           string `json:"sha256,omitempty"`
 	ChecksumOK       bool   `json:"checksum_ok"`
 	Steps            []Step `json:"steps"`
+	// FS is the --fio measurement: fio through the block device and
+	// the file systems against the raw NBD client.
+	FS *FSBench `json:"fs_bench,omitempty"`
 }
 
 // Step is one step of the demo and how long it took.

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -33,106 +32,13 @@ const chunk = 4 << 20
 // moves data through it and shows its data path.
 func (d *demo) volume(ctx context.Context, c client.Client, cc *csiClients) error {
 	o := d.o
-	vc := &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: o.fsType}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-	var vol *csi.Volume
-	if err := d.step(fmt.Sprintf("CreateVolume %s, %s, transport=%s", formatBytes(o.volumeSize), o.fsType, o.transport), func() error {
-		r, err := cc.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name:               csiName,
-			CapacityRange:      &csi.CapacityRange{RequiredBytes: o.volumeSize},
-			VolumeCapabilities: []*csi.VolumeCapability{vc},
-			Parameters:         map[string]string{driver.ParamTransport: o.transport, driver.ParamFSType: o.fsType},
-		})
-		if err != nil {
-			return err
-		}
-		vol = r.GetVolume()
-		id := vol.GetVolumeId()
-		d.onCleanup("DeleteVolume, wait for the backing file to go", func(ctx context.Context) error {
-			if _, err := cc.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
-				return err
-			}
-			backing := filepath.Join(d.dir, "volumes", id+".img")
-			return waitFor(ctx, "the backing file "+backing+" to be removed", readyTimeout, func() error {
-				if _, err := os.Stat(backing); err == nil {
-					return errors.New("still there")
-				}
-				return nil
-			})
-		})
-		fmt.Fprintf(d.out, "     volume %s, %d bytes, context %v\n", id, vol.GetCapacityBytes(), vol.GetVolumeContext())
-		return nil
-	}); err != nil {
+	v, err := d.createVolume(ctx, cc, csiName, o.volumeSize, mountCapability(o.fsType), "")
+	if err != nil {
 		return err
 	}
-	id := vol.GetVolumeId()
-
-	var pubCtx map[string]string
-	if err := d.step("ControllerPublishVolume to "+workerNode, func() error {
-		r, err := cc.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
-			VolumeId: id, NodeId: workerNode, VolumeCapability: vc, VolumeContext: vol.GetVolumeContext(),
-		})
-		if err != nil {
-			return err
-		}
-		d.onCleanup("ControllerUnpublishVolume", func(ctx context.Context) error {
-			_, err := cc.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: workerNode})
-			return err
-		})
-		pubCtx = r.GetPublishContext()
-		export := pubCtx[driver.PublishContextExport]
-		if v, tok, ok := strings.Cut(export, "/"); ok {
-			export = v + "/" + strings.Repeat("*", len(tok)) // the token stays secret
-		}
-		fmt.Fprintf(d.out, "     export %s at %s\n", export, pubCtx[driver.PublishContextAddresses])
-		return nil
-	}); err != nil {
-		return err
-	}
-
-	staging := filepath.Join(d.dir, "kubelet", "staging", id)
+	id := v.id
 	target := filepath.Join(d.dir, "kubelet", "pod", "mount")
-	if err := d.step("NodeStageVolume (connect over MPTCP, attach, mkfs, mount)", func() error {
-		if err := os.MkdirAll(staging, 0o750); err != nil {
-			return err
-		}
-		_, err := cc.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
-			VolumeId: id, PublishContext: pubCtx, StagingTargetPath: staging, VolumeCapability: vc,
-			VolumeContext: vol.GetVolumeContext(),
-		})
-		// Unstage also after a failed stage: it removes what is left.
-		d.onCleanup("NodeUnstageVolume", func(ctx context.Context) error {
-			_, err := cc.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
-			return err
-		})
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(d.out, "     %s: %s\n", staging, mountOf(staging))
-		return nil
-	}); err != nil {
-		return err
-	}
-	if err := d.step("NodePublishVolume", func() error {
-		if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
-			return err
-		}
-		_, err := cc.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-			VolumeId: id, PublishContext: pubCtx, StagingTargetPath: staging, TargetPath: target,
-			VolumeCapability: vc, VolumeContext: vol.GetVolumeContext(),
-		})
-		d.onCleanup("NodeUnpublishVolume", func(ctx context.Context) error {
-			_, err := cc.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
-			return err
-		})
-		if err != nil {
-			return err
-		}
-		fmt.Fprintf(d.out, "     %s: %s\n", target, mountOf(target))
-		return nil
-	}); err != nil {
+	if err := d.stageVolume(ctx, cc, v, target); err != nil {
 		return err
 	}
 
@@ -165,9 +71,8 @@ func (d *demo) volume(ctx context.Context, c client.Client, cc *csiClients) erro
 	}
 	data = nil
 	if err := d.step("drop the page cache, read the file back, verify its SHA-256", func() error {
-		syscall.Sync()
-		if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200); err != nil {
-			return fmt.Errorf("dropping caches: %w", err)
+		if err := dropCaches(); err != nil {
+			return err
 		}
 		got, el, err := readFile(ctx, file)
 		if err != nil {
@@ -186,7 +91,7 @@ func (d *demo) volume(ctx context.Context, c client.Client, cc *csiClients) erro
 	}
 
 	if err := d.step("NodeGetVolumeHealth", func() error {
-		return d.health(ctx, cc, id, target, len(pubAddrs(pubCtx)))
+		return d.health(ctx, cc, id, target, len(pubAddrs(v.pubCtx)))
 	}); err != nil {
 		return err
 	}
@@ -245,6 +150,23 @@ func (d *demo) health(ctx context.Context, cc *csiClients, id, target string, ad
 // subflows waits until the volume's MPTCP connection has one subflow per
 // path and prints them, with ss's own view.
 func (d *demo) subflows(ctx context.Context) error {
+	subs, err := d.volumeSubflows(ctx)
+	d.res.Subflows = len(subs)
+	if out, serr := topo.Exec(d.topo.ClientNS, "ss", "-MtniH").CombinedOutput(); serr == nil {
+		fmt.Fprintf(d.out, "     ss -Mni, the MPTCP socket:\n")
+		for _, l := range mptcpLines(string(out)) {
+			fmt.Fprintf(d.out, "       %s\n", l)
+		}
+	}
+	fmt.Fprintf(d.out, "     %d subflows (ss -tni):\n", len(subs))
+	_ = writeSubflowTable(d.out, d.topo, subs)
+	return err
+}
+
+// volumeSubflows waits until the worker's MPTCP connection to the
+// storage node has one subflow per path and returns them (those it has
+// when it gives up, with an error).
+func (d *demo) volumeSubflows(ctx context.Context) ([]topo.Subflow, error) {
 	var subs []topo.Subflow
 	want := len(d.topo.Paths)
 	err := waitFor(ctx, fmt.Sprintf("%d subflows", want), 20*time.Second, func() error {
@@ -258,16 +180,7 @@ func (d *demo) subflows(ctx context.Context) error {
 		}
 		return nil
 	})
-	d.res.Subflows = len(subs)
-	if out, serr := topo.Exec(d.topo.ClientNS, "ss", "-MtniH").CombinedOutput(); serr == nil {
-		fmt.Fprintf(d.out, "     ss -Mni, the MPTCP socket:\n")
-		for _, l := range mptcpLines(string(out)) {
-			fmt.Fprintf(d.out, "       %s\n", l)
-		}
-	}
-	fmt.Fprintf(d.out, "     %d subflows (ss -tni):\n", len(subs))
-	_ = writeSubflowTable(d.out, d.topo, subs)
-	return err
+	return subs, err
 }
 
 // mptcpLines picks from `ss -MtniH` output the MPTCP sockets (not their
@@ -366,23 +279,54 @@ func readFile(ctx context.Context, path string) (string, time.Duration, error) {
 	return sum, el, rerr
 }
 
+// dropCaches writes dirty pages out and empties the page cache, so that
+// what is read next comes from the volume.
+func dropCaches() error {
+	syscall.Sync()
+	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3"), 0o200); err != nil {
+		return fmt.Errorf("dropping caches: %w", err)
+	}
+	return nil
+}
+
+// mount is a line of /proc/self/mountinfo.
+type mount struct {
+	root, fsType, source string
+	// opts are the mount's options and the file system's, joined.
+	opts string
+}
+
+// mountAt returns the topmost mount at path; ok is false when path is
+// not a mount point.
+func mountAt(mountInfo []byte, path string) (m mount, ok bool) {
+	for line := range bytes.Lines(mountInfo) {
+		pre, post, cut := strings.Cut(strings.TrimSpace(string(line)), " - ")
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if !cut || len(f) < 6 || len(g) < 2 || mountinfo.Unescape(f[4]) != path {
+			continue
+		}
+		m = mount{root: f[3], fsType: g[0], source: g[1], opts: f[5]}
+		if len(g) > 2 {
+			m.opts += "," + g[2]
+		}
+		ok = true
+	}
+	return m, ok
+}
+
 // mountOf describes what is mounted at path ("ext4 on /dev/loop3").
 func mountOf(path string) string {
 	mi, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		return err.Error()
 	}
-	desc := "not a mount point"
-	for line := range bytes.Lines(mi) {
-		pre, post, ok := strings.Cut(strings.TrimSpace(string(line)), " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if !ok || len(f) < 5 || len(g) < 2 || mountinfo.Unescape(f[4]) != path {
-			continue
-		}
-		desc = fmt.Sprintf("%s on %s", g[0], g[1])
-		if f[3] != "/" {
-			desc += " (bind of " + f[3] + ")"
-		}
+	m, ok := mountAt(mi, path)
+	if !ok {
+		return "not a mount point"
+	}
+	desc := fmt.Sprintf("%s on %s", m.fsType, m.source)
+	if m.root != "/" {
+		desc += " (bind of " + m.root + ")"
 	}
 	return desc
 }

@@ -8,6 +8,11 @@
 //	        [--warmup 0s] [--span 2G] [--seed N] [--cpuprofile FILE]
 //	nbdload --addr HOST:PORT --export NAME --verify [--bs 1M --qd 8 --span 256M]
 //
+// --export-file FILE reads the export name from FILE instead (/dev/stdin
+// for a pipe): an export name that holds an access token (the driver's
+// per-node exports) then stays out of the process list, and the report
+// leaves the name out.
+//
 // Sequential patterns share one cursor: each worker takes the next block
 // and the cursor wraps at --span. Random patterns pick block-aligned
 // offsets uniformly in [0, span). Throughput counts only requests that
@@ -35,6 +40,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/pprof"
+	"strings"
 	"syscall"
 	"time"
 
@@ -72,6 +78,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	)
 	fs.StringVar(&cfg.Addr, "addr", "", "server `HOST:PORT` (required)")
 	fs.StringVar(&cfg.Export, "export", "", "export `NAME`")
+	exportFile := fs.String("export-file", "", "read the export name from `FILE` (/dev/stdin: a pipe); the report then leaves it out")
 	fs.BoolVar(&cfg.MPTCP, "mptcp", false, "dial with Multipath TCP")
 	fs.IntVar(&cfg.Conns, "conns", 1, "number of NBD connections (more than 1 needs a multi-conn server)")
 	fs.StringVar(&cfg.RW, "rw", "read", "access pattern: read, write, randread or randwrite")
@@ -104,6 +111,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "nbdload: --addr is required and --rw must be read, write, randread or randwrite")
 		return 2
 	}
+	if *exportFile != "" {
+		if cfg.Export != "" {
+			fmt.Fprintln(stderr, "nbdload: --export and --export-file exclude each other")
+			return 2
+		}
+		b, err := os.ReadFile(*exportFile)
+		if err != nil {
+			fmt.Fprintln(stderr, "nbdload: --export-file:", err)
+			return 2
+		}
+		cfg.Export = strings.TrimRight(string(b), "\r\n")
+	}
 	if *tlsDir != "" {
 		var err error
 		if cfg.TLS, err = pki.LoadClientDir(*tlsDir, "localhost"); err != nil {
@@ -129,6 +148,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintln(stderr, "nbdload:", err)
 		return 1
+	}
+	if *exportFile != "" {
+		rep.Export = ""
 	}
 	enc := json.NewEncoder(stdout)
 	if *indent {

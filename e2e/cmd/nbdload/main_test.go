@@ -7,6 +7,8 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -73,6 +75,41 @@ func TestRunFailures(t *testing.T) {
 		{[]string{"--addr", "127.0.0.1:1", "--export", "bench", "--time", "50ms"}, 1}, // refused
 	} {
 		var stdout, stderr bytes.Buffer
+		if code := run(context.Background(), tc.args, &stdout, &stderr); code != tc.code {
+			t.Errorf("%v: exit %d, want %d (%s)", tc.args, code, tc.code, stderr.String())
+		}
+	}
+}
+
+func TestRunExportFile(t *testing.T) {
+	addr := serve(t)
+	file := filepath.Join(t.TempDir(), "export")
+	if err := os.WriteFile(file, []byte("bench\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), []string{"--addr", addr, "--export-file", file, "--rw", "write", "--bs", "64k",
+		"--time", "50ms", "--span", "1M"}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	var rep bench.LoadReport
+	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if !rep.OK() || rep.Export != "" || strings.Contains(stdout.String(), "bench") {
+		t.Errorf("report %+v, want data moved and no export name in it:\n%s", rep, stdout.String())
+	}
+
+	for _, tc := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"--addr", addr, "--export", "bench", "--export-file", file}, 2}, // both
+		{[]string{"--addr", addr, "--export-file", file + ".missing"}, 2},
+	} {
+		stdout.Reset()
+		stderr.Reset()
 		if code := run(context.Background(), tc.args, &stdout, &stderr); code != tc.code {
 			t.Errorf("%v: exit %d, want %d (%s)", tc.args, code, tc.code, stderr.String())
 		}
