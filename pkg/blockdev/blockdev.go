@@ -44,6 +44,15 @@ type LoopStatus struct {
 	PartScan    bool
 }
 
+// QueueLimits are settings of a block device's request queue, in KiB:
+// MaxSectorsKB bounds the size of one request the device is sent,
+// ReadAheadKB is the readahead of the page cache on it (and of the file
+// systems on it).
+type QueueLimits struct {
+	MaxSectorsKB uint32
+	ReadAheadKB  uint32
+}
+
 var (
 	// ErrUnsupported is returned on systems without loop devices.
 	ErrUnsupported = errors.New("blockdev: not supported on this system")

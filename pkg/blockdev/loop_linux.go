@@ -260,14 +260,11 @@ func DetachLoop(dev string) error {
 
 // loopSysfs returns /sys/dev/block/7:N for a loop device node.
 func loopSysfs(dev string) (string, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(dev, &st); err != nil {
-		return "", fmt.Errorf("blockdev: stat %s: %w", dev, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(st.Rdev) != loopMajor {
+	sys, rdev, err := devSysfs(dev)
+	if errors.Is(err, errNotBlock) || err == nil && unix.Major(rdev) != loopMajor {
 		return "", fmt.Errorf("%w: %s", ErrNotLoop, dev)
 	}
-	return fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)), nil
+	return sys, err
 }
 
 // bound reports whether the loop device at sysfs dir sys has a backing

@@ -299,3 +299,61 @@ func TestDetachClaimedLoop(t *testing.T) {
 		t.Fatalf("still attached: %v", devs)
 	}
 }
+
+func TestSetQueueLimits(t *testing.T) {
+	requireLoop(t)
+	path := backingFile(t, 16<<20)
+	dev := attach(t, path, LoopOptions{DirectIO: true})
+	before, err := StatQueue(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := QueueLimits{MaxSectorsKB: 512, ReadAheadKB: 384}
+	if before == want {
+		want = QueueLimits{MaxSectorsKB: 256, ReadAheadKB: 192}
+	}
+	if err := SetQueueLimits(dev, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := StatQueue(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != want {
+		t.Fatalf("queue after SetQueueLimits(%+v): %+v (before: %+v)", want, got, before)
+	}
+
+	// A zero field leaves the setting alone.
+	if err := SetQueueLimits(dev, QueueLimits{ReadAheadKB: 2 * want.ReadAheadKB}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err = StatQueue(dev); err != nil {
+		t.Fatal(err)
+	}
+	if want.ReadAheadKB *= 2; got != want {
+		t.Fatalf("queue after setting read_ahead_kb alone: %+v, want %+v", got, want)
+	}
+
+	// A request size above what the device takes is lowered to its limit.
+	if err := SetQueueLimits(dev, QueueLimits{MaxSectorsKB: 1 << 30, ReadAheadKB: want.ReadAheadKB}); err != nil {
+		t.Fatal(err)
+	}
+	dir, err := queueDir(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hw, err := readQueueKB(dir, "max_hw_sectors_kb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err = StatQueue(dev); err != nil {
+		t.Fatal(err)
+	}
+	if want.MaxSectorsKB = hw; got != want {
+		t.Fatalf("queue after asking for max_sectors_kb past %d: %+v, want %+v", hw, got, want)
+	}
+
+	if err := SetQueueLimits(path, want); err == nil {
+		t.Fatalf("SetQueueLimits on the regular file %s: no error", path)
+	}
+}

@@ -36,3 +36,9 @@ func DeviceSize(dev string) (uint64, error) { return 0, unsupported() }
 
 // LoopAvailable is only implemented on Linux.
 func LoopAvailable() error { return unsupported() }
+
+// StatQueue is only implemented on Linux.
+func StatQueue(dev string) (QueueLimits, error) { return QueueLimits{}, unsupported() }
+
+// SetQueueLimits is only implemented on Linux.
+func SetQueueLimits(dev string, l QueueLimits) error { return unsupported() }

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -48,6 +49,7 @@ func TestAttachLocal(t *testing.T) {
 	a := newAttacher(t, Config{})
 	ctx := context.Background()
 
+	resetFreeLoopQueues(t)
 	att, err := a.Attach(ctx, target("pv-local", ts.addr), attach.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -66,6 +68,7 @@ func TestAttachLocal(t *testing.T) {
 	if st.BackingFile != file {
 		t.Errorf("backing file %q, want %q", st.BackingFile, file)
 	}
+	checkQueue(t, att.Device)
 	ts.conns.waitConns(t, "vol", 1)
 	checkServerProcess(t, a, "pv-local")
 
@@ -155,6 +158,7 @@ func TestAttachLocal(t *testing.T) {
 	if n, err := blockdev.DeviceSize(att.Device); err != nil || n != size*2 {
 		t.Fatalf("device size after resize %d, %v", n, err)
 	}
+	checkQueue(t, att.Device)
 	// The new end is writable.
 	f = openDirect(t, att.Device, os.O_RDWR)
 	if _, err := f.WriteAt(want[:1<<20], size*2-(1<<20)); err != nil {
@@ -172,6 +176,41 @@ func TestAttachLocal(t *testing.T) {
 	}
 	if err := a.Detach(ctx, "never-attached"); err != nil {
 		t.Errorf("detach of an unknown volume: %v", err)
+	}
+}
+
+// checkQueue fails the test unless the loop device dev sends requests of
+// at most the largest FUSE request and reads ahead four of them.
+func checkQueue(t *testing.T, dev string) {
+	t.Helper()
+	q, err := blockdev.StatQueue(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (blockdev.QueueLimits{MaxSectorsKB: DefaultMaxWrite >> 10, ReadAheadKB: 4 * DefaultMaxWrite >> 10}); q != want {
+		t.Errorf("loop device %s: queue %+v, want %+v", dev, q, want)
+	}
+}
+
+// resetFreeLoopQueues gives every unbound loop device the request size
+// and readahead a new device has, so that
+// checkQueue sees what the attach set, not what an earlier user of the
+// device left behind (binding a loop device does not reset them).
+func resetFreeLoopQueues(t *testing.T) {
+	t.Helper()
+	dirs, err := filepath.Glob("/sys/block/loop*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, "loop", "backing_file")); err == nil {
+			continue
+		}
+		// The largest request size the device takes, and the kernel's
+		// default readahead.
+		if err := blockdev.SetQueueLimits("/dev/"+filepath.Base(d), blockdev.QueueLimits{MaxSectorsKB: math.MaxUint32, ReadAheadKB: 128}); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
