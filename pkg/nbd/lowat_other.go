@@ -5,7 +5,10 @@ package nbd
 import "net"
 
 // lowatConn is a plain connection where SO_RCVLOWAT is not available.
-type lowatConn struct{ net.Conn }
+type lowatConn struct {
+	net.Conn
+	stopping func() bool
+}
 
 func newLowatConn(c net.Conn) *lowatConn { return &lowatConn{Conn: c} }
 

@@ -94,6 +94,7 @@ func (c *serverConn) transmit() {
 	}
 	c.lim = newLimiter(maxReqs, maxBytes)
 	lc := newLowatConn(c.conn)
+	lc.stopping = c.draining.Load
 	var src io.Reader = lc
 	if c.hsReader != nil && c.hsReader.Buffered() > 0 {
 		pre, _ := c.hsReader.Peek(c.hsReader.Buffered())
