@@ -332,12 +332,18 @@ var fioErr = regexp.MustCompile(`err=\s*(\d+)`)
 // everything back and verifies it. It returns fio's output.
 func fioVerify(t *testing.T, dev string, size int64, seed int) (string, error) {
 	t.Helper()
+	return fioVerifyCtx(context.Background(), dev, size, seed, "randwrite", "4k")
+}
+
+// fioVerifyCtx is fioVerify with the access pattern rw and block size bs,
+// and fio killed when ctx ends.
+func fioVerifyCtx(ctx context.Context, dev string, size int64, seed int, rw, bs string) (string, error) {
 	args := []string{
 		"--name=verify", "--filename=" + dev, "--direct=1", "--ioengine=libaio", "--iodepth=16",
-		"--rw=randwrite", "--bs=4k", "--size=" + strconv.FormatInt(size, 10), "--randseed=" + strconv.Itoa(seed),
+		"--rw=" + rw, "--bs=" + bs, "--size=" + strconv.FormatInt(size, 10), "--randseed=" + strconv.Itoa(seed),
 		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--group_reporting",
 	}
-	out, err := exec.Command("fio", args...).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "fio", args...).CombinedOutput()
 	s := string(out)
 	if err == nil {
 		for _, m := range fioErr.FindAllStringSubmatch(s, -1) {
@@ -347,6 +353,53 @@ func fioVerify(t *testing.T, dev string, size int64, seed int) (string, error) {
 		}
 	}
 	return s, err
+}
+
+// fioRounds runs write+verify rounds of round on dev, one after another,
+// until the returned finish is called; finish waits for the round running
+// then (at most roundLimit) and fails the test if any round failed or that
+// one did not end. failed reports the first failure as it happens.
+func fioRounds(t *testing.T, roundLimit time.Duration, round func(ctx context.Context, n int) (string, error)) (finish func() int, failed <-chan string) {
+	t.Helper()
+	stop := make(chan struct{})
+	rounds := make(chan int, 1)
+	fail := make(chan string, 1)
+	go func() {
+		n := 0
+		defer func() { rounds <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), roundLimit)
+			out, err := round(ctx, n+1)
+			cancel()
+			if err != nil {
+				fail <- "round " + strconv.Itoa(n+1) + ": " + err.Error() + "\n" + out
+				return
+			}
+			n++
+		}
+	}()
+	finish = func() int {
+		t.Helper()
+		close(stop)
+		var n int
+		select {
+		case n = <-rounds:
+		case <-time.After(roundLimit + 10*time.Second):
+			t.Fatalf("a fio round still runs %v after it started at the latest", roundLimit+10*time.Second)
+		}
+		select {
+		case f := <-fail:
+			t.Fatalf("fio: %s", f)
+		default:
+		}
+		return n
+	}
+	return finish, fail
 }
 
 // killer kills s every p.every and starts it again after p.gap until stop

@@ -2,18 +2,10 @@ package faults
 
 import (
 	"context"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
 	"testing"
 	"time"
 
-	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
-	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
-	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
 // TestFuseSubflowsRestoredUnderKills: a fuse volume attached over 4 MPTCP
@@ -26,57 +18,13 @@ import (
 // process, fio; this test's process is the client host (a network
 // namespace of its own).
 func TestFuseSubflowsRestoredUnderKills(t *testing.T) {
-	need(t, "fio", "unshare")
-	if err := mptcp.Available(); err != nil {
-		t.Skipf("skipping: %v", err)
-	}
-	if !topo.InFreshNetns(t) {
+	fp, ok := newFourPaths(t, 256<<20)
+	if !ok {
 		return
 	}
-	cfg := topo.Default4(topo.UniqueName("fk"))
-	cfg.ClientInCaller = true
-	tp := topo.NewForTest(t, cfg)
-
-	bin, err := buildOnce()
-	if err != nil {
-		t.Fatalf("build the commands: %v", err)
-	}
-	dir := t.TempDir()
-	image := filepath.Join(dir, "disk.img")
-	if err := os.WriteFile(image, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(image, 256<<20); err != nil {
-		t.Fatal(err)
-	}
-	const port = 10809
-	s := &ourServer{bin: filepath.Join(bin, "nbd-server"), image: image, port: port, ns: tp.ServerNS, host: tp.ServerAddr(1).String()}
-	s.start(t)
-	t.Cleanup(func() { s.kill(t) })
-
-	link := func(state string) {
-		t.Helper()
-		if out, err := exec.Command("ip", "-n", tp.ClientNS, "link", "set", tp.Paths[3].ClientIf, state).CombinedOutput(); err != nil {
-			t.Fatalf("ip link set %s %s: %v: %s", tp.Paths[3].ClientIf, state, err, out)
-		}
-	}
-	link("down")
-	var addrs []string
-	for i := range tp.Paths {
-		addrs = append(addrs, net.JoinHostPort(tp.ServerAddr(i+1).String(), strconv.Itoa(port)))
-	}
-	a := fuse.New(fuse.Config{StateDir: t.TempDir()})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	att, err := a.Attach(ctx, attach.Target{VolumeID: "pv-subflows", Export: "disk", Addrs: addrs}, attach.Options{})
-	cancel()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := a.Detach(context.Background(), "pv-subflows"); err != nil {
-			t.Errorf("detach: %v", err)
-		}
-	})
+	fp.link(t, 4, "down")
+	att := fp.attach(t, "pv-subflows")
+	a, s := fp.a, fp.srv
 	health := func() attach.Health {
 		t.Helper()
 		h, err := a.Health("pv-subflows")
@@ -98,37 +46,11 @@ func TestFuseSubflowsRestoredUnderKills(t *testing.T) {
 
 	// fio writes and verifies, round after round, through everything
 	// that follows.
-	stop := make(chan struct{})
-	rounds := make(chan int, 1)
-	failed := make(chan string, 1)
-	go func() {
-		n := 0
-		defer func() { rounds <- n }()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			if out, err := fioVerify(t, att.Device, 32<<20, n+1); err != nil {
-				failed <- "round " + strconv.Itoa(n+1) + ": " + err.Error() + "\n" + out
-				return
-			}
-			n++
-		}
-	}()
-	finish := func() int {
-		close(stop)
-		n := <-rounds
-		select {
-		case f := <-failed:
-			t.Fatalf("fio: %s", f)
-		default:
-		}
-		return n
-	}
+	finish, failed := fioRounds(t, 3*time.Minute, func(ctx context.Context, n int) (string, error) {
+		return fioVerifyCtx(ctx, att.Device, 32<<20, n, "randwrite", "4k")
+	})
 
-	link("up")
+	fp.link(t, 4, "up")
 	// The keeper looks every 5 s and acts after 20 s short.
 	deadline := time.Now().Add(90 * time.Second)
 	for h := health(); subflows(h) != 4 || h.Replaced == 0; h = health() {
