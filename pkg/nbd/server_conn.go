@@ -39,6 +39,7 @@ type serverConn struct {
 	// active: this connection sent a request and superseded the older
 	// ones of its session lane (reader goroutine only).
 	active   bool
+	inline   inlineWrites
 	inflight sync.WaitGroup
 	lim      *limiter
 
@@ -105,6 +106,10 @@ func (c *serverConn) transmit() {
 	}
 	r := bufio.NewReaderSize(src, 256<<10)
 	e := c.export
+	c.inline = inlineWrites{off: c.srv.NoInlineWrites, base: inlineBase}
+	if c.srv.inlineBase > 0 {
+		c.inline.base = c.srv.inlineBase
+	}
 
 	workers := c.srv.Workers
 	if workers <= 0 {
@@ -163,7 +168,7 @@ func (c *serverConn) transmit() {
 		if req.Type == CmdWrite || req.Type == CmdRead {
 			w.payload = int(req.Length)
 		}
-		c.lim.acquire(w.payload)
+		idle := c.lim.acquire(w.payload)
 		if req.Type == CmdWrite {
 			w.buf = getBuf(w.payload)
 			if rest := w.payload - r.Buffered(); rest > 0 {
@@ -180,33 +185,87 @@ func (c *serverConn) transmit() {
 			}
 		}
 		c.inflight.Add(1)
+		if idle && c.inline.ok(w) {
+			begin := time.Now()
+			c.inline.took(w, begin, c.run(w))
+			continue
+		}
 		queue <- w
 	}
 }
 
 func (c *serverConn) worker(queue <-chan work) {
 	for w := range queue {
-		if c.fenced.Load() {
-			// Superseded: the client replays this request on the new
-			// connection, which must not meet it executing late.
-			if w.buf != nil {
-				putBuf(w.buf)
-			}
-			c.drop(w.payload)
-			continue
-		}
-		errno, data := c.execute(w.req, w.buf)
+		c.run(w)
+	}
+}
+
+// run executes one request and queues its reply; it returns when the
+// backend call ended.
+func (c *serverConn) run(w work) time.Time {
+	if c.fenced.Load() {
+		// Superseded: the client replays this request on the new
+		// connection, which must not meet it executing late.
 		if w.buf != nil {
 			putBuf(w.buf)
 		}
-		c.reply(queuedReply{handle: w.req.Handle, errno: errno, data: data, payload: w.payload})
-		if o := c.srv.Observer; o != nil {
-			n := 0
-			if errno == 0 && (w.req.Type == CmdRead || w.req.Type == CmdWrite) {
-				n = int(w.req.Length)
-			}
-			o.Request(c.export.Name, w.req.Type, n, time.Since(w.start), errno)
+		c.drop(w.payload)
+		return time.Now()
+	}
+	errno, data := c.execute(w.req, w.buf)
+	end := time.Now()
+	if w.buf != nil {
+		putBuf(w.buf)
+	}
+	c.reply(queuedReply{handle: w.req.Handle, errno: errno, data: data, payload: w.payload})
+	if o := c.srv.Observer; o != nil {
+		n := 0
+		if errno == 0 && (w.req.Type == CmdRead || w.req.Type == CmdWrite) {
+			n = int(w.req.Length)
 		}
+		o.Request(c.export.Name, w.req.Type, n, end.Sub(w.start), errno)
+	}
+	return end
+}
+
+// inlineWrites decides when the reader executes a write itself instead of
+// handing it to a worker. Handing over costs a wake-up of the worker and
+// of the reader per request, most of what a streamed write costs the
+// server beyond the copies; executing inline costs the connection the
+// reading of the requests behind it for as long as the backend takes.
+// So the reader executes a write only when nothing else of the
+// connection is in flight (a stream of writes, one after the other: a
+// mixed load keeps its parallelism and the reader never ends up writing
+// the replies of reads), never one that asks for FUA (a sync), and only
+// while the backend is fast: a write that takes longer than its budget
+// sends the writes of the next second to the workers. Reader goroutine
+// only.
+type inlineWrites struct {
+	off        bool // Server.NoInlineWrites
+	base       time.Duration
+	pausedTill time.Time
+}
+
+// inlineBase and inlineRate make a write's budget: a fixed part for the
+// system call and the rate under which a backend counts as slow.
+const (
+	inlineBase  = 500 * time.Microsecond
+	inlineRate  = 1 << 30 // bytes per second
+	inlinePause = time.Second
+)
+
+func (p *inlineWrites) ok(w work) bool {
+	if p.off || w.req.Type != CmdWrite || w.req.Flags&CmdFlagFUA != 0 {
+		return false
+	}
+	return p.pausedTill.IsZero() || w.start.After(p.pausedTill)
+}
+
+// took records how long an inline write took in the backend.
+func (p *inlineWrites) took(w work, begin, end time.Time) {
+	budget := p.base + time.Duration(int64(w.req.Length)*int64(time.Second)/inlineRate)
+	if end.Sub(begin) > budget {
+		p.pausedTill = end.Add(inlinePause)
 	}
 }
 
@@ -459,15 +518,19 @@ func newLimiter(maxReqs, maxBytes int) *limiter {
 	return l
 }
 
-func (l *limiter) acquire(n int) {
+// acquire charges one request of n payload bytes, waiting for room; it
+// reports whether nothing else was in flight.
+func (l *limiter) acquire(n int) bool {
 	n = min(n, l.maxBytes)
 	l.mu.Lock()
 	for l.reqs >= l.maxReqs || (l.bytes > 0 && l.bytes+n > l.maxBytes) {
 		l.cond.Wait()
 	}
+	idle := l.reqs == 0
 	l.reqs++
 	l.bytes += n
 	l.mu.Unlock()
+	return idle
 }
 
 func (l *limiter) release(n int) {
