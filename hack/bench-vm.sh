@@ -8,7 +8,9 @@
 #     block (crc32c and offset), so a transport that corrupts data fails
 #     instead of posting a number;
 #   - 4 KiB random write, then random read, time based, over the same
-#     region.
+#     region;
+#   - ext4 made on the device: the sequential passes on a file (ratio to
+#     the device's).
 # For each: fio's MB/s (and IOPS for 4 KiB) and guest CPU seconds per GB
 # (/proc/stat of the whole guest), with ratios to tcp. Nothing is asserted
 # but the data. Needs root (network namespaces, qemu) and fio on the host

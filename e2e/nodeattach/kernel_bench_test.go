@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -164,10 +165,11 @@ func onlyTransports(modes []attach.Transport, list string) ([]attach.Transport, 
 
 // benchVMTimeout bounds the benchmark's VM run. It only catches a hang:
 // boot and setup, then for each of up to six transports two random
-// passes and the sequential ones at no less than 1 MB/s.
+// passes, mkfs, and the four sequential ones (device and ext4) at no less
+// than 1 MB/s.
 func benchVMTimeout(t *testing.T) time.Duration {
 	mb, randTime := benchSettings(t)
-	perTransport := 2*randTime + 2*time.Duration(mb)*time.Second + time.Minute
+	perTransport := 2*randTime + 4*time.Duration(mb)*time.Second + 2*time.Minute
 	return 10*time.Minute + 6*perTransport
 }
 
@@ -262,6 +264,9 @@ type benchResult struct {
 	mode         attach.Transport
 	seqW, seqR   measured
 	randW, randR measured
+	// ext4W and ext4R are the sequential passes on a file of ext4 on the
+	// same device.
+	ext4W, ext4R measured
 	failed       bool
 }
 
@@ -270,10 +275,11 @@ type benchResult struct {
 // first MPNBD_BENCH_MB MiB with crc32c verify blocks, a sequential read of
 // them that checks every block (its checksum, and the offset recorded in
 // it), then 4 KiB random write and random read over the same region for
-// MPNBD_BENCH_SECONDS each. It prints throughput and CPU seconds per GB
+// MPNBD_BENCH_SECONDS each; then the same sequential passes on a file of
+// ext4 made on the device. It prints throughput and CPU seconds per GB
 // (the whole guest: client, server and relay share it) with ratios to
-// tcp, one block per workload. Nothing is asserted but that the data
-// reads back.
+// tcp, one block per workload, and ext4's ratios to the device. Nothing
+// is asserted but that the data reads back.
 func TestBenchTransports(t *testing.T) {
 	requireMPTCPKernel(t)
 	if _, err := exec.LookPath("fio"); err != nil {
@@ -327,6 +333,7 @@ func TestBenchTransports(t *testing.T) {
 				"--randrepeat=0"}
 			row.randW = fioPass(t, dev, "write", 0, stuck, append(random, "--rw=randwrite", "--end_fsync=1")...)
 			row.randR = fioPass(t, dev, "read", 0, stuck, append(random, "--rw=randread")...)
+			row.ext4W, row.ext4R = ext4SeqPasses(t, dev, verify, n, stuck)
 			if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
 				t.Fatal(err)
 			}
@@ -341,6 +348,22 @@ func TestBenchTransports(t *testing.T) {
 	table := benchTable(rows, mb, randTime)
 	t.Logf("transport benchmark:\n%s", table)
 	fmt.Print("BENCH-TABLE-BEGIN\n" + table + "BENCH-TABLE-END\n")
+}
+
+// ext4SeqPasses formats dev with ext4 (its inode tables and journal
+// written out now, not in the background during the passes), mounts it
+// and runs the sequential passes on a file of n bytes: what a pod's
+// Filesystem volume gets of its transport.
+func ext4SeqPasses(t *testing.T, dev string, verify []string, n int64, stuck func(string)) (w, r measured) {
+	t.Helper()
+	run(t, "mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
+	mnt := t.TempDir()
+	run(t, "mount", dev, mnt)
+	file := filepath.Join(mnt, "bench")
+	w = fioPass(t, file, "write", n, stuck, append(verify, "--rw=write", "--do_verify=0", "--end_fsync=1")...)
+	r = fioPass(t, file, "read", n, stuck, append(verify, "--rw=read", "--verify_fatal=1")...)
+	run(t, "umount", mnt)
+	return w, r
 }
 
 // benchTable formats rows, one block per workload, with ratios to the
@@ -385,5 +408,17 @@ func benchTable(rows []benchResult, mb int, randTime time.Duration) string {
 		func(r benchResult) (measured, measured) { return r.seqW, r.seqR })
 	block(fmt.Sprintf("random 4 KiB over the same %d MiB: write %v, then read %v", mb, randTime, randTime), true,
 		func(r benchResult) (measured, measured) { return r.randW, r.randR })
+
+	fmt.Fprintf(&sb, "\next4, sequential 1 MiB on a file of %d MiB (the same passes), against the transport's block device\n", mb)
+	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %9s %9s\n", "transport", "write", "read", "w cpu", "r cpu", "w/dev", "r/dev")
+	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %9s %9s\n", "", "MB/s", "MB/s", "s/GB", "s/GB", "", "")
+	for _, r := range rows {
+		if r.failed {
+			fmt.Fprintf(&sb, "%-10s failed (see the log)\n", r.mode)
+			continue
+		}
+		fmt.Fprintf(&sb, "%-10s %9.1f %9.1f %9.2f %9.2f %9.2f %9.2f\n", r.mode, r.ext4W.mbps, r.ext4R.mbps,
+			r.ext4W.cpuPerGB, r.ext4R.cpuPerGB, r.ext4W.mbps/r.seqW.mbps, r.ext4R.mbps/r.seqR.mbps)
+	}
 	return sb.String()
 }
