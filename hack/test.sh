@@ -8,24 +8,28 @@ cd "$(dirname "$0")/.."
 FUZZTIME=${FUZZTIME:-8s}
 MODULES=(. e2e)
 
-echo "== gofmt"
+# step prints a step's title with the minutes and seconds since the start,
+# so that a slow CI run shows where its time went.
+step() { printf '== %s [%d:%02d]\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)); }
+
+step "gofmt"
 unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
 if [ -n "$unformatted" ]; then
   echo "gofmt needed:"; echo "$unformatted"; exit 1
 fi
 
-echo "== generated code is up to date"
+step "generated code is up to date"
 bash hack/generate.sh
 if ! git diff --quiet -- api deploy/crds charts/mpnbd/files/crds 2>/dev/null; then
   echo "hack/generate.sh changed generated files; commit them:"; git diff --stat -- api deploy/crds charts/mpnbd/files/crds; exit 1
 fi
 
 for m in "${MODULES[@]}"; do
-  echo "== go vet ($m)"
+  step "go vet ($m)"
   (cd "$m" && go vet ./...)
 done
 
-echo "== golangci-lint"
+step "golangci-lint"
 GOLANGCI_LINT=$(bash hack/golangci-lint.sh | sed -n 's/^GOLANGCI_LINT=//p')
 [ -n "$GOLANGCI_LINT" ] || { echo "hack/golangci-lint.sh gave no path"; exit 1; }
 for m in "${MODULES[@]}"; do
@@ -34,13 +38,13 @@ for m in "${MODULES[@]}"; do
 done
 
 if [ "$(id -u)" = 0 ]; then
-  echo "== test API server (etcd + kube-apiserver, cached)"
+  step "test API server (etcd + kube-apiserver, cached)"
   bash hack/test-apiserver.sh
   export MPNBD_APISERVER_REQUIRE=${MPNBD_APISERVER_REQUIRE:-1}
-  echo "== packaging tools (helm, cached)"
+  step "packaging tools (helm, cached)"
   bash hack/tools.sh
   export MPNBD_DEPLOY_REQUIRE=${MPNBD_DEPLOY_REQUIRE:-1}
-  echo "== cluster suite: Kubernetes binaries, the Dockerfile's base images, a Debian rootfs, CSI sidecars (cached)"
+  step "cluster suite: Kubernetes binaries, the Dockerfile's base images, a Debian rootfs, CSI sidecars (cached)"
   KUBE_BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl" bash hack/kube-binaries.sh
   bash hack/image.sh --base-only
   bash hack/rootfs.sh
@@ -50,7 +54,7 @@ if [ "$(id -u)" = 0 ]; then
   # built from Debian's 6.1 source once (~20 minutes on 2 cores), cached.
   # MPNBD_VM_MPTCP_REQUIRE=0 skips the build and lets those tests skip.
   if [ "${MPNBD_VM_MPTCP_REQUIRE:-1}" = 1 ]; then
-    echo "== VM kernel whose nbd accepts MPTCP (cached)"
+    step "VM kernel whose nbd accepts MPTCP (cached)"
     bash hack/vm-kernel-mptcp.sh
     export MPNBD_VM_MPTCP_REQUIRE=1
   fi
@@ -59,11 +63,11 @@ fi
 [ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
 export MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
 for m in "${MODULES[@]}"; do
-  echo "== go test -race ($m)"
+  step "go test -race ($m)"
   (cd "$m" && go test -race -count=1 -timeout 40m ./...)
 done
 
-echo "== fuzz (${FUZZTIME} each)"
+step "fuzz (${FUZZTIME} each)"
 grep -l '^func Fuzz' $(git ls-files '*_test.go') | while read -r f; do
   # Run in the module that holds the package: e2e/... is the e2e module.
   m=.; pkg=./$(dirname "$f")
@@ -74,4 +78,4 @@ grep -l '^func Fuzz' $(git ls-files '*_test.go') | while read -r f; do
   done
 done
 rm -f /tmp/fuzz.$$.log
-echo "all tests passed"
+echo "all tests passed [$((SECONDS / 60)):$(printf %02d $((SECONDS % 60)))]"
