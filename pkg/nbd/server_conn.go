@@ -223,7 +223,8 @@ func (c *serverConn) run(w work) time.Time {
 		if errno == 0 && (w.req.Type == CmdRead || w.req.Type == CmdWrite) {
 			n = int(w.req.Length)
 		}
-		o.Request(c.export.Name, w.req.Type, n, end.Sub(w.start), errno)
+		// A request's latency runs until its reply is queued or written.
+		o.Request(c.export.Name, w.req.Type, n, time.Since(w.start), errno)
 	}
 	return end
 }
