@@ -413,11 +413,16 @@ func TestServerStallPastRequestTimeout(t *testing.T) {
 			if !res.ok() {
 				t.Fatalf("fio across a %v stall: %v\n%s", stall, res, tail(res.output, 40))
 			}
+			// Two witnesses that the request timeout fired: the kernel's
+			// message, which is rate limited across all devices (the
+			// tests beside this one can use up the burst), and the
+			// reconnect it causes: a stopped server's sockets stay open,
+			// so only a timeout marks them dead.
 			fired := timeoutsSince(att.Device, since)
 			h, _ := a.Health(tg.VolumeID)
-			t.Logf("%s: %d request timeouts fired during the stall; fio: %v; health %+v", mode, fired, res, h)
-			if fired == 0 {
-				t.Fatalf("the kernel's request timeout never fired during a %v stall: the test did not exercise it", stall)
+			t.Logf("%s: %d request timeout messages during the stall, %d reconnects; fio: %v; health %+v", mode, fired, h.Reconnects, res, h)
+			if fired == 0 && h.Reconnects == 0 {
+				t.Fatalf("the kernel's request timeout never fired during a %v stall (no message, no reconnect): the test did not exercise it", stall)
 			}
 			compareWithImage(t, srv.image, att.Device, attacherStuck(t, a, tg, att.Device))
 		})

@@ -47,30 +47,43 @@ func runGuestTests(t *testing.T, cfg vm.Config, names []string) vm.Result {
 
 // guestVerdict picks from a guest run's output the lines test name logged
 // itself (not its child processes' logs), the last 25: they hold why it
-// failed, which the whole console buries.
+// failed, which the whole console buries. A parallel test's lines come in
+// blocks, each opened by go test's "=== CONT" or "=== NAME" line.
 func guestVerdict(out, name string) string {
-	start := strings.Index(out, "=== RUN   "+name+"\n")
-	if start < 0 {
+	if !strings.Contains(out, "=== RUN   "+name+"\n") {
 		return "(it did not start)"
 	}
 	var own []string
-	for _, line := range strings.Split(out[start:], "\n")[1:] {
+	mine := false
+	for _, line := range strings.Split(out, "\n") {
 		l := strings.TrimSpace(line)
-		if strings.HasPrefix(l, "=== RUN   ") && !strings.HasPrefix(l, "=== RUN   "+name+"/") {
-			break
+		if test, ok := testMarker(l); ok {
+			mine = test == name || strings.HasPrefix(test, name+"/")
+		} else if l == "PASS" || l == "FAIL" {
+			mine = false
 		}
-		if strings.HasPrefix(l, "child:") || strings.Contains(l, "level=") {
+		if !mine || strings.HasPrefix(l, "child:") || strings.Contains(l, "level=") {
 			continue
 		}
 		own = append(own, line)
-		if l == "--- FAIL: "+name || strings.HasPrefix(l, "--- FAIL: "+name+" (") {
-			break
-		}
 	}
 	if len(own) > 25 {
 		own = own[len(own)-25:]
 	}
 	return strings.Join(own, "\n")
+}
+
+// testMarker reports whether l is one of go test -v's lines that open a
+// test's block of output, and the test it names.
+func testMarker(l string) (string, bool) {
+	for _, p := range []string{"=== RUN ", "=== PAUSE ", "=== CONT ", "=== NAME ", "--- PASS: ", "--- FAIL: ", "--- SKIP: "} {
+		if rest, ok := strings.CutPrefix(l, p); ok {
+			if f := strings.Fields(rest); len(f) > 0 {
+				return f[0], true
+			}
+		}
+	}
+	return "", false
 }
 
 // selectGuestTests narrows names to those MPNBD_VM_RUN, a regular
@@ -130,6 +143,20 @@ func TestGuestVerdict(t *testing.T) {
 		"    --- FAIL: TestA (1.00s)",
 		"    === RUN   TestB",
 		"        b_test.go:3: fine",
+		"    === RUN   TestP",
+		"    === PAUSE TestP",
+		"    === RUN   TestD",
+		"        d_test.go:1: other",
+		"    --- PASS: TestD (1.00s)",
+		"    === CONT  TestP",
+		"    === RUN   TestP/tcp",
+		"        p_test.go:7: timeout never fired",
+		"    === NAME  TestB",
+		"        b_test.go:4: still fine",
+		"    --- FAIL: TestP (2.00s)",
+		"        --- FAIL: TestP/tcp (2.00s)",
+		"    FAIL",
+		"    [  13.5] block nbd0: kernel line",
 	}, "\n")
 	got := guestVerdict(out, "TestA")
 	for _, want := range []string{"step one", "it broke", "--- FAIL: TestA"} {
@@ -140,6 +167,17 @@ func TestGuestVerdict(t *testing.T) {
 	for _, not := range []string{"hello", "fine"} {
 		if strings.Contains(got, not) {
 			t.Errorf("verdict of TestA holds %q:\n%s", not, got)
+		}
+	}
+	got = guestVerdict(out, "TestP")
+	for _, want := range []string{"=== PAUSE TestP", "timeout never fired", "--- FAIL: TestP/tcp"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verdict of the parallel TestP lacks %q:\n%s", want, got)
+		}
+	}
+	for _, not := range []string{"other", "still fine", "kernel line"} {
+		if strings.Contains(got, not) {
+			t.Errorf("verdict of the parallel TestP holds %q:\n%s", not, got)
 		}
 	}
 	if got := guestVerdict(out, "TestC"); got != "(it did not start)" {
