@@ -60,7 +60,8 @@ func startAutoBackup(t *topo.Topology, w io.Writer) (stop func() error) {
 }
 
 // flagInPlace runs mptcp.SlowPaths over the calling thread's namespace and
-// sets the backup flag of whatever endpoint holds a flagged address.
+// sets the backup flag of whatever endpoint holds a flagged address. Like
+// Keep, it measures flagged paths aside (mptcp.ProbePath).
 func flagInPlace(ctx context.Context, addrs []netip.Addr, log *slog.Logger) error {
 	pm, err := mptcp.DialPM()
 	if err != nil {
@@ -72,7 +73,7 @@ func flagInPlace(ctx context.Context, addrs []netip.Addr, log *slog.Logger) erro
 		return err
 	}
 	defer diag.Close()
-	sp := mptcp.NewSlowPaths(mptcp.SlowPathPolicy{})
+	sp := mptcp.NewSlowPaths(mptcp.SlowPathPolicy{Measure: mptcp.ProbePath})
 	tick := time.NewTicker(mptcp.SlowPathInterval)
 	defer tick.Stop()
 	for {

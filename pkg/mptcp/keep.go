@@ -47,7 +47,11 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 			log.Warn("slow paths are not flagged backup by themselves: no socket diagnostics", "error", err)
 		} else {
 			defer diag.Close()
-			auto = newSlowPathWatch(NewSlowPaths(*slow), diag, log)
+			policy := *slow
+			if policy.Measure == nil {
+				policy.Measure = ProbePath
+			}
+			auto = newSlowPathWatch(NewSlowPaths(policy), diag, log)
 			opt.Backup, opt.Kick = auto.flagged, auto.kick
 		}
 	}
@@ -68,7 +72,9 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 		}
 	}
 	if auto != nil {
-		go auto.run(ctx, SlowPathInterval)
+		if err := goInCallersNetns(func() { auto.run(ctx, SlowPathInterval) }); err != nil {
+			return err
+		}
 	}
 	err = Watch(ctx, pm, addrs, d, opt)
 	if errors.Is(err, context.Canceled) || ctx.Err() != nil {
@@ -163,11 +169,15 @@ func LogPathEvent(log *slog.Logger, e PathEvent) {
 			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe)
 	case PathStillSlow:
 		log.Info("path still slow: flagged backup again", "addr", e.Addr,
-			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe)
+			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe, "measured_aside", e.Measured)
 	case PathProbe:
+		if e.MeasureErr != nil {
+			log.Info("probing a slow path: it cannot be measured aside, so its backup flag is cleared to measure it", "addr", e.Addr, "error", e.MeasureErr)
+			return
+		}
 		log.Info("probing a slow path: backup flag cleared to measure it", "addr", e.Addr)
 	case PathRecovered:
-		log.Info("slow path recovered: in use again", "addr", e.Addr, "mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best))
+		log.Info("slow path recovered: in use again", "addr", e.Addr, "mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "measured_aside", e.Measured)
 	case PathGone:
 		log.Info("slow path's backup flag released", "addr", e.Addr)
 	}

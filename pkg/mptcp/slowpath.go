@@ -2,6 +2,7 @@ package mptcp
 
 import (
 	"cmp"
+	"errors"
 	"maps"
 	"net/netip"
 	"slices"
@@ -32,8 +33,12 @@ import (
 // storage server its reads), and its flag reaches the peer by MP_PRIO, so
 // either host's flag takes the path out of both directions.
 //
-// A flagged path carries no data, so nothing measures it any more. To
-// notice its recovery, SlowPaths clears the flag after ProbeAfter and
+// A flagged path carries no data, so nothing measures it any more. With
+// a Measure in the policy (Keep uses ProbePath, ICMP echo at the other
+// paths' rate), SlowPaths measures it beside the connection every
+// ProbeAfter and clears the flag once it carries RecoverRatio of the
+// other paths: the connection's data never goes near a path that is still
+// slow. Without one, or when it fails, SlowPaths clears the flag after ProbeAfter and
 // watches the path's next two busy samples (it starts from an idle
 // window): at RecoverRatio of the others or more it stays in use; still
 // under SlowRatio, it is flagged again and the next probe waits twice as
@@ -55,7 +60,9 @@ type SlowPathPolicy struct {
 	// ProbeAfter is the wait before the first probe of a flagged path;
 	// it doubles after each failed probe up to ProbeMax. Defaults 5 s
 	// and 30 s: a recovered path is back within 30 s, and a path that
-	// stays slow costs a second of probing every 30 s.
+	// stays slow costs a second of probing every 30 s. A path measured
+	// aside (Measure) is measured every ProbeAfter: it costs the
+	// connection nothing, and a recovered path is back within it.
 	ProbeAfter, ProbeMax time.Duration
 	// ProbeSamples bounds a probe: after this many busy samples that were
 	// neither slow nor recovered, the path counts as recovered (it is not
@@ -64,6 +71,14 @@ type SlowPathPolicy struct {
 	// MinBytes is how many bytes a subflow must have delivered since the
 	// previous sample for its rate to count. Default 256 KiB.
 	MinBytes uint64
+	// Measure, when set, measures a flagged path beside the connection:
+	// the rate in bytes per second at which the path from local to
+	// remote carries traffic sent at rate (ProbePath). A flagged path is
+	// then measured every ProbeAfter while the other paths have a rate,
+	// asked a quarter over RecoverRatio of their rate, and its flag
+	// cleared once it carries RecoverRatio of it; a measure that fails
+	// falls back to a probe that clears the flag.
+	Measure func(local, remote netip.Addr, rate float64) (float64, error)
 }
 
 func (p SlowPathPolicy) withDefaults() SlowPathPolicy {
@@ -104,6 +119,11 @@ type PathEvent struct {
 	Rate, Best float64
 	// NextProbe is the wait before the next probe of a flagged path.
 	NextProbe time.Duration
+	// Measured: the verdict of a still-slow or recovered path came
+	// from the policy's Measure, beside the connection.
+	Measured bool
+	// MeasureErr is why a probe cleared the flag instead of measuring.
+	MeasureErr error
 }
 
 type pathPhase int
@@ -211,12 +231,14 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 	}
 
 	samples := map[netip.Addr]pathSample{}
+	peers := map[netip.Addr]netip.Addr{} // a subflow's remote address per local one
 	acked := make(map[uint64]uint64, len(socks))
 	elapsed := now.Sub(s.at).Seconds()
 	for _, k := range socks {
 		if !k.Subflow || !inSet[k.Local.Addr()] {
 			continue
 		}
+		peers[k.Local.Addr()] = k.Remote.Addr()
 		acked[k.Cookie] = k.BytesAcked
 		prev, seen := s.acked[k.Cookie]
 		if !seen || !s.primed || k.BytesAcked < prev || k.BytesAcked-prev < s.p.MinBytes {
@@ -289,10 +311,39 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 				events = append(events, PathEvent{Addr: a, Kind: PathSlow, Rate: smp.rate, Best: best, NextProbe: st.probeWait})
 			}
 		case phaseFlagged:
-			if !now.Before(st.probeAt) {
-				st.phase, st.good, st.samples, st.recent = phaseProbing, 0, 0, nil
-				events = append(events, PathEvent{Addr: a, Kind: PathProbe})
+			if now.Before(st.probeAt) {
+				continue
 			}
+			var measureErr error
+			if s.p.Measure != nil {
+				peer, ok := peers[a]
+				if best == 0 || !ok {
+					// Nothing to measure against, or no subflow
+					// to learn the peer from: wait for one.
+					continue
+				}
+				// Asked a quarter over what recovery needs: a
+				// path that carries it returns it whole.
+				need := s.p.RecoverRatio * best
+				r, err := s.p.Measure(a, peer, 1.25*need)
+				if err == nil {
+					if r >= need {
+						events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: r, Best: best, Measured: true})
+						*st = pathState{}
+					} else {
+						s.flag(st, now, s.p.ProbeAfter)
+						events = append(events, PathEvent{Addr: a, Kind: PathStillSlow, Rate: r, Best: best, NextProbe: st.probeWait, Measured: true})
+					}
+					continue
+				}
+				if errors.Is(err, ErrProbeStarved) {
+					st.probeAt = now.Add(s.p.ProbeAfter) // no verdict: again later
+					continue
+				}
+				measureErr = err
+			}
+			st.phase, st.good, st.samples, st.recent = phaseProbing, 0, 0, nil
+			events = append(events, PathEvent{Addr: a, Kind: PathProbe, MeasureErr: measureErr})
 		case phaseProbing:
 			// A path just back in use starts from an idle window: its
 			// verdict waits for two busy samples.

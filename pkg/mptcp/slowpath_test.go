@@ -1,6 +1,7 @@
 package mptcp
 
 import (
+	"errors"
 	"io"
 	"log/slog"
 	"net/netip"
@@ -135,6 +136,88 @@ func TestSlowPathsFlagProbeRecover(t *testing.T) {
 	step(fast, fast, fast, slow)
 	if ev := step(fast, fast, fast, slow); len(ev) != 1 || ev[0].NextProbe != 3*time.Second {
 		t.Fatalf("slow after recovery: %+v", ev)
+	}
+}
+
+// TestSlowPathsMeasureAside: with a Measure, a flagged path is measured
+// beside the connection and never unflagged to be probed while it is
+// slow: each ProbeAfter a measure against the other paths' rate, the flag
+// kept while the path measures under RecoverRatio of it, cleared once it
+// measures over; a measure that fails falls back to clearing the flag.
+func TestSlowPathsMeasureAside(t *testing.T) {
+	f := newFakePaths(4)
+	type call struct {
+		local, remote netip.Addr
+		rate          float64
+	}
+	var calls []call
+	measured, measureErr := 11e6, error(nil)
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: 3 * time.Second, ProbeMax: 10 * time.Second,
+		Measure: func(local, remote netip.Addr, rate float64) (float64, error) {
+			calls = append(calls, call{local, remote, rate})
+			return measured, measureErr
+		}})
+	fast, slow := busy(950), busy(95)
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	for range 4 {
+		step(fast, fast, fast, slow)
+	}
+	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
+		t.Fatalf("flagged %v", got)
+	}
+	var seen []PathEventKind
+	for range 12 {
+		ev := step(fast, fast, fast, idle)
+		seen = append(seen, kinds(ev)...)
+		for _, e := range ev {
+			if e.Kind != PathStillSlow || !e.Measured || e.NextProbe != 3*time.Second || e.Rate != measured {
+				t.Fatalf("while slow: %+v, want still-slow, measured aside, next in 3s", e)
+			}
+		}
+		if !slices.Equal(sp.Flagged(), f.addrs[3:]) {
+			t.Fatal("the flag of a path measured slow was cleared")
+		}
+	}
+	if len(calls) != 4 {
+		t.Fatalf("%d measures in 12 s with ProbeAfter 3s (events %v), want 4", len(calls), seen)
+	}
+	want := call{f.addrs[3], netip.AddrFrom4([4]byte{10, 0, 4, 2}), 1.25 * 0.6 * 950e6 / 8}
+	if calls[0] != want {
+		t.Fatalf("measure %+v, want %+v (the subflow's peer, at a quarter over RecoverRatio of the other paths' rate)", calls[0], want)
+	}
+	// Measured at RecoverRatio of the others or more: the flag goes.
+	measured = 0.7 * 950e6 / 8
+	var ev []PathEvent
+	for range 3 {
+		ev = append(ev, step(fast, fast, fast, idle)...)
+	}
+	if len(ev) != 1 || ev[0].Kind != PathRecovered || !ev[0].Measured || len(sp.Flagged()) != 0 {
+		t.Fatalf("measured at 0.7 of the others: %+v, flagged %v; want recovered", ev, sp.Flagged())
+	}
+	// Slow again; a starved measure has no verdict (measured again
+	// ProbeAfter later), a failing one clears the flag to probe.
+	measureErr = ErrProbeStarved
+	ev = nil
+	for range 6 {
+		ev = append(ev, step(fast, fast, fast, slow)...)
+	}
+	if len(ev) != 1 || ev[0].Kind != PathSlow || !slices.Equal(sp.Flagged(), f.addrs[3:]) {
+		t.Fatalf("starved measures: %+v, flagged %v; want slow, flagged throughout", ev, sp.Flagged())
+	}
+	*sp.paths[f.addrs[3]] = pathState{}
+	measureErr = errors.New("no echo reply")
+	ev = nil
+	for range 3 {
+		ev = append(ev, step(fast, fast, fast, slow)...)
+	}
+	for range 3 {
+		ev = append(ev, step(fast, fast, fast, idle)...)
+	}
+	if len(ev) != 2 || ev[1].Kind != PathProbe || ev[1].MeasureErr == nil || len(sp.Flagged()) != 0 {
+		t.Fatalf("failing measure: %+v, flagged %v; want slow, then a probe that clears the flag", ev, sp.Flagged())
 	}
 }
 
