@@ -72,9 +72,7 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 		}
 	}
 	if auto != nil {
-		if err := goInCallersNetns(func() { auto.run(ctx, SlowPathInterval) }); err != nil {
-			return err
-		}
+		goInCallersNetns(func() { auto.run(ctx, SlowPathInterval) })
 	}
 	err = Watch(ctx, pm, addrs, d, opt)
 	if errors.Is(err, context.Canceled) || ctx.Err() != nil {

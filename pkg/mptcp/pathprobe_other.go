@@ -11,7 +11,4 @@ func probePath(local, remote netip.Addr, rate float64) (float64, error) {
 	return 0, fmt.Errorf("mptcp: path probe: %w", ErrUnsupported)
 }
 
-func goInCallersNetns(f func()) error {
-	go f()
-	return nil
-}
+func goInCallersNetns(f func()) { go f() }
