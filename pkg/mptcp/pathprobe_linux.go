@@ -67,15 +67,24 @@ func probePath(local, remote netip.Addr, rate float64) (float64, error) {
 	go func() { readEchoReplies(fd, v6, id, remote, answered, &stop, reached); close(done) }()
 	finish := func() { stop.Store(true); <-done }
 
-	if err := send(0); err != nil {
-		finish()
-		return fail("send", err)
-	}
-	select {
-	case <-reached:
-	case <-time.After(probeReachWait):
-		finish()
-		return fail("no echo reply", fmt.Errorf("none within %v", probeReachWait))
+	// The first request, sent up to three times, tells a peer that
+	// answers from one that does not.
+	deadline := time.After(probeReachWait)
+	resend := time.NewTicker(probeReachWait / 3)
+	defer resend.Stop()
+	for waiting := true; waiting; {
+		if err := send(0); err != nil {
+			finish()
+			return fail("send", err)
+		}
+		select {
+		case <-reached:
+			waiting = false
+		case <-resend.C:
+		case <-deadline:
+			finish()
+			return fail("no echo reply", fmt.Errorf("none within %v", probeReachWait))
+		}
 	}
 
 	// Paced: request i leaves at start + i/perSecond; a late sender
