@@ -11,8 +11,10 @@ import (
 	"time"
 )
 
-// SlowPathInterval is how often the slow-path watch samples the subflows.
-const SlowPathInterval = time.Second
+// SlowPathInterval is how often the slow-path watch samples the subflows:
+// with SlowPathPolicy's three samples in a row, a slow path is flagged
+// about two seconds after data starts to flow.
+const SlowPathInterval = 500 * time.Millisecond
 
 // Keep keeps the endpoints d describes in the calling thread's network
 // namespace until ctx ends, following address changes, and logs what it
@@ -166,7 +168,13 @@ func LogPathEvent(log *slog.Logger, e PathEvent) {
 		log.Warn("path much slower than the others: its endpoint is flagged backup", "addr", e.Addr,
 			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe)
 	case PathStillSlow:
-		log.Info("path still slow: flagged backup again", "addr", e.Addr,
+		// Measured aside every few seconds, a path that stays slow
+		// would fill the log at Info.
+		level := slog.LevelInfo
+		if e.Measured {
+			level = slog.LevelDebug
+		}
+		log.Log(context.Background(), level, "path still slow: flagged backup again", "addr", e.Addr,
 			"mbit_s", mbps(e.Rate), "best_mbit_s", mbps(e.Best), "probe_in", e.NextProbe, "measured_aside", e.Measured)
 	case PathProbe:
 		if e.MeasureErr != nil {

@@ -179,7 +179,7 @@ type pathSample struct {
 }
 
 // SlowPaths turns the namespace's subflow measurements into backup flags.
-// Call Observe at a steady interval (a second); it is not safe for
+// Call Observe at a steady interval (SlowPathInterval); it is not safe for
 // concurrent use.
 type SlowPaths struct {
 	p      SlowPathPolicy

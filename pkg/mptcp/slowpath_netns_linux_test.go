@@ -128,7 +128,7 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 		return mptcp.TCPSocket{}, fmt.Sprintf("no subflow from %s in %s: %+v", a, senderNS, socks)
 	}
 
-	// Slow: flagged within 20 s (three slow samples a second apart,
+	// Slow: flagged within 20 s (three slow samples SlowPathInterval apart,
 	// once the windows have grown), the others left alone.
 	start := time.Now()
 	waitFor(t, 20*time.Second, "the 100 Mbit/s path's endpoint flagged backup", func() string {
