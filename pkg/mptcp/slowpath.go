@@ -141,6 +141,12 @@ type pathState struct {
 	samples   int           // busy samples (probing)
 	probeAt   time.Time     // flagged: when to probe
 	probeWait time.Duration // the wait that set probeAt
+	// measuredBack is when a measure aside last found the path
+	// recovered, with the wait it had been measured at: a path slow
+	// again soon after (one that passes short bursts, not a stream) is
+	// measured half as often each time.
+	measuredBack time.Time
+	measuredWait time.Duration
 	// recent are the rates of the last busy samples (at most
 	// rateHistory; cleared when the path is flagged or probed): their
 	// median is the path's rate, which one sample inflated by a burst
@@ -307,7 +313,11 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 				st.slow = 0
 			}
 			if st.slow >= s.p.FlagAfter && inUse(a) > 0 {
-				s.flag(st, now, s.p.ProbeAfter)
+				wait := s.p.ProbeAfter
+				if !st.measuredBack.IsZero() && now.Sub(st.measuredBack) < s.p.ProbeMax {
+					wait = min(2*st.measuredWait, s.p.ProbeMax)
+				}
+				s.flag(st, now, wait)
 				events = append(events, PathEvent{Addr: a, Kind: PathSlow, Rate: smp.rate, Best: best, NextProbe: st.probeWait})
 			}
 		case phaseFlagged:
@@ -329,9 +339,9 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 				if err == nil {
 					if r >= need {
 						events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: r, Best: best, Measured: true})
-						*st = pathState{}
+						*st = pathState{measuredBack: now, measuredWait: st.probeWait}
 					} else {
-						s.flag(st, now, s.p.ProbeAfter)
+						s.flag(st, now, st.probeWait)
 						events = append(events, PathEvent{Addr: a, Kind: PathStillSlow, Rate: r, Best: best, NextProbe: st.probeWait, Measured: true})
 					}
 					continue

@@ -207,6 +207,11 @@ func TestSlowPathsMeasureAside(t *testing.T) {
 	if len(ev) != 1 || ev[0].Kind != PathSlow || !slices.Equal(sp.Flagged(), f.addrs[3:]) {
 		t.Fatalf("starved measures: %+v, flagged %v; want slow, flagged throughout", ev, sp.Flagged())
 	}
+	// Slow again within ProbeMax of a measured recovery (a path that
+	// carries a probe's burst but not a stream): measured half as often.
+	if ev[0].NextProbe != 6*time.Second {
+		t.Fatalf("flagged again 3 s after a measured recovery: next measure in %v, want 6s", ev[0].NextProbe)
+	}
 	*sp.paths[f.addrs[3]] = pathState{}
 	measureErr = errors.New("no echo reply")
 	ev = nil
