@@ -332,6 +332,13 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 					// to learn the peer from: wait for one.
 					continue
 				}
+				if busy {
+					// A backup that carries data: the other
+					// paths cannot. A probe would only flood the
+					// one path left; measure once they are back.
+					st.probeAt = now.Add(s.p.ProbeAfter)
+					continue
+				}
 				// Asked a quarter over what recovery needs: a
 				// path that carries it returns it whole.
 				need := s.p.RecoverRatio * best

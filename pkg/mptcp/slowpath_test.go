@@ -188,6 +188,17 @@ func TestSlowPathsMeasureAside(t *testing.T) {
 	if calls[0] != want {
 		t.Fatalf("measure %+v, want %+v (the subflow's peer, at a quarter over RecoverRatio of the other paths' rate)", calls[0], want)
 	}
+	// While the flagged path carries data (the others cannot), it is not
+	// measured: a probe would flood the one path left.
+	before := len(calls)
+	for range 4 {
+		if ev := step(idle, idle, idle, slow); len(ev) != 0 {
+			t.Fatalf("flagged path carrying data: %+v", ev)
+		}
+	}
+	if len(calls) != before {
+		t.Fatalf("%d measures of a flagged path that carried the data", len(calls)-before)
+	}
 	// Measured at RecoverRatio of the others or more: the flag goes.
 	measured = 0.7 * 950e6 / 8
 	var ev []PathEvent
