@@ -146,14 +146,17 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 
 	// It stays flagged while slow: Keep measures it beside the
 	// connection (ICMP echo, every ProbeAfter), so the flag is never
-	// cleared to probe it, and its subflow carries nothing.
+	// cleared to probe it, and its subflow carries next to nothing (in
+	// use, it would carry 12.5 MB/s; what it had queued when flagged
+	// drains in the first second).
+	time.Sleep(time.Second)
 	s, _ := subflow(slowAddr)
 	for end := time.Now().Add(3 * policy.ProbeAfter); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
 		if !flagged()[slowAddr] {
 			t.Fatal("the still slow path's flag was cleared: a probe put the connection's data on it")
 		}
 	}
-	if s2, missing := subflow(slowAddr); missing == "" && s2.Cookie == s.Cookie && s2.BytesAcked-s.BytesAcked > 1<<20 {
+	if s2, missing := subflow(slowAddr); missing == "" && s2.Cookie == s.Cookie && s2.BytesAcked-s.BytesAcked > 4<<20 {
 		t.Errorf("the flagged path's subflow carried %d bytes while it was measured aside", s2.BytesAcked-s.BytesAcked)
 	}
 
