@@ -1,6 +1,7 @@
 package mptcp_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -11,6 +12,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -278,7 +280,10 @@ func (w tWriter) Write(p []byte) (int, error) {
 // TestSlowPathFlaggedCarriesDataWhenOthersCut: once the slow path is
 // flagged backup, the fast paths are cut (their client links down) in the
 // middle of a transfer; the flagged path carries the rest, and what the
-// receiver got is exactly what was sent (length and SHA-256).
+// receiver got is exactly what was sent (length and SHA-256). The watch
+// measures the flagged path aside every second throughout: before the
+// cut it finds it still slow, during it the path carries the data and is
+// left alone (no probe floods the one path left), and it stays flagged.
 func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 	tp := topo.NewForTest(t, topo.Asymmetric(topo.UniqueName("sc")))
 	if err := mptcp.Available(); err != nil {
@@ -289,11 +294,12 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 	for i := range tp.Paths {
 		d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(tp.ClientAddr(i+1), 32).String()))
 	}
+	var watchLog lockedBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	kept := make(chan error, 1)
 	go func() {
 		kept <- tp.InClient(func() error {
-			return mptcp.Keep(ctx, d, slog.New(slog.NewTextHandler(tWriter{t}, nil)), &mptcp.SlowPathPolicy{ProbeAfter: time.Hour})
+			return mptcp.Keep(ctx, d, slog.New(slog.NewTextHandler(io.MultiWriter(tWriter{t}, &watchLog), &slog.HandlerOptions{Level: slog.LevelDebug})), &mptcp.SlowPathPolicy{ProbeAfter: time.Second})
 		})
 	}()
 	t.Cleanup(func() {
@@ -367,18 +373,19 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// 16 MiB more, over the backup path alone (100 Mbit/s), bounded.
+	// 48 MiB more (several seconds of measures), over the backup path
+	// alone (100 Mbit/s), bounded.
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		for range 16 {
+		for range 48 {
 			write()
 		}
 	}()
 	select {
 	case <-done:
-	case <-time.After(60 * time.Second):
-		t.Fatalf("16 MiB not written over the backup path in 60 s (%d MiB in all)", total>>20)
+	case <-time.After(90 * time.Second):
+		t.Fatalf("48 MiB not written over the backup path in 90 s (%d MiB in all)", total>>20)
 	}
 	if err := client.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
 		t.Fatal(err)
@@ -391,5 +398,32 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("the receiver did not get the end of the stream in 60 s")
 	}
-	t.Logf("%d MiB sent and received intact, the last 16 MiB over the flagged path alone", total>>20)
+	t.Logf("%d MiB sent and received intact, the last 48 MiB over the flagged path alone", total>>20)
+	log := watchLog.String()
+	if !strings.Contains(log, "measured_aside=true") {
+		t.Error("the watch never measured the flagged path aside")
+	}
+	for _, bad := range []string{"slow path recovered", "backup flag cleared"} {
+		if strings.Contains(log, bad) {
+			t.Errorf("the watch logged %q: the slow path was let back in or probed with data", bad)
+		}
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger and a reader.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
