@@ -83,10 +83,10 @@ func ProbePath(local, remote netip.Addr, rate float64) (float64, error) {
 // third whose replies came back; answered[seq] tells, for seq from 1.
 func answeredRate(answered []bool, rate float64) float64 {
 	n := len(answered) - 1
-	from := 1 + n/3
 	if n < 3 {
 		return 0
 	}
+	from := 1 + n/3
 	got := 0
 	for _, ok := range answered[from:] {
 		if ok {

@@ -10,5 +10,3 @@ import (
 func probePath(local, remote netip.Addr, rate float64) (float64, error) {
 	return 0, fmt.Errorf("mptcp: path probe: %w", ErrUnsupported)
 }
-
-func goInCallersNetns(f func()) { go f() }

@@ -1,0 +1,5 @@
+//go:build !linux
+
+package mptcp
+
+func goInCallersNetns(f func()) { go f() }
