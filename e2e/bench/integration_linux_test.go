@@ -5,9 +5,11 @@ package bench
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -44,8 +46,9 @@ func buildBinaries(t *testing.T) (server, load string) {
 }
 
 // TestRunTinyMatrix runs ours and nbdkit, each with fio and nbdload, over
-// the 4-path MPTCP network for 2 s and checks that every run succeeded
-// with plausible numbers. It asserts nothing about speed.
+// the 4-path MPTCP network for 2 s, twice, and checks that every run
+// succeeded with plausible numbers and that the servers took turns in
+// each repeat. It asserts nothing about speed.
 func TestRunTinyMatrix(t *testing.T) {
 	topo.RequireRoot(t)
 	if err := mptcp.Available(); err != nil {
@@ -67,7 +70,7 @@ func TestRunTinyMatrix(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, Options{
-		Matrix: m, Duration: 2 * time.Second, Ramp: 500 * time.Millisecond, Repeat: 1,
+		Matrix: m, Duration: 2 * time.Second, Ramp: 500 * time.Millisecond, Repeat: 2,
 		ServerBin: server, LoadBin: load, TmpDir: "/dev/shm", Name: name, Port: 10809, Progress: &progress,
 	})
 	t.Logf("progress:\n%s", progress.String())
@@ -80,8 +83,19 @@ func TestRunTinyMatrix(t *testing.T) {
 	}
 	t.Logf("table:\n%s", table.String())
 
-	if len(rep.Runs) != 4 || len(rep.Cells) != 4 {
-		t.Fatalf("%d runs, %d cells; want 4 each", len(rep.Runs), len(rep.Cells))
+	if len(rep.Runs) != 8 || len(rep.Cells) != 4 {
+		t.Fatalf("%d runs, %d cells; want 8 and 4", len(rep.Runs), len(rep.Cells))
+	}
+	// Side by side: both servers run every first repeat before any second
+	// one, each server's two clients one after the other.
+	var order []string
+	for _, r := range rep.Runs {
+		order = append(order, fmt.Sprintf("%s/%s#%d", r.Server, r.Client, r.Repeat))
+	}
+	want := []string{"ours/fio#1", "ours/ours#1", "nbdkit/fio#1", "nbdkit/ours#1",
+		"ours/fio#2", "ours/ours#2", "nbdkit/fio#2", "nbdkit/ours#2"}
+	if !slices.Equal(order, want) {
+		t.Errorf("runs in the order %v, want %v", order, want)
 	}
 	if strings.Contains(table.String(), "FAILED") {
 		t.Fatal("a run failed")

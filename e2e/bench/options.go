@@ -21,7 +21,10 @@ type Options struct {
 	// characters). Leftovers of an earlier run with the same name are
 	// removed first.
 	Name string
-	Port int // NBD port of every server
+	Port int // NBD port of the first server (the others take the next ones)
+	// Sequential runs one server after the other on each network instead
+	// of all of them side by side, each repeat taking every server in turn.
+	Sequential bool
 
 	// Progress receives one line per step; nil discards them.
 	Progress io.Writer

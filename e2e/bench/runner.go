@@ -45,7 +45,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		"MB/s = 10^6 bytes/s measured by the client after the ramp",
 		"% line = MB/s relative to the network's line rate (path 1 for tcp1; sum of the non-backup paths for MPTCP)",
 		"CPU s/GB = CPU seconds of the server process tree (or the client process) over the whole client run, divided by the 10^9 bytes the server's interfaces carried in the data direction over the same interval",
-		"order per server: workloads in matrix order, each repeat runs every client (fio first); every server's export file is allocated in full before its runs (no run pays for tmpfs page allocation)",
+		"order: workloads in matrix order; with several servers they all listen at once (ports from the base port up) and each repeat runs every server in turn (--sequential: one server after the other), every client per server (fio first); every server's export file is allocated in full before its runs (no run pays for tmpfs page allocation)",
 	}
 	line := map[string]float64{}
 	for _, n := range o.Matrix.Networks {
@@ -156,12 +156,96 @@ func (r *runner) network(ctx context.Context, n Network) error {
 		defer os.RemoveAll(dir)
 		env.pkiDir = dir
 	}
+	if !r.o.Sequential && len(r.o.Matrix.Servers) > 1 {
+		return r.sideBySide(ctx, env, n)
+	}
 	for _, s := range r.o.Matrix.Servers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		if err := r.server(ctx, env, n, s); err != nil {
 			return err
+		}
+	}
+	return nil
+}
+
+// liveServer is one server of sideBySide with its own port.
+type liveServer struct {
+	name string
+	env  *serverEnv
+	srv  *serverProc // nil while it could not be started
+}
+
+// sideBySide runs the matrix's servers on network n at the same time,
+// each listening on a port of its own (env.port and up), and takes every
+// repeat of every workload on each server in turn. Whatever else loads
+// the machine over the minutes of a matrix then falls on every server
+// alike, where one server's runs after another's would each meet a
+// different machine; the same-run ratios between servers (CPU per GB
+// above all) are what the matrix is for. An idle server costs the others
+// nothing but its memory.
+func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network) error {
+	start := func(ls *liveServer) {
+		srv, err := startServer(ctx, ls.env, ls.name)
+		if err != nil {
+			r.logf("network %s: server %s: %v", n.Name, ls.name, err)
+			ls.srv = nil
+			return
+		}
+		r.logf("network %s: server %s listening on %s (pid %d)", n.Name, ls.name, ls.env.addr(), srv.pid)
+		ls.srv = srv
+	}
+	var live []*liveServer
+	defer func() {
+		for _, ls := range live {
+			if ls.srv == nil {
+				continue
+			}
+			if err := ls.srv.stop(); err != nil {
+				r.logf("network %s: stopping %s: %v", n.Name, ls.name, err)
+			}
+		}
+	}()
+	for i, name := range r.o.Matrix.Servers {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		e := *env
+		e.port = env.port + i
+		ls := &liveServer{name: name, env: &e}
+		start(ls)
+		live = append(live, ls)
+	}
+	for _, w := range r.o.Matrix.Workloads {
+		for rep := 1; rep <= r.o.Repeat; rep++ {
+			for _, ls := range live {
+				for _, c := range r.o.Matrix.Clients {
+					if !Pairs(ls.name, c) {
+						continue
+					}
+					if err := ctx.Err(); err != nil {
+						return err
+					}
+					if ls.srv != nil && !ls.srv.alive() {
+						r.logf("network %s: server %s died (%s); restarting it", n.Name, ls.name, ls.srv.log)
+						if err := ls.srv.stop(); err != nil {
+							r.logf("network %s: server %s: %v", n.Name, ls.name, err)
+						}
+						start(ls)
+					}
+					if ls.srv == nil {
+						r.record(RunResult{Key: Key{ls.name, c, n.Name, w.Name}, Repeat: rep, Started: time.Now(),
+							Error: "the server could not be started"})
+						continue
+					}
+					run := r.one(ctx, ls.env, n, ls.srv, c, w, rep)
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					r.record(run)
+				}
+			}
 		}
 	}
 	return nil

@@ -29,7 +29,7 @@ func EnsureTmpfs(dir string) (string, func(), error) {
 	if err != nil {
 		return "", nil, err
 	}
-	if err := unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=8g,mode=0700"); err != nil {
+	if err := unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=10g,mode=0700"); err != nil {
 		os.Remove(mnt)
 		return "", nil, fmt.Errorf("%s is not a tmpfs and mounting one failed: %w", dir, err)
 	}

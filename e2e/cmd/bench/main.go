@@ -15,7 +15,10 @@
 // Third-party servers and fio run under `mptcpize run` on MPTCP networks.
 // Every server exports a fresh 2 GiB file on tmpfs, allocated beforehand. Each run lasts
 // --ramp + --duration and is repeated --repeat times; the table shows the
-// medians, out/bench.json every repeat.
+// medians, out/bench.json every repeat. On each network all servers listen
+// at once (--port and up) and every repeat takes each server in turn, so
+// that what else loads the machine falls on all of them alike
+// (--sequential: one server's runs after the other's).
 //
 // --profile demo runs the demo instead: our server and client, seqread and
 // seqwrite, plain TCP on one path then MPTCP on four, 5 s each, and writes
@@ -67,7 +70,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		svgPath   = fs.String("svg", "out/demo.svg", "demo chart")
 		tmpDir    = fs.String("tmpdir", "/dev/shm", "tmpfs directory for the export files (a private tmpfs is mounted if it is not one)")
 		name      = fs.String("name", "mpbench", "topology name (prefix of namespaces and interfaces, at most 11 characters)")
-		port      = fs.Int("port", 10809, "NBD port of the servers")
+		port      = fs.Int("port", 10809, "NBD port of the first server (the others listen on the next ones)")
+		seq       = fs.Bool("sequential", false, "run one server's repeats after the other's instead of taking every server in turn in each repeat")
 		list      = fs.Bool("list", false, "print the selected matrix and exit")
 		volumes   = fs.String("volumes", "1,2,4,8,16,32", "profile many: comma-separated numbers of volumes written at once")
 	)
@@ -166,7 +170,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		Matrix: m, Duration: *duration, Ramp: *ramp, Repeat: *repeat,
 		ServerBin: filepath.Join(*binDir, "nbd-server"),
 		LoadBin:   filepath.Join(*binDir, "nbdload"),
-		TmpDir:    dir, Name: *name, Port: *port, Progress: stderr,
+		TmpDir:    dir, Name: *name, Port: *port, Progress: stderr, Sequential: *seq,
 	}
 	if !contains(m.Servers, bench.ServerOurs) && !contains(m.Servers, bench.ServerOursTLS) {
 		opts.ServerBin = ""
