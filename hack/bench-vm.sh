@@ -3,18 +3,21 @@
 # with the kernel whose nbd accepts MPTCP (hack/vm-kernel-mptcp.sh, built
 # here if not cached: ~20 minutes cold): tcp, multiconn, relay, kernel,
 # ublk and fuse (the last two where that kernel has them) over the same
-# four veth paths. fio in the guest, all O_DIRECT at queue depth 32:
+# four veth paths, each against our raw NBD client (no block device) on
+# the same paths in the same run. fio in the guest, all O_DIRECT at queue
+# depth 32:
 #   - 1 MiB sequential write, then a sequential read that verifies every
 #     block (crc32c and offset), so a transport that corrupts data fails
 #     instead of posting a number;
 #   - 4 KiB random write, then random read, time based, over the same
 #     region;
-#   - ext4 made on the device: the sequential passes on a file (ratio to
-#     the device's).
-# For each: fio's MB/s (and IOPS for 4 KiB) and guest CPU seconds per GB
-# (/proc/stat of the whole guest), with ratios to tcp. Nothing is asserted
-# but the data. Needs root (network namespaces, qemu) and fio on the host
-# (copied into the VM). About 10 minutes under TCG on two idle cores.
+#   - the same four passes on a file of ext4, and of xfs, made on the
+#     device (xfs needs mkfs.xfs on the host: xfsprogs).
+# For each: fio's MB/s (IOPS for 4 KiB) with its ratio to the raw client,
+# and guest CPU seconds per GB (/proc/stat of the whole guest). Nothing is
+# asserted but the data. Needs root (network namespaces, qemu) and fio on
+# the host (copied into the VM). About 20 minutes under TCG on two idle
+# cores.
 #
 #   MPNBD_BENCH_MB        MiB written and read sequentially per transport,
 #                         also the region of the random passes (default 256)

@@ -8,7 +8,7 @@
 # sk_type SOCK_STREAM with sk_protocol IPPROTO_MPTCP.
 #
 # The kernel has no loadable modules: everything the harness needs (nbd,
-# veth, sch_tbf, sch_netem, loop, brd, fuse, ext4) is built in.
+# veth, sch_tbf, sch_netem, loop, brd, fuse, ext4, xfs) is built in.
 #
 # Output (stdout): VM_KERNEL_MPTCP=<path to bzImage>
 #
@@ -59,6 +59,7 @@ NET_SCH_TBF=y
 NET_SCH_NETEM=y
 NET_SCH_HTB=y
 EXT4_FS=y
+XFS_FS=y
 BLK_DEV_INITRD=y
 RD_GZIP=y
 DEVTMPFS=y

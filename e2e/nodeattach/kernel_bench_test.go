@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/e2e/bench"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
@@ -69,8 +70,9 @@ func newFuseAttacher(t *testing.T, tp *topo.Topology, stateDir string) *fuse.Att
 }
 
 // TestBenchTransportsMPTCPKernelInVM boots the MPTCP kernel and prints
-// tcp, multiconn, relay, kernel, ublk and fuse side by side (same VM, same
-// four paths, same fio workloads). Only with MPNBD_VM_BENCH=1: it is a
+// our raw client, tcp, multiconn, relay, kernel, ublk and fuse side by
+// side (same VM, same four paths, same fio workloads on each device and
+// on ext4 and xfs made on it). Only with MPNBD_VM_BENCH=1: it is a
 // measurement, not a check, and takes minutes under TCG.
 func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
@@ -88,7 +90,13 @@ func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 	if _, err := exec.LookPath("fio"); err != nil {
 		t.Fatalf("the benchmark runs fio in the VM, copied from the host, which lacks it (apt-get install fio): %v", err)
 	}
-	runMPTCPKernelVM(t, []string{"TestBenchTransports"}, env, benchVMTimeout(t))
+	var tools []string
+	if p, err := exec.LookPath("mkfs.xfs"); err == nil {
+		tools = append(tools, p)
+	} else {
+		t.Logf("no mkfs.xfs on the host (apt-get install xfsprogs): xfs is not measured")
+	}
+	runMPTCPKernelVM(t, []string{"TestBenchTransports"}, env, benchVMTimeout(t), tools...)
 }
 
 // cpuJiffies returns the busy time of all CPUs (user, nice, system, irq,
@@ -164,13 +172,13 @@ func onlyTransports(modes []attach.Transport, list string) ([]attach.Transport, 
 }
 
 // benchVMTimeout bounds the benchmark's VM run. It only catches a hang:
-// boot and setup, then for each of up to six transports two random
-// passes, mkfs, and the four sequential ones (device and ext4) at no less
-// than 1 MB/s.
+// boot and setup, the raw client's four passes, then for each of up to
+// six transports the random passes and the sequential ones (no less than
+// 1 MB/s) on the device, ext4 and xfs, and two mkfs.
 func benchVMTimeout(t *testing.T) time.Duration {
 	mb, randTime := benchSettings(t)
-	perTransport := 2*randTime + 4*time.Duration(mb)*time.Second + 2*time.Minute
-	return 10*time.Minute + 6*perTransport
+	perTransport := 6*randTime + 6*time.Duration(mb)*time.Second + 3*time.Minute
+	return 10*time.Minute + 5*randTime + 6*perTransport
 }
 
 // measured is one fio pass of one transport.
@@ -258,28 +266,44 @@ func fioPass(t *testing.T, dev, dir string, want int64, stuck func(string), job 
 	return measured{mbps: float64(d.BW) / 1e6, iops: d.IOPS, cpuPerGB: float64(j1-j0) / userHZ / gb}
 }
 
-// benchResult is what one transport measured; failed is set when a pass
-// or the attach failed.
-type benchResult struct {
-	mode         attach.Transport
-	seqW, seqR   measured
-	randW, randR measured
-	// ext4W and ext4R are the sequential passes on a file of ext4 on the
-	// same device.
-	ext4W, ext4R measured
-	failed       bool
+// passes are the four fio passes of one surface: the sequential write and
+// read, the random write and read. skipped says why a surface was not
+// measured (no xfs in the kernel, say).
+type passes struct {
+	seqW, seqR, randW, randR measured
+	skipped                  string
 }
 
-// TestBenchTransports (guest, MPTCP kernel) runs fio on each transport's
-// device, all O_DIRECT at queue depth 32: 1 MiB sequential write of the
-// first MPNBD_BENCH_MB MiB with crc32c verify blocks, a sequential read of
-// them that checks every block (its checksum, and the offset recorded in
-// it), then 4 KiB random write and random read over the same region for
-// MPNBD_BENCH_SECONDS each; then the same sequential passes on a file of
-// ext4 made on the device. It prints throughput and CPU seconds per GB
-// (the whole guest: client, server and relay share it) with ratios to
-// tcp, one block per workload, and ext4's ratios to the device. Nothing
-// is asserted but that the data reads back.
+// surfaces are where the passes run: the transport's block device, and a
+// file on ext4 and on xfs made on it (what a pod's Filesystem volume gets
+// of its transport).
+var surfaces = []string{"device", "ext4", "xfs"}
+
+// raw is the row of our NBD client without a block device: the
+// baseline every transport and file system is a ratio to.
+const raw = attach.Transport("raw")
+
+// benchResult is what one transport measured, per surface; failed is set
+// when a pass or the attach failed.
+type benchResult struct {
+	mode     attach.Transport
+	surfaces map[string]passes
+	subflows int // the raw client's connection, most subflows seen
+	failed   bool
+}
+
+// TestBenchTransports (guest, MPTCP kernel) first measures our raw NBD
+// client (no block device, no file system) over MPTCP on the four paths,
+// then runs fio on each transport's device, all O_DIRECT at queue depth
+// 32: 1 MiB sequential write of the first MPNBD_BENCH_MB MiB with crc32c
+// verify blocks, a sequential read of them that checks every block (its
+// checksum, and the offset recorded in it), then 4 KiB random write and
+// random read over the same region for MPNBD_BENCH_SECONDS each; then the
+// same four passes on a file of ext4, and of xfs, made on the device. It
+// prints throughput (IOPS for 4 KiB) and CPU seconds per GB (the whole
+// guest: client, server and relay share it) with ratios to the raw
+// client, one block per workload. Nothing is asserted but that the data
+// reads back.
 func TestBenchTransports(t *testing.T) {
 	requireMPTCPKernel(t)
 	if _, err := exec.LookPath("fio"); err != nil {
@@ -303,9 +327,16 @@ func TestBenchTransports(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%s: %v", envBenchOnly, err)
 	}
-	var rows []benchResult
+	noXFS := xfsMissing()
+	if noXFS != "" {
+		t.Logf("xfs is not measured: %s", noXFS)
+	}
+	rows := []benchResult{rawPasses(t, n, randTime)}
+	if rows[0].failed {
+		t.Fatalf("no raw baseline: the raw client failed")
+	}
 	for _, mode := range modes {
-		row := benchResult{mode: mode, failed: true}
+		row := benchResult{mode: mode, failed: true, surfaces: map[string]passes{}}
 		t.Run(string(mode), func(t *testing.T) {
 			tp := guestTopology(t)
 			useMPTCP := mode != attach.TCP && mode != attach.MultiConn
@@ -321,19 +352,13 @@ func TestBenchTransports(t *testing.T) {
 			}
 			dev := att.Device
 			stuck := attacherStuck(t, a, tg, dev)
-			size := "--size=" + strconv.FormatInt(n, 10)
-			// The write fills every block with crc32c verify data; the read
-			// pass checks each block it reads, so a transport that loses,
-			// misplaces or corrupts a write fails here instead of posting a
-			// number.
-			verify := []string{"--bs=1M", size, "--verify=crc32c", "--verify_state_save=0"}
-			row.seqW = fioPass(t, dev, "write", n, stuck, append(verify, "--rw=write", "--do_verify=0", "--end_fsync=1")...)
-			row.seqR = fioPass(t, dev, "read", n, stuck, append(verify, "--rw=read", "--verify_fatal=1")...)
-			random := []string{"--bs=4k", size, "--time_based", "--runtime=" + strconv.Itoa(int(randTime.Seconds())),
-				"--randrepeat=0"}
-			row.randW = fioPass(t, dev, "write", 0, stuck, append(random, "--rw=randwrite", "--end_fsync=1")...)
-			row.randR = fioPass(t, dev, "read", 0, stuck, append(random, "--rw=randread")...)
-			row.ext4W, row.ext4R = ext4SeqPasses(t, dev, verify, n, stuck)
+			row.surfaces["device"] = fioPasses(t, dev, n, randTime, stuck)
+			row.surfaces["ext4"] = fsPasses(t, "ext4", dev, n, randTime, stuck)
+			if noXFS != "" {
+				row.surfaces["xfs"] = passes{skipped: noXFS}
+			} else {
+				row.surfaces["xfs"] = fsPasses(t, "xfs", dev, n, randTime, stuck)
+			}
 			if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
 				t.Fatal(err)
 			}
@@ -342,83 +367,238 @@ func TestBenchTransports(t *testing.T) {
 		})
 		rows = append(rows, row)
 	}
-	if len(rows) == 0 || rows[0].mode != attach.TCP || rows[0].failed {
-		t.Fatalf("no tcp baseline (rows %+v)", rows)
-	}
 	table := benchTable(rows, mb, randTime)
 	t.Logf("transport benchmark:\n%s", table)
 	fmt.Print("BENCH-TABLE-BEGIN\n" + table + "BENCH-TABLE-END\n")
 }
 
-// ext4SeqPasses formats dev with ext4 (its inode tables and journal
-// written out now, not in the background during the passes), mounts it
-// and runs the sequential passes on a file of n bytes: what a pod's
-// Filesystem volume gets of its transport.
-func ext4SeqPasses(t *testing.T, dev string, verify []string, n int64, stuck func(string)) (w, r measured) {
-	t.Helper()
-	run(t, "mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
-	mnt := t.TempDir()
-	run(t, "mount", dev, mnt)
-	file := filepath.Join(mnt, "bench")
-	w = fioPass(t, file, "write", n, stuck, append(verify, "--rw=write", "--do_verify=0", "--end_fsync=1")...)
-	r = fioPass(t, file, "read", n, stuck, append(verify, "--rw=read", "--verify_fatal=1")...)
-	run(t, "umount", mnt)
-	return w, r
+// rawPasses measures our NBD client on its own: one MPTCP connection over
+// the four paths to a fresh export, from this (the client) namespace, the
+// same four workloads as fio's passes, each for randTime over the first n
+// bytes, at the same queue depth.
+func rawPasses(t *testing.T, n int64, randTime time.Duration) benchResult {
+	row := benchResult{mode: raw, failed: true, surfaces: map[string]passes{}}
+	t.Run(string(raw), func(t *testing.T) {
+		tp := guestTopology(t)
+		st := newStorage(t, tp, volSize, true)
+		load := func(rw string, bs int) measured {
+			t.Helper()
+			j0, err := cpuJiffies()
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), randTime+benchFioLimit)
+			defer cancel()
+			rep, err := bench.RunLoad(ctx, bench.LoadConfig{Addr: st.addr, Export: "vol", MPTCP: true, RW: rw,
+				BlockSize: bs, QueueDepth: benchDepth, Duration: randTime, Span: n, Seed: 1})
+			if err != nil {
+				t.Fatalf("raw %s: %v", rw, err)
+			}
+			j1, err := cpuJiffies()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !rep.OK() {
+				t.Fatalf("raw %s: %s", rw, rep.Problem())
+			}
+			if len(rep.SubflowsMax) == 1 && rep.SubflowsMax[0] > row.subflows {
+				row.subflows = rep.SubflowsMax[0]
+			}
+			gb := float64(rep.Bytes) / 1e9
+			return measured{mbps: rep.MBps, iops: rep.IOPS, cpuPerGB: float64(j1-j0) / userHZ / gb}
+		}
+		var p passes
+		p.seqW = load("write", 1<<20)
+		p.seqR = load("read", 1<<20)
+		p.randW = load("randwrite", 4<<10)
+		p.randR = load("randread", 4<<10)
+		// The raw client's own correctness pass over what it wrote.
+		ctx, cancel := context.WithTimeout(context.Background(), benchFioLimit)
+		defer cancel()
+		rep, err := bench.RunLoad(ctx, bench.LoadConfig{Addr: st.addr, Export: "vol", MPTCP: true, RW: "write",
+			BlockSize: 1 << 20, QueueDepth: 8, Span: n, Verify: true})
+		if err != nil || !rep.OK() {
+			t.Fatalf("raw verify: %v %s", err, rep.Problem())
+		}
+		row.surfaces["device"] = p
+		row.failed = false
+	})
+	return row
 }
 
-// benchTable formats rows, one block per workload, with ratios to the
-// first row (tcp).
+// fioPasses runs the four passes on file (a device, or a file on a file
+// system): the 1 MiB sequential write fills every block with crc32c verify
+// data and the read pass checks each block it reads, so a transport that
+// loses, misplaces or corrupts a write fails here instead of posting a
+// number; then 4 KiB random write and read over the same region.
+func fioPasses(t *testing.T, file string, n int64, randTime time.Duration, stuck func(string)) passes {
+	t.Helper()
+	size := "--size=" + strconv.FormatInt(n, 10)
+	verify := []string{"--bs=1M", size, "--verify=crc32c", "--verify_state_save=0"}
+	var p passes
+	p.seqW = fioPass(t, file, "write", n, stuck, append(verify, "--rw=write", "--do_verify=0", "--end_fsync=1")...)
+	p.seqR = fioPass(t, file, "read", n, stuck, append(verify, "--rw=read", "--verify_fatal=1")...)
+	random := []string{"--bs=4k", size, "--time_based", "--runtime=" + strconv.Itoa(int(randTime.Seconds())),
+		"--randrepeat=0"}
+	p.randW = fioPass(t, file, "write", 0, stuck, append(random, "--rw=randwrite", "--end_fsync=1")...)
+	p.randR = fioPass(t, file, "read", 0, stuck, append(random, "--rw=randread")...)
+	return p
+}
+
+// fsPasses makes file system fs (ext4 or xfs) on dev, with its metadata
+// written out now, not in the background during the passes, mounts it
+// and runs the four passes on a file of n bytes.
+func fsPasses(t *testing.T, fs, dev string, n int64, randTime time.Duration, stuck func(string)) passes {
+	t.Helper()
+	switch fs {
+	case "ext4":
+		run(t, "mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev)
+	case "xfs":
+		run(t, "mkfs.xfs", "-q", "-f", dev)
+	default:
+		t.Fatalf("no file system %q", fs)
+	}
+	mnt := t.TempDir()
+	run(t, "mount", "-t", fs, dev, mnt)
+	p := fioPasses(t, filepath.Join(mnt, "bench"), n, randTime, stuck)
+	run(t, "umount", mnt)
+	return p
+}
+
+// xfsMissing says why xfs cannot be measured in this guest, or "".
+func xfsMissing() string {
+	if _, err := exec.LookPath("mkfs.xfs"); err != nil {
+		return "no mkfs.xfs in the VM (apt-get install xfsprogs on the host)"
+	}
+	b, err := os.ReadFile("/proc/filesystems")
+	if err != nil {
+		return err.Error()
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.TrimSpace(line) == "xfs" {
+			return ""
+		}
+	}
+	return "the kernel has no xfs (XFS_FS)"
+}
+
+// benchTable formats rows (the raw client first), one block per workload:
+// each transport's device, ext4 and xfs, each with its ratio to the raw
+// client; then the guest's CPU per GB on each device.
 func benchTable(rows []benchResult, mb int, randTime time.Duration) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "fio, O_DIRECT, libaio, queue depth %d, 4 paths, under qemu TCG (ratios matter, not absolutes);\n", benchDepth)
-	fmt.Fprintf(&sb, "cpu = busy CPU seconds of the whole guest (client, server, relay, fio) per GB moved\n")
-	block := func(title string, iops bool, pick func(benchResult) (w, r measured)) {
-		fmt.Fprintf(&sb, "\n%s\n", title)
-		hdr := []string{"transport", "write", "read"}
-		unit := []string{"", "MB/s", "MB/s"}
-		if iops {
-			hdr = append(hdr, "write", "read")
-			unit = append(unit, "IOPS", "IOPS")
+	fmt.Fprintf(&sb, "raw = our NBD client alone over MPTCP (%d subflows), the same workloads at the same depth; (x) = ratio to raw\n", rows[0].subflows)
+	for _, r := range rows {
+		if p, ok := r.surfaces["xfs"]; ok && p.skipped != "" {
+			fmt.Fprintf(&sb, "xfs not measured: %s\n", p.skipped)
+			break
 		}
-		hdr = append(hdr, "w cpu", "r cpu", "w/tcp", "r/tcp", "wcpu/tcp", "rcpu/tcp")
-		unit = append(unit, "s/GB", "s/GB", "", "", "", "")
-		for _, line := range [][]string{hdr, unit} {
-			fmt.Fprintf(&sb, "%-10s", line[0])
-			for _, c := range line[1:] {
-				fmt.Fprintf(&sb, " %9s", c)
+	}
+	base := rows[0].surfaces["device"]
+	cell := func(v, b float64) string {
+		if b <= 0 {
+			return fmt.Sprintf("%7.1f      ", v)
+		}
+		return fmt.Sprintf("%7.1f (%.2f)", v, v/b)
+	}
+	block := func(title, unit string, pick func(passes) (w, r float64)) {
+		fmt.Fprintf(&sb, "\n%s\n%-10s", title, "transport")
+		for _, dir := range []string{"write", "read"} {
+			for _, s := range surfaces {
+				fmt.Fprintf(&sb, " %14s", s+" "+dir)
+			}
+		}
+		fmt.Fprintf(&sb, "\n%-10s", "")
+		for i := 0; i < 2*len(surfaces); i++ {
+			fmt.Fprintf(&sb, " %14s", unit)
+		}
+		sb.WriteString("\n")
+		bw, br := pick(base)
+		for _, r := range rows {
+			fmt.Fprintf(&sb, "%-10s", r.mode)
+			if r.failed {
+				sb.WriteString(" failed (see the log)\n")
+				continue
+			}
+			for dir := 0; dir < 2; dir++ {
+				for _, s := range surfaces {
+					p, ok := r.surfaces[s]
+					if !ok || p.skipped != "" {
+						fmt.Fprintf(&sb, " %14s", "-")
+						continue
+					}
+					w, rd := pick(p)
+					v, b := w, bw
+					if dir == 1 {
+						v, b = rd, br
+					}
+					fmt.Fprintf(&sb, " %14s", cell(v, b))
+				}
 			}
 			sb.WriteString("\n")
 		}
-		bw, br := pick(rows[0])
-		for _, r := range rows {
-			if r.failed {
-				fmt.Fprintf(&sb, "%-10s failed (see the log)\n", r.mode)
-				continue
-			}
-			w, rd := pick(r)
-			fmt.Fprintf(&sb, "%-10s %9.1f %9.1f", r.mode, w.mbps, rd.mbps)
-			if iops {
-				fmt.Fprintf(&sb, " %9.0f %9.0f", w.iops, rd.iops)
-			}
-			fmt.Fprintf(&sb, " %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f\n", w.cpuPerGB, rd.cpuPerGB,
-				w.mbps/bw.mbps, rd.mbps/br.mbps, w.cpuPerGB/bw.cpuPerGB, rd.cpuPerGB/br.cpuPerGB)
-		}
 	}
-	block(fmt.Sprintf("sequential 1 MiB: write %d MiB, then read it back verified (crc32c)", mb), false,
-		func(r benchResult) (measured, measured) { return r.seqW, r.seqR })
-	block(fmt.Sprintf("random 4 KiB over the same %d MiB: write %v, then read %v", mb, randTime, randTime), true,
-		func(r benchResult) (measured, measured) { return r.randW, r.randR })
-
-	fmt.Fprintf(&sb, "\next4, sequential 1 MiB on a file of %d MiB (the same passes), against the transport's block device\n", mb)
-	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %9s %9s\n", "transport", "write", "read", "w cpu", "r cpu", "w/dev", "r/dev")
-	fmt.Fprintf(&sb, "%-10s %9s %9s %9s %9s %9s %9s\n", "", "MB/s", "MB/s", "s/GB", "s/GB", "", "")
+	block(fmt.Sprintf("sequential 1 MiB: write %d MiB, then read it back verified (crc32c)", mb), "MB/s",
+		func(p passes) (float64, float64) { return p.seqW.mbps, p.seqR.mbps })
+	block(fmt.Sprintf("random 4 KiB over the same %d MiB: write %v, then read %v", mb, randTime, randTime), "IOPS",
+		func(p passes) (float64, float64) { return p.randW.iops, p.randR.iops })
+	fmt.Fprintf(&sb, "\nbusy CPU seconds of the whole guest (client, server, relay, fio) per GB moved, on the device (x = ratio to raw)\n")
+	fmt.Fprintf(&sb, "%-10s %14s %14s %14s %14s\n", "transport", "seq write", "seq read", "rand write", "rand read")
 	for _, r := range rows {
 		if r.failed {
 			fmt.Fprintf(&sb, "%-10s failed (see the log)\n", r.mode)
 			continue
 		}
-		fmt.Fprintf(&sb, "%-10s %9.1f %9.1f %9.2f %9.2f %9.2f %9.2f\n", r.mode, r.ext4W.mbps, r.ext4R.mbps,
-			r.ext4W.cpuPerGB, r.ext4R.cpuPerGB, r.ext4W.mbps/r.seqW.mbps, r.ext4R.mbps/r.seqR.mbps)
+		d := r.surfaces["device"]
+		fmt.Fprintf(&sb, "%-10s %14s %14s %14s %14s\n", r.mode, cpuCell(d.seqW, base.seqW), cpuCell(d.seqR, base.seqR),
+			cpuCell(d.randW, base.randW), cpuCell(d.randR, base.randR))
 	}
 	return sb.String()
+}
+
+// cpuCell is one CPU-per-GB cell with its ratio to the baseline's.
+func cpuCell(m, base measured) string {
+	if base.cpuPerGB <= 0 {
+		return fmt.Sprintf("%7.2f      ", m.cpuPerGB)
+	}
+	return fmt.Sprintf("%7.2f (%.2f)", m.cpuPerGB, m.cpuPerGB/base.cpuPerGB)
+}
+
+func TestBenchTable(t *testing.T) {
+	p := func(seq, iops, cpu float64) passes {
+		m := func(v float64) measured { return measured{mbps: v, iops: iops, cpuPerGB: cpu} }
+		return passes{seqW: m(seq), seqR: m(2 * seq), randW: m(0), randR: m(0)}
+	}
+	rows := []benchResult{
+		{mode: raw, subflows: 4, surfaces: map[string]passes{"device": p(100, 1000, 1)}},
+		{mode: attach.Relay, surfaces: map[string]passes{"device": p(50, 500, 2), "ext4": p(90, 250, 3), "xfs": {skipped: "no xfs"}}},
+		{mode: attach.Ublk, failed: true},
+	}
+	got := benchTable(rows, 256, 20*time.Second)
+	for _, want := range []string{
+		"(4 subflows)",
+		"50.0 (0.50)",  // relay's device write against raw's 100
+		"90.0 (0.90)",  // ext4 write
+		"180.0 (0.90)", // ext4 read against raw's 200
+		"500.0 (0.50)", // 4 KiB IOPS
+		"2.00 (2.00)",  // CPU per GB
+		"ublk       failed (see the log)",
+		"xfs not measured: no xfs",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("the table lacks %q:\n%s", want, got)
+		}
+	}
+	// relay's sequential row: device and ext4 cells of two fields each,
+	// then xfs skipped.
+	for _, line := range strings.Split(got, "\n") {
+		if strings.HasPrefix(line, "relay ") {
+			if f := strings.Fields(line); len(f) < 6 || f[5] != "-" {
+				t.Errorf("relay's row should show xfs as -: %q", line)
+			}
+			break
+		}
+	}
+	t.Logf("\n%s", got)
 }

@@ -38,9 +38,10 @@ func TestNodeAttachMPTCPKernelInVM(t *testing.T) {
 
 // runMPTCPKernelVM runs the guest tests names in the VM booted with the
 // MPTCP kernel, with env exported, for at most timeout.
-func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string, timeout time.Duration) vm.Result {
+func runMPTCPKernelVM(t *testing.T, names []string, env map[string]string, timeout time.Duration, tools ...string) vm.Result {
 	t.Helper()
 	cfg := vm.DefaultMPTCP(t)
+	cfg.Tools = append(cfg.Tools, tools...)
 	cfg.MemoryMB = 2048
 	cfg.Timeout = timeout
 	cfg.Env = map[string]string{envMPTCPKernel: "1"}
