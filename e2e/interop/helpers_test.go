@@ -22,6 +22,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/syncbuf"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -548,30 +549,12 @@ func freePort(t *testing.T) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
-// lockedBuffer collects a child's output while it runs.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // daemon is a long-running peer process (an NBD server) started by a test.
 // When the test ends, any line of its output that mentions an error fails
 // the test unless the test announced it with expectErrors.
 type daemon struct {
 	cmd    *exec.Cmd
-	out    *lockedBuffer
+	out    *syncbuf.Buffer
 	exited chan struct{}
 	err    error
 
@@ -611,7 +594,7 @@ lines:
 // (group and all) when the test ends.
 func startDaemon(t *testing.T, name string, args ...string) *daemon {
 	t.Helper()
-	d := &daemon{out: &lockedBuffer{}, exited: make(chan struct{})}
+	d := &daemon{out: &syncbuf.Buffer{}, exited: make(chan struct{})}
 	d.cmd = exec.Command(name, args...)
 	d.cmd.Env = append(os.Environ(), "LC_ALL=C")
 	d.cmd.Stdout, d.cmd.Stderr = d.out, d.out

@@ -1,7 +1,6 @@
 package mptcp_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -12,10 +11,10 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/testenv/syncbuf"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
@@ -294,7 +293,7 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 	for i := range tp.Paths {
 		d.NICs = append(d.NICs, mptcp.NICSpec(netip.PrefixFrom(tp.ClientAddr(i+1), 32).String()))
 	}
-	var watchLog lockedBuffer
+	var watchLog syncbuf.Buffer
 	ctx, cancel := context.WithCancel(context.Background())
 	kept := make(chan error, 1)
 	go func() {
@@ -408,22 +407,4 @@ func TestSlowPathFlaggedCarriesDataWhenOthersCut(t *testing.T) {
 			t.Errorf("the watch logged %q: the slow path was let back in or probed with data", bad)
 		}
 	}
-}
-
-// lockedBuffer is a bytes.Buffer safe for a logger and a reader.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

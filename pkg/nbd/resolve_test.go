@@ -1,7 +1,6 @@
 package nbd
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +11,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/syncbuf"
 )
 
 // grantTable is a Resolve hook: requested name -> grant.
@@ -112,7 +113,7 @@ func TestResolveRefusals(t *testing.T) {
 // credential; a refusal logs Resolve's reason, never the name.
 func TestResolveRefusalsLogNoName(t *testing.T) {
 	s, _, _ := newResolveServer(t)
-	var buf syncBuffer
+	var buf syncbuf.Buffer
 	s.Logger = slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	const secret = "0123456789abcdef0123456789abcdef"
 	for _, name := range []string{"vol/" + secret, "unknown"} {
@@ -135,24 +136,6 @@ func TestResolveRefusalsLogNoName(t *testing.T) {
 	if log := buf.String(); !strings.Contains(log, "not published") || strings.Contains(log, secret) {
 		t.Fatalf("the server's log holds the name asked for, or not the reason:\n%s", log)
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger and a reader at once.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 func TestResolveReadOnlyGrant(t *testing.T) {
