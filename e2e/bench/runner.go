@@ -156,14 +156,11 @@ func (r *runner) network(ctx context.Context, n Network) error {
 		defer os.RemoveAll(dir)
 		env.pkiDir = dir
 	}
-	if !r.o.Sequential && len(r.o.Matrix.Servers) > 1 {
-		return r.sideBySide(ctx, env, n)
+	if !r.o.Sequential {
+		return r.sideBySide(ctx, env, n, r.o.Matrix.Servers)
 	}
 	for _, s := range r.o.Matrix.Servers {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if err := r.server(ctx, env, n, s); err != nil {
+		if err := r.sideBySide(ctx, env, n, []string{s}); err != nil {
 			return err
 		}
 	}
@@ -175,22 +172,25 @@ type liveServer struct {
 	name string
 	env  *serverEnv
 	srv  *serverProc // nil while it could not be started
+	err  error       // why it could not be started
 }
 
-// sideBySide runs the matrix's servers on network n at the same time,
-// each listening on a port of its own (env.port and up), and takes every
-// repeat of every workload on each server in turn. Whatever else loads
-// the machine over the minutes of a matrix then falls on every server
-// alike, where one server's runs after another's would each meet a
-// different machine; the same-run ratios between servers (CPU per GB
-// above all) are what the matrix is for. An idle server costs the others
-// nothing but its memory.
-func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network) error {
+// sideBySide runs servers on network n at the same time, each listening
+// on a port of its own (env.port and up), and takes every repeat of every
+// workload on each server in turn (Options.Sequential calls it with one
+// server at a time). Whatever else loads the machine over the minutes of
+// a matrix then falls on every server alike, where one server's runs
+// after another's would each meet a different machine; the same-run
+// ratios between servers (CPU per GB above all) are what the matrix is
+// for. An idle server costs the others nothing but its memory. A server
+// that cannot be started has every run of it recorded as failed, with
+// the reason; one that dies is started again before its next run.
+func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network, servers []string) error {
 	start := func(ls *liveServer) {
 		srv, err := startServer(ctx, ls.env, ls.name)
 		if err != nil {
-			r.logf("network %s: server %s: %v", n.Name, ls.name, err)
-			ls.srv = nil
+			ls.srv, ls.err = nil, fmt.Errorf("network %s: server %s: %w", n.Name, ls.name, err)
+			r.logf("%v", ls.err)
 			return
 		}
 		r.logf("network %s: server %s listening on %s (pid %d)", n.Name, ls.name, ls.env.addr(), srv.pid)
@@ -207,7 +207,7 @@ func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network) erro
 			}
 		}
 	}()
-	for i, name := range r.o.Matrix.Servers {
+	for i, name := range servers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -236,7 +236,7 @@ func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network) erro
 					}
 					if ls.srv == nil {
 						r.record(RunResult{Key: Key{ls.name, c, n.Name, w.Name}, Repeat: rep, Started: time.Now(),
-							Error: "the server could not be started"})
+							Error: ls.err.Error()})
 						continue
 					}
 					run := r.one(ctx, ls.env, n, ls.srv, c, w, rep)
@@ -247,71 +247,6 @@ func (r *runner) sideBySide(ctx context.Context, env *serverEnv, n Network) erro
 				}
 			}
 		}
-	}
-	return nil
-}
-
-// server runs all clients and workloads against one server.
-func (r *runner) server(ctx context.Context, env *serverEnv, n Network, name string) error {
-	start := func() (*serverProc, error) {
-		srv, err := startServer(ctx, env, name)
-		if err != nil {
-			return nil, fmt.Errorf("network %s: server %s: %w", n.Name, name, err)
-		}
-		r.logf("network %s: server %s listening on %s (pid %d)", n.Name, name, env.addr(), srv.pid)
-		return srv, nil
-	}
-	srv, err := start()
-	if err != nil {
-		// Record the failure for every run of this server and go on.
-		r.logf("%v", err)
-		for _, w := range r.o.Matrix.Workloads {
-			for rep := 1; rep <= r.o.Repeat; rep++ {
-				for _, c := range r.o.Matrix.Clients {
-					if !Pairs(name, c) {
-						continue
-					}
-					r.record(RunResult{Key: Key{name, c, n.Name, w.Name}, Repeat: rep, Started: time.Now(), Error: err.Error()})
-				}
-			}
-		}
-		return nil
-	}
-	defer func() {
-		if err := srv.stop(); err != nil {
-			r.logf("network %s: server %s: %v", n.Name, name, err)
-		}
-	}()
-	for _, w := range r.o.Matrix.Workloads {
-		for rep := 1; rep <= r.o.Repeat; rep++ {
-			for _, c := range r.o.Matrix.Clients {
-				if !Pairs(name, c) {
-					continue
-				}
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				if !srv.alive() {
-					r.logf("network %s: server %s died (%s); restarting it", n.Name, name, srv.log)
-					if err := srv.stop(); err != nil {
-						r.logf("network %s: server %s: %v", n.Name, name, err)
-					}
-					if srv, err = start(); err != nil {
-						r.logf("%v", err)
-						srv = &serverProc{name: name}
-					}
-				}
-				run := r.one(ctx, env, n, srv, c, w, rep)
-				if ctx.Err() != nil {
-					// Interrupted runs are not results.
-					return ctx.Err()
-				}
-				r.record(run)
-			}
-		}
-	}
-	if err := srv.stop(); err != nil {
-		r.logf("network %s: stopping %s: %v", n.Name, name, err)
 	}
 	return nil
 }
