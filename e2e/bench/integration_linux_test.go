@@ -119,6 +119,9 @@ func TestRunTinyMatrix(t *testing.T) {
 		if c.LineMBps != 500 || c.PctLine <= 0 || c.VsNbdkit <= 0 {
 			t.Errorf("cell %s: line %v, %% %v, vs nbdkit %v", c.Key, c.LineMBps, c.PctLine, c.VsNbdkit)
 		}
+		if c.Server == ServerOurs && (c.CPUPairs != 2 || c.CPUVsNbdkit <= 0) {
+			t.Errorf("cell %s: server CPU paired with nbdkit's in %d repeats (ratio %v), want 2", c.Key, c.CPUPairs, c.CPUVsNbdkit)
+		}
 	}
 
 	// Nothing is left behind.

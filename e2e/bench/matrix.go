@@ -19,6 +19,7 @@ import (
 // Server names.
 const (
 	ServerOurs      = "ours"       // bin/nbd-server
+	ServerOursB     = "ours-b"     // another build of nbd-server (Options.CandidateBin), measured beside ours
 	ServerOursTLS   = "ours-tls"   // bin/nbd-server, TLS 1.3 required (STARTTLS); our client only
 	ServerNbdkit    = "nbdkit"     // nbdkit's file plugin
 	ServerNbdServer = "nbd-server" // Debian's nbd-server
@@ -31,9 +32,13 @@ const (
 )
 
 // AllServers, AllClients are the full matrix dimensions, in table order.
+// ours-b is not part of "all": it is only there when named, to compare a
+// change of the server with the build before it in the same run.
 var (
 	AllServers = []string{ServerOurs, ServerOursTLS, ServerNbdkit, ServerNbdServer}
-	AllClients = []string{ClientFio, ClientOurs}
+	// serverOrder is the table order of every server name.
+	serverOrder = []string{ServerOurs, ServerOursB, ServerOursTLS, ServerNbdkit, ServerNbdServer}
+	AllClients  = []string{ClientFio, ClientOurs}
 )
 
 // Workload is one access pattern.
@@ -210,7 +215,11 @@ func ParseList(s string, valid []string) ([]string, error) {
 func NewMatrix(servers, networks, clients, workloads string) (Matrix, error) {
 	var m Matrix
 	var err error
-	if m.Servers, err = ParseList(servers, AllServers); err != nil {
+	validServers := serverOrder
+	if strings.TrimSpace(servers) == "" || strings.TrimSpace(servers) == "all" {
+		validServers = AllServers
+	}
+	if m.Servers, err = ParseList(servers, validServers); err != nil {
 		return m, fmt.Errorf("servers: %w", err)
 	}
 	if m.Clients, err = ParseList(clients, AllClients); err != nil {

@@ -14,7 +14,9 @@ type Options struct {
 	Repeat   int
 
 	ServerBin string // our nbd-server
-	LoadBin   string // nbdload
+	// CandidateBin is the nbd-server of server ours-b.
+	CandidateBin string
+	LoadBin      string // nbdload
 	// TmpDir holds the sparse export files; it must be a tmpfs.
 	TmpDir string
 	// Name is the topology name (namespace/interface prefix, at most 11
@@ -56,6 +58,12 @@ func (o *Options) defaults() {
 	}
 }
 
+// ourServer reports whether server is a build of our nbd-server (which
+// opens MPTCP sockets itself).
+func ourServer(server string) bool {
+	return server == ServerOurs || server == ServerOursB || server == ServerOursTLS
+}
+
 // RequiredTools lists the external programs the matrix needs.
 func RequiredTools(m Matrix) []string {
 	tools := []string{"ip", "tc", "ss"}
@@ -70,7 +78,7 @@ func RequiredTools(m Matrix) []string {
 		case ServerNbdServer:
 			tools = append(tools, "nbd-server")
 		}
-		if s != ServerOurs && s != ServerOursTLS && mptcpNet {
+		if !ourServer(s) && mptcpNet {
 			tools = append(tools, "mptcpize")
 		}
 	}

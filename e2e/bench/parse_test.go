@@ -211,6 +211,12 @@ func TestNewMatrix(t *testing.T) {
 		!slices.Equal(m.Clients, []string{"fio", "ours"}) || len(m.Workloads) != 1 {
 		t.Fatalf("selection %+v", m)
 	}
+	if m, err = NewMatrix("nbdkit,ours-b,ours", "tcp1", "fio", "seqread"); err != nil || !slices.Equal(m.Servers, []string{"ours", "ours-b", "nbdkit"}) {
+		t.Fatalf("ours-b named: %v %v", m.Servers, err)
+	}
+	if m, _ = NewMatrix("all", "tcp1", "fio", "seqread"); slices.Contains(m.Servers, ServerOursB) {
+		t.Fatalf("all selects ours-b, which needs a second build: %v", m.Servers)
+	}
 	for _, bad := range [][4]string{{"qemu", "", "", ""}, {"", "tcp9", "", ""}, {"", "", "nbd-client", ""}, {"", "", "", "mixed"}, {",", "", "", ""}} {
 		if _, err := NewMatrix(bad[0], bad[1], bad[2], bad[3]); err == nil {
 			t.Errorf("NewMatrix%q succeeded", bad)

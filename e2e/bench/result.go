@@ -112,6 +112,13 @@ type Cell struct {
 	// Ratios of MBps; 0 when the reference cell is missing or failed.
 	VsTCP1   float64 `json:"ratio_vs_tcp1,omitempty"`
 	VsNbdkit float64 `json:"ratio_vs_nbdkit,omitempty"`
+	// CPUVsNbdkit is the median over the repeats of the server's CPU per
+	// GB over nbdkit's in the same repeat (the servers take turns in
+	// every repeat); CPUPairs counts those repeats and CPUPairsBelow the
+	// ones where this server used less.
+	CPUVsNbdkit   float64 `json:"server_cpu_vs_nbdkit,omitempty"`
+	CPUPairs      int     `json:"server_cpu_pairs,omitempty"`
+	CPUPairsBelow int     `json:"server_cpu_pairs_below,omitempty"`
 	// VsPlain is a TLS server's MBps over the same server's without TLS
 	// (what encryption costs).
 	VsPlain  float64        `json:"ratio_vs_plain,omitempty"`
@@ -198,6 +205,7 @@ func Aggregate(runs []RunResult, line map[string]float64) []*Cell {
 		}
 		return 0
 	}
+	pairCPU(cells, runs)
 	for _, c := range cells {
 		if !c.OK() {
 			continue
@@ -215,6 +223,42 @@ func Aggregate(runs []RunResult, line map[string]float64) []*Cell {
 		}
 	}
 	return cells
+}
+
+// pairCPU sets the CPU ratios to nbdkit of every cell, pairing the runs
+// of the same repeat.
+func pairCPU(cells []*Cell, runs []RunResult) {
+	type rep struct {
+		Key
+		n int
+	}
+	cpu := map[rep]float64{}
+	for _, r := range runs {
+		if r.OK && r.ServerCPUPerGB > 0 {
+			cpu[rep{r.Key, r.Repeat}] = r.ServerCPUPerGB
+		}
+	}
+	for _, c := range cells {
+		if c.Server == ServerNbdkit {
+			continue
+		}
+		var ratios []float64
+		for k, v := range cpu {
+			if k.Key != c.Key {
+				continue
+			}
+			ref := k
+			ref.Server = ServerNbdkit
+			if nb := cpu[ref]; nb > 0 {
+				ratios = append(ratios, v/nb)
+				if v < nb {
+					c.CPUPairsBelow++
+				}
+			}
+		}
+		c.CPUPairs = len(ratios)
+		c.CPUVsNbdkit = Median(ratios)
+	}
 }
 
 // SortCells orders cells by network, workload, client and server in the
@@ -240,7 +284,7 @@ func SortCells(cells []*Cell) {
 			{idx(nets, a.Network), idx(nets, b.Network)},
 			{idx(wls, a.Workload), idx(wls, b.Workload)},
 			{idx(AllClients, a.Client), idx(AllClients, b.Client)},
-			{idx(AllServers, a.Server), idx(AllServers, b.Server)},
+			{idx(serverOrder, a.Server), idx(serverOrder, b.Server)},
 		} {
 			if d[0] != d[1] {
 				return d[0] < d[1]
@@ -268,11 +312,11 @@ func fmtRatio(v float64) string {
 // reasons of failed runs.
 func WriteTable(w io.Writer, cells []*Cell) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tmin-max\tIOPS\t% line\tvs tcp1\tvs nbdkit\tvs plain\tsrv CPU s/GB\tcli CPU s/GB\tsubflows\tstatus\t")
+	fmt.Fprintln(tw, "network\tworkload\tclient\tserver\tMB/s\tmin-max\tIOPS\t% line\tvs tcp1\tvs nbdkit\tvs plain\tsrv CPU s/GB\tvs nbdkit (below)\tcli CPU s/GB\tsubflows\tstatus\t")
 	var prev Key
 	for i, c := range cells {
 		if i > 0 && (c.Network != prev.Network || c.Workload != prev.Workload) {
-			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
+			fmt.Fprintln(tw, "\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
 		}
 		prev = c.Key
 		status := "ok"
@@ -287,9 +331,13 @@ func WriteTable(w io.Writer, cells []*Cell) error {
 		if c.Runs-c.Failed > 1 {
 			spread = fmt.Sprintf("%.0f-%.0f", c.MinMBps, c.MaxMBps)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
+		cpuPairs := "-"
+		if c.CPUPairs > 0 {
+			cpuPairs = fmt.Sprintf("%s (%d/%d)", fmtRatio(c.CPUVsNbdkit), c.CPUPairsBelow, c.CPUPairs)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n",
 			c.Network, c.Workload, c.Client, c.Server, mbps, spread, iops, pct,
-			fmtRatio(c.VsTCP1), fmtRatio(c.VsNbdkit), fmtRatio(c.VsPlain), fmtFloat(c.ServerCPU, 3), fmtFloat(c.ClientCPU, 3),
+			fmtRatio(c.VsTCP1), fmtRatio(c.VsNbdkit), fmtRatio(c.VsPlain), fmtFloat(c.ServerCPU, 3), cpuPairs, fmtFloat(c.ClientCPU, 3),
 			c.Subflows.String(), status)
 	}
 	if err := tw.Flush(); err != nil {

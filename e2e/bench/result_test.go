@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"encoding/xml"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -89,7 +90,15 @@ func TestAggregate(t *testing.T) {
 	if mp.MBps != 450 || mp.VsTCP1 != 450/118.0 || mp.VsNbdkit != 1 || mp.PctLine != 90 || mp.ServerCPU != 0.45 {
 		t.Errorf("mptcp4 cell %+v", mp)
 	}
-	if kit := get("nbdkit", "mptcp4"); kit.MBps != 450 || kit.VsNbdkit != 1 || kit.VsTCP1 != 0 {
+	// Paired by repeat: 0.46/0.40 and 0.30/0.50; ours' third repeat has
+	// no nbdkit run beside it.
+	if want := (0.46/0.40 + 0.30/0.50) / 2; math.Abs(mp.CPUVsNbdkit-want) > 1e-9 || mp.CPUPairs != 2 || mp.CPUPairsBelow != 1 {
+		t.Errorf("mptcp4 CPU against nbdkit %v (%d of %d pairs below), want %v (1 of 2)", mp.CPUVsNbdkit, mp.CPUPairsBelow, mp.CPUPairs, want)
+	}
+	if ns := get("nbd-server", "mptcp4"); ns.CPUPairs != 1 || math.Abs(ns.CPUVsNbdkit-0.47/0.40) > 1e-9 {
+		t.Errorf("nbd-server CPU pairs: one repeat failed, one has no nbdkit run: %+v", ns)
+	}
+	if kit := get("nbdkit", "mptcp4"); kit.MBps != 450 || kit.VsNbdkit != 1 || kit.VsTCP1 != 0 || kit.CPUPairs != 0 {
 		t.Errorf("nbdkit cell %+v", kit)
 	}
 	ns := get("nbd-server", "mptcp4")
@@ -118,7 +127,8 @@ func TestWriteTable(t *testing.T) {
 	out := b.String()
 	t.Log("\n" + out)
 	for _, want := range []string{"MB/s", "vs tcp1", "vs nbdkit", "srv CPU s/GB", "3.81x", "FAILED 1/3",
-		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0", "min-max", "300-460", "470-480", "vs plain", "0.91x"} {
+		"FAILED nbd-server/fio mptcp4 seqread", "fio job error 5", "90.0", "min-max", "300-460", "470-480", "vs plain", "0.91x",
+		"vs nbdkit (below)", "(1/2)"} {
 		if !strings.Contains(out, want) && !strings.Contains(out, strings.ReplaceAll(want, "nbd-server/fio mptcp4", "mptcp4 nbd-server/fio")) {
 			t.Errorf("table lacks %q", want)
 		}

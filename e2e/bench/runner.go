@@ -63,7 +63,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if missing := MissingTools(o.Matrix); len(missing) > 0 {
 		return finish(fmt.Errorf("missing tools: %s (hack/install-deps.sh installs them)", strings.Join(missing, ", ")))
 	}
-	for _, bin := range []string{o.ServerBin, o.LoadBin} {
+	for _, bin := range []string{o.ServerBin, o.CandidateBin, o.LoadBin} {
 		if bin == "" {
 			continue
 		}
@@ -147,7 +147,7 @@ func (r *runner) network(ctx context.Context, n Network) error {
 		}()
 	}
 	env := &serverEnv{topo: t, mptcp: n.MPTCP, port: r.o.Port, serverBin: r.o.ServerBin,
-		tmpDir: r.o.TmpDir, tag: r.o.Name}
+		candidateBin: r.o.CandidateBin, tmpDir: r.o.TmpDir, tag: r.o.Name}
 	if slices.Contains(r.o.Matrix.Servers, ServerOursTLS) {
 		dir, err := writeBenchPKI(r.o.TmpDir, r.o.Name, t.ServerAddr(1).String())
 		if err != nil {

@@ -71,8 +71,10 @@ type serverEnv struct {
 	mptcp     bool
 	port      int
 	serverBin string // our nbd-server binary
-	tmpDir    string // tmpfs directory for the backing files
-	tag       string // makes file names unique per benchmark
+	// candidateBin is the nbd-server of ours-b.
+	candidateBin string
+	tmpDir       string // tmpfs directory for the backing files
+	tag          string // makes file names unique per benchmark
 	// pkiDir holds the CA, server and client certificates of ours-tls
 	// (pki's GnuTLS layout; the server certificate names the server's
 	// address).
@@ -109,8 +111,14 @@ func startServer(ctx context.Context, e *serverEnv, name string) (_ *serverProc,
 	host, port := e.topo.ServerAddr(1).String(), strconv.Itoa(e.port)
 	var argv []string
 	switch name {
-	case ServerOurs, ServerOursTLS:
-		argv = inNS(e.topo.ServerNS, false, e.serverBin,
+	case ServerOurs, ServerOursB, ServerOursTLS:
+		bin := e.serverBin
+		if name == ServerOursB {
+			if bin = e.candidateBin; bin == "" {
+				return s, errors.New("server ours-b needs a second build of nbd-server (--bin-b)")
+			}
+		}
+		argv = inNS(e.topo.ServerNS, false, bin,
 			"--listen", e.addr(),
 			"--export", fmt.Sprintf("%s=%s,size=%d", ExportName, s.file, ExportSize),
 			"--metrics-addr", "", "--log-level", "warn", "--shutdown-timeout", "2s")

@@ -66,6 +66,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		quick     = fs.Bool("quick", false, "smoke run: --duration 3s --repeat 1")
 		profile   = fs.String("profile", "full", "full (the matrix), demo (TCP vs MPTCP with our server and client, chart in out/demo.svg) or many (one server, many volumes written at once: --volumes)")
 		binDir    = fs.String("bin", "bin", "directory with nbd-server and nbdload")
+		binB      = fs.String("bin-b", "", "directory with a second build of nbd-server, the server ours-b (--servers ours,ours-b,nbdkit compares a change in the same run)")
 		outPath   = fs.String("out", "", "JSON report (default out/bench.json, out/demo.json for the demo)")
 		svgPath   = fs.String("svg", "out/demo.svg", "demo chart")
 		tmpDir    = fs.String("tmpdir", "/dev/shm", "tmpfs directory for the export files (a private tmpfs is mounted if it is not one)")
@@ -139,6 +140,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "bench:", err)
 		return 2
 	}
+	if contains(m.Servers, bench.ServerOursB) && *binB == "" {
+		fmt.Fprintln(stderr, "bench: server ours-b needs --bin-b DIR (a second build of nbd-server)")
+		return 2
+	}
 	if *duration <= 0 || *repeat < 1 || *ramp < 0 {
 		fmt.Fprintln(stderr, "bench: --duration must be positive, --repeat at least 1, --ramp not negative")
 		return 2
@@ -175,10 +180,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if !contains(m.Servers, bench.ServerOurs) && !contains(m.Servers, bench.ServerOursTLS) {
 		opts.ServerBin = ""
 	}
+	if contains(m.Servers, bench.ServerOursB) {
+		opts.CandidateBin = filepath.Join(*binB, "nbd-server")
+	}
 	if !contains(m.Clients, bench.ClientOurs) {
 		opts.LoadBin = ""
 	}
-	for _, p := range []*string{&opts.ServerBin, &opts.LoadBin} {
+	for _, p := range []*string{&opts.ServerBin, &opts.CandidateBin, &opts.LoadBin} {
 		if *p != "" {
 			if abs, err := filepath.Abs(*p); err == nil {
 				*p = abs

@@ -34,6 +34,7 @@ func TestUsageErrors(t *testing.T) {
 		{"--servers", "qemu"},
 		{"--workloads", "mixed", "--list"},
 		{"--repeat", "0", "--list"},
+		{"--servers", "ours,ours-b", "--list"},
 		{"--bogus"},
 	} {
 		var stdout, stderr bytes.Buffer
