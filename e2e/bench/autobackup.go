@@ -3,11 +3,9 @@ package bench
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net/netip"
-	"slices"
 	"time"
 
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
@@ -41,7 +39,7 @@ func startAutoBackup(t *topo.Topology, w io.Writer) (stop func() error) {
 	}()
 	go func() {
 		errs <- topo.InNetns(t.ClientNS, func() error {
-			return flagInPlace(ctx, clientAddrs, log.With("host", "client"))
+			return mptcp.FlagInPlace(ctx, clientAddrs, mptcp.SlowPathPolicy{}, log.With("host", "client"))
 		})
 	}()
 	return func() error {
@@ -56,56 +54,5 @@ func startAutoBackup(t *topo.Topology, w io.Writer) (stop func() error) {
 			}
 		}
 		return errors.Join(all...)
-	}
-}
-
-// flagInPlace runs mptcp.SlowPaths over the calling thread's namespace and
-// sets the backup flag of whatever endpoint holds a flagged address. Like
-// Keep, it measures flagged paths aside (mptcp.ProbePath).
-func flagInPlace(ctx context.Context, addrs []netip.Addr, log *slog.Logger) error {
-	pm, err := mptcp.DialPM()
-	if err != nil {
-		return err
-	}
-	defer pm.Close()
-	diag, err := mptcp.DialSocketDiag()
-	if err != nil {
-		return err
-	}
-	defer diag.Close()
-	sp := mptcp.NewSlowPaths(mptcp.SlowPathPolicy{Measure: mptcp.ProbePath})
-	tick := time.NewTicker(mptcp.SlowPathInterval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case now := <-tick.C:
-			socks, err := diag.Established()
-			if err != nil {
-				return err
-			}
-			for _, e := range sp.Observe(now, socks, addrs) {
-				mptcp.LogPathEvent(log, e)
-			}
-			flagged := sp.Flagged()
-			eps, err := pm.Endpoints()
-			if err != nil {
-				return err
-			}
-			for _, ep := range eps {
-				if !slices.Contains(addrs, ep.Addr) {
-					continue
-				}
-				want := slices.Contains(flagged, ep.Addr)
-				if (ep.Flags&mptcp.Backup != 0) == want {
-					continue
-				}
-				ep.Flags ^= mptcp.Backup
-				if err := pm.SetEndpointFlags(ep); err != nil {
-					return fmt.Errorf("flag %s: %w", ep.Addr, err)
-				}
-			}
-		}
 	}
 }

@@ -92,6 +92,9 @@ type slowPathWatch struct {
 	}
 	log  *slog.Logger
 	kick chan struct{}
+	// failing: the last sample could not read the subflows (sampling
+	// goroutine only).
+	failing bool
 
 	mu      sync.Mutex
 	managed []netip.Addr
@@ -117,27 +120,32 @@ func (w *slowPathWatch) flagged() []netip.Addr {
 func (w *slowPathWatch) run(ctx context.Context, every time.Duration) {
 	t := time.NewTicker(every)
 	defer t.Stop()
-	failing := false
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			socks, err := w.diag.Established()
-			if err != nil {
-				if !failing {
-					w.log.Warn("slow paths: cannot read the subflows", "error", err)
-				}
-				failing = true
-				continue
-			}
-			failing = false
-			w.mu.Lock()
-			managed := slices.Clone(w.managed)
-			w.mu.Unlock()
-			w.step(now, socks, managed)
+			w.sample(now)
 		}
 	}
+}
+
+// sample reads the namespace's subflows and steps the SlowPaths with
+// them. A failure to read them is logged once, until reading works again.
+func (w *slowPathWatch) sample(now time.Time) {
+	socks, err := w.diag.Established()
+	if err != nil {
+		if !w.failing {
+			w.log.Warn("slow paths: cannot read the subflows", "error", err)
+		}
+		w.failing = true
+		return
+	}
+	w.failing = false
+	w.mu.Lock()
+	managed := slices.Clone(w.managed)
+	w.mu.Unlock()
+	w.step(now, socks, managed)
 }
 
 // step feeds one sample to the SlowPaths, logs its decisions and kicks
@@ -158,6 +166,68 @@ func (w *slowPathWatch) step(now time.Time, socks []TCPSocket, managed []netip.A
 		default:
 		}
 	}
+}
+
+// FlagInPlace watches the subflows of the calling thread's network
+// namespace for slow paths among addrs, as Keep does for the endpoints it
+// keeps, and sets or clears the backup flag of whatever endpoint holds a
+// flagged address, until ctx ends. It is for a host whose endpoints are
+// not Keep's to own: a client that only joins the addresses its peer
+// announces, for which the kernel records implicit endpoints. The flags
+// are set again at every sample, so that an endpoint the kernel records
+// anew (its subflow closed and came back) is flagged too.
+func FlagInPlace(ctx context.Context, addrs []netip.Addr, policy SlowPathPolicy, log *slog.Logger) error {
+	pm, err := DialPM()
+	if err != nil {
+		return fmt.Errorf("MPTCP path manager: %w", err)
+	}
+	defer pm.Close()
+	diag, err := DialSocketDiag()
+	if err != nil {
+		return fmt.Errorf("socket diagnostics: %w", err)
+	}
+	defer diag.Close()
+	if policy.Measure == nil {
+		policy.Measure = ProbePath
+	}
+	w := newSlowPathWatch(NewSlowPaths(policy), diag, log)
+	w.setManaged(addrs)
+	t := time.NewTicker(SlowPathInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case now := <-t.C:
+			w.sample(now)
+			if err := flagEndpoints(pm, addrs, w.flagged()); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// flagEndpoints sets the backup flag of the endpoints that hold an address
+// of flagged and clears it on those that hold another address of addrs.
+func flagEndpoints(pm *PM, addrs, flagged []netip.Addr) error {
+	eps, err := pm.Endpoints()
+	if err != nil {
+		return err
+	}
+	for _, ep := range eps {
+		if !slices.Contains(addrs, ep.Addr) {
+			continue
+		}
+		want := slices.Contains(flagged, ep.Addr)
+		if (ep.Flags&Backup != 0) == want {
+			continue
+		}
+		ep.Flags ^= Backup
+		if err := pm.SetEndpointFlags(ep); err != nil {
+			return fmt.Errorf("flag %s: %w", ep.Addr, err)
+		}
+	}
+	return nil
 }
 
 // LogPathEvent logs one slow-path decision.

@@ -26,13 +26,18 @@ import (
 // others, and the flag goes and the path carries data again. "reads" is
 // the storage server's side (it sends, signal endpoints), "writes" the
 // node's (subflow endpoints).
+// TestKeepFlagsSlowPath: on the sending host, Keep (or, in place,
+// FlagInPlace over the kernel's implicit endpoints of a client that only
+// joins what the server announces) flags the slow path's endpoint backup,
+// keeps it flagged while it stays slow, and clears the flag once it
+// recovers.
 func TestKeepFlagsSlowPath(t *testing.T) {
-	for _, side := range []string{"reads", "writes"} {
-		t.Run(side, func(t *testing.T) { testKeepFlagsSlowPath(t, side == "reads") })
+	for _, side := range []string{"reads", "writes", "writes-in-place"} {
+		t.Run(side, func(t *testing.T) { testKeepFlagsSlowPath(t, side == "reads", side == "writes-in-place") })
 	}
 }
 
-func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
+func testKeepFlagsSlowPath(t *testing.T, serverSends, inPlace bool) {
 	tp := topo.NewForTest(t, topo.Asymmetric(topo.UniqueName("sp")))
 	if err := mptcp.Available(); err != nil {
 		t.Skipf("skipping: MPTCP unavailable: %v", err)
@@ -73,7 +78,16 @@ func testKeepFlagsSlowPath(t *testing.T, serverSends bool) {
 	log := slog.New(slog.NewTextHandler(tWriter{t}, nil))
 	policy := &mptcp.SlowPathPolicy{ProbeAfter: 2 * time.Second}
 	go func() {
-		kept <- inSender(func() error { return mptcp.Keep(ctx, d, log, policy) })
+		kept <- inSender(func() error {
+			if inPlace {
+				var addrs []netip.Addr
+				for i := range tp.Paths {
+					addrs = append(addrs, tp.ClientAddr(i+1))
+				}
+				return mptcp.FlagInPlace(ctx, addrs, *policy, log)
+			}
+			return mptcp.Keep(ctx, d, log, policy)
+		})
 	}()
 
 	// The sender writes as fast as it can, the receiver discards.
