@@ -530,8 +530,17 @@ func TestFusePluginRestartDuringOutage(t *testing.T) {
 	if err != nil || len(atts) != 1 || atts[0].Device != att.Device {
 		t.Fatalf("the new attacher took over %+v (%v), want %s", atts, err, att.Device)
 	}
-	if h, err := fresh.Health(tg.VolumeID); err != nil || h.Connected {
-		t.Errorf("health from the new attacher during the outage: %+v, %v", h, err)
+	// The volume's process notices the dead connection on its own
+	// schedule (the kill's reset, or its next request): bounded.
+	var h attach.Health
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		h, err = fresh.Health(tg.VolumeID)
+		if (err == nil && !h.Connected) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil || h.Connected {
+		t.Errorf("health from the new attacher 5 s into the outage: %+v, %v", h, err)
 	}
 	select {
 	case err := <-res:
