@@ -2,34 +2,50 @@ package nbd
 
 import (
 	"bytes"
+	"io"
 	"runtime"
 	"sync"
 	"testing"
 	"time"
 )
 
-// whereBackend records, for every write, whether the goroutine reading
-// the connection executed it, and can hold writes: the first `slow` ones
-// sleep past the inline budget, and while hold is set every later one
-// waits for release.
+// whereBackend records, for every write and read, whether the goroutine
+// reading the connection executed it, and can hold writes: the first
+// `slow` ones sleep past the inline budget, and while hold is set every
+// later one waits for release.
 type whereBackend struct {
 	*MemBackend
 	slow int
 
 	mu       sync.Mutex
 	inReader []bool
+	reads    []bool // inReader of the reads
 	inside   int
 	maxIn    int
 	hold     bool
 	release  chan struct{}
 }
 
-func (b *whereBackend) WriteAt(p []byte, off int64) (int, error) {
+// onReader reports whether the calling goroutine reads a connection.
+func onReader() bool {
 	stack := make([]byte, 8<<10)
 	stack = stack[:runtime.Stack(stack, false)]
+	return bytes.Contains(stack, []byte("(*serverConn).transmit("))
+}
+
+func (b *whereBackend) ReadAt(p []byte, off int64) (int, error) {
+	r := onReader()
+	b.mu.Lock()
+	b.reads = append(b.reads, r)
+	b.mu.Unlock()
+	return b.MemBackend.ReadAt(p, off)
+}
+
+func (b *whereBackend) WriteAt(p []byte, off int64) (int, error) {
+	r := onReader()
 	b.mu.Lock()
 	n := len(b.inReader)
-	b.inReader = append(b.inReader, bytes.Contains(stack, []byte("(*serverConn).transmit(")))
+	b.inReader = append(b.inReader, r)
 	b.inside++
 	b.maxIn = max(b.maxIn, b.inside)
 	hold := b.hold
@@ -54,6 +70,12 @@ func (b *whereBackend) where() []bool {
 	return append([]bool(nil), b.inReader...)
 }
 
+func (b *whereBackend) whereReads() []bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]bool(nil), b.reads...)
+}
+
 func writeAndWait(t *testing.T, s *Server, export string, reqs ...Request) {
 	t.Helper()
 	c := rawSession(t, s, export)
@@ -69,12 +91,12 @@ func writeAndWait(t *testing.T, s *Server, export string, reqs ...Request) {
 // on the reader: nothing else is in flight and the backend is fast.
 // A FUA write (the last: the reply of a worker is in flight until the
 // worker wrote it) goes to the workers, and so does everything with
-// NoInlineWrites.
+// NoInline.
 func TestInlineWrites(t *testing.T) {
 	for _, noInline := range []bool{false, true} {
 		b := &whereBackend{MemBackend: NewMemBackend(1 << 20)}
 		s := newTestServer(t, &Export{Name: "d", Backend: b})
-		s.NoInlineWrites = noInline
+		s.NoInline = noInline
 		s.inlineBase = time.Minute // no pause on a loaded machine
 		var reqs []Request
 		for i := range 8 {
@@ -88,12 +110,54 @@ func TestInlineWrites(t *testing.T) {
 		for i, inReader := range b.where() {
 			want := !noInline && i != 7
 			if inReader != want {
-				t.Errorf("NoInlineWrites %v: write %d (FUA %v) ran on the reader: %v, want %v", noInline, i, i == 7, inReader, want)
+				t.Errorf("NoInline %v: write %d (FUA %v) ran on the reader: %v, want %v", noInline, i, i == 7, inReader, want)
 			}
 		}
 		for i := range 8 {
 			if got := b.data[i*4096]; got != byte(i+1) {
-				t.Errorf("NoInlineWrites %v: block %d holds %d, want %d", noInline, i, got, i+1)
+				t.Errorf("NoInline %v: block %d holds %d, want %d", noInline, i, got, i+1)
+			}
+		}
+	}
+}
+
+// Reads of inlineReadMin bytes and more, each sent after the reply of
+// the one before, run on the reader and answer with the right bytes;
+// smaller reads go to the workers (their replies are batched), and so
+// does everything with NoInline.
+func TestInlineReads(t *testing.T) {
+	for _, noInline := range []bool{false, true} {
+		const size = 4 << 20
+		b := &whereBackend{MemBackend: NewMemBackend(size)}
+		for i := range b.data {
+			b.data[i] = byte(i*7 + i>>12)
+		}
+		s := newTestServer(t, &Export{Name: "d", Backend: b})
+		s.NoInline = noInline
+		s.inlineBase = time.Minute // no pause on a loaded machine
+		c := rawSession(t, s, "d")
+		// The small ones last: a request right after a worker's reply may
+		// find that worker not yet done with it, so not idle.
+		lengths := []uint32{inlineReadMin, 1 << 20, 2 << 20, 4096, inlineReadMin - 512}
+		off := uint64(0)
+		for i, n := range lengths {
+			sendReq(t, c, Request{Type: CmdRead, Handle: uint64(i + 1), Offset: off, Length: n}, nil)
+			if rep := readRep(t, c); rep.Errno != 0 || rep.Handle != uint64(i+1) {
+				t.Fatalf("read %d: reply %+v", i, rep)
+			}
+			got := make([]byte, n)
+			if _, err := io.ReadFull(c, got); err != nil {
+				t.Fatalf("read %d payload: %v", i, err)
+			}
+			if !bytes.Equal(got, b.data[off:off+uint64(n)]) {
+				t.Fatalf("NoInline %v: read %d (%d bytes at %d) returned other bytes", noInline, i, n, off)
+			}
+			off += uint64(n)
+		}
+		for i, inReader := range b.whereReads() {
+			want := !noInline && lengths[i] >= inlineReadMin
+			if inReader != want {
+				t.Errorf("NoInline %v: read %d of %d bytes ran on the reader: %v, want %v", noInline, i, lengths[i], inReader, want)
 			}
 		}
 	}
@@ -154,16 +218,19 @@ func TestInlineWritesSlowBackend(t *testing.T) {
 	}
 }
 
-func TestInlineWritesPolicy(t *testing.T) {
+func TestInlinePolicy(t *testing.T) {
 	t0 := time.Now()
 	w := func(typ uint16, flags uint16, length uint32, at time.Duration) work {
 		return work{req: Request{Type: typ, Flags: flags, Length: length}, start: t0.Add(at)}
 	}
-	p := inlineWrites{base: inlineBase}
-	if !p.ok(w(CmdWrite, 0, 1<<20, 0)) {
-		t.Fatal("a write on a fresh connection is not inline")
+	p := inlineRequests{base: inlineBase}
+	for _, x := range []work{w(CmdWrite, 0, 1<<20, 0), w(CmdWrite, 0, 512, 0), w(CmdRead, 0, 1<<20, 0), w(CmdRead, 0, inlineReadMin, 0)} {
+		if !p.ok(x) {
+			t.Fatalf("%s of %d bytes on a fresh connection is not inline", CmdName(x.req.Type), x.req.Length)
+		}
 	}
-	for _, x := range []work{w(CmdRead, 0, 4096, 0), w(CmdWrite, CmdFlagFUA, 4096, 0), w(CmdFlush, 0, 0, 0), w(CmdTrim, 0, 4096, 0)} {
+	for _, x := range []work{w(CmdRead, 0, 4096, 0), w(CmdRead, 0, inlineReadMin-1, 0), w(CmdWrite, CmdFlagFUA, 4096, 0),
+		w(CmdFlush, 0, 0, 0), w(CmdTrim, 0, 4096, 0), w(CmdWriteZeroes, 0, 1<<20, 0)} {
 		if p.ok(x) {
 			t.Errorf("%s flags %#x is inline", CmdName(x.req.Type), x.req.Flags)
 		}
@@ -178,11 +245,19 @@ func TestInlineWritesPolicy(t *testing.T) {
 	if p.ok(w(CmdWrite, 0, 4096, 2*time.Millisecond)) {
 		t.Fatal("a write over its budget did not pause inline writes")
 	}
+	if p.ok(w(CmdRead, 0, 1<<20, 2*time.Millisecond)) {
+		t.Fatal("a slow write did not pause inline reads")
+	}
 	if !p.ok(w(CmdWrite, 0, 4096, inlineBase+1100*time.Microsecond+inlinePause+time.Millisecond)) {
 		t.Fatal("inline writes did not resume after the pause")
 	}
-	p = inlineWrites{off: true, base: inlineBase}
-	if p.ok(w(CmdWrite, 0, 4096, 0)) {
-		t.Fatal("inline with NoInlineWrites")
+	// A read's budget is a write's: 1 MiB read in 1.6 ms pauses.
+	p.took(w(CmdRead, 0, 1<<20, 0), t0, t0.Add(inlineBase+1100*time.Microsecond))
+	if p.ok(w(CmdRead, 0, 1<<20, 2*time.Millisecond)) {
+		t.Fatal("a read over its budget did not pause inline reads")
+	}
+	p = inlineRequests{off: true, base: inlineBase}
+	if p.ok(w(CmdWrite, 0, 4096, 0)) || p.ok(w(CmdRead, 0, 1<<20, 0)) {
+		t.Fatal("inline with NoInline")
 	}
 }

@@ -156,12 +156,13 @@ type Server struct {
 	// Workers is the number of goroutines executing requests per
 	// connection; zero means 16.
 	Workers int
-	// NoInlineWrites hands every request to a worker. By default the
-	// goroutine reading a connection executes a write itself while
-	// nothing else of the connection is in flight and the backend is
-	// fast, which saves two goroutine wake-ups per request of a stream.
-	NoInlineWrites bool
-	// inlineBase replaces the fixed part of an inline write's budget
+	// NoInline hands every request to a worker. By default the goroutine
+	// reading a connection executes a write, or a read of 16 KiB or
+	// more, itself while nothing else of the connection is in flight and
+	// the backend is fast, which saves two goroutine wake-ups per request
+	// of a stream.
+	NoInline bool
+	// inlineBase replaces the fixed part of an inline request's budget
 	// (tests on a loaded machine).
 	inlineBase time.Duration
 	// TLSConfig, when set, offers NBD_OPT_STARTTLS: the connection upgrades

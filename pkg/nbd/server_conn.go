@@ -39,7 +39,7 @@ type serverConn struct {
 	// active: this connection sent a request and superseded the older
 	// ones of its session lane (reader goroutine only).
 	active   bool
-	inline   inlineWrites
+	inline   inlineRequests
 	inflight sync.WaitGroup
 	lim      *limiter
 
@@ -106,7 +106,7 @@ func (c *serverConn) transmit() {
 	}
 	r := bufio.NewReaderSize(src, 256<<10)
 	e := c.export
-	c.inline = inlineWrites{off: c.srv.NoInlineWrites, base: inlineBase}
+	c.inline = inlineRequests{off: c.srv.NoInline, base: inlineBase}
 	if c.srv.inlineBase > 0 {
 		c.inline.base = c.srv.inlineBase
 	}
@@ -229,41 +229,51 @@ func (c *serverConn) run(w work) time.Time {
 	return end
 }
 
-// inlineWrites decides when the reader executes a write itself instead of
-// handing it to a worker. Handing over costs a wake-up of the worker and
-// of the reader per request, most of what a streamed write costs the
-// server beyond the copies; executing inline costs the connection the
-// reading of the requests behind it for as long as the backend takes.
-// So the reader executes a write only when nothing else of the
-// connection is in flight (a stream of writes, one after the other: a
-// mixed load keeps its parallelism and the reader never ends up writing
-// the replies of reads), never one that asks for FUA (a sync), and only
-// while the backend is fast: a write that takes longer than its budget
-// sends the writes of the next second to the workers. Reader goroutine
-// only.
-type inlineWrites struct {
-	off        bool // Server.NoInlineWrites
+// inlineRequests decides when the reader executes a request itself
+// instead of handing it to a worker. Handing over costs a wake-up of the
+// worker and of the reader per request, most of what a streamed request
+// costs the server beyond the copies; executing inline costs the
+// connection the reading of the requests behind it for as long as the
+// backend takes and, for a read, until its reply is in the socket. So the
+// reader executes a request only when nothing else of the connection is
+// in flight (a stream, one request after the other's reply: a mixed load
+// keeps its parallelism, and the reader never writes a reply but its own),
+// only a write that asks for no FUA (a sync) or a read of at least
+// inlineReadMin bytes (small replies are cheaper sent by the workers,
+// several in one system call, above all on MPTCP), and only while the
+// backend is fast: a request that takes longer than its budget sends the
+// requests of the next second to the workers. Reader goroutine only.
+type inlineRequests struct {
+	off        bool // Server.NoInline
 	base       time.Duration
 	pausedTill time.Time
 }
 
-// inlineBase and inlineRate make a write's budget: a fixed part for the
+// inlineBase and inlineRate make a request's budget: a fixed part for the
 // system call and the rate under which a backend counts as slow.
+// inlineReadMin is the smallest read executed inline.
 const (
-	inlineBase  = 500 * time.Microsecond
-	inlineRate  = 1 << 30 // bytes per second
-	inlinePause = time.Second
+	inlineBase    = 500 * time.Microsecond
+	inlineRate    = 1 << 30 // bytes per second
+	inlinePause   = time.Second
+	inlineReadMin = 16 << 10
 )
 
-func (p *inlineWrites) ok(w work) bool {
-	if p.off || w.req.Type != CmdWrite || w.req.Flags&CmdFlagFUA != 0 {
+func (p *inlineRequests) ok(w work) bool {
+	if p.off || w.req.Flags&CmdFlagFUA != 0 {
+		return false
+	}
+	switch {
+	case w.req.Type == CmdWrite:
+	case w.req.Type == CmdRead && w.req.Length >= inlineReadMin:
+	default:
 		return false
 	}
 	return p.pausedTill.IsZero() || w.start.After(p.pausedTill)
 }
 
-// took records how long an inline write took in the backend.
-func (p *inlineWrites) took(w work, begin, end time.Time) {
+// took records how long an inline request took in the backend.
+func (p *inlineRequests) took(w work, begin, end time.Time) {
 	budget := p.base + time.Duration(int64(w.req.Length)*int64(time.Second)/inlineRate)
 	if end.Sub(begin) > budget {
 		p.pausedTill = end.Add(inlinePause)
