@@ -406,6 +406,12 @@ storageAgent:
 		}
 	})
 
+	if os.Getenv(envScaleOnly) != "" {
+		// The scale scenario alone, on the freshly installed driver.
+		s.scaleScenario()
+		s.uninstallScenario()
+		return
+	}
 	s.upgradeScenario()
 	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	s.encryptedScenario()
