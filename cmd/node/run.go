@@ -229,13 +229,18 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		}
 		adopt(ctx, m, log)
 		if o.serveDatapath != "" {
-			if o.readyFile != "" {
-				if err := os.WriteFile(o.readyFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-					return fmt.Errorf("ready file: %w", err)
+			// Ready once the socket accepts: a node plugin or probe that
+			// trusts the file must not meet a socket that refuses.
+			ready := func() error {
+				if o.readyFile != "" {
+					if err := os.WriteFile(o.readyFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+						return fmt.Errorf("ready file: %w", err)
+					}
 				}
+				log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
+				return nil
 			}
-			log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
-			return datapath.ServeGeneration(ctx, o.serveDatapath, m, log, o.generation)
+			return datapath.ServeGeneration(ctx, o.serveDatapath, m, log, o.generation, ready)
 		}
 		mgr = m
 	}

@@ -219,3 +219,51 @@ func TestCallCancelled(t *testing.T) {
 		t.Fatalf("%d attaches cancelled by the component's end, want 1", n)
 	}
 }
+
+// TestServeReadyOnlyOnceListening: the ready callback runs when the
+// socket accepts calls (the datapath's ready file is written there: a
+// node plugin that trusts it must not meet a socket that refuses), and
+// its error stops serving.
+func TestServeReadyOnlyOnceListening(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "datapath.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	svc := &fakeService{}
+	called := make(chan error, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- ServeGeneration(ctx, path, svc, quiet(), 0, func() error {
+			// Called from the serving goroutine before its accept loop:
+			// the backlog takes the connection, the call waits for it.
+			called <- nil
+			return nil
+		})
+	}()
+	select {
+	case <-called:
+	case err := <-done:
+		t.Fatalf("ServeGeneration returned before it was ready: %v", err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("ready not called in 5 s")
+	}
+	// No retry: the first call after ready must be answered.
+	c := &Client{Path: path}
+	if tr := c.Available(); tr == nil {
+		t.Fatal("the datapath did not answer right after it said ready")
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("ServeGeneration: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("ServeGeneration did not return")
+	}
+
+	failing := errors.New("no ready file")
+	err := ServeGeneration(context.Background(), filepath.Join(t.TempDir(), "d.sock"), svc, quiet(), 0, func() error { return failing })
+	if !errors.Is(err, failing) {
+		t.Fatalf("ServeGeneration with a failing ready: %v, want %v", err, failing)
+	}
+}

@@ -123,7 +123,7 @@ func servePredecessorGen(t *testing.T, h *handing, gen int64) string {
 	path := filepath.Join(t.TempDir(), "datapath.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- ServeGeneration(ctx, path, h, quiet(), gen) }()
+	go func() { done <- ServeGeneration(ctx, path, h, quiet(), gen, nil) }()
 	t.Cleanup(func() {
 		cancel()
 		select {

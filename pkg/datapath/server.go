@@ -128,15 +128,17 @@ func (s *rpcService) Available(_ None, r *AvailableReply) error {
 // readable by root only) until ctx ends. Calls run with ctx: a call in
 // flight when it ends is cancelled.
 func Serve(ctx context.Context, path string, svc Service, log *slog.Logger) error {
-	return ServeGeneration(ctx, path, svc, log, 0)
+	return ServeGeneration(ctx, path, svc, log, 0, nil)
 }
 
 // ServeGeneration is Serve for a datapath of generation gen (its pod
 // template's, counting up with every change; 0 is unknown): it hands its
 // volumes over to a successor of a later (or unknown) generation only,
 // so that a datapath of an old pod, restarted after it handed its
-// volumes on, cannot take them back.
-func ServeGeneration(ctx context.Context, path string, svc Service, log *slog.Logger, gen int64) error {
+// volumes on, cannot take them back. ready, if not nil, is called once
+// the sockets accept connections (a readiness signal given before would
+// let a caller meet a socket that refuses); its error stops serving.
+func ServeGeneration(ctx context.Context, path string, svc Service, log *slog.Logger, gen int64, ready func() error) error {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -181,6 +183,12 @@ func ServeGeneration(ctx context.Context, path string, svc Service, log *slog.Lo
 				handOver(ctx, c.(*net.UnixConn), h, gen, rs.gate.retire, rs.gate.unretire, log)
 			}
 		}()
+	}
+	if ready != nil {
+		if err := ready(); err != nil {
+			l.Close()
+			return err
+		}
 	}
 	log.Info("datapath serving", "socket", path)
 	for {
