@@ -22,9 +22,9 @@ import (
 // skipped.
 const envScale = "MPNBD_CLUSTER_SCALE"
 
-// envScaleOnly, set to anything, runs the scale scenario alone after the
-// driver is installed, and uninstalls it (the other scenarios are
-// skipped).
+// envScaleOnly, set to anything, runs the scale scenario right after the
+// upgrade to this chart and the issuing of the node's certificates, and
+// uninstalls the driver (the other scenarios are skipped).
 const envScaleOnly = "MPNBD_CLUSTER_SCALE_ONLY"
 
 // claimsPerPod is how many of the scale scenario's claims one pod mounts.

@@ -406,14 +406,15 @@ storageAgent:
 		}
 	})
 
+	s.upgradeScenario()
+	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	if os.Getenv(envScaleOnly) != "" {
-		// The scale scenario alone, on the freshly installed driver.
+		// The scale scenario alone, on the driver of this chart with its
+		// certificates issued (the scenario's volumes are encrypted).
 		s.scaleScenario()
 		s.uninstallScenario()
 		return
 	}
-	s.upgradeScenario()
-	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	s.encryptedScenario()
 	s.filesystemScenario()
 	s.tokenScenario()
