@@ -337,12 +337,13 @@ func fioVerify(t *testing.T, dev string, size int64, seed int) (string, error) {
 
 // fioVerifyCtx is fioVerify with the access pattern rw and block size bs,
 // and fio killed when ctx ends.
-func fioVerifyCtx(ctx context.Context, dev string, size int64, seed int, rw, bs string) (string, error) {
+func fioVerifyCtx(ctx context.Context, dev string, size int64, seed int, rw, bs string, more ...string) (string, error) {
 	args := []string{
 		"--name=verify", "--filename=" + dev, "--direct=1", "--ioengine=libaio", "--iodepth=16",
 		"--rw=" + rw, "--bs=" + bs, "--size=" + strconv.FormatInt(size, 10), "--randseed=" + strconv.Itoa(seed),
 		"--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0", "--group_reporting",
 	}
+	args = append(args, more...)
 	out, err := exec.CommandContext(ctx, "fio", args...).CombinedOutput()
 	s := string(out)
 	if err == nil {
@@ -451,6 +452,53 @@ func TestFuseServerKills(t *testing.T) {
 			close(stop)
 			n := <-kills
 			t.Logf("%s: %d fio write+verify rounds, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, n)
+			if n == 0 {
+				t.Fatal("the server was never killed: the run proves nothing")
+			}
+		})
+	}
+}
+
+// TestFuseServerKillsDuringReads: data written once with crc32c
+// checksums is read back and verified, 1 MiB at a time, round after round,
+// while the storage server is SIGKILLed and restarted: every kill lands
+// in a read (reads that size our server executes on the goroutine that
+// reads the connection, see pkg/nbd's inlineRequests). No I/O error, no
+// verify failure, and the server was killed.
+func TestFuseServerKillsDuringReads(t *testing.T) {
+	need(t, "fio")
+	p := faultPlan()
+	for _, kind := range []string{"ours", "ours-tls"} {
+		t.Run(kind, func(t *testing.T) {
+			const size = 64 << 20
+			s := newServer(t, kind, size)
+			dev := attachFuse(t, s)
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			out, err := fioVerifyCtx(ctx, dev, size, 1, "write", "1M")
+			cancel()
+			if err != nil {
+				t.Fatalf("writing the data: %v\n%s", err, out)
+			}
+			stop := make(chan struct{})
+			kills := killer(t, s, p, stop)
+			deadline := time.Now().Add(p.duration)
+			rounds := 0
+			for ; rounds == 0 || time.Now().Before(deadline); rounds++ {
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				out, err := fioVerifyCtx(ctx, dev, size, 1, "write", "1M", "--verify_only=1")
+				cancel()
+				if err == nil && !strings.Contains(out, "READ: bw=") {
+					err = fmt.Errorf("fio read nothing")
+				}
+				if err != nil {
+					close(stop)
+					<-kills
+					t.Fatalf("read round %d against %s: %v\n%s", rounds+1, s.name(), err, out)
+				}
+			}
+			close(stop)
+			n := <-kills
+			t.Logf("%s: %d verified read rounds of %d MiB, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, size>>20, n)
 			if n == 0 {
 				t.Fatal("the server was never killed: the run proves nothing")
 			}
