@@ -36,6 +36,11 @@ type LoadConfig struct {
 	// Duration is the measured time; Warmup runs before it and is not
 	// counted.
 	Duration, Warmup time.Duration
+	// MeasureFrom, when set, starts the measured window at that instant
+	// instead of after Warmup: clients started together measure the same
+	// window, so their rates add up. A client whose load starts later
+	// reports an error.
+	MeasureFrom time.Time
 	// Span limits offsets to [0, Span); 0 means the whole export. It is
 	// rounded down to a multiple of BlockSize.
 	Span int64
@@ -60,8 +65,10 @@ type LoadReport struct {
 	Bytes   int64   `json:"bytes"`
 	Ops     int64   `json:"ops"`
 	Seconds float64 `json:"seconds"`
-	MBps    float64 `json:"mb_per_s"` // 10^6 bytes per second
-	IOPS    float64 `json:"iops"`
+	// WindowStart is when the measured window began.
+	WindowStart time.Time `json:"window_start"`
+	MBps        float64   `json:"mb_per_s"` // 10^6 bytes per second
+	IOPS        float64   `json:"iops"`
 
 	// MPTCP reports, per connection, whether it is carried by MPTCP.
 	MPTCP []bool `json:"mptcp"`
@@ -310,10 +317,19 @@ func runTimed(ctx context.Context, cl *nbd.Client, cfg LoadConfig, span int64, r
 			}
 		}
 	}
-	if cfg.Warmup > 0 {
+	switch {
+	case !cfg.MeasureFrom.IsZero():
+		late := time.Until(cfg.MeasureFrom)
+		if late < 0 {
+			errs.add(fmt.Errorf("the load started %v after the measured window began", -late.Round(time.Millisecond)))
+			cancel()
+		}
+		wait(late)
+	case cfg.Warmup > 0:
 		wait(cfg.Warmup)
 	}
 	b0, o0, t0 := bytes.Load(), ops.Load(), time.Now()
+	rep.WindowStart = t0
 	u0, s0 := processCPU()
 	wait(cfg.Duration)
 	b1, o1, t1 := bytes.Load(), ops.Load(), time.Now()

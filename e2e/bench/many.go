@@ -57,8 +57,12 @@ type ManyStep struct {
 	// had at the end.
 	Subflows int `json:"min_subflows"`
 	// ServerRSSMiB is the server's resident memory after the step and
-	// ServerCPUPerGB its CPU seconds per 10^9 bytes moved.
-	ServerRSSMiB   float64  `json:"server_rss_mib"`
+	// ServerCPUPerGB its CPU seconds in the measured window per 10^9
+	// bytes moved in it.
+	ServerRSSMiB float64 `json:"server_rss_mib"`
+	// HostBusyPct is how busy all CPUs of the host were in the window
+	// (clients, server and network stack share them).
+	HostBusyPct    float64  `json:"host_cpu_busy_pct"`
 	ServerCPUPerGB float64  `json:"server_cpu_s_per_gb"`
 	Errors         []string `json:"errors,omitempty"`
 }
@@ -141,9 +145,9 @@ func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 			return rep, err
 		}
 		step := o.step(ctx, e, s, count)
-		logf("%d volumes: %.1f MB/s in all (%.1f%% of the line), per volume %.1f / %.1f / %.1f MB/s, fairness %.3f, server %.0f MiB, %.3f CPU s/GB%s",
+		logf("%d volumes: %.1f MB/s in all (%.1f%% of the line), per volume %.1f / %.1f / %.1f MB/s, fairness %.3f, server %.0f MiB, %.3f CPU s/GB, host CPU %.0f%% busy%s",
 			count, step.MBps, step.PctLine, step.MinMBps, step.MedianMBps, step.MaxMBps, step.Fairness,
-			step.ServerRSSMiB, step.ServerCPUPerGB, errSuffix(step.Errors))
+			step.ServerRSSMiB, step.ServerCPUPerGB, step.HostBusyPct, errSuffix(step.Errors))
 		rep.Steps = append(rep.Steps, step)
 	}
 	return rep, nil
@@ -159,18 +163,24 @@ func errSuffix(errs []string) string {
 // step runs count clients at once against the first count volumes.
 func (o ManyOptions) step(ctx context.Context, e *serverEnv, s *serverProc, count int) ManyStep {
 	st := ManyStep{Volumes: count}
-	cpu0, _ := TreeCPU(s.pid)
 	type result struct {
 		rep *LoadReport
 		err error
 	}
 	results := make(chan result, count)
+	// Every client measures the same window, which begins once all of
+	// them had time to start and connect and then o.Ramp: each one's own
+	// window after its own start would overlap the others' only in part,
+	// and their sum would count more than ran at once.
+	ramp := o.Ramp + time.Second + time.Duration(count)*100*time.Millisecond
+	start := time.Now().Add(ramp)
+	from := start.Format(time.RFC3339Nano)
 	for i := range count {
 		go func() {
 			argv := inNS(e.topo.ClientNS, false, o.LoadBin, "--addr", e.addr(), "--export", fmt.Sprintf("v%d", i),
 				"--mptcp", "--rw", o.RW, "--bs", strconv.Itoa(o.BlockSize), "--qd", strconv.Itoa(o.QueueDepth),
-				"--span", strconv.FormatInt(o.Span, 10), "--time", o.Duration.String(), "--warmup", o.Ramp.String())
-			cctx, cancel := context.WithTimeout(ctx, o.Ramp+o.Duration+60*time.Second)
+				"--span", strconv.FormatInt(o.Span, 10), "--time", o.Duration.String(), "--measure-from", from)
+			cctx, cancel := context.WithTimeout(ctx, ramp+o.Duration+60*time.Second)
 			defer cancel()
 			cmd := exec.CommandContext(cctx, argv[0], argv[1:]...)
 			var out, errb bytes.Buffer
@@ -187,11 +197,27 @@ func (o ManyOptions) step(ctx context.Context, e *serverEnv, s *serverProc, coun
 			results <- result{rep: &r}
 		}()
 	}
+	// The server's and the host's CPU over the same window.
+	sleepUntil(ctx, start)
+	cpu0, cpuErr := TreeCPU(s.pid)
+	busy0, total0, hostErr := CPUJiffies()
+	sleepUntil(ctx, start.Add(o.Duration))
+	cpu1, err := TreeCPU(s.pid)
+	cpuErr = errors.Join(cpuErr, err)
+	busy1, total1, err := CPUJiffies()
+	hostErr = errors.Join(hostErr, err)
+	if hostErr == nil && total1 > total0 {
+		st.HostBusyPct = 100 * float64(busy1-busy0) / float64(total1-total0)
+	}
+
 	var rates []float64
 	var bytesMoved int64
 	st.Subflows = math.MaxInt
 	for range count {
 		r := <-results
+		if r.err == nil && !r.rep.OK() {
+			r.err = fmt.Errorf("%s: %s", r.rep.Export, r.rep.Problem())
+		}
 		if r.err != nil {
 			st.Errors = append(st.Errors, r.err.Error())
 			continue
@@ -215,11 +241,21 @@ func (o ManyOptions) step(ctx context.Context, e *serverEnv, s *serverProc, coun
 			st.PctLine = 100 * st.MBps / line
 		}
 	}
-	if cpu1, err := TreeCPU(s.pid); err == nil && bytesMoved > 0 {
+	if cpuErr == nil && bytesMoved > 0 {
 		st.ServerCPUPerGB = (cpu1 - cpu0) / (float64(bytesMoved) / 1e9)
 	}
 	st.ServerRSSMiB = rssMiB(s.pid)
 	return st
+}
+
+// sleepUntil waits until t or until ctx ends.
+func sleepUntil(ctx context.Context, t time.Time) {
+	tm := time.NewTimer(time.Until(t))
+	defer tm.Stop()
+	select {
+	case <-ctx.Done():
+	case <-tm.C:
+	}
 }
 
 // rssMiB is a process's resident memory (VmRSS) in MiB, 0 if unknown.
@@ -243,19 +279,19 @@ func rssMiB(pid int) float64 {
 // WriteManyTable prints the steps as a table.
 func WriteManyTable(w io.Writer, rep *ManyReport) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "volumes\tMB/s\t% line\tmin\tmedian\tmax\tfairness\tsubflows\tsrv RSS MiB\tsrv CPU s/GB\tstatus\t")
+	fmt.Fprintln(tw, "volumes\tMB/s\t% line\tmin\tmedian\tmax\tfairness\tsubflows\tsrv RSS MiB\tsrv CPU s/GB\thost CPU %\tstatus\t")
 	for _, s := range rep.Steps {
 		status := "ok"
 		if len(s.Errors) > 0 {
 			status = fmt.Sprintf("%d FAILED", len(s.Errors))
 		}
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.3f\t%d\t%.0f\t%.3f\t%s\t\n", s.Volumes, s.MBps, s.PctLine,
-			s.MinMBps, s.MedianMBps, s.MaxMBps, s.Fairness, s.Subflows, s.ServerRSSMiB, s.ServerCPUPerGB, status)
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.1f\t%.1f\t%.1f\t%.3f\t%d\t%.0f\t%.3f\t%.0f\t%s\t\n", s.Volumes, s.MBps, s.PctLine,
+			s.MinMBps, s.MedianMBps, s.MaxMBps, s.Fairness, s.Subflows, s.ServerRSSMiB, s.ServerCPUPerGB, s.HostBusyPct, status)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "line %.0f MB/s (4 x 1 Gbit/s, one MPTCP connection per volume); min/median/max: MB/s of single volumes; fairness: Jain's index of their rates.\n", rep.LineMBps)
+	fmt.Fprintf(w, "line %.0f MB/s (4 x 1 Gbit/s, one MPTCP connection per volume); min/median/max: MB/s of single volumes; fairness: Jain's index of their rates; host CPU: all of the machine's CPUs busy in the window.\n", rep.LineMBps)
 	return nil
 }
 

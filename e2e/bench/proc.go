@@ -140,6 +140,32 @@ func TreeCPU(pid int) (float64, error) {
 	return sum + self.CPUSeconds(), nil
 }
 
+// CPUJiffies returns the busy time of all CPUs (user, nice, system, irq,
+// softirq, steal) and their whole time (with idle and iowait) from the
+// first line of /proc/stat, in USER_HZ ticks.
+func CPUJiffies() (busy, total uint64, err error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	for i := 1; i <= 8; i++ { // user nice system idle iowait irq softirq steal
+		v, err := strconv.ParseUint(f[i], 10, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("/proc/stat: %q: %v", line, err)
+		}
+		total += v
+		if i != 4 && i != 5 {
+			busy += v
+		}
+	}
+	return busy, total, nil
+}
+
 // LinkBytes are the byte counters of one network interface.
 type LinkBytes struct {
 	RX, TX uint64

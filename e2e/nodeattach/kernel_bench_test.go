@@ -99,29 +99,6 @@ func TestBenchTransportsMPTCPKernelInVM(t *testing.T) {
 	runMPTCPKernelVM(t, []string{"TestBenchTransports"}, env, benchVMTimeout(t), tools...)
 }
 
-// cpuJiffies returns the busy time of all CPUs (user, nice, system, irq,
-// softirq, steal) from the first line of /proc/stat, in USER_HZ ticks.
-func cpuJiffies() (uint64, error) {
-	b, err := os.ReadFile("/proc/stat")
-	if err != nil {
-		return 0, err
-	}
-	line, _, _ := strings.Cut(string(b), "\n")
-	f := strings.Fields(line)
-	if len(f) < 9 || f[0] != "cpu" {
-		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
-	}
-	var busy uint64
-	for _, i := range []int{1, 2, 3, 6, 7, 8} { // user nice system irq softirq steal
-		v, err := strconv.ParseUint(f[i], 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("/proc/stat: %q: %v", line, err)
-		}
-		busy += v
-	}
-	return busy, nil
-}
-
 // userHZ is the unit of /proc/stat (USER_HZ is 100 on x86).
 const userHZ = 100
 
@@ -242,13 +219,13 @@ func fioPass(t *testing.T, dev, dir string, want int64, stuck func(string), job 
 	t.Helper()
 	args := append([]string{"--name=bench", "--filename=" + dev, "--direct=1", "--ioengine=libaio",
 		"--iodepth=" + strconv.Itoa(benchDepth), "--output-format=json"}, job...)
-	j0, err := cpuJiffies()
+	j0, _, err := bench.CPUJiffies()
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := startFioArgs(t, args)
 	res := r.wait(t, benchFioLimit, stuck)
-	j1, err := cpuJiffies()
+	j1, _, err := bench.CPUJiffies()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -383,7 +360,7 @@ func rawPasses(t *testing.T, n int64, randTime time.Duration) benchResult {
 		st := newStorage(t, tp, volSize, true)
 		load := func(rw string, bs int) measured {
 			t.Helper()
-			j0, err := cpuJiffies()
+			j0, _, err := bench.CPUJiffies()
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -394,7 +371,7 @@ func rawPasses(t *testing.T, n int64, randTime time.Duration) benchResult {
 			if err != nil {
 				t.Fatalf("raw %s: %v", rw, err)
 			}
-			j1, err := cpuJiffies()
+			j1, _, err := bench.CPUJiffies()
 			if err != nil {
 				t.Fatal(err)
 			}

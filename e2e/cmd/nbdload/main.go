@@ -5,7 +5,8 @@
 //
 //	nbdload --addr HOST:PORT --export NAME [--mptcp] [--conns 1]
 //	        --rw read|write|randread|randwrite --bs 1M --qd 8 --time 10s
-//	        [--warmup 0s] [--span 2G] [--seed N] [--cpuprofile FILE]
+//	        [--warmup 0s | --measure-from TIME] [--span 2G] [--seed N]
+//	        [--cpuprofile FILE]
 //	nbdload --addr HOST:PORT --export NAME --verify [--bs 1M --qd 8 --span 256M]
 //
 // --export-file FILE reads the export name from FILE instead (/dev/stdin
@@ -86,6 +87,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.QueueDepth, "qd", 8, "requests in flight (concurrent workers)")
 	fs.DurationVar(&cfg.Duration, "time", 10*time.Second, "measured `DURATION`")
 	fs.DurationVar(&cfg.Warmup, "warmup", 0, "unmeasured `DURATION` before the measurement")
+	fs.Func("measure-from", "start the measured window at `TIME` (RFC 3339, e.g. from date --rfc-3339=ns) instead of after --warmup, the load running from the start: clients started together measure the same window; a load that starts later fails", func(v string) error {
+		t, err := time.Parse(time.RFC3339Nano, v)
+		cfg.MeasureFrom = t
+		return err
+	})
 	fs.Var(&span, "span", "use offsets in [0, `SIZE`); 0 = whole export")
 	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of random offsets and data (0: random)")
 	fs.BoolVar(&cfg.Verify, "verify", false, "correctness run: write a pattern over the span, read it back and compare")

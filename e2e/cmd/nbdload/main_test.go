@@ -115,3 +115,36 @@ func TestRunExportFile(t *testing.T) {
 		}
 	}
 }
+
+// --measure-from starts the measured window at the given instant, and a
+// load that starts after it fails, naming why; a bad time is a usage
+// error.
+func TestRunMeasureFrom(t *testing.T) {
+	addr := serve(t)
+	base := []string{"--addr", addr, "--export", "bench", "--rw", "write", "--bs", "64k", "--time", "100ms", "--span", "1M"}
+	from := time.Now().Add(300 * time.Millisecond)
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), append(base, "--measure-from", from.Format(time.RFC3339Nano)), &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	var rep bench.LoadReport
+	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if d := rep.WindowStart.Sub(from); !rep.OK() || d < 0 || d > time.Second {
+		t.Errorf("window began %v after --measure-from (report %+v), want at it", d, rep)
+	}
+
+	stdout.Reset()
+	stderr.Reset()
+	past := time.Now().Add(-time.Second).Format(time.RFC3339Nano)
+	if code := run(context.Background(), append(base, "--measure-from", past), &stdout, &stderr); code != 1 {
+		t.Fatalf("a window begun before the load: exit %d, want 1", code)
+	}
+	if !strings.Contains(stderr.String(), "after the measured window began") {
+		t.Errorf("a window begun before the load: %s", stderr.String())
+	}
+	if code := run(context.Background(), append(base, "--measure-from", "soon"), &stdout, &stderr); code != 2 {
+		t.Errorf("--measure-from soon: exit %d, want 2", code)
+	}
+}
