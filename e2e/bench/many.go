@@ -59,12 +59,12 @@ type ManyStep struct {
 	// ServerRSSMiB is the server's resident memory after the step and
 	// ServerCPUPerGB its CPU seconds in the measured window per 10^9
 	// bytes moved in it.
-	ServerRSSMiB float64 `json:"server_rss_mib"`
+	ServerRSSMiB   float64 `json:"server_rss_mib"`
+	ServerCPUPerGB float64 `json:"server_cpu_s_per_gb"`
 	// HostBusyPct is how busy all CPUs of the host were in the window
 	// (clients, server and network stack share them).
-	HostBusyPct    float64  `json:"host_cpu_busy_pct"`
-	ServerCPUPerGB float64  `json:"server_cpu_s_per_gb"`
-	Errors         []string `json:"errors,omitempty"`
+	HostBusyPct float64  `json:"host_cpu_busy_pct"`
+	Errors      []string `json:"errors,omitempty"`
 }
 
 // ManyReport is the JSON document of a many-volumes run.
