@@ -70,6 +70,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		DrainTimeout:      d.opts.shutdownTimeout,
 		SignalNICs:        co.signalNICs,
 		AutoBackup:        co.autoBackup,
+		StaleLossCount:    co.staleLoss,
 		Exports:           d.metrics,
 		Logger:            d.log,
 	}

@@ -31,6 +31,7 @@ type clusterFlags struct {
 	storageAddresses listFlag
 	signalNICs       listFlag
 	autoBackup       bool
+	staleLoss        int
 	topology         string
 	heartbeat        time.Duration
 	kubeconfig       string
@@ -38,7 +39,7 @@ type clusterFlags struct {
 }
 
 // clusterOnly are the flags that mean something only with --cluster.
-var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "topology", "heartbeat", "kubeconfig", "identity"}
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "mptcp-stale-loss-count", "topology", "heartbeat", "kubeconfig", "identity"}
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
@@ -48,6 +49,7 @@ type clusterOptions struct {
 	addresses  []string
 	signalNICs []mptcp.NICSpec
 	autoBackup bool
+	staleLoss  int
 	topology   map[string]string
 	heartbeat  time.Duration
 	kubeconfig string
@@ -62,6 +64,7 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage IP addresses, reported to clients; repeatable or comma-separated; required")
 	fs.Var(&c.signalNICs, "signal-nic", "cluster mode: keep MPTCP signal endpoints on these storage NICs (interface names or CIDRs); repeatable or comma-separated")
 	fs.BoolVar(&c.autoBackup, "auto-backup", true, "cluster mode: flag backup the signal endpoint of a path much slower than the others while it stays slow (needs --signal-nic)")
+	fs.IntVar(&c.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "cluster mode: raise net.mptcp.stale_loss_cnt to at least this while the signal endpoints are kept (0: leave it; needs --signal-nic), so that subflows queued behind many others are not taken for dead")
 	fs.StringVar(&c.topology, "topology", "", "cluster mode: topology labels reported for the node")
 	fs.DurationVar(&c.heartbeat, "heartbeat", defaultHeartbeat, "cluster mode: report the node's capacity every `DURATION`")
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
@@ -112,6 +115,7 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		namespace:  c.namespace,
 		heartbeat:  c.heartbeat,
 		autoBackup: c.autoBackup,
+		staleLoss:  c.staleLoss,
 		kubeconfig: c.kubeconfig,
 		identity:   c.identity,
 	}
@@ -134,6 +138,9 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		return nil, errors.New("--data-dir is empty")
 	case o.heartbeat <= 0:
 		return nil, fmt.Errorf("invalid --heartbeat %s: must be positive", o.heartbeat)
+	}
+	if o.staleLoss < 0 {
+		return nil, fmt.Errorf("invalid --mptcp-stale-loss-count %d: want 0 (leave it) or more", o.staleLoss)
 	}
 	for _, a := range splitList(c.storageAddresses) {
 		ip, err := netip.ParseAddr(a)

@@ -27,6 +27,7 @@ func TestParseArgsCluster(t *testing.T) {
 		topology:   map[string]string{access.TopologyKey: access.DefaultTopology},
 		heartbeat:  defaultHeartbeat,
 		autoBackup: true,
+		staleLoss:  mptcp.DefaultStaleLossCount,
 		identity:   true,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
@@ -39,7 +40,7 @@ func TestParseArgsCluster(t *testing.T) {
 	o, err = parseArgs([]string{"--cluster", "--node-name", "n1", "--namespace", "mpnbd",
 		"--storage-address", "192.168.1.5", "--data-dir", "/srv/vols", "--signal-nic", "eth1,10.7.0.0/16",
 		"--signal-nic", "eth2", "--topology", "topology.kubernetes.io/zone=a,rack=r1", "--heartbeat", "3s",
-		"--auto-backup=false", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp", "--identity=false"})
+		"--auto-backup=false", "--mptcp-stale-loss-count", "0", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp", "--identity=false"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,6 +89,7 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		{"bad topology", with("--topology", "zone"), `topology "zone"`},
 		{"bad topology value", with("--topology", "zone=a b"), `topology value "a b"`},
 		{"bad heartbeat", with("--heartbeat", "0s"), "invalid --heartbeat 0s"},
+		{"negative stale loss count", with("--mptcp-stale-loss-count", "-1"), "invalid --mptcp-stale-loss-count -1"},
 		{"export in cluster mode", with("--export", "a=/a"), "--export cannot be combined with --cluster"},
 		{"config in cluster mode", with("--config", cfg), "--config cannot be combined with --cluster"},
 		{"cluster flag without cluster", []string{"--export", "a=/a", "--node-name", "n1"}, "--node-name needs --cluster"},

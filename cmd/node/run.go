@@ -47,6 +47,7 @@ type options struct {
 	storageNICs  []mptcp.NICSpec
 	backupNICs   []mptcp.NICSpec
 	autoBackup   bool
+	staleLoss    int
 	storageAddrs []string
 	kubeconfig   string
 	metricsAddr  string
@@ -99,6 +100,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return nil
 	})
 	fs.BoolVar(&o.autoBackup, "auto-backup", true, "flag backup the endpoint of a storage NIC whose path is much slower than the others while it stays slow")
+	fs.IntVar(&o.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "raise the host's net.mptcp.stale_loss_cnt to at least this while the storage NICs are kept (0: leave it), so that subflows queued behind many others are not taken for dead")
 	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them; repeatable or comma-separated", func(s string) error {
 		for _, a := range splitList(s) {
 			if _, err := netip.ParseAddr(a); err != nil {
@@ -149,6 +151,9 @@ func parseArgs(args []string) (*options, error) {
 	}
 	if o.logFormat != "text" && o.logFormat != "json" {
 		return nil, fmt.Errorf("--log-format %q (want text or json)", o.logFormat)
+	}
+	if o.staleLoss < 0 {
+		return nil, fmt.Errorf("--mptcp-stale-loss-count %d: want 0 (leave it) or more", o.staleLoss)
 	}
 	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
 		return nil, fmt.Errorf("--endpoint: %v", err)
@@ -390,7 +395,7 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 // keepEndpoints keeps an MPTCP subflow endpoint on each storage NIC until
 // ctx ends.
 func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
-	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient}
+	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient, StaleLossCount: o.staleLoss}
 	var slow *mptcp.SlowPathPolicy
 	if o.autoBackup {
 		slow = &mptcp.SlowPathPolicy{}

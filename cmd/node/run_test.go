@@ -21,6 +21,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -40,7 +41,7 @@ func TestParseArgs(t *testing.T) {
 		t.Fatal(err)
 	}
 	if o.nodeID != "n1" || len(o.transports) != 2 || o.transports[0] != attach.FUSE || o.topology["rack"] != "r1" ||
-		len(o.storageNICs) != 2 || o.storageAddrs[0] != "10.0.0.2" {
+		len(o.storageNICs) != 2 || o.storageAddrs[0] != "10.0.0.2" || o.staleLoss != mptcp.DefaultStaleLossCount {
 		t.Fatalf("parsed %+v", o)
 	}
 	for _, c := range []struct {
@@ -55,6 +56,7 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--node-id", "n", "--endpoint", "csi.sock"}, "--endpoint"},
 		{[]string{"--node-id", "n", "--datapath-socket", "a", "--serve-datapath", "b"}, "--serve-datapath"},
 		{[]string{"--node-id", "n", "--generation", "seven"}, "seven"},
+		{[]string{"--node-id", "n", "--mptcp-stale-loss-count", "-2"}, "--mptcp-stale-loss-count -2"},
 	} {
 		t.Setenv("NODE_NAME", "")
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {

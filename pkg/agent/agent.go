@@ -101,6 +101,9 @@ type Config struct {
 	// than the others for the reads it carries, and clears the flag once
 	// it recovers (mptcp.SlowPaths).
 	AutoBackup bool
+	// StaleLossCount is the least net.mptcp.stale_loss_cnt kept with the
+	// signal endpoints (0: left alone; see mptcp.DefaultStaleLossCount).
+	StaleLossCount int
 	// Snapshots turns the NBDSnapshot reconciler on (SnapshotsServed);
 	// the cache must then come from CacheOptions(node, true).
 	Snapshots bool

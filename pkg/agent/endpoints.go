@@ -13,7 +13,7 @@ import (
 func (a *Agent) runEndpoints(ctx context.Context) error {
 	// Port 0: the endpoints announce the port each connection uses, the
 	// NBD server's, which already listens on every address.
-	d := mptcp.Desired{NICs: a.cfg.SignalNICs, Role: mptcp.RoleServer}
+	d := mptcp.Desired{NICs: a.cfg.SignalNICs, Role: mptcp.RoleServer, StaleLossCount: a.cfg.StaleLossCount}
 	var slow *mptcp.SlowPathPolicy
 	if a.cfg.AutoBackup {
 		slow = &mptcp.SlowPathPolicy{}

@@ -41,6 +41,14 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 		changes = nil
 	}
 	log = log.With("role", d.Role.String(), "nics", d.NICs)
+	if d.StaleLossCount > 0 {
+		switch old, err := RaiseStaleLossCount(d.StaleLossCount); {
+		case err != nil:
+			log.Warn("net.mptcp.stale_loss_cnt not raised: subflows that only queue may be taken for dead when many connections share the paths", "want", d.StaleLossCount, "error", err)
+		case old < d.StaleLossCount:
+			log.Info("net.mptcp.stale_loss_cnt raised", "from", old, "to", d.StaleLossCount)
+		}
+	}
 	opt := WatchOptions{Changes: changes}
 	var auto *slowPathWatch
 	if slow != nil {

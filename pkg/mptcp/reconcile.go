@@ -85,6 +85,10 @@ type Desired struct {
 	// n-1 for a client, whose add_addr_accepted is raised to n-1 as well. Derived limits never lower the current ones,
 	// so an administrator's larger limits stay.
 	Limits *Limits
+	// StaleLossCount, if not 0, is the least net.mptcp.stale_loss_cnt
+	// Keep leaves in its namespace (see DefaultStaleLossCount); a larger
+	// value stays.
+	StaleLossCount int
 }
 
 // Result reports what Reconcile did.

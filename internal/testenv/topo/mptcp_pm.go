@@ -22,6 +22,9 @@ import (
 //     announced address, with the source address chosen by routing,
 //     i.e. the client address of the same path.
 //
+// Both namespaces get at least the stale_loss_cnt the driver's node plugin
+// and storage agent leave on their hosts (mptcp.DefaultStaleLossCount).
+//
 // This is the only place that knows how MPTCP is configured; it speaks
 // to the kernel through pkg/mptcp's mptcp_pm netlink client from inside
 // each namespace.
@@ -29,6 +32,13 @@ func configureMPTCP(t *Topology) error {
 	for _, ns := range []string{t.ClientNS, t.ServerNS} {
 		if err := writeSysctl(ns, "net.mptcp.enabled", "1"); err != nil {
 			return err
+		}
+		err := InNetns(ns, func() error {
+			_, err := mptcp.RaiseStaleLossCount(mptcp.DefaultStaleLossCount)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("MPTCP stale_loss_cnt in %s: %w", ns, err)
 		}
 	}
 	extra := uint32(len(t.Paths) - 1)

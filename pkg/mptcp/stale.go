@@ -1,0 +1,14 @@
+package mptcp
+
+// DefaultStaleLossCount is the stale_loss_cnt the driver's node plugin
+// and storage agent raise their namespace's to. The kernel declares a
+// subflow stale, and sends what it holds again on the others, after this
+// many MPTCP-level retransmission intervals without progress. At its
+// default of 4, subflows that are only queued behind many others are
+// taken for dead: 32 volumes written at once, 128 subflows on 4 shaped
+// 1 Gbit/s paths, got 80-88 % of the line, with the server receiving
+// duplicate data about 2200 times a second (MPTcpExtDuplicateData); at 8,
+// 92 % with a tenth of the duplicates (6: 89 %, 16 and 50: 93 %). A path
+// that goes silent under a stream leaves the others without data for
+// 0.15-0.7 s at 8, 0.15-0.3 s at 4, but 2.7 s at 16 and 3.5 s at 50.
+const DefaultStaleLossCount = 8

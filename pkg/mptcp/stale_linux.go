@@ -1,0 +1,32 @@
+package mptcp
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// staleLossCountPath is the calling thread's network namespace's setting.
+const staleLossCountPath = "/proc/sys/net/mptcp/stale_loss_cnt"
+
+// RaiseStaleLossCount raises the calling thread's network namespace's
+// net.mptcp.stale_loss_cnt to n if it is lower (a larger value an
+// administrator chose stays) and returns the value it had.
+func RaiseStaleLossCount(n int) (int, error) {
+	b, err := os.ReadFile(staleLossCountPath)
+	if err != nil {
+		return 0, err
+	}
+	old, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return 0, fmt.Errorf("%s: %q: %w", staleLossCountPath, b, err)
+	}
+	if old >= n {
+		return old, nil
+	}
+	if err := os.WriteFile(staleLossCountPath, []byte(strconv.Itoa(n)), 0o644); err != nil {
+		return old, err
+	}
+	return old, nil
+}
