@@ -425,6 +425,30 @@ func killer(t *testing.T, s server, p plan, stop <-chan struct{}) <-chan int {
 	return out
 }
 
+// roundsUnderKills runs round (numbered from 1) again and again while s is
+// killed and restarted by plan p, for p.duration and at least once. A
+// failed round fails the test at once, and so does a run in which the
+// server was never killed. It returns the rounds run and the kills.
+func roundsUnderKills(t *testing.T, s server, p plan, round func(n int) (string, error)) (rounds, kills int) {
+	t.Helper()
+	stop := make(chan struct{})
+	killed := killer(t, s, p, stop)
+	deadline := time.Now().Add(p.duration)
+	for ; rounds == 0 || time.Now().Before(deadline); rounds++ {
+		if out, err := round(rounds + 1); err != nil {
+			close(stop)
+			<-killed
+			t.Fatalf("round %d against %s: %v\n%s", rounds+1, s.name(), err, out)
+		}
+	}
+	close(stop)
+	kills = <-killed
+	if kills == 0 {
+		t.Fatal("the server was never killed: the run proves nothing")
+	}
+	return rounds, kills
+}
+
 // TestFuseServerKills: fio with crc32c verification on the fuse transport
 // while the storage server is SIGKILLed and restarted again and again:
 // no I/O error, no verify failure. ours-tls: an encrypted volume (the
@@ -437,24 +461,10 @@ func TestFuseServerKills(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			s := newServer(t, kind, 256<<20)
 			dev := attachFuse(t, s)
-			stop := make(chan struct{})
-			kills := killer(t, s, p, stop)
-			deadline := time.Now().Add(p.duration)
-			rounds := 0
-			for ; rounds == 0 || time.Now().Before(deadline); rounds++ {
-				out, err := fioVerify(t, dev, 32<<20, rounds+1)
-				if err != nil {
-					close(stop)
-					<-kills
-					t.Fatalf("round %d against %s: %v\n%s", rounds+1, s.name(), err, out)
-				}
-			}
-			close(stop)
-			n := <-kills
+			rounds, n := roundsUnderKills(t, s, p, func(round int) (string, error) {
+				return fioVerify(t, dev, 32<<20, round)
+			})
 			t.Logf("%s: %d fio write+verify rounds, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, n)
-			if n == 0 {
-				t.Fatal("the server was never killed: the run proves nothing")
-			}
 		})
 	}
 }
@@ -479,29 +489,16 @@ func TestFuseServerKillsDuringReads(t *testing.T) {
 			if err != nil {
 				t.Fatalf("writing the data: %v\n%s", err, out)
 			}
-			stop := make(chan struct{})
-			kills := killer(t, s, p, stop)
-			deadline := time.Now().Add(p.duration)
-			rounds := 0
-			for ; rounds == 0 || time.Now().Before(deadline); rounds++ {
+			rounds, n := roundsUnderKills(t, s, p, func(int) (string, error) {
 				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				defer cancel()
 				out, err := fioVerifyCtx(ctx, dev, size, 1, "write", "1M", "--verify_only=1")
-				cancel()
 				if err == nil && !strings.Contains(out, "READ: bw=") {
 					err = fmt.Errorf("fio read nothing")
 				}
-				if err != nil {
-					close(stop)
-					<-kills
-					t.Fatalf("read round %d against %s: %v\n%s", rounds+1, s.name(), err, out)
-				}
-			}
-			close(stop)
-			n := <-kills
+				return out, err
+			})
 			t.Logf("%s: %d verified read rounds of %d MiB, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, size>>20, n)
-			if n == 0 {
-				t.Fatal("the server was never killed: the run proves nothing")
-			}
 		})
 	}
 }
