@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
 // ManyOptions configure RunMany: one storage server with many volumes,
@@ -38,6 +39,10 @@ type ManyOptions struct {
 	TmpDir, Name          string
 	Port                  int
 	Progress              io.Writer
+	// StaleLossCount, if not 0, sets net.mptcp.stale_loss_cnt of both
+	// namespaces to exactly that instead of the topology's (the driver's,
+	// mptcp.DefaultStaleLossCount), to measure other values.
+	StaleLossCount int
 }
 
 // ManyStep is one count of volumes.
@@ -69,9 +74,11 @@ type ManyStep struct {
 
 // ManyReport is the JSON document of a many-volumes run.
 type ManyReport struct {
-	Started  time.Time  `json:"started"`
-	LineMBps float64    `json:"line_mb_per_s"`
-	Steps    []ManyStep `json:"steps"`
+	Started  time.Time `json:"started"`
+	LineMBps float64   `json:"line_mb_per_s"`
+	// StaleLossCount is net.mptcp.stale_loss_cnt of both namespaces.
+	StaleLossCount int        `json:"stale_loss_cnt"`
+	Steps          []ManyStep `json:"steps"`
 }
 
 // Jain returns Jain's fairness index of xs: (sum x)^2 / (n * sum x^2).
@@ -110,7 +117,18 @@ func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 			logf("removing the topology: %v", err)
 		}
 	}()
-	rep := &ManyReport{Started: time.Now(), LineMBps: Network{MPTCP: true}.LineRateMBps(t)}
+	stale := mptcp.DefaultStaleLossCount
+	if o.StaleLossCount > 0 {
+		stale = o.StaleLossCount
+		for _, ns := range []string{t.ClientNS, t.ServerNS} {
+			if out, err := exec.CommandContext(ctx, "ip", "netns", "exec", ns, "sysctl", "-qw",
+				"net.mptcp.stale_loss_cnt="+strconv.Itoa(stale)).CombinedOutput(); err != nil {
+				return nil, fmt.Errorf("stale_loss_cnt in %s: %v: %s", ns, err, out)
+			}
+		}
+		logf("net.mptcp.stale_loss_cnt %d on both ends", stale)
+	}
+	rep := &ManyReport{Started: time.Now(), LineMBps: Network{MPTCP: true}.LineRateMBps(t), StaleLossCount: stale}
 
 	e := &serverEnv{topo: t, mptcp: true, port: o.Port, serverBin: o.ServerBin, tmpDir: o.TmpDir, tag: o.Name}
 	argv := inNS(t.ServerNS, false, o.ServerBin, "--listen", e.addr(),

@@ -75,6 +75,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		seq       = fs.Bool("sequential", false, "run one server's repeats after the other's instead of taking every server in turn in each repeat")
 		list      = fs.Bool("list", false, "print the selected matrix and exit")
 		volumes   = fs.String("volumes", "1,2,4,8,16,32", "profile many: comma-separated numbers of volumes written at once")
+		staleLoss = fs.Int("stale-loss-count", 0, "profile many: set net.mptcp.stale_loss_cnt on both ends to `N` (default: the driver's, which the topology sets)")
 	)
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: bench [flags]   (needs root; see go -C e2e doc ./cmd/bench)")
@@ -97,6 +98,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stderr, "bench: --volumes:", err)
 			return 2
 		}
+		if *staleLoss < 0 {
+			fmt.Fprintln(stderr, "bench: --stale-loss-count: want a positive count, or 0 for the driver's")
+			return 2
+		}
 		if *outPath == "" {
 			*outPath = "out/many.json"
 		}
@@ -104,7 +109,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			Counts: counts, Duration: *duration, Ramp: *ramp, Span: 64 << 20,
 			RW: "write", BlockSize: 1 << 20, QueueDepth: 8,
 			ServerBin: filepath.Join(*binDir, "nbd-server"), LoadBin: filepath.Join(*binDir, "nbdload"),
-			Name: *name, Port: *port, Progress: stderr,
+			Name: *name, Port: *port, Progress: stderr, StaleLossCount: *staleLoss,
 		}, *tmpDir, *outPath, stdout, stderr)
 	case "full":
 	case "demo":

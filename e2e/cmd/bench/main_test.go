@@ -36,6 +36,7 @@ func TestUsageErrors(t *testing.T) {
 		{"--repeat", "0", "--list"},
 		{"--servers", "ours,ours-b", "--list"},
 		{"--bogus"},
+		{"--profile", "many", "--stale-loss-count", "-1"},
 	} {
 		var stdout, stderr bytes.Buffer
 		if code := run(context.Background(), args, &stdout, &stderr); code != 2 {
