@@ -378,7 +378,14 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// Under mu: Close may end the relay from another goroutine at once.
+	r.mu.Lock()
 	r.cancel = cancel
+	closing := r.closing
+	r.mu.Unlock()
+	if closing {
+		cancel()
+	}
 	stop := context.AfterFunc(ctx, func() { r.end(ctx.Err()) })
 	defer stop()
 
@@ -435,7 +442,7 @@ func (r *Relay) end(err error) {
 		r.mu.Lock()
 		r.closing = true
 		r.state = stateDown
-		remote, spare := r.remote, r.spare
+		remote, spare, cancel := r.remote, r.spare, r.cancel
 		r.remote, r.spare = nil, nil
 		var calls []*call
 		for _, e := range r.table {
@@ -448,8 +455,8 @@ func (r *Relay) end(err error) {
 		for _, c := range calls {
 			c.fail(err)
 		}
-		if r.cancel != nil {
-			r.cancel()
+		if cancel != nil {
+			cancel()
 		}
 		if r.local != nil {
 			r.local.Close()
