@@ -121,9 +121,8 @@ func RunMany(ctx context.Context, o ManyOptions) (*ManyReport, error) {
 	if o.StaleLossCount > 0 {
 		stale = o.StaleLossCount
 		for _, ns := range []string{t.ClientNS, t.ServerNS} {
-			if out, err := exec.CommandContext(ctx, "ip", "netns", "exec", ns, "sysctl", "-qw",
-				"net.mptcp.stale_loss_cnt="+strconv.Itoa(stale)).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("stale_loss_cnt in %s: %v: %s", ns, err, out)
+			if err := topo.WriteSysctl(ns, "net.mptcp.stale_loss_cnt", strconv.Itoa(stale)); err != nil {
+				return nil, err
 			}
 		}
 		logf("net.mptcp.stale_loss_cnt %d on both ends", stale)

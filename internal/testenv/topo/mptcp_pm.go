@@ -30,7 +30,7 @@ import (
 // each namespace.
 func configureMPTCP(t *Topology) error {
 	for _, ns := range []string{t.ClientNS, t.ServerNS} {
-		if err := writeSysctl(ns, "net.mptcp.enabled", "1"); err != nil {
+		if err := WriteSysctl(ns, "net.mptcp.enabled", "1"); err != nil {
 			return err
 		}
 		err := InNetns(ns, func() error {

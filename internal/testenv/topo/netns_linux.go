@@ -95,9 +95,9 @@ func InNetns(ns string, fn func() error) error {
 	return o.err
 }
 
-// writeSysctl sets a sysctl (dotted name, e.g. "net.mptcp.enabled")
+// WriteSysctl sets a sysctl (dotted name, e.g. "net.mptcp.enabled")
 // inside namespace ns.
-func writeSysctl(ns, key, value string) error {
+func WriteSysctl(ns, key, value string) error {
 	return InNetns(ns, func() error {
 		p := filepath.Join("/proc/sys", strings.ReplaceAll(key, ".", "/"))
 		if err := os.WriteFile(p, []byte(value), 0o644); err != nil {

@@ -18,6 +18,6 @@ func (t *Topology) InServer(fn func() error) error { return errUnsupported }
 // InNetns is only supported on Linux.
 func InNetns(ns string, fn func() error) error { return errUnsupported }
 
-func writeSysctl(ns, key, value string) error { return errUnsupported }
+func WriteSysctl(ns, key, value string) error { return errUnsupported }
 
 func nameCallerNetns(string) error { return errUnsupported }
