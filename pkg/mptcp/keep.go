@@ -21,7 +21,9 @@ const SlowPathInterval = 500 * time.Millisecond
 // does. With slow not nil it also flags backup the endpoints of paths
 // much slower than the others, and clears the flag once they recover
 // (see SlowPaths), from the subflows of every connection of the
-// namespace. It returns nil when ctx ends, or an error when the path
+// namespace. With d.StaleLossCount it first raises the namespace's
+// net.mptcp.stale_loss_cnt to at least that (a failure is logged, not
+// returned). It returns nil when ctx ends, or an error when the path
 // manager or the address watch is unavailable.
 func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy) error {
 	pm, err := DialPM()
