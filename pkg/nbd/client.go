@@ -251,6 +251,12 @@ func (cl *Client) Trim(off, length int64) error {
 	return cl.ranged(CmdTrim, 0, off, length)
 }
 
+// TrimFlags discards a range with request flags (CmdFlagFUA: durable once
+// answered).
+func (cl *Client) TrimFlags(off, length int64, flags uint16) error {
+	return cl.ranged(CmdTrim, flags, off, length)
+}
+
 // WriteZeroes zeroes a range; noHole keeps it allocated.
 func (cl *Client) WriteZeroes(off, length int64, noHole bool) error {
 	var f uint16
@@ -258,6 +264,12 @@ func (cl *Client) WriteZeroes(off, length int64, noHole bool) error {
 		f = CmdFlagNoHole
 	}
 	return cl.ranged(CmdWriteZeroes, f, off, length)
+}
+
+// WriteZeroesFlags zeroes a range with request flags (CmdFlagNoHole,
+// CmdFlagFUA).
+func (cl *Client) WriteZeroesFlags(off, length int64, flags uint16) error {
+	return cl.ranged(CmdWriteZeroes, flags, off, length)
 }
 
 func (cl *Client) ranged(cmd, flags uint16, off, length int64) error {

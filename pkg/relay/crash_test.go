@@ -156,7 +156,8 @@ func newIncarnation() nbd.Incarnation {
 	return inc
 }
 
-// TestCrashConsistency drives sequence-numbered writes and flushes through
+// TestCrashConsistency drives sequence-numbered writes (plain and FUA),
+// trims, write-zeroes and flushes through
 // the relay while the storage server loses power (its write cache) and
 // comes back as a new incarnation, again and again. Every write the
 // kernel side saw acknowledged must read back afterwards, the last one of
@@ -234,6 +235,9 @@ func (o ownedWrites) WriteAt(p []byte, off int64) (int, error) {
 type blockClient interface {
 	ReadAt(p []byte, off int64) (int, error)
 	WriteAt(p []byte, off int64) (int, error)
+	WriteAtFlags(p []byte, off int64, flags uint16) (int, error)
+	TrimFlags(off, length int64, flags uint16) error
+	WriteZeroesFlags(off, length int64, flags uint16) error
 	Flush() error
 }
 
@@ -295,11 +299,34 @@ func crashConsistency(t *testing.T, via int) {
 			for i := 0; !stop.Load(); i++ {
 				blk := int64(rnd.IntN(blocks/writers)*writers + w)
 				s := seq.Add(1)
-				if _, err := client.WriteAt(blockData(blk, s), blk*plBlock); err != nil {
-					errs <- fmt.Errorf("write %d of block %d: %w", s, blk, err)
+				// Mostly plain writes; FUA writes, trims and write-zeroes
+				// (with and without FUA) among them, each of which a
+				// replay of older retained writes must not undo.
+				var err error
+				op := rnd.IntN(10)
+				fua := uint16(0)
+				if rnd.IntN(2) == 0 {
+					fua = nbd.CmdFlagFUA
+				}
+				switch op {
+				case 0:
+					_, err = client.WriteAtFlags(blockData(blk, s), blk*plBlock, nbd.CmdFlagFUA)
+				case 1:
+					err = client.TrimFlags(blk*plBlock, plBlock, fua)
+				case 2:
+					err = client.WriteZeroesFlags(blk*plBlock, plBlock, fua)
+				default:
+					_, err = client.WriteAt(blockData(blk, s), blk*plBlock)
+				}
+				if err != nil {
+					errs <- fmt.Errorf("request %d (op %d) to block %d: %w", s, op, blk, err)
 					return
 				}
-				last[blk] = s
+				if op == 1 || op == 2 {
+					last[blk] = 0 // reads as zeroes
+				} else {
+					last[blk] = s
+				}
 				writes.Add(1)
 				if i%48 == 47 {
 					if err := client.Flush(); err != nil {
@@ -461,7 +488,7 @@ func TestRetainedResendPolicy(t *testing.T) {
 
 // TestOwnFlushBoundsRetention: writes with no FLUSH from the kernel side
 // make the relay flush by itself once RetainBytes is reached, so what it
-// holds stays bounded; FUA writes are not retained at all.
+// holds stays bounded; a FUA write is retained only behind others.
 func TestOwnFlushBoundsRetention(t *testing.T) {
 	ts := newTestServer(t, 8<<20, false)
 	const budget = 256 << 10
@@ -482,11 +509,83 @@ func TestOwnFlushBoundsRetention(t *testing.T) {
 	waitFor(t, 5*time.Second, "a flush of the relay's own", func() bool { return relay.Stats().OwnFlushes > 0 })
 	// The relay's own flush is answered and goes nowhere.
 	waitFor(t, 5*time.Second, "the relay's flush to complete", func() bool { return relay.Stats().InFlight == 0 })
-	before := relay.Stats().Retained
+	// With nothing retained, a FUA write is durable and kept by nobody;
+	// after a plain write it is kept behind it (TestFUAWriteNotUndoneByReplay).
+	if err := client.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := client.WriteAtFlags(buf, 0, nbd.CmdFlagFUA); err != nil {
 		t.Fatal(err)
 	}
-	if st := relay.Stats(); st.Retained > before {
-		t.Fatalf("a FUA write was retained (%d -> %d)", before, st.Retained)
+	if st := relay.Stats(); st.Retained != 0 {
+		t.Fatalf("a FUA write after a completed flush was retained (%d retained)", st.Retained)
+	}
+	if _, err := client.WriteAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.WriteAtFlags(buf, 0, nbd.CmdFlagFUA); err != nil {
+		t.Fatal(err)
+	}
+	if st := relay.Stats(); st.Retained != 2 {
+		t.Fatalf("a plain write then a FUA write: %d retained, want both", st.Retained)
+	}
+}
+
+// TestFUAWriteNotUndoneByReplay: a plain write A and then a FUA write B to
+// the same block, both acknowledged; the storage host loses power, so
+// only B is durable, and A is still retained for replay. The replay after
+// the reconnect must not leave A on the block: B was acknowledged later.
+func TestFUAWriteNotUndoneByReplay(t *testing.T) {
+	for _, cmd := range []string{"write", "trim", "write-zeroes"} {
+		t.Run(cmd, func(t *testing.T) {
+			be := newPowerLossBackend(64 * plBlock)
+			ts := &testServer{t: t, backend: be, inc: newIncarnation()}
+			ts.start()
+			t.Cleanup(ts.kill)
+			dial := sessionDialer(ts.addr, nbd.NewSessionID())
+			remote, err := dial(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			info := remote.(*Remote).Info
+			rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond})
+			client, relay := rg.client, rg.relay
+			const blk = 3
+			if _, err := client.WriteAt(blockData(blk, 1), blk*plBlock); err != nil {
+				t.Fatal(err)
+			}
+			want := blockData(blk, 2)
+			switch cmd {
+			case "write":
+				_, err = client.WriteAtFlags(want, blk*plBlock, nbd.CmdFlagFUA)
+			case "trim":
+				want = make([]byte, plBlock)
+				err = client.TrimFlags(blk*plBlock, plBlock, nbd.CmdFlagFUA)
+			case "write-zeroes":
+				want = make([]byte, plBlock)
+				err = client.WriteZeroesFlags(blk*plBlock, plBlock, nbd.CmdFlagFUA)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(be.durableAt(blk), want) {
+				t.Fatal("the FUA request was acknowledged before it was durable")
+			}
+			before := relay.Stats().Reconnects
+			powerLoss(ts, be)
+			// Any request now meets the dead connection and makes the relay
+			// reconnect to the new incarnation and replay.
+			got := make([]byte, plBlock)
+			if _, err := client.ReadAt(got, blk*plBlock); err != nil {
+				t.Fatal(err)
+			}
+			if relay.Stats().Reconnects == before {
+				t.Fatal("the relay did not reconnect after the power loss")
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("after the replay the block holds sequence %d: the acknowledged FUA %s was undone",
+					binary.BigEndian.Uint64(got[8:]), cmd)
+			}
+		})
 	}
 }

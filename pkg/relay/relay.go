@@ -37,8 +37,9 @@
 //     before anything else when a new connection reaches a server that is
 //     not provably the incarnation that acknowledged it (retain.go). A
 //     power loss of the storage host then loses nothing the kernel was
-//     told is written. What is retained is bounded by FLUSHes of the
-//     relay's own.
+//     told is written. A FUA write is durable once answered, but is kept
+//     behind older retained writes so that their replay cannot land over
+//     it. What is retained is bounded by FLUSHes of the relay's own.
 package relay
 
 import (

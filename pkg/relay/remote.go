@@ -461,7 +461,7 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 func (r *Relay) complete(e *entry, errno uint32) {
 	r.mu.Lock()
 	r.unlink(e)
-	keep := errno == 0 && !e.internal && retains(e) && !r.o.noRetain
+	keep := errno == 0 && !e.internal && r.retains(e) && !r.o.noRetain
 	if keep {
 		r.retain(e)
 	} else {

@@ -57,11 +57,20 @@ func (r *Relay) nextInternalHandle() uint64 {
 }
 
 // retains reports whether e, answered with success, must be kept until a
-// flush covers it.
-func retains(e *entry) bool {
+// flush covers it. Called with mu held.
+//
+// A plain write, trim or write-zeroes is kept because the server's cache
+// may lose it. One with FUA is durable once answered, but it is kept too
+// when anything acknowledged before it is retained: a replay of those
+// older writes to a new incarnation would otherwise land over it (plain
+// write A to a block, FUA write B to it, power loss, replay of A: the
+// block holds A although B was acknowledged as durable after it). Kept in
+// the acknowledgement order, it is sent again after them and wins, as it
+// did the first time.
+func (r *Relay) retains(e *entry) bool {
 	switch e.cmd {
 	case nbd.CmdWrite, nbd.CmdTrim, nbd.CmdWriteZeroes:
-		return e.flags&nbd.CmdFlagFUA == 0
+		return e.flags&nbd.CmdFlagFUA == 0 || r.retHead != nil
 	}
 	return false
 }
