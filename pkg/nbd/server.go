@@ -37,6 +37,9 @@ type Export struct {
 	// whole under trackMu.
 	trackMu  sync.Mutex
 	trackers atomic.Pointer[[]*ChangeTracker]
+	// syncs runs the backend's syncs and keeps their failures for the
+	// clients (syncerr.go).
+	syncs exportSyncs
 }
 
 // Quiesce holds the export at a flush point: it waits for the changes in
@@ -61,7 +64,7 @@ func (e *Export) Quiesce(ctx context.Context) (resume func(), err error) {
 		}()
 		return nil, fmt.Errorf("export %q: writes in flight did not finish: %w", e.Name, ctx.Err())
 	}
-	if err := e.Backend.Sync(); err != nil {
+	if err := e.Sync(); err != nil {
 		e.gate.Unlock()
 		return nil, fmt.Errorf("export %q: flush: %w", e.Name, err)
 	}
@@ -465,6 +468,8 @@ func (s *Server) serveConn(c net.Conn, a *admission) {
 		}
 		defer exp.leave(sc)
 	}
+	exp.syncs.open(sc)
+	defer exp.syncs.close(sc)
 	if sc.draining.Load() {
 		// Drained during negotiation, whose end cleared the read
 		// deadline that was to stop the reader.

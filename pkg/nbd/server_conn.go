@@ -38,10 +38,13 @@ type serverConn struct {
 	fenced atomic.Bool
 	// active: this connection sent a request and superseded the older
 	// ones of its session lane (reader goroutine only).
-	active   bool
-	inline   inlineRequests
-	inflight sync.WaitGroup
-	lim      *limiter
+	active bool
+	// errCursor is the export's sync failure count this connection's
+	// FLUSHes have reported up to (guarded by export.syncs.mu).
+	errCursor uint64
+	inline    inlineRequests
+	inflight  sync.WaitGroup
+	lim       *limiter
 
 	qmu     sync.Mutex
 	queue   []queuedReply
@@ -123,7 +126,7 @@ func (c *serverConn) transmit() {
 		close(queue)
 		c.inflight.Wait()
 		if !c.readOnly {
-			if err := e.Backend.Sync(); err != nil {
+			if err := e.Sync(); err != nil {
 				c.log.Error("flush on disconnect failed", "error", err)
 			}
 		}
@@ -367,6 +370,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		if !inRange {
 			return ENOSPC, nil
 		}
+		mark := c.syncMark(fua)
 		e.gate.RLock()
 		_, err := b.WriteAt(buf, off)
 		// Recorded after the backend call, failed or not (part of it may
@@ -377,10 +381,10 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 			c.log.Error("write failed", "offset", off, "length", n, "error", err)
 			return errnoOf(err), nil
 		}
-		return c.maybeSync(fua), nil
+		return c.syncFUA(fua, mark), nil
 
 	case CmdFlush:
-		return c.maybeSync(true), nil
+		return c.flush(), nil
 
 	case CmdTrim, CmdWriteZeroes:
 		if c.readOnly {
@@ -390,6 +394,7 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 			return EINVAL, nil
 		}
 		var err error
+		mark := c.syncMark(fua)
 		e.gate.RLock()
 		if req.Type == CmdTrim {
 			err = b.Trim(off, n)
@@ -402,17 +407,46 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 			c.log.Error(CmdName(req.Type)+" failed", "offset", off, "length", n, "error", err)
 			return errnoOf(err), nil
 		}
-		return c.maybeSync(fua), nil
+		return c.syncFUA(fua, mark), nil
 	}
 	return EINVAL, nil
 }
 
-func (c *serverConn) maybeSync(sync bool) uint32 {
-	if !sync || c.readOnly {
+// syncMark samples the export's sync failures before a FUA request
+// changes the backend.
+func (c *serverConn) syncMark(fua bool) uint64 {
+	if !fua {
 		return 0
 	}
-	if err := c.export.Backend.Sync(); err != nil {
+	return c.export.syncs.sample()
+}
+
+// syncFUA makes a FUA request durable: it fails when a sync failed since
+// the request began (its data may be among what was lost).
+func (c *serverConn) syncFUA(fua bool, mark uint64) uint32 {
+	if !fua || c.readOnly {
+		return 0
+	}
+	if err := c.export.Sync(); err != nil {
+		c.log.Error("flush of a FUA request failed", "error", err)
+	}
+	if c.export.syncs.failedSince(mark) {
+		return EIO
+	}
+	return 0
+}
+
+// flush answers a FLUSH: it fails when its own sync fails, and also when
+// any sync of the export failed since this connection was last told of
+// one (exportSyncs).
+func (c *serverConn) flush() uint32 {
+	if c.readOnly {
+		return 0
+	}
+	if err := c.export.Sync(); err != nil {
 		c.log.Error("flush failed", "error", err)
+	}
+	if c.export.syncs.report(c) {
 		return EIO
 	}
 	return 0
