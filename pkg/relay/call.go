@@ -176,7 +176,11 @@ func (r *Relay) start(req nbd.Request, payload []byte, owned *[]byte, c *call) e
 	if req.Type == nbd.CmdRead || req.Type == nbd.CmdWrite {
 		data = int(req.Length)
 	}
-	cost := reqHeaderSize + data
+	cost := requestCost(req.Type, uint32(data))
+	if owned != nil {
+		// The caller's buffer is what is held.
+		cost = entryOverhead + cap(*owned)
+	}
 	if !r.admit(cost) {
 		putBuf(owned)
 		return r.closedErr()
@@ -211,7 +215,7 @@ func (r *Relay) start(req nbd.Request, payload []byte, owned *[]byte, c *call) e
 	if err := r.enqueue(e); err != nil {
 		r.end(err)
 	}
-	r.fromLocal.Add(uint64(cost))
+	r.fromLocal.Add(uint64(reqHeaderSize + data))
 	return nil
 }
 

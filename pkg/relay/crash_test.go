@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	mrand "math/rand/v2"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -502,7 +504,7 @@ func TestOwnFlushBoundsRetention(t *testing.T) {
 		}
 		// Writes answered while the relay's own flush is in flight are
 		// kept too; the in-flight budget bounds them all.
-		if st := relay.Stats(); st.RetainedBytes+st.InFlightBytes > limit+len(buf)+reqHeaderSize {
+		if st := relay.Stats(); st.RetainedBytes+st.InFlightBytes > limit+bufCap(len(buf))+entryOverhead {
 			t.Fatalf("retained %d bytes (+%d in flight) with a limit of %d", st.RetainedBytes, st.InFlightBytes, limit)
 		}
 	}
@@ -587,5 +589,112 @@ func TestFUAWriteNotUndoneByReplay(t *testing.T) {
 					binary.BigEndian.Uint64(got[8:]), cmd)
 			}
 		})
+	}
+}
+
+// failingSyncBackend reports a writeback error to one sync only, as Linux
+// does for an open file.
+type failingSyncBackend struct {
+	nbd.Backend
+	pending atomic.Bool
+}
+
+func (b *failingSyncBackend) Sync() error {
+	if b.pending.CompareAndSwap(true, false) {
+		return fmt.Errorf("writeback failed")
+	}
+	return b.Backend.Sync()
+}
+
+// TestOwnFlushFailureReachesLocalFlush: the relay's own FLUSH fails (the
+// storage host could not write back acknowledged writes). The local
+// side's next FLUSH must fail, although the server reports the failure
+// only once and the relay's retry of its own flush succeeded.
+func TestOwnFlushFailureReachesLocalFlush(t *testing.T) {
+	for _, via := range []string{"kernel socket", "in-process calls"} {
+		t.Run(via, func(t *testing.T) {
+			be := &failingSyncBackend{Backend: nbd.NewMemBackend(8 << 20)}
+			ts := &testServer{t: t, backend: be}
+			ts.start()
+			t.Cleanup(ts.kill)
+			o := Options{RetainBytes: 128 << 10, MaxInflightBytes: 1 << 20}
+			var client blockClient
+			var relay *Relay
+			if via == "kernel socket" {
+				rg := newServerRig(t, ts, o)
+				client, relay = rg.client, rg.relay
+			} else {
+				remote, info, err := dialNegotiated(context.Background(), ts.addr, false)
+				if err != nil {
+					t.Fatal(err)
+				}
+				o.Logger = quietLogger()
+				relay = startLocal(t, remote, negotiatingDialer(ts.addr, false), o)
+				client = nbd.NewClientOn(info, relay, quietLogger())
+			}
+			be.pending.Store(true)
+			buf := make([]byte, 64<<10)
+			for i := int64(0); be.pending.Load(); i++ {
+				if i == 64 {
+					t.Fatal("64 writes past the retention budget and the relay never flushed by itself")
+				}
+				if _, err := client.WriteAt(buf, (i%16)*int64(len(buf))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			waitFor(t, 5*time.Second, "the relay's flushes to complete", func() bool { return relay.Stats().InFlight == 0 })
+			if st := relay.Stats(); !st.FlushErrorOwed || st.OwnFlushFailures != 1 {
+				t.Fatalf("after the relay's own flush failed: owed %v, %d failures", st.FlushErrorOwed, st.OwnFlushFailures)
+			}
+			if via == "kernel socket" {
+				// A handover now would lose the report.
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				_, err := relay.Pause(ctx)
+				cancel()
+				if !errors.Is(err, ErrFlushFailureOwed) {
+					t.Fatalf("Pause with a failed flush owed to the local side: %v", err)
+				}
+			}
+			if err := client.Flush(); err == nil {
+				t.Fatal("FLUSH succeeded after the relay's own flush failed: acknowledged writes may be lost and nobody was told")
+			}
+			if err := client.Flush(); err != nil {
+				t.Fatalf("the failure was reported once; the next FLUSH: %v", err)
+			}
+			if via == "kernel socket" {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				_, err := relay.Pause(ctx)
+				cancel()
+				if err != nil {
+					t.Fatalf("Pause once the failure was reported: %v", err)
+				}
+				relay.Resume()
+			}
+		})
+	}
+}
+
+// TestRetentionBudgetCountsWhatIsHeld: trims carry no data, but each one
+// retained holds its entry. A run of them must not hold more memory than
+// the in-flight budget allows.
+func TestRetentionBudgetCountsWhatIsHeld(t *testing.T) {
+	ts := newTestServer(t, 64<<20, false)
+	const limit = 256 << 10
+	rg := newServerRig(t, ts, Options{RetainBytes: limit / 2, MaxInflightBytes: limit})
+	client, relay := rg.client, rg.relay
+	held := int(unsafe.Sizeof(entry{}))
+	peak := 0
+	for i := int64(0); i < 6000; i++ {
+		if err := client.Trim((i%16000)*4096, 4096); err != nil {
+			t.Fatal(err)
+		}
+		st := relay.Stats()
+		peak = max(peak, st.Retained+st.InFlight)
+	}
+	if peak*held > limit {
+		t.Fatalf("%d requests held at once, %d bytes of entries alone, with a budget of %d bytes", peak, peak*held, limit)
+	}
+	if relay.Stats().OwnFlushes == 0 {
+		t.Fatal("the relay never flushed by itself: the test did not reach the budget")
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -32,6 +33,34 @@ const (
 // with the replay of the same entry, so whichever of them finishes last
 // recycles it.
 const doneBit = 1 << 30
+
+// What a request holds while the relay keeps it, and so what it counts
+// against MaxInflightBytes and RetainBytes: its entry, its slot in the
+// table, and the pooled buffer of its data, whose capacity is the length
+// rounded up to a power of two. Counting only the header and the length
+// let a run of trims or small writes hold several times the budget.
+const (
+	// tableSlot is a table entry's share of the map: key, value and
+	// the bucket's bookkeeping, rounded up.
+	tableSlot     = 32
+	entryOverhead = int(unsafe.Sizeof(entry{})) + tableSlot
+)
+
+// requestCost is what a request of cmd with length bytes holds.
+func requestCost(cmd uint16, length uint32) int {
+	if (cmd == nbd.CmdRead || cmd == nbd.CmdWrite) && length > 0 {
+		return entryOverhead + bufCap(int(length))
+	}
+	return entryOverhead
+}
+
+// bufCap is the capacity getBuf gives a buffer of n bytes.
+func bufCap(n int) int {
+	if n > 1<<maxPoolShift {
+		return n
+	}
+	return 1 << (poolIndex(n) + minPoolShift)
+}
 
 // entry is one unanswered request.
 type entry struct {

@@ -28,7 +28,9 @@ var pastDeadline = time.Unix(1, 0)
 // makes it wait); on ctx's end it resumes and returns ctx's error.
 //
 // It returns the bytes read from the local side that belong to requests
-// not yet taken: a successor reads them first (Options.Pending). A paused
+// not yet taken: a successor reads them first (Options.Pending). It
+// refuses (ErrFlushFailureOwed), resuming, while a failed flush is owed to
+// the local side. A paused
 // relay takes nothing more from the local side until Resume; Release
 // ends it.
 func (r *Relay) Pause(ctx context.Context) ([]byte, error) {
@@ -88,10 +90,23 @@ func (r *Relay) Pause(ctx context.Context) ([]byte, error) {
 		r.waiting = true
 		r.cond.Wait()
 	}
+	if r.flushErrOwed {
+		// The successor would not know: the local side must hear of the
+		// failed flush from this relay first.
+		r.mu.Unlock()
+		r.Resume()
+		return nil, fmt.Errorf("%w: a flush failed and the local side was not told yet", ErrFlushFailureOwed)
+	}
 	pending := append([]byte(nil), r.pending...)
 	r.mu.Unlock()
 	return pending, nil
 }
+
+// ErrFlushFailureOwed is Pause's refusal while a failed FLUSH of the
+// relay's own has not been reported to the local side (flusherr.go): a
+// handover would lose the report. The local side's next FLUSH reports it;
+// a later Pause can succeed.
+var ErrFlushFailureOwed = errors.New("relay: a failed flush is owed to the local side")
 
 // Resume undoes Pause: the request path reads on from where it stopped.
 func (r *Relay) Resume() {

@@ -86,9 +86,11 @@ const (
 type Options struct {
 	// Logger receives structured logs; nil means slog.Default().
 	Logger *slog.Logger
-	// MaxInflightBytes bounds what unanswered requests may hold: each
-	// counts its 28-byte header plus its data length (the payload of a
-	// write, the bytes a read will bring back). When the bound is reached
+	// MaxInflightBytes bounds what unanswered and retained requests may
+	// hold: each counts the memory it really holds, its bookkeeping (about
+	// 200 bytes) plus the buffer of its data (the payload of a write, the
+	// bytes a read will bring back; pooled, so its length rounded up to a
+	// power of two). When the bound is reached
 	// the relay stops reading from the local side until replies make room,
 	// so an outage never makes it grow without bound. A single request
 	// larger than the bound is admitted when nothing else is in flight.
@@ -203,8 +205,12 @@ type Stats struct {
 	DownSince time.Time
 	Replayed  int
 	// RetainedReplays counts writes sent again to a new incarnation;
-	// OwnFlushes the FLUSHes the relay sent to trim what it retains.
-	RetainedReplays, OwnFlushes int
+	// OwnFlushes the FLUSHes the relay sent to trim what it retains;
+	// OwnFlushFailures those of them the server failed.
+	RetainedReplays, OwnFlushes, OwnFlushFailures int
+	// FlushErrorOwed: a FLUSH of the relay's own failed and the local
+	// side was not told yet (its next FLUSH will fail).
+	FlushErrorOwed bool
 	// Bytes read from and written to the local side (frames and payloads).
 	BytesFromLocal, BytesToLocal uint64
 	// Failing reports that the outage outlasted FailAfter: requests are
@@ -311,9 +317,14 @@ type Relay struct {
 	incKnown        bool
 	retainedReplays int
 	ownFlushes      int
-	callSeq         uint64 // handles of in-process calls (call.go)
-	downSince       time.Time
-	replayed        int
+	// ownFlushFailed counts failed FLUSHes of the relay's own;
+	// flushErrOwed is set by one and cleared when a local FLUSH fails
+	// (flusherr.go).
+	ownFlushFailed int
+	flushErrOwed   bool
+	callSeq        uint64 // handles of in-process calls (call.go)
+	downSince      time.Time
+	replayed       int
 	// failing: the outage outlasted FailAfter (requests get EIO at once);
 	// failed counts the requests so answered.
 	failing bool
@@ -416,22 +427,24 @@ func (r *Relay) Stats() Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return Stats{
-		Reconnects:      r.reconnects,
-		InFlight:        len(r.table),
-		InFlightBytes:   r.bytes - r.retBytes,
-		BytesFromLocal:  r.fromLocal.Load(),
-		BytesToLocal:    r.toLocal.Load(),
-		Remote:          r.remote,
-		Connected:       r.state != stateDown,
-		Retained:        r.retCount,
-		RetainedBytes:   r.retBytes,
-		RetainedReplays: r.retainedReplays,
-		DownSince:       r.downSince,
-		Replayed:        r.replayed,
-		OwnFlushes:      r.ownFlushes,
-		Failing:         r.failing,
-		Failed:          r.failed,
-		Replaced:        r.replaced,
+		Reconnects:       r.reconnects,
+		InFlight:         len(r.table),
+		InFlightBytes:    r.bytes - r.retBytes,
+		BytesFromLocal:   r.fromLocal.Load(),
+		BytesToLocal:     r.toLocal.Load(),
+		Remote:           r.remote,
+		Connected:        r.state != stateDown,
+		Retained:         r.retCount,
+		RetainedBytes:    r.retBytes,
+		RetainedReplays:  r.retainedReplays,
+		DownSince:        r.downSince,
+		Replayed:         r.replayed,
+		OwnFlushes:       r.ownFlushes,
+		OwnFlushFailures: r.ownFlushFailed,
+		FlushErrorOwed:   r.flushErrOwed,
+		Failing:          r.failing,
+		Failed:           r.failed,
+		Replaced:         r.replaced,
 	}
 }
 

@@ -435,15 +435,18 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 			}
 		}
 		internal := e.internal
-		r.complete(e, rep.Errno)
+		errno := r.complete(e, rep.Errno)
 		if internal {
 			putBuf(buf)
 			continue
 		}
 		if cl != nil {
-			cl.finish(rep.Errno)
+			cl.finish(errno)
 			delivered++
 			continue
+		}
+		if errno != rep.Errno {
+			setReplyErrno(hdr[:], errno)
 		}
 		werr := r.deliver(hdr[:], data)
 		putBuf(buf)
@@ -457,10 +460,13 @@ func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered
 
 // complete takes e out of the table, answered with errno, and wakes a
 // request path waiting for room. A successful write stays, on the retained
-// list; a successful FLUSH trims that list.
-func (r *Relay) complete(e *entry, errno uint32) {
+// list; a successful FLUSH trims that list. It returns the errno the local
+// side gets: a failed FLUSH of the relay's own is owed to the next local
+// one (flusherr.go).
+func (r *Relay) complete(e *entry, errno uint32) uint32 {
 	r.mu.Lock()
 	r.unlink(e)
+	errno = r.flushVerdict(e, errno)
 	keep := errno == 0 && !e.internal && r.retains(e) && !r.o.noRetain
 	if keep {
 		r.retain(e)
@@ -491,6 +497,7 @@ func (r *Relay) complete(e *entry, errno uint32) {
 		// Not on the reply path: sending may block until replies are read.
 		go r.ownFlush()
 	}
+	return errno
 }
 
 // unlink takes e out of the table and the arrival list. Called with mu

@@ -131,7 +131,7 @@ func (r *Relay) ownFlush() {
 	e.handle = r.nextInternalHandle()
 	r.mu.Unlock()
 	(&nbd.Request{Type: nbd.CmdFlush, Handle: e.handle}).Encode(e.hdr[:])
-	e.cmd, e.cost, e.internal = nbd.CmdFlush, reqHeaderSize, true
+	e.cmd, e.cost, e.internal = nbd.CmdFlush, requestCost(nbd.CmdFlush, 0), true
 	r.mu.Lock()
 	r.bytes += e.cost
 	r.ownFlushes++

@@ -50,7 +50,7 @@ func (r *Relay) upLoop() {
 			}
 			data = int(req.Length)
 		}
-		cost := reqHeaderSize + data
+		cost := requestCost(req.Type, uint32(data))
 		if !r.admit(cost) {
 			return
 		}
