@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,6 +41,9 @@ type Export struct {
 	// syncs runs the backend's syncs and keeps their failures for the
 	// clients (syncerr.go).
 	syncs exportSyncs
+	// mem is the budget of the requests in flight of all its connections
+	// (budget.go); made on first use, under mu.
+	mem *budget
 }
 
 // Quiesce holds the export at a flush point: it waits for the changes in
@@ -154,6 +158,12 @@ type Server struct {
 	// 64 MiB. With the request count limit it caps memory per client, so a
 	// client that stops reading replies stalls only itself.
 	MaxInflightBytes int
+	// MaxInflightBytesPerExport and MaxInflightBytesPerSource bound what
+	// the requests in flight of all connections to one export, and of all
+	// connections from one source IP address, may hold (budget.go); zero
+	// means DefaultMaxInflightBytesPerExport and
+	// DefaultMaxInflightBytesPerSource, a negative value no bound.
+	MaxInflightBytesPerExport, MaxInflightBytesPerSource int
 	// MaxInflight bounds requests in flight per connection; zero means 256.
 	MaxInflight int
 	// Workers is the number of goroutines executing requests per
@@ -188,6 +198,8 @@ type Server struct {
 	closed    bool
 	wg        sync.WaitGroup
 	counts    connCounts
+	// srcMem are the budgets of the sources with connections (budget.go).
+	srcMem map[netip.Addr]*budget
 }
 
 func (s *Server) incarnation() Incarnation {

@@ -97,6 +97,13 @@ func (c *serverConn) transmit() {
 		maxBytes = 64 << 20
 	}
 	c.lim = newLimiter(maxReqs, maxBytes)
+	if b := c.srv.exportBudget(c.export); b != nil {
+		c.lim.shared = append(c.lim.shared, b)
+	}
+	if b, done := c.srv.sourceBudget(c.info.RemoteAddr); b != nil {
+		c.lim.shared = append(c.lim.shared, b)
+		defer done()
+	}
 	lc := newLowatConn(c.conn)
 	lc.stopping = c.draining.Load
 	var src io.Reader = lc
@@ -167,14 +174,11 @@ func (c *serverConn) transmit() {
 			}
 			continue
 		}
-		w := work{req: req, start: time.Now()}
-		if req.Type == CmdWrite || req.Type == CmdRead {
-			w.payload = int(req.Length)
-		}
+		w := work{req: req, start: time.Now(), payload: requestCharge(req)}
 		idle := c.lim.acquire(w.payload)
 		if req.Type == CmdWrite {
-			w.buf = getBuf(w.payload)
-			if rest := w.payload - r.Buffered(); rest > 0 {
+			w.buf = getBuf(int(req.Length))
+			if rest := int(req.Length) - r.Buffered(); rest > 0 {
 				// Wake up only when most of the payload is there.
 				lc.expect(rest)
 			}
@@ -547,7 +551,8 @@ func (c *serverConn) writeBatch(batch []queuedReply) error {
 // tlsRecord is the largest TLS record's plaintext.
 const tlsRecord = 16 << 10
 
-// limiter bounds requests and payload bytes in flight on one connection.
+// limiter bounds requests and the bytes they hold in flight on one
+// connection, and charges the budgets it shares with other connections.
 type limiter struct {
 	mu       sync.Mutex
 	cond     sync.Cond
@@ -555,6 +560,8 @@ type limiter struct {
 	bytes    int
 	maxReqs  int
 	maxBytes int
+	// shared are the export's and the source's budgets (budget.go).
+	shared []*budget
 }
 
 func newLimiter(maxReqs, maxBytes int) *limiter {
@@ -563,14 +570,22 @@ func newLimiter(maxReqs, maxBytes int) *limiter {
 	return l
 }
 
-// acquire charges one request of n payload bytes, waiting for room; it
-// reports whether nothing else was in flight.
+// acquire charges one request of n bytes, waiting for room on the
+// connection and then in the shared budgets; it reports whether nothing
+// else was in flight. Only the connection's reader calls it, so the room
+// found on the connection stays while it waits for the shared budgets, and
+// a request waiting holds nothing.
 func (l *limiter) acquire(n int) bool {
 	n = min(n, l.maxBytes)
 	l.mu.Lock()
 	for l.reqs >= l.maxReqs || (l.bytes > 0 && l.bytes+n > l.maxBytes) {
 		l.cond.Wait()
 	}
+	l.mu.Unlock()
+	for _, b := range l.shared {
+		b.acquire(n)
+	}
+	l.mu.Lock()
 	idle := l.reqs == 0
 	l.reqs++
 	l.bytes += n
@@ -580,6 +595,9 @@ func (l *limiter) acquire(n int) bool {
 
 func (l *limiter) release(n int) {
 	n = min(n, l.maxBytes)
+	for _, b := range l.shared {
+		b.release(n)
+	}
 	l.mu.Lock()
 	l.reqs--
 	l.bytes -= n
