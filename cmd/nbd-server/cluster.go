@@ -72,6 +72,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		AutoBackup:        co.autoBackup,
 		StaleLossCount:    co.staleLoss,
 		Exports:           d.metrics,
+		OnLostWrites:      d.lostWrites,
 		Logger:            d.log,
 	}
 	mctx, cancel := context.WithCancel(ctx)

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"os/signal"
 	"sync"
 	"sync/atomic"
@@ -69,6 +70,27 @@ type daemon struct {
 	exports map[string]*openExport
 	// retired are removed exports whose connections did not drain in time.
 	retired []*openExport
+	// incarnations changes the server's incarnation when an export's
+	// final sync fails.
+	incarnations nbd.IncarnationStore
+}
+
+// incarnationFile, in the storage agent's data directory, keeps what made
+// the incarnation change (nbd.IncarnationStore).
+const incarnationFile = ".incarnation-salt"
+
+// lostWrites is called when the final sync of an export failed as it
+// closed: its writeback error is consumed, and clients that reconnect
+// later would not learn that writes they were told are written may be
+// gone. A new incarnation makes every session send again what it retains.
+func (d *daemon) lostWrites(export string) {
+	inc, err := d.incarnations.Lost()
+	d.srv.SetIncarnation(inc)
+	if err != nil {
+		d.log.Error("acknowledged writes may be lost: the incarnation changed, but could not be recorded for the next start", "export", export, "error", err)
+		return
+	}
+	d.log.Error("acknowledged writes may be lost: the incarnation changed, so clients send again what they retain", "export", export)
 }
 
 type openExport struct {
@@ -105,11 +127,16 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 	}
 	// File and device backends write through to the kernel: only a reboot
 	// of this host loses acknowledged writes, so clients need to send
-	// their unflushed writes again only after one.
-	if inc, err := nbd.BootIncarnation(); err == nil {
+	// their unflushed writes again only after one, or after an export's
+	// final sync failed (lostWrites). The storage agent keeps the record
+	// of the latter in its data directory.
+	if opts.cluster != nil {
+		d.incarnations.Path = filepath.Join(opts.cluster.dataDir, incarnationFile)
+	}
+	if inc, err := d.incarnations.Current(); err == nil {
 		d.srv.Incarnation = inc
 	} else {
-		log.Warn("no boot ID: every restart counts as a new incarnation", "error", err)
+		log.Warn("no incarnation from the boot ID: every restart counts as a new incarnation", "error", err)
 	}
 
 	// Open every backend before listening, so that a bad path fails the
@@ -389,19 +416,20 @@ func (d *daemon) removeExport(name string) {
 		d.retired = append(d.retired, oe)
 		return
 	}
-	closeBackend(d.log, name, oe)
+	d.closeBackend(name, oe)
 }
 
-func closeBackend(log *slog.Logger, name string, oe *openExport) bool {
+func (d *daemon) closeBackend(name string, oe *openExport) bool {
 	ok := true
 	if !oe.cfg.ReadOnly {
 		if err := oe.backend.Sync(); err != nil {
-			log.Error("flush failed", "export", name, "error", err)
+			d.log.Error("flush failed", "export", name, "error", err)
+			d.lostWrites(name)
 			ok = false
 		}
 	}
 	if err := oe.backend.Close(); err != nil {
-		log.Error("close failed", "export", name, "error", err)
+		d.log.Error("close failed", "export", name, "error", err)
 		ok = false
 	}
 	return ok
@@ -411,11 +439,11 @@ func closeBackend(log *slog.Logger, name string, oe *openExport) bool {
 func (d *daemon) closeBackends() bool {
 	ok := true
 	for name, oe := range d.exports {
-		ok = closeBackend(d.log, name, oe) && ok
+		ok = d.closeBackend(name, oe) && ok
 		delete(d.exports, name)
 	}
 	for _, oe := range d.retired {
-		ok = closeBackend(d.log, oe.cfg.Name, oe) && ok
+		ok = d.closeBackend(oe.cfg.Name, oe) && ok
 	}
 	d.retired = nil
 	return ok

@@ -606,3 +606,34 @@ func TestRunStartFailures(t *testing.T) {
 		t.Errorf("a missing file was created without the create option: %v", err)
 	}
 }
+
+// TestFailedFinalSyncChangesIncarnation: an export's final sync fails as
+// it closes (the backend's writeback error consumed, no client connected
+// to be told): the server must announce a new incarnation, now and after
+// a restart, so that sessions send again what they retain.
+func TestFailedFinalSyncChangesIncarnation(t *testing.T) {
+	dir := t.TempDir()
+	b, err := nbd.OpenFile(filepath.Join(dir, "x.img"), 1<<20, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &daemon{log: quiet(), srv: &nbd.Server{}, incarnations: nbd.IncarnationStore{Path: filepath.Join(dir, incarnationFile)}}
+	before, err := d.incarnations.Current()
+	if err != nil {
+		t.Skipf("no boot ID here: %v", err)
+	}
+	d.srv.Incarnation = before
+	// Closed under the backend: its final sync fails, as a writeback
+	// error makes it.
+	b.Close()
+	if d.closeBackend("x", &openExport{cfg: ExportConfig{Name: "x"}, backend: b}) {
+		t.Fatal("closing an export whose sync failed reported success")
+	}
+	if d.srv.Incarnation == before {
+		t.Fatal("the server announces the same incarnation after an export lost acknowledged writes")
+	}
+	next, err := (nbd.IncarnationStore{Path: d.incarnations.Path}).Current()
+	if err != nil || next != d.srv.Incarnation {
+		t.Fatalf("the next start would announce %x (%v), not the changed %x", next, err, d.srv.Incarnation)
+	}
+}

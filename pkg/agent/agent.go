@@ -110,6 +110,10 @@ type Config struct {
 	// Exports, when set, is told about added and removed exports and the
 	// measured capacity.
 	Exports ExportObserver
+	// OnLostWrites, when set, is called when a volume's final sync failed
+	// as its export closed: acknowledged writes may be lost and no client
+	// is connected to be told (the server then changes its incarnation).
+	OnLostWrites func(volume string)
 	// NodeRoots, when set, returns the CA that issues node certificates:
 	// a TLS connection presenting one is the node it names (see resolve).
 	// The server's TLS configuration must ask for and verify them
@@ -383,6 +387,9 @@ func (a *Agent) closeVolume(v *volume) error {
 	}
 	if serr := v.backend.Sync(); serr != nil {
 		err = errors.Join(err, fmt.Errorf("volume %s: flush: %w", v.name, serr))
+		if a.cfg.OnLostWrites != nil {
+			a.cfg.OnLostWrites(v.name)
+		}
 	}
 	if cerr := v.backend.Close(); cerr != nil {
 		err = errors.Join(err, fmt.Errorf("volume %s: close: %w", v.name, cerr))

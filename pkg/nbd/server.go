@@ -203,8 +203,11 @@ type Server struct {
 }
 
 func (s *Server) incarnation() Incarnation {
-	if s.Incarnation != (Incarnation{}) {
-		return s.Incarnation
+	s.mu.Lock()
+	inc := s.Incarnation
+	s.mu.Unlock()
+	if inc != (Incarnation{}) {
+		return inc
 	}
 	return processIncarnation()
 }

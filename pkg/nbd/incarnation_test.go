@@ -1,0 +1,41 @@
+package nbd
+
+import (
+	"path/filepath"
+	"testing"
+)
+
+func TestIncarnationStore(t *testing.T) {
+	boot, err := BootIncarnation()
+	if err != nil {
+		t.Skipf("no boot ID here: %v", err)
+	}
+	st := IncarnationStore{Path: filepath.Join(t.TempDir(), "salt")}
+	if cur, err := st.Current(); err != nil || cur != boot {
+		t.Fatalf("with nothing lost: %x, %v; want the boot incarnation", cur, err)
+	}
+	lost, err := st.Lost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lost == boot {
+		t.Fatal("the incarnation did not change when writes were lost")
+	}
+	// The next start on this boot announces the changed incarnation.
+	again := IncarnationStore{Path: st.Path}
+	if cur, err := again.Current(); err != nil || cur != lost {
+		t.Fatalf("after a restart: %x, %v; want %x", cur, err, lost)
+	}
+	if lost2, err := again.Lost(); err != nil || lost2 == lost {
+		t.Fatalf("a second loss: %x, %v; want a new incarnation", lost2, err)
+	}
+
+	mem := IncarnationStore{}
+	a, err := mem.Lost()
+	if err != nil || a == boot {
+		t.Fatalf("without a file: %x, %v", a, err)
+	}
+	if cur, _ := mem.Current(); cur != boot {
+		t.Fatal("without a file the loss outlived the process")
+	}
+}
