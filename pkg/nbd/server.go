@@ -319,7 +319,7 @@ func drainAll(ctx context.Context, conns []*serverConn) error {
 			// Out of patience: close hard, but still wait for the handlers
 			// so the caller knows the backend is no longer in use.
 			for _, c := range conns {
-				c.conn.Close()
+				c.sock.Close()
 			}
 			for _, c := range conns {
 				<-c.done
@@ -403,6 +403,7 @@ func (s *Server) serveConn(c net.Conn, a *admission) {
 	sc := &serverConn{
 		srv:  s,
 		conn: c,
+		sock: c,
 		info: ConnInfo{Conn: c, RemoteAddr: c.RemoteAddr(), LocalAddr: c.LocalAddr()},
 		done: make(chan struct{}),
 	}

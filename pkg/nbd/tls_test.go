@@ -284,3 +284,27 @@ func isReset(err error) bool {
 	var ne *net.OpError
 	return errors.As(err, &ne) && !ne.Timeout()
 }
+
+// TestShutdownAfterStartTLS: a server shut down while a connection is
+// still negotiating inside TLS stops it through the socket it accepted
+// (the race detector's view: STARTTLS replaces the connection the
+// handler reads while Shutdown drains it).
+func TestShutdownAfterStartTLS(t *testing.T) {
+	pki := newTestPKI(t)
+	s := newTestServer(t, &Export{Name: "disk", Backend: NewMemBackend(1 << 20)})
+	s.TLSConfig = pki.server
+	addr := tcpServer(t, s)
+	c := greeted(t, addr)
+	tc, err := startTLS(c, pki.client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatalf("shutdown with a connection negotiating inside TLS: %v", err)
+	}
+	if _, err := io.Copy(io.Discard, tc); err != nil && !errors.Is(err, net.ErrClosed) && !isReset(err) {
+		t.Fatalf("after shutdown: %v, want the server to hang up", err)
+	}
+}
