@@ -166,8 +166,9 @@ type Server struct {
 	// (tests on a loaded machine).
 	inlineBase time.Duration
 	// TLSConfig, when set, offers NBD_OPT_STARTTLS: the connection upgrades
-	// to TLS (its MinVersion is raised to TLS 1.3) before the client
-	// chooses an export. Without it STARTTLS is unsupported.
+	// to TLS before the client chooses an export. TLS 1.2 is accepted (the
+	// protocol requires it) with forward-secret AEAD suites only, unless
+	// MinVersion asks for 1.3. Without it STARTTLS is unsupported.
 	TLSConfig *tls.Config
 	// TLSRequired makes every connection upgrade before anything else:
 	// other options get ERR_TLS_REQD, NBD_OPT_EXPORT_NAME a hang-up.
