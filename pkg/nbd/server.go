@@ -168,7 +168,9 @@ type Server struct {
 	// TLSConfig, when set, offers NBD_OPT_STARTTLS: the connection upgrades
 	// to TLS before the client chooses an export. TLS 1.2 is accepted (the
 	// protocol requires it) with forward-secret AEAD suites only, unless
-	// MinVersion asks for 1.3. Without it STARTTLS is unsupported.
+	// MinVersion asks for 1.3. ServerTLS makes one that checks client
+	// certificates without ClientCAs, which GnuTLS clients with RSA keys
+	// need. Without TLSConfig STARTTLS is unsupported.
 	TLSConfig *tls.Config
 	// TLSRequired makes every connection upgrade before anything else:
 	// other options get ERR_TLS_REQD, NBD_OPT_EXPORT_NAME a hang-up.
