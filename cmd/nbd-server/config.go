@@ -111,10 +111,12 @@ Cluster mode (--cluster):
   are for standalone runs.
 
 TLS (--tls on|require --tls-cert FILE --tls-key FILE [--tls-ca FILE]):
-  clients upgrade with NBD_OPT_STARTTLS to TLS 1.3 before choosing an
-  export (nbds:// URIs of libnbd, qemu's tls-creds-x509). With require,
-  anything else first is refused (ERR_TLS_REQD). With --tls-ca, clients must
-  present a certificate that CA signed.
+  clients upgrade with NBD_OPT_STARTTLS to TLS 1.3, or 1.2 with ECDHE and
+  AES-GCM or ChaCha20-Poly1305, before choosing an export (nbds:// URIs of
+  libnbd, qemu's tls-creds-x509). With require, anything else first is
+  refused (ERR_TLS_REQD). With --tls-ca, clients must present a
+  certificate for client authentication that CA signed (any key type: the
+  request names no CA, which GnuTLS clients with RSA keys need).
 
 Connection limits (the storage agent has the same): --max-conns,
 --max-conns-per-source (per client IP address) and --max-conns-per-export
@@ -338,19 +340,18 @@ func (v *flagValues) tlsConfig() (*tls.Config, bool, error) {
 	if err != nil {
 		return nil, false, fmt.Errorf("--tls-cert/--tls-key: %w", err)
 	}
-	cfg := &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}
+	var cas *x509.CertPool
 	if v.tlsCA != "" {
 		pem, err := os.ReadFile(v.tlsCA)
 		if err != nil {
 			return nil, false, fmt.Errorf("--tls-ca: %w", err)
 		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
+		cas = x509.NewCertPool()
+		if !cas.AppendCertsFromPEM(pem) {
 			return nil, false, fmt.Errorf("--tls-ca %s: no PEM certificate in it", v.tlsCA)
 		}
-		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
 	}
-	return cfg, v.tls == "require", nil
+	return nbd.ServerTLS(cert, cas), v.tls == "require", nil
 }
 
 var singleDash = regexp.MustCompile(`(^|\s)-([a-z][a-z-]*)`)

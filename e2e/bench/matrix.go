@@ -20,7 +20,7 @@ import (
 const (
 	ServerOurs      = "ours"       // bin/nbd-server
 	ServerOursB     = "ours-b"     // another build of nbd-server (Options.CandidateBin), measured beside ours
-	ServerOursTLS   = "ours-tls"   // bin/nbd-server, TLS 1.3 required (STARTTLS); our client only
+	ServerOursTLS   = "ours-tls"   // bin/nbd-server, TLS required (STARTTLS; our client negotiates 1.3); our client only
 	ServerNbdkit    = "nbdkit"     // nbdkit's file plugin
 	ServerNbdServer = "nbd-server" // Debian's nbd-server
 )

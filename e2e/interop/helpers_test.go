@@ -232,7 +232,8 @@ type testServer struct {
 	obs     *recorder
 
 	mu    sync.Mutex
-	conns map[net.Conn]bool // every connection that asked for an export -> carried by MPTCP
+	conns map[net.Conn]bool     // every connection that asked for an export -> carried by MPTCP
+	tls   []tls.ConnectionState // of every connection that asked for an export over TLS
 }
 
 type serverOptions struct {
@@ -267,6 +268,9 @@ func startServer(t *testing.T, opt serverOptions, specs ...exportSpec) *testServ
 		Authorize: func(c nbd.ConnInfo, export string) error {
 			ts.mu.Lock()
 			ts.conns[c.Conn] = nbd.IsMultipathTCP(c.Conn)
+			if c.TLS != nil {
+				ts.tls = append(ts.tls, *c.TLS)
+			}
 			ts.mu.Unlock()
 			for _, d := range opt.Deny {
 				if d == export {
@@ -330,6 +334,16 @@ func startServer(t *testing.T, opt serverOptions, specs ...exportSpec) *testServ
 // URI is the NBD URI of an export.
 func (ts *testServer) URI(export string) string {
 	return "nbd://" + ts.Addr + "/" + export
+}
+
+// tlsStates returns the TLS states of the connections that asked for an
+// export so far and forgets them.
+func (ts *testServer) tlsStates() []tls.ConnectionState {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	s := ts.tls
+	ts.tls = nil
+	return s
 }
 
 // Port is the TCP port the server listens on.

@@ -33,7 +33,8 @@ type DialOptions struct {
 	// sessions fences the connections of an earlier dial of the same ID.
 	Session *SessionID
 	// TLS, when set, upgrades every connection with NBD_OPT_STARTTLS
-	// (TLS 1.3 at least) before the export is chosen.
+	// (TLS 1.2 at least, forward-secret AEAD suites only; set MinVersion
+	// for 1.3) before the export is chosen.
 	TLS *tls.Config
 }
 

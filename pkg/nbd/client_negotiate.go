@@ -35,7 +35,7 @@ func NegotiateWith(rw io.ReadWriter, export string, no NegotiateOptions) (Export
 }
 
 // startTLS asks the server to upgrade c to TLS (NBD_OPT_STARTTLS, right
-// after the greeting) and runs the TLS handshake, at least TLS 1.3.
+// after the greeting) and runs the TLS handshake (tlsConfig of cfg).
 func startTLS(c net.Conn, cfg *tls.Config) (*tls.Conn, error) {
 	o := option{Code: OptStartTLS}
 	if _, err := c.Write(o.encode()); err != nil {
@@ -254,7 +254,7 @@ func NegotiateConnWith(ctx context.Context, c net.Conn, export string, no Negoti
 }
 
 // NegotiateConnTLS is NegotiateConnWith over TLS: right after the
-// greeting it upgrades c with NBD_OPT_STARTTLS and a TLS 1.3 handshake
+// greeting it upgrades c with NBD_OPT_STARTTLS and a TLS handshake
 // under cfg, then selects export inside TLS. The returned connection
 // (TLS over c) carries the transmission phase.
 func NegotiateConnTLS(ctx context.Context, c net.Conn, export string, cfg *tls.Config, no NegotiateOptions) (net.Conn, ExportInfo, error) {

@@ -179,8 +179,11 @@ type Server struct {
 	// (tests on a loaded machine).
 	inlineBase time.Duration
 	// TLSConfig, when set, offers NBD_OPT_STARTTLS: the connection upgrades
-	// to TLS (its MinVersion is raised to TLS 1.3) before the client
-	// chooses an export. Without it STARTTLS is unsupported.
+	// to TLS before the client chooses an export. TLS 1.2 is accepted (the
+	// protocol requires it) with forward-secret AEAD suites only, unless
+	// MinVersion asks for 1.3. ServerTLS makes one that checks client
+	// certificates without ClientCAs, which GnuTLS clients with RSA keys
+	// need. Without TLSConfig STARTTLS is unsupported.
 	TLSConfig *tls.Config
 	// TLSRequired makes every connection upgrade before anything else:
 	// other options get ERR_TLS_REQD, NBD_OPT_EXPORT_NAME a hang-up.
@@ -337,7 +340,7 @@ func drainAll(ctx context.Context, conns []*serverConn) error {
 			// Out of patience: close hard, but still wait for the handlers
 			// so the caller knows the backend is no longer in use.
 			for _, c := range conns {
-				c.conn.Close()
+				c.sock.Close()
 			}
 			for _, c := range conns {
 				<-c.done
@@ -421,6 +424,7 @@ func (s *Server) serveConn(c net.Conn, a *admission) {
 	sc := &serverConn{
 		srv:  s,
 		conn: c,
+		sock: c,
 		info: ConnInfo{Conn: c, RemoteAddr: c.RemoteAddr(), LocalAddr: c.LocalAddr()},
 		done: make(chan struct{}),
 	}

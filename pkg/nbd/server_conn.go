@@ -18,8 +18,13 @@ import (
 // are queued as they finish, in any order, and whoever finds the queue idle
 // writes everything queued in one writev.
 type serverConn struct {
-	srv      *Server
-	conn     net.Conn
+	srv  *Server
+	conn net.Conn
+	// sock is the accepted socket, which conn runs over once STARTTLS
+	// replaced it: what other goroutines (Shutdown, CloseConns) stop the
+	// connection through, since conn changes under them during a
+	// handshake.
+	sock     net.Conn
 	info     ConnInfo
 	done     chan struct{}
 	export   *Export
@@ -79,7 +84,7 @@ type queuedReply struct {
 // already read still complete and get their replies.
 func (c *serverConn) drain() {
 	c.draining.Store(true)
-	c.conn.SetReadDeadline(time.Now())
+	c.sock.SetReadDeadline(time.Now())
 }
 
 // defaultWorkers is the per-connection worker count: enough to keep a

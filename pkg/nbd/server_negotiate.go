@@ -2,7 +2,6 @@ package nbd
 
 import (
 	"bufio"
-	"crypto/tls"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -271,22 +270,6 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			}
 		}
 	}
-}
-
-// tlsConfig is c with TLS 1.3 at least (NBD over TLS 1.2 is allowed by
-// the protocol, but this server and client speak only the current
-// version) and full-sized records.
-func tlsConfig(c *tls.Config) *tls.Config {
-	if c.MinVersion >= tls.VersionTLS13 && c.DynamicRecordSizingDisabled {
-		return c
-	}
-	c = c.Clone()
-	c.MinVersion = max(c.MinVersion, tls.VersionTLS13)
-	// A connection carries bulk data from its first request: full
-	// records from the start, not the small ones that speed up the
-	// first bytes of a web page at the cost of more records to seal.
-	c.DynamicRecordSizingDisabled = true
-	return c
 }
 
 // reserve takes a connection slot of e for sc, which keeps it until it is

@@ -204,20 +204,8 @@ func TestStartTLSRefusals(t *testing.T) {
 	if _, err := dialTLS(t, addr, "disk", untrusting); !errors.Is(err, ErrTLSHandshake) {
 		t.Fatalf("dial with an unknown CA: %v, want a handshake failure", err)
 	}
-	// A client that offers only TLS 1.2.
-	old := pki.client.Clone()
-	old.MaxVersion = tls.VersionTLS12
-	c := greeted(t, addr)
-	o := option{Code: OptStartTLS}
-	if _, err := c.Write(o.encode()); err != nil {
-		t.Fatal(err)
-	}
-	if r, err := readOptReply(c); err != nil || r.Type != RepAck {
-		t.Fatalf("STARTTLS reply %+v, %v", r, err)
-	}
-	if err := tls.Client(c, old).Handshake(); err == nil {
-		t.Fatal("a TLS 1.2 handshake succeeded")
-	}
+	// TLS 1.2 clients with suites the server does not agree to:
+	// TestStartTLS12Suites.
 
 	// STARTTLS with data, then twice, then data behind it.
 	c2 := greeted(t, addr)
@@ -240,7 +228,7 @@ func TestStartTLSRefusals(t *testing.T) {
 
 	c3 := greeted(t, addr)
 	q := InfoRequest{Name: "disk"}
-	msg := append(o.encode(), (&option{Code: OptGo, Data: q.encode()}).encode()...)
+	msg := append((&option{Code: OptStartTLS}).encode(), (&option{Code: OptGo, Data: q.encode()}).encode()...)
 	if _, err := c3.Write(msg); err != nil {
 		t.Fatal(err)
 	}
@@ -283,4 +271,28 @@ func greeted(t *testing.T, addr string) net.Conn {
 func isReset(err error) bool {
 	var ne *net.OpError
 	return errors.As(err, &ne) && !ne.Timeout()
+}
+
+// TestShutdownAfterStartTLS: a server shut down while a connection is
+// still negotiating inside TLS stops it through the socket it accepted
+// (the race detector's view: STARTTLS replaces the connection the
+// handler reads while Shutdown drains it).
+func TestShutdownAfterStartTLS(t *testing.T) {
+	pki := newTestPKI(t)
+	s := newTestServer(t, &Export{Name: "disk", Backend: NewMemBackend(1 << 20)})
+	s.TLSConfig = pki.server
+	addr := tcpServer(t, s)
+	c := greeted(t, addr)
+	tc, err := startTLS(c, pki.client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Shutdown(ctx); err != nil {
+		t.Fatalf("shutdown with a connection negotiating inside TLS: %v", err)
+	}
+	if _, err := io.Copy(io.Discard, tc); err != nil && !errors.Is(err, net.ErrClosed) && !isReset(err) {
+		t.Fatalf("after shutdown: %v, want the server to hang up", err)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"crypto/tls"
 	"net"
+	"slices"
 	"sync"
 )
 
@@ -63,6 +64,47 @@ func (t *tlsTransport) flushLocked() error {
 
 // NetConn is the socket (for MPTCP and socket options).
 func (t *tlsTransport) NetConn() net.Conn { return t.Conn }
+
+// tls12Suites are the TLS 1.2 cipher suites this package agrees to: ECDHE
+// key exchange, so that a stolen key does not open recorded traffic, with
+// an AEAD. CBC suites (padding oracles, Lucky Thirteen) and RSA key
+// exchange (no forward secrecy) are left out. TLS 1.3's suites all have
+// both properties and are not configurable.
+var tls12Suites = []uint16{
+	tls.TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+	tls.TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+	tls.TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+	tls.TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+}
+
+// tlsConfig is c as this package runs it, on both sides: TLS 1.2 at least
+// (the NBD protocol requires TLS implementations to accept 1.2; a caller
+// may raise the floor to 1.3), only tls12Suites under 1.2 (those of
+// c.CipherSuites, when set), and full-sized records.
+func tlsConfig(c *tls.Config) *tls.Config {
+	if c.MinVersion >= tls.VersionTLS12 && c.DynamicRecordSizingDisabled && c.CipherSuites != nil &&
+		!slices.ContainsFunc(c.CipherSuites, func(id uint16) bool { return !slices.Contains(tls12Suites, id) }) {
+		return c
+	}
+	c = c.Clone()
+	c.MinVersion = max(c.MinVersion, tls.VersionTLS12)
+	if c.CipherSuites == nil {
+		c.CipherSuites = tls12Suites
+	} else {
+		// Left empty, no 1.2 handshake succeeds: 1.3 still does.
+		c.CipherSuites = slices.DeleteFunc(slices.Clone(c.CipherSuites), func(id uint16) bool {
+			return !slices.Contains(tls12Suites, id)
+		})
+	}
+	// A connection carries bulk data from its first request: full
+	// records from the start, not the small ones that speed up the
+	// first bytes of a web page at the cost of more records to seal.
+	// Both versions size records alike.
+	c.DynamicRecordSizingDisabled = true
+	return c
+}
 
 // tlsOver makes the TLS connection of cfg's side over c, on a transport
 // that Batched can gather.

@@ -397,6 +397,8 @@ func (id *Identity) ServerConfig() *tls.Config {
 // roots returns.
 func ClientTLS(storageNode string, cert func() (*tls.Certificate, error), roots func() *x509.CertPool) *tls.Config {
 	return &tls.Config{
+		// 1.3 only: the storage agent is the driver's too, and under 1.2
+		// the node certificate would cross the network in the clear.
 		MinVersion: tls.VersionTLS13,
 		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
 			return cert()
@@ -427,6 +429,9 @@ func ServerTLS(cert func() (*tls.Certificate, error), roots func() *x509.CertPoo
 		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 			return cert()
 		},
+		// The chain is checked in VerifyConnection, not by ClientCAs, so
+		// the request names no CA (see nbd.ServerTLS for the GnuTLS
+		// clients this keeps working).
 		ClientAuth: tls.RequireAnyClientCert,
 		VerifyConnection: func(cs tls.ConnectionState) error {
 			if _, err := Verify(Node, roots(), cs.PeerCertificates); err != nil {

@@ -4,7 +4,7 @@
 //
 // Matrix (every dimension selectable; the default is all of it):
 //
-//	servers:   ours (bin/nbd-server), ours-tls (the same with TLS 1.3 required; our
+//	servers:   ours (bin/nbd-server), ours-tls (the same with TLS required, 1.3; our
 //	           client only), nbdkit (file plugin), nbd-server (Debian's)
 //	networks:  tcp1 (plain TCP, path 1), mptcp4 (MPTCP, 4 x 1 Gbit/s),
 //	           asym (MPTCP, 3 x 1 Gbit/s + 100 Mbit/s), asym-backup (slow path backup),

@@ -6,9 +6,11 @@
 package pki
 
 import (
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -42,10 +44,48 @@ const (
 	ClientKey  = "client-key.pem"
 )
 
+// KeyType is the kind of key a certificate of NewWith is made for. Peers
+// differ in which they can use (a GnuTLS client before 3.8.13 presents no
+// RSA certificate under TLS 1.3 to a server that names its CAs), so TLS
+// tests need both.
+type KeyType int
+
+const (
+	// ECDSAP256 is an ECDSA key on P-256, the default.
+	ECDSAP256 KeyType = iota
+	// RSA2048 is a 2048-bit RSA key.
+	RSA2048
+)
+
+func (k KeyType) generate() (crypto.Signer, error) {
+	switch k {
+	case ECDSAP256:
+		return ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	case RSA2048:
+		return rsa.GenerateKey(rand.Reader, 2048)
+	}
+	return nil, fmt.Errorf("pki: unknown key type %d", k)
+}
+
+// Options shape the certificates of NewWith.
+type Options struct {
+	// Hosts are names the server certificate holds besides localhost,
+	// 127.0.0.1 and ::1 (IP addresses or DNS names).
+	Hosts []string
+	// ServerKey and ClientKey are the leaf certificates' key types (the
+	// CA's key is ECDSA P-256 either way).
+	ServerKey, ClientKey KeyType
+}
+
 // New makes a CA and its two certificates (ECDSA P-256), valid from an
 // hour ago for a day. The server certificate names localhost, 127.0.0.1,
 // ::1 and hosts (IP addresses or DNS names).
 func New(hosts ...string) (*PKI, error) {
+	return NewWith(Options{Hosts: hosts})
+}
+
+// NewWith is New with the leaf certificates' key types chosen.
+func NewWith(o Options) (*PKI, error) {
 	p := &PKI{pem: map[string][]byte{}}
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -65,8 +105,8 @@ func New(hosts ...string) (*PKI, error) {
 		return nil, err
 	}
 	p.pem[CACert] = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
-	leaf := func(serial int64, cn string, usage x509.ExtKeyUsage, certFile, keyFile string) (tls.Certificate, error) {
-		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	leaf := func(serial int64, cn string, kt KeyType, usage x509.ExtKeyUsage, certFile, keyFile string) (tls.Certificate, error) {
+		key, err := kt.generate()
 		if err != nil {
 			return tls.Certificate{}, err
 		}
@@ -77,14 +117,14 @@ func New(hosts ...string) (*PKI, error) {
 			ExtKeyUsage: []x509.ExtKeyUsage{usage},
 			DNSNames:    []string{"localhost"}, IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
 		}
-		for _, h := range hosts {
+		for _, h := range o.Hosts {
 			if ip := net.ParseIP(h); ip != nil {
 				tmpl.IPAddresses = append(tmpl.IPAddresses, ip)
 			} else {
 				tmpl.DNSNames = append(tmpl.DNSNames, h)
 			}
 		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, p.CA, &key.PublicKey, caKey)
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, p.CA, key.Public(), caKey)
 		if err != nil {
 			return tls.Certificate{}, err
 		}
@@ -96,11 +136,11 @@ func New(hosts ...string) (*PKI, error) {
 		p.pem[keyFile] = pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: pk})
 		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, nil
 	}
-	server, err := leaf(2, "server", x509.ExtKeyUsageServerAuth, ServerCert, ServerKey)
+	server, err := leaf(2, "server", o.ServerKey, x509.ExtKeyUsageServerAuth, ServerCert, ServerKey)
 	if err != nil {
 		return nil, err
 	}
-	client, err := leaf(3, "client", x509.ExtKeyUsageClientAuth, ClientCert, ClientKey)
+	client, err := leaf(3, "client", o.ClientKey, x509.ExtKeyUsageClientAuth, ClientCert, ClientKey)
 	if err != nil {
 		return nil, err
 	}
