@@ -82,45 +82,15 @@ func tokenClient(t *testing.T, cfg *rest.Config, c client.Client, token string) 
 	return cl, nodes[0]
 }
 
-// TestVolumeWritesOnlyOfOwnNode applies the kustomize tree's RBAC and
-// admission policies of the node plugin and the storage agent to a real
-// API server and acts as each with the token the kubelet gives its pod on
-// node-a (a TokenRequest bound to the pod, which carries the pod's node):
-// the node plugin writes its own entry of a volume's status.attachments
-// and nothing else of any volume's status; the storage agent keeps the
-// finalizer and status of the volumes and snapshots stored on node-a and
-// the NBDStorageNode of node-a, and changes no spec and nothing of node-b's.
-func TestVolumeWritesOnlyOfOwnNode(t *testing.T) {
-	cfg, c := apiserver.Start(t)
+// volumeWritesOnlyOfOwnNode acts as the node plugin and the storage agent
+// with the tokens the kubelet gives their pods on node-a (a TokenRequest
+// bound to the pod, which carries the pod's node): the node plugin writes
+// its own entry of a volume's status.attachments and nothing else of any
+// volume's status; the storage agent keeps the finalizer and status of
+// the volumes and snapshots stored on node-a and the NBDStorageNode of
+// node-a, and changes no spec and nothing of node-b's.
+func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: apiserver.DeployNamespace}}); err != nil {
-		t.Fatal(err)
-	}
-	accounts := 0
-	for _, o := range parseObjects(t, kustomizeDeploy(t)) {
-		switch o.GetKind() {
-		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
-		default:
-			continue
-		}
-		if comp := o.GetLabels()["app.kubernetes.io/component"]; comp != "node" && comp != "storage-agent" {
-			continue
-		}
-		if err := c.Create(ctx, o); err != nil {
-			t.Fatalf("%s: %v", objectKey(o), err)
-		}
-		if o.GetKind() == "ServiceAccount" {
-			accounts++
-		}
-	}
-	if accounts != 2 {
-		t.Fatalf("applied %d ServiceAccounts of the node plugin and the storage agent, want 2", accounts)
-	}
-	for _, n := range []string{"node-a", "node-b"} {
-		if err := c.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}); err != nil {
-			t.Fatal(err)
-		}
-	}
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
