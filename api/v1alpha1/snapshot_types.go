@@ -14,6 +14,8 @@ type NBDSnapshotSpec struct {
 	// SourceVolume is the NBDVolume (the CSI volume ID) the snapshot is
 	// taken of.
 	// +kubebuilder:validation:MinLength=1
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	// +kubebuilder:validation:XValidation:rule="self == oldSelf",message="sourceVolume is immutable"
 	SourceVolume string `json:"sourceVolume"`
 	// StorageNode is the storage node that takes and keeps the snapshot:

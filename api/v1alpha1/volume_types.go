@@ -27,13 +27,19 @@ const (
 	AccessBlock      AccessType = "Block"
 )
 
-// ContentSource is what a new volume is filled from.
+// ContentSource is what a new volume is filled from. Both are object
+// names (DNS-1123 subdomains): the storage agent finds the source's file
+// under its data directory by name, so a path is refused here and there.
 type ContentSource struct {
 	// Volume is the name of an existing NBDVolume to clone.
 	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	Volume string `json:"volume,omitempty"`
-	// Snapshot is the name of a snapshot to restore.
+	// Snapshot is the name of an NBDSnapshot to restore.
 	// +optional
+	// +kubebuilder:validation:MaxLength=253
+	// +kubebuilder:validation:Pattern=`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`
 	Snapshot string `json:"snapshot,omitempty"`
 }
 

@@ -19,35 +19,36 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
 
-// TestNodePluginMayAnnotateOnlyItsNode applies the node plugin's RBAC and
-// admission policy of the kustomize tree to a real API server and acts as
-// the node plugin's ServiceAccount of node-a (impersonated, with the
-// node-name its pod's token carries): it may publish its storage
-// addresses on node-a, and nothing else: not on node-b, not another
-// annotation, not a label, not without a node name.
-func TestNodePluginMayAnnotateOnlyItsNode(t *testing.T) {
+// TestNodePolicies applies the RBAC and admission policies of the node
+// plugin and the storage agent of the kustomize tree to a real API server
+// with the Nodes node-a and node-b, and checks what each may write.
+func TestNodePolicies(t *testing.T) {
 	cfg, c := apiserver.Start(t)
 	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mpnbd-system"}}); err != nil {
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: apiserver.DeployNamespace}}); err != nil {
 		t.Fatal(err)
 	}
-	applied := 0
+	applied := map[string]int{}
 	for _, o := range parseObjects(t, kustomizeDeploy(t)) {
 		switch o.GetKind() {
 		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
 		default:
 			continue
 		}
-		if o.GetName() != "mpnbd-node" && o.GetName() != "mpnbd-node-own-annotation" {
+		comp := o.GetLabels()["app.kubernetes.io/component"]
+		if comp != "node" && comp != "storage-agent" {
 			continue
 		}
 		if err := c.Create(ctx, o); err != nil {
 			t.Fatalf("%s: %v", objectKey(o), err)
 		}
-		applied++
+		applied[o.GetKind()]++
 	}
-	if applied != 5 {
-		t.Fatalf("applied %d objects of the node plugin's RBAC and policy, want 5", applied)
+	// Each: a ServiceAccount, a ClusterRole and its binding; the node
+	// plugin two policies, the storage agent one.
+	if applied["ServiceAccount"] != 2 || applied["ClusterRoleBinding"] != 2 || applied["ValidatingAdmissionPolicy"] != 3 ||
+		applied["ValidatingAdmissionPolicyBinding"] != 3 {
+		t.Fatalf("applied %v of the node plugin's and the storage agent's RBAC and policies", applied)
 	}
 	for _, n := range []string{"node-a", "node-b"} {
 		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n, Labels: map[string]string{"zone": "a"},
@@ -56,7 +57,17 @@ func TestNodePluginMayAnnotateOnlyItsNode(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	t.Run("NodeAnnotation", func(t *testing.T) { nodePluginMayAnnotateOnlyItsNode(t, cfg, c) })
+	t.Run("VolumeWrites", func(t *testing.T) { volumeWritesOnlyOfOwnNode(t, cfg, c) })
+}
 
+// nodePluginMayAnnotateOnlyItsNode acts as the node plugin's
+// ServiceAccount of node-a (impersonated, with the node-name its pod's
+// token carries): it may publish its storage addresses on node-a, and
+// nothing else: not on node-b, not another annotation, not a label, not
+// without a node name.
+func nodePluginMayAnnotateOnlyItsNode(t *testing.T, cfg *rest.Config, c client.Client) {
+	ctx := context.Background()
 	as := func(nodeName string) client.Client {
 		ic := rest.CopyConfig(cfg)
 		ic.Impersonate = rest.ImpersonationConfig{

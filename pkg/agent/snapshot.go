@@ -227,8 +227,14 @@ func (a *Agent) fill(ctx context.Context, log *slog.Logger, path string, cs *v1a
 	var opts []snapshot.Option
 	switch {
 	case cs.Snapshot != "" && cs.Volume == "":
+		if f := invalidName("contentSource.snapshot", cs.Snapshot); f != nil {
+			return f
+		}
 		src, what = a.snapshotPath(cs.Snapshot), "snapshot "+cs.Snapshot
 	case cs.Volume != "" && cs.Snapshot == "":
+		if f := invalidName("contentSource.volume", cs.Volume); f != nil {
+			return f
+		}
 		src, what = a.path(cs.Volume), "volume "+cs.Volume
 		e, served := a.srv.Export(cs.Volume)
 		if !served {

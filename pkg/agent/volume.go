@@ -173,8 +173,8 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 // volume, the volume is exported but could not grow to its spec's size.
 func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
 	name := vol.Name
-	if errs := validation.IsDNS1123Subdomain(name); len(errs) > 0 || strings.Contains(name, "/") {
-		return nil, &failure{code: "InvalidArgument", message: fmt.Sprintf("volume name %q: %s", name, strings.Join(errs, "; ")), retry: exhaustedRetry}
+	if f := invalidName("volume name", name); f != nil {
+		return nil, f
 	}
 	a.mu.Lock()
 	v := a.vols[name]
@@ -256,6 +256,20 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 		}
 	}
 	return v, growFailure
+}
+
+// invalidName fails with InvalidArgument when name, which the agent joins
+// into a path under its data directory, is not an object name (a DNS-1123
+// subdomain: lower-case letters and digits in labels joined by '.', at
+// most 253 characters, so no '/' and no name of dots alone). The CRDs
+// refuse other values too; this check is what keeps every path the agent
+// makes inside its data directory, whatever an object holds.
+func invalidName(what, name string) *failure {
+	errs := validation.IsDNS1123Subdomain(name)
+	if len(errs) == 0 {
+		return nil
+	}
+	return &failure{code: "InvalidArgument", message: fmt.Sprintf("%s %q: %s", what, name, strings.Join(errs, "; ")), retry: exhaustedRetry}
 }
 
 // checkRoom fails with ResourceExhausted when need bytes more would not fit

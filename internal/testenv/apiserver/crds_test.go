@@ -2,6 +2,7 @@ package apiserver
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -142,9 +143,22 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 			"encryption": func(v *v1alpha1.NBDVolume) { v.Spec.Encryption = "always" },
 			"token hash": func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].TokenSHA256 = strings.Repeat("0F", 32) },
 			"a token":    func(v *v1alpha1.NBDVolume) { v.Spec.Publications[0].TokenSHA256 = strings.Repeat("0f", 16) },
+			// The storage agent finds a content source's file by name
+			// under its data directory: a path is no name.
+			"snapshot path": func(v *v1alpha1.NBDVolume) {
+				v.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: "../../etc/x"}
+			},
+			"snapshot absolute": func(v *v1alpha1.NBDVolume) { v.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: "/etc/x"} },
+			"snapshot dots":     func(v *v1alpha1.NBDVolume) { v.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: ".."} },
+			"snapshot case":     func(v *v1alpha1.NBDVolume) { v.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: "Snap-1"} },
+			"snapshot long": func(v *v1alpha1.NBDVolume) {
+				v.Spec.ContentSource = &v1alpha1.ContentSource{Snapshot: strings.Repeat("s", 254)}
+			},
+			"volume path": func(v *v1alpha1.NBDVolume) { v.Spec.ContentSource = &v1alpha1.ContentSource{Volume: "a/../../x"} },
 		}
 		for name, mutate := range cases {
-			v := validVolume("bad-" + name)
+			// Valid object names, so that only the case is wrong.
+			v := validVolume("bad-" + strings.ReplaceAll(name, " ", "-"))
 			mutate(v)
 			err := c.Create(ctx, v)
 			if !apierrors.IsInvalid(err) {
@@ -171,6 +185,22 @@ func TestCRDsAgainstRealAPIServer(t *testing.T) {
 		cert.Spec.Publications[0].SecretRef = ""
 		if err := c.Create(ctx, cert); err != nil {
 			t.Errorf("a publication by certificate: %v", err)
+		}
+
+		// Content sources that are object names pass.
+		for i, cs := range []v1alpha1.ContentSource{{Snapshot: "snapshot-0a1b.2"}, {Volume: "pvc-" + strings.Repeat("0", 249)}} {
+			v := validVolume(fmt.Sprintf("pvc-source-%d", i))
+			v.Spec.ContentSource = &cs
+			if err := c.Create(ctx, v); err != nil {
+				t.Errorf("content source %+v: %v", cs, err)
+			}
+		}
+		for i, src := range []string{"../x", "/var/lib/mpnbd/volumes/x"} {
+			s := &v1alpha1.NBDSnapshot{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("snap-bad-source-%d", i)},
+				Spec: v1alpha1.NBDSnapshotSpec{SourceVolume: src, StorageNode: "node-a"}}
+			if err := c.Create(ctx, s); !apierrors.IsInvalid(err) {
+				t.Errorf("a snapshot of %q: got %v, want an Invalid error", src, err)
+			}
 		}
 
 		// An invalid value is rejected on update too.
