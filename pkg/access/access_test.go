@@ -1,6 +1,8 @@
 package access
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -68,5 +70,26 @@ func TestParseTopology(t *testing.T) {
 		if _, err := ParseTopology(bad); err == nil {
 			t.Errorf("ParseTopology(%q) succeeds", bad)
 		}
+	}
+}
+
+func TestLoadOrCreateToken(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state", "token")
+	tok, err := LoadOrCreateToken(path)
+	if err != nil || !ValidToken(tok) {
+		t.Fatalf("LoadOrCreateToken = %q, %v", tok, err)
+	}
+	fi, err := os.Stat(path)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("token file %v, %v; want mode 0600", fi, err)
+	}
+	if again, err := LoadOrCreateToken(path); err != nil || again != tok {
+		t.Fatalf("second load = %q, %v; want the same token", again, err)
+	}
+	if err := os.WriteFile(path, []byte("not a token\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadOrCreateToken(path); err == nil {
+		t.Fatal("a damaged token file was taken")
 	}
 }

@@ -269,14 +269,17 @@ func editVolume(t *testing.T, c client.Client, name string, edit func(*v1alpha1.
 }
 
 // publish grants node access to volume and returns its token. As the
-// controller does, the publication names the token's Secret and carries
-// its hash; the Secret itself is not made: the agent never reads it.
+// controller does, the publication carries the token's hash and the
+// node's addresses (127.0.0.1, where the tests dial from, unless given).
 func publish(t *testing.T, c client.Client, volume, node string, readOnly bool, addrs ...string) string {
 	t.Helper()
 	tok := must(t, access.NewToken)
+	if len(addrs) == 0 {
+		addrs = []string{"127.0.0.1"}
+	}
 	editVolume(t, c, volume, func(v *v1alpha1.NBDVolume) {
 		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
-			NodeID: node, SecretRef: access.SecretName(volume, node), TokenSHA256: access.TokenHash(tok),
+			NodeID: node, TokenSHA256: access.TokenHash(tok),
 			Addresses: addrs, ReadOnly: readOnly,
 		})
 	})
@@ -518,6 +521,37 @@ func TestAgent(t *testing.T) {
 		refused(t, r, "connection from an address not published", access.NodeExport("vol-a", tok3))
 		tok4 := publish(t, c, "vol-a", "node-4", false, "10.99.0.2", "127.0.0.1")
 		mustDial(t, r, access.NodeExport("vol-a", tok4))
+
+		// A token publication that lists no address grants nothing: its
+		// token would be good from any host (an earlier controller made
+		// such when the node announced no address). It is applied with
+		// one that lists its address: once that one opens, both are in
+		// force.
+		tokAny, tokHere := must(t, access.NewToken), must(t, access.NewToken)
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vol-a")
+			v.Spec.Publications = append(v.Spec.Publications,
+				v1alpha1.Publication{NodeID: "node-any", SecretRef: access.SecretName("vol-a", "node-any"), TokenSHA256: access.TokenHash(tokAny)},
+				v1alpha1.Publication{NodeID: "node-here", SecretRef: access.SecretName("vol-a", "node-here"), TokenSHA256: access.TokenHash(tokHere), Addresses: []string{"127.0.0.1"}})
+			return c.Update(ctx, v)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "the publication with an address in force", func() string {
+			cl, err := dial(t, r, access.NodeExport("vol-a", tokHere))
+			if err != nil {
+				return err.Error()
+			}
+			cl.Close()
+			return ""
+		})
+		refused(t, r, "a token publication without addresses", access.NodeExport("vol-a", tokAny))
+		editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+			v.Spec.Publications = slices.DeleteFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool {
+				return p.NodeID == "node-any" || p.NodeID == "node-here"
+			})
+		})
 	})
 
 	t.Run("token hash not there yet", func(t *testing.T) {
@@ -536,7 +570,7 @@ func TestAgent(t *testing.T) {
 		var gen int64
 		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			v := getVolume(t, c, "vol-a")
-			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-6", SecretRef: secret})
+			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-6", SecretRef: secret, Addresses: []string{"127.0.0.1"}})
 			if err := c.Update(ctx, v); err != nil {
 				return err
 			}

@@ -281,21 +281,29 @@ func (a *Agent) checkRoom(need int64, what string) *failure {
 func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (string, error) {
 	next := make(map[string]grant, len(vol.Spec.Publications))
 	var waiting []string
+	var unbound []string
 	for _, p := range vol.Spec.Publications {
-		if p.SecretRef == "" {
-			// No token: the node shows its certificate over TLS.
-			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
-			continue
-		}
-		// The agent holds the token's hash, never the token: the
-		// controller writes it into the publication with the Secret.
-		// A publication without one (made by an older controller) grants
-		// nothing until the controller adds it.
-		if !access.ValidTokenHash(p.TokenSHA256) {
+		addrs := parseAddrs(log, p)
+		switch {
+		case access.ValidTokenHash(p.TokenSHA256):
+			// The agent holds the token's hash, never the token. A
+			// token is good only from its node's addresses: a
+			// publication that lists none grants nothing.
+			if len(addrs) == 0 {
+				unbound = append(unbound, p.NodeID)
+				waiting = append(waiting, p.NodeID)
+				continue
+			}
+			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: true, addrs: addrs}
+		case p.SecretRef != "":
+			// A token in a Secret, without its hash (made by an older
+			// controller): it grants nothing until the controller
+			// adds the hash.
 			waiting = append(waiting, p.NodeID)
-			continue
+		default:
+			// No token: the node shows its certificate over TLS.
+			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: addrs}
 		}
-		next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
 	}
 
 	a.mu.Lock()
@@ -331,6 +339,10 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	}
 	if n > 0 || len(changed) > 0 {
 		log.Info("publications changed; connections closed", "nodes", len(changed), "connections_closed", n, "drain_error", err)
+	}
+	if len(unbound) > 0 {
+		return "no storage address in the token publications to " + strings.Join(unbound, ", ") +
+			" (a token is good only from its node's addresses; the controller adds those the node announces)", nil
 	}
 	if len(waiting) > 0 {
 		return "no token hash yet in the publications to " + strings.Join(waiting, ", ") + " (the controller adds it)", nil

@@ -6,14 +6,17 @@ import (
 	"strings"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
 // Publish context keys, set by ControllerPublishVolume and read by the
 // node plugin.
 const (
-	// PublishContextExport is the NBD export name, including the
-	// per-(volume, node) token.
+	// PublishContextExport is the NBD export's base name. The node adds
+	// its own token (access.NodeExport) unless the volume is encrypted.
+	// Publications made by earlier controllers give the name with a
+	// per-(volume, node) token already in it; it is used as it is.
 	PublishContextExport = "export"
 	// PublishContextAddresses lists the storage node's addresses
 	// (host:port, comma-separated); the first is the primary one.
@@ -40,9 +43,10 @@ type attachSpec struct {
 
 // parseAttachSpec builds the attach target of a volume from the publish
 // and volume contexts; an encrypted volume's connections use the node
-// certificate kept in identityDir. A missing or malformed key is an
+// certificate kept in identityDir, every other volume's the node's token
+// (access.LoadOrCreateToken). A missing or malformed key is an
 // InvalidArgument error that names it.
-func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, identityDir string) (attachSpec, error) {
+func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, identityDir, token string) (attachSpec, error) {
 	export := strings.TrimSpace(publishCtx[PublishContextExport])
 	if export == "" {
 		return attachSpec{}, fmt.Errorf("%w: publish context %q is missing", ErrInvalidArgument, PublishContextExport)
@@ -60,6 +64,12 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, i
 	p, err := ParseParams(params)
 	if err != nil {
 		return attachSpec{}, fmt.Errorf("volume context: %w", err)
+	}
+	if _, _, legacy := access.SplitExport(export); !legacy && p.Encryption != v1alpha1.EncryptionRequired {
+		if token == "" {
+			return attachSpec{}, fmt.Errorf("%w: the volume is not encrypted and this node plugin has no node token", ErrPrecondition)
+		}
+		export = access.NodeExport(export, token)
 	}
 	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs}
 	switch {
