@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"crypto/tls"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -196,7 +197,10 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			e, g, rep, err := s.lookup(sc.info, q.Name)
 			if err != nil {
 				msg := "unknown export"
-				if rep == RepErrPolicy {
+				switch {
+				case rep == RepErrPolicy && errors.Is(err, ErrSuperseded):
+					msg = SupersededMessage + ": a newer grant replaced this one"
+				case rep == RepErrPolicy:
 					msg = "access denied"
 				}
 				if err := replyErr(o.Code, rep, msg); err != nil {
