@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -40,9 +41,11 @@ func open(ctx context.Context, pc map[string]string, export, src string) (*nbd.C
 	return nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: export, MPTCP: true, Dialer: d})
 }
 
-// nodeExport is the export a node with token opens for a publish context.
+// nodeExport is the export a node with token opens for a publish context
+// (with its publication's epoch).
 func nodeExport(pc map[string]string, token string) string {
-	return access.NodeExport(pc[driver.PublishContextExport], token)
+	epoch, _ := strconv.ParseInt(pc[driver.PublishContextEpoch], 10, 64)
+	return access.ExportName(pc[driver.PublishContextExport], token, epoch)
 }
 
 func wantRefused(t *testing.T, what string, c *nbd.Client, err error) {

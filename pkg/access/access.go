@@ -38,6 +38,21 @@
 // who can both read a node's storage traffic and send from its address:
 // on a storage network where that is a concern, use encryption.
 //
+// Every publication has an epoch (the volume's generation when it was
+// made, so it rises with every publish), which the controller puts in the
+// publish context and the node in the export name it opens (ExportName).
+// The agent serves a connection only at its publication's epoch and
+// refuses an older one as superseded; a node's data path takes that
+// refusal, and only that one, as final: it fails its I/O with EIO and
+// drops the writes it kept for replay, instead of redialing. So a fenced
+// node (partitioned, force-detached) whose old session kept redialing is
+// not let back in when the volume is later published to it again, with
+// the same token or the same certificate, to replay stale writes over
+// what another node wrote meanwhile. A refusal for any other reason (an
+// agent restarting that does not know the export yet, a publication not
+// yet applied or already removed) may pass, so the data path dials again
+// and a healthy session survives it (see ExportName for the rule).
+//
 // Publications made by earlier controllers name a per-(volume, node)
 // Secret (SecretRef, named by SecretName, the token under SecretKeyToken)
 // whose token the node got in its export name; they keep working as they

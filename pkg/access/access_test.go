@@ -93,3 +93,31 @@ func TestLoadOrCreateToken(t *testing.T) {
 		t.Fatal("a damaged token file was taken")
 	}
 }
+
+func TestExportNameRoundTrip(t *testing.T) {
+	tok, _ := NewToken()
+	for _, tc := range []struct {
+		volume, token string
+		epoch         int64
+		want          string
+	}{
+		{"pvc-1", tok, 7, "pvc-1/" + tok + "@7"},
+		{"pvc-1", "", 12, "pvc-1@12"},
+		{"pvc-1", tok, 0, "pvc-1/" + tok},
+		{"pvc-1", "", 0, "pvc-1"},
+	} {
+		name := ExportName(tc.volume, tc.token, tc.epoch)
+		if name != tc.want {
+			t.Errorf("ExportName(%q, %q, %d) = %q, want %q", tc.volume, tc.token, tc.epoch, name, tc.want)
+		}
+		v, tk, e, ok := ParseExport(name)
+		if !ok || v != tc.volume || tk != tc.token || e != tc.epoch {
+			t.Errorf("ParseExport(%q) = %q, %q, %d, %v", name, v, tk, e, ok)
+		}
+	}
+	for _, name := range []string{"", "@3", "pvc-1@", "pvc-1@0", "pvc-1@-2", "pvc-1@03", "pvc-1@x", "pvc-1/short@3", "pvc-1/" + tok + "@3@4"} {
+		if v, tk, e, ok := ParseExport(name); ok {
+			t.Errorf("ParseExport(%q) = %q, %q, %d, true; want refusal", name, v, tk, e)
+		}
+	}
+}

@@ -598,6 +598,47 @@ func TestAgent(t *testing.T) {
 		unpublish(t, c, "vol-a", "node-6")
 	})
 
+	t.Run("epochs", func(t *testing.T) {
+		// A node keeps its token across publications (it is the node's
+		// own); the epoch tells them apart. Published, unpublished (a
+		// fenced node, force-detached) and published again: a session
+		// of the first publication, still redialing, is refused as
+		// superseded, which ends it, and only that refusal is final.
+		tok := must(t, access.NewToken)
+		publishAt := func(epoch int64) {
+			editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+				v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
+					NodeID: "node-e", TokenSHA256: access.TokenHash(tok), Addresses: []string{"127.0.0.1"}, Epoch: epoch,
+				})
+			})
+		}
+		superseded := func(what, export string) {
+			t.Helper()
+			cl, err := dial(t, r, export)
+			if err == nil {
+				cl.Close()
+				t.Fatalf("%s: open %q succeeded", what, export)
+			}
+			if !errors.Is(err, nbd.ErrSuperseded) {
+				t.Fatalf("%s: open %q: %v, want a refusal as superseded", what, export, err)
+			}
+		}
+		publishAt(5)
+		unpublish(t, c, "vol-a", "node-e")
+		publishAt(9)
+		superseded("a session from before epochs", access.NodeExport("vol-a", tok))
+		superseded("a session of the earlier publication", access.ExportName("vol-a", tok, 5))
+		mustDial(t, r, access.ExportName("vol-a", tok, 9)).Close()
+		// A newer epoch than the agent applied: the node dials again.
+		if cl, err := dial(t, r, access.ExportName("vol-a", tok, 10)); err == nil || errors.Is(err, nbd.ErrSuperseded) || !errors.Is(err, nbd.ErrAccessDenied) {
+			if cl != nil {
+				cl.Close()
+			}
+			t.Fatalf("an epoch not applied yet: %v, want a refusal that is not final", err)
+		}
+		unpublish(t, c, "vol-a", "node-e")
+	})
+
 	t.Run("read-only", func(t *testing.T) {
 		tok5 := publish(t, c, "vol-a", "node-5", true)
 		cl := mustDial(t, r, access.NodeExport("vol-a", tok5))

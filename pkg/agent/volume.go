@@ -294,7 +294,7 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 				waiting = append(waiting, p.NodeID)
 				continue
 			}
-			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: true, addrs: addrs}
+			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: true, addrs: addrs, epoch: p.Epoch}
 		case p.SecretRef != "":
 			// A token in a Secret, without its hash (made by an older
 			// controller): it grants nothing until the controller
@@ -302,7 +302,7 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 			waiting = append(waiting, p.NodeID)
 		default:
 			// No token: the node shows its certificate over TLS.
-			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: addrs}
+			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: addrs, epoch: p.Epoch}
 		}
 	}
 

@@ -496,7 +496,12 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 		v, err = c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
 			add, err := check(v)
 			if add {
-				v.Spec.Publications = append(v.Spec.Publications, pub)
+				// The generation before this update, which raises it:
+				// greater than the epoch of every earlier publication of
+				// the volume, each made by an update that raised it.
+				p := pub
+				p.Epoch = max(v.Generation, 1)
+				v.Spec.Publications = append(v.Spec.Publications, p)
 			}
 			return add, err
 		})
@@ -517,7 +522,7 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 	if err != nil {
 		return nil, err
 	}
-	return c.publishContext(ctx, w, token)
+	return c.publishContext(ctx, w, nodeID, token)
 }
 
 func (c *Controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {

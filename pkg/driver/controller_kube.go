@@ -433,9 +433,12 @@ func (c *Controller) deleteSecrets(ctx context.Context, id, nodeID string) error
 }
 
 // publishContext is what the node plugin needs to open the export: the
-// export name (with the node's token, for a volume that has one), the
-// storage node's addresses and its name (which its certificate names).
-func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, token string) (map[string]string, error) {
+// export's name (with the token of a publication made by an earlier
+// controller, which had the node's token in a Secret), the epoch of the
+// node's publication, the storage node's addresses and its name (which
+// its certificate names). No credential: Kubernetes keeps the context
+// in the VolumeAttachment.
+func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, nodeID, token string) (map[string]string, error) {
 	exportName := v.Name
 	var addrs []string
 	var port int32
@@ -469,11 +472,17 @@ func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, 
 	if token != "" {
 		exportName = access.NodeExport(exportName, token)
 	}
-	return map[string]string{
+	pc := map[string]string{
 		PublishContextExport:      exportName,
 		PublishContextAddresses:   strings.Join(hostports, ","),
 		PublishContextStorageNode: v.Spec.StorageNode,
-	}, nil
+	}
+	for _, p := range v.Spec.Publications {
+		if p.NodeID == nodeID && p.Epoch > 0 {
+			pc[PublishContextEpoch] = strconv.FormatInt(p.Epoch, 10)
+		}
+	}
+	return pc, nil
 }
 
 // csiVolume describes a volume for CreateVolume and ListVolumes. topo maps

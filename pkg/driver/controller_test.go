@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -774,12 +775,12 @@ func TestPublishUnpublish(t *testing.T) {
 	}
 	// The publication carries the hash the node announced and the
 	// addresses its token is good from.
-	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", TokenSHA256: access.TokenHash(nodeToken("worker-1")), Addresses: []string{"10.0.0.1", "10.0.1.1"}}}
+	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", TokenSHA256: access.TokenHash(nodeToken("worker-1")), Addresses: []string{"10.0.0.1", "10.0.1.1"}, Epoch: 1}}
 	if !equality.Semantic.DeepEqual(v.Spec.Publications, wantPub) || v.Status.ObservedGeneration != v.Generation {
 		t.Errorf("publications %+v (generation %d, observed %d)", v.Spec.Publications, v.Generation, v.Status.ObservedGeneration)
 	}
 	// The node plugin can use what it got.
-	if spec, err := parseAttachSpec("fs", pc, nil, "", nodeToken("worker-1")); err != nil || spec.Target.Export != access.NodeExport("fs", nodeToken("worker-1")) {
+	if spec, err := parseAttachSpec("fs", pc, nil, "", nodeToken("worker-1")); err != nil || spec.Target.Export != access.NodeExport("fs", nodeToken("worker-1"))+"@"+pc[PublishContextEpoch] {
 		t.Errorf("node side: %+v, %v", spec.Target, err)
 	}
 
@@ -888,13 +889,51 @@ func TestPublishContextHoldsNoToken(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		want := access.NodeExport(id, nodeToken("worker-1"))
+		want := access.NodeExport(id, nodeToken("worker-1")) + "@" + pc[PublishContextEpoch]
 		if id == "enc" {
-			want = id
+			want = id + "@" + pc[PublishContextEpoch]
 		}
 		if spec.Target.Export != want {
 			t.Errorf("%s: the node opens %q, want %q", id, spec.Target.Export, want)
 		}
+	}
+}
+
+// TestPublishEpochs: every publication of a volume gets an epoch greater
+// than those of the ones before it (to any node), which the node presents
+// in the export name it opens; a repeated publish keeps it.
+func TestPublishEpochs(t *testing.T) {
+	ctx := context.Background()
+	ctl, _, _ := setup(t)
+	if _, err := ctl.CreateVolume(ctx, createReq("fs", gib, nil)); err != nil {
+		t.Fatal(err)
+	}
+	epochOf := func() (int64, map[string]string) {
+		t.Helper()
+		resp, err := ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-1", fsCap(rwo), false))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := strconv.ParseInt(resp.GetPublishContext()[PublishContextEpoch], 10, 64)
+		if err != nil || e <= 0 {
+			t.Fatalf("publish context %v: no epoch", resp.GetPublishContext())
+		}
+		return e, resp.GetPublishContext()
+	}
+	first, _ := epochOf()
+	if again, _ := epochOf(); again != first {
+		t.Errorf("a repeated publish changed the epoch from %d to %d", first, again)
+	}
+	if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "fs", NodeId: "worker-1"}); err != nil {
+		t.Fatal(err)
+	}
+	second, pc := epochOf()
+	if second <= first {
+		t.Errorf("published again with epoch %d, after %d", second, first)
+	}
+	spec, err := parseAttachSpec("fs", pc, nil, "", nodeToken("worker-1"))
+	if want := access.ExportName("fs", nodeToken("worker-1"), second); err != nil || spec.Target.Export != want {
+		t.Errorf("the node opens %q, %v; want %q", spec.Target.Export, err, want)
 	}
 }
 

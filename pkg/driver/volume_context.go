@@ -3,6 +3,7 @@ package driver
 import (
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -24,6 +25,9 @@ const (
 	// PublishContextStorageNode names the storage node: its certificate
 	// must name it when the connection runs TLS.
 	PublishContextStorageNode = "storageNode"
+	// PublishContextEpoch is the epoch of the node's publication
+	// (access.ExportName), absent for one made before epochs.
+	PublishContextEpoch = "epoch"
 )
 
 // nodeParamKeys are the StorageClass parameters (copied into the volume
@@ -65,12 +69,21 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, i
 	if err != nil {
 		return attachSpec{}, fmt.Errorf("volume context: %w", err)
 	}
-	if _, _, legacy := access.SplitExport(export); !legacy && p.Encryption != v1alpha1.EncryptionRequired {
-		if token == "" {
-			return attachSpec{}, fmt.Errorf("%w: the volume is not encrypted and this node plugin has no node token", ErrPrecondition)
+	var epoch int64
+	if s, ok := publishCtx[PublishContextEpoch]; ok {
+		if epoch, err = strconv.ParseInt(strings.TrimSpace(s), 10, 64); err != nil || epoch <= 0 {
+			return attachSpec{}, fmt.Errorf("%w: publish context %q: %q is not a publication epoch", ErrInvalidArgument, PublishContextEpoch, s)
 		}
-		export = access.NodeExport(export, token)
 	}
+	if _, _, legacy := access.SplitExport(export); legacy {
+		// An earlier controller's, with the token in it.
+		token = ""
+	} else if p.Encryption == v1alpha1.EncryptionRequired {
+		token = ""
+	} else if token == "" {
+		return attachSpec{}, fmt.Errorf("%w: the volume is not encrypted and this node plugin has no node token", ErrPrecondition)
+	}
+	export = access.ExportName(export, token, epoch)
 	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs}
 	switch {
 	case p.Encryption == v1alpha1.EncryptionRequired && identityDir == "":

@@ -42,6 +42,12 @@ func TestParseAttachSpec(t *testing.T) {
 		},
 		{name: "no node token", noToken: true, pub: pub("pv-1", "a:1"), wantErr: "no node token", wantPrecondition: true},
 		{
+			name: "epoch",
+			pub:  map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextEpoch: "42"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken + "@42", Addrs: []string{"a:1"}}},
+		},
+		{name: "bad epoch", pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextEpoch: "0"}, wantErr: `"epoch"`},
+		{
 			name: "everything",
 			pub:  pub("e", " 10.0.0.1:1, [fd00::1]:2 "),
 			vol: map[string]string{ParamTransport: "relay", ParamFSType: "xfs", ParamDeadConnTimeout: "1m", ParamRequestTimeout: "10s", ParamBlockSize: "1024",
