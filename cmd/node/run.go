@@ -101,7 +101,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	})
 	fs.BoolVar(&o.autoBackup, "auto-backup", true, "flag backup the endpoint of a storage NIC whose path is much slower than the others while it stays slow")
 	fs.IntVar(&o.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "raise the host's net.mptcp.stale_loss_cnt to at least this while the storage NICs are kept (0: leave it), so that subflows queued behind many others are not taken for dead")
-	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them; repeatable or comma-separated", func(s string) error {
+	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them (default: every global address of the host); repeatable or comma-separated", func(s string) error {
 		for _, a := range splitList(s) {
 			if _, err := netip.ParseAddr(a); err != nil {
 				return fmt.Errorf("storage address %q is not an IP address", a)
@@ -111,7 +111,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return nil
 	})
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics of the attached volumes (connected, MPTCP subflows, health) at http://ADDR/metrics; empty: off")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing --storage-address (default: in-cluster, then $KUBECONFIG)")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing the storage addresses and the token's hash (default: in-cluster, then $KUBECONFIG)")
 	fs.StringVar(&o.namespace, "namespace", os.Getenv("POD_NAMESPACE"), "the driver's namespace, which holds the CA bundle of the storage network (default $POD_NAMESPACE)")
 	fs.BoolVar(&o.identity, "identity", true, "get this node's certificate for the storage network from the controller (a CertificateSigningRequest, renewed before it expires), kept in --state-dir/identity; needs --namespace")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {

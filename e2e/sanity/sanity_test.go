@@ -179,7 +179,8 @@ func startCluster(t *testing.T) *cluster {
 	start(t, dir, "controller", "--endpoint", "unix://"+cl.controllerSock, "--namespace", namespace,
 		"--kubeconfig", kubeconfig, "--wait-timeout", "30s")
 	start(t, dir, "node", "--endpoint", "unix://"+cl.nodeSock, "--node-id", nodeID,
-		"--state-dir", filepath.Join(dir, "node-state"), "--transports", "fuse", "--max-volumes", fmt.Sprint(maxVolumes))
+		"--state-dir", filepath.Join(dir, "node-state"), "--transports", "fuse", "--max-volumes", fmt.Sprint(maxVolumes),
+		"--storage-address", "127.0.0.1")
 
 	waitFor(t, "the storage agent's report", time.Minute, func() error {
 		sn := &v1alpha1.NBDStorageNode{}

@@ -324,8 +324,12 @@ func (d *demo) startPlugins(ctx context.Context, cfg *rest.Config) (*csiClients,
 	if transports == "auto" {
 		transports = ""
 	}
+	var addrs []string
+	for _, p := range d.topo.Paths {
+		addrs = append(addrs, p.ClientAddr.String())
+	}
 	nodeArgs := []string{"--endpoint", "unix://" + nodeSock, "--node-id", workerNode,
-		"--state-dir", filepath.Join(d.dir, "node-state")}
+		"--state-dir", filepath.Join(d.dir, "node-state"), "--storage-address", strings.Join(addrs, ",")}
 	if transports != "" {
 		nodeArgs = append(nodeArgs, "--transports", transports)
 	}
