@@ -116,6 +116,7 @@ func TestFencedEndsTheRelay(t *testing.T) {
 
 	// Superseded: the end.
 	rs.mode.Store("superseded")
+	start := time.Now()
 	rs.drop(t)
 	written := make(chan error, 1)
 	go func() {
@@ -128,6 +129,7 @@ func TestFencedEndsTheRelay(t *testing.T) {
 		if !errors.As(err, &nerr) || nerr.Errno != nbd.EIO {
 			t.Fatalf("the write after the refusal as superseded: %v, want an EIO reply", err)
 		}
+		t.Logf("EIO %v after the grant was revoked", time.Since(start).Round(time.Millisecond))
 	case <-time.After(10 * time.Second):
 		t.Fatal("the write still waits 10 s after the server refused the export as superseded: the relay keeps redialing")
 	}
