@@ -30,8 +30,9 @@
 //
 // The storage agent serves a token connection only while a publication
 // carries that token's hash, and only from one of the publication's
-// addresses: a publication with a token hash and no address grants
-// nothing, so a token is useless from any host but its node (its node
+// addresses: ControllerPublishVolume refuses a node that announced none,
+// and the agent grants nothing by a publication of a node's token that
+// lists none, so a token is useless from any host but its node (its node
 // plugin announces the --storage-address flags, or else every global
 // address of the host). MPTCP subflows joining later are held to the same
 // addresses (the agent's join guard). A token can be replayed only by one
@@ -55,8 +56,10 @@
 //
 // Publications made by earlier controllers name a per-(volume, node)
 // Secret (SecretRef, named by SecretName, the token under SecretKeyToken)
-// whose token the node got in its export name; they keep working as they
-// are until the volume is unpublished from that node.
+// whose token the node got in its export name; they keep working on the
+// terms they were made under (without addresses, if their node announced
+// none then, until the controller adds those it announces now) until the
+// volume is unpublished from that node.
 package access
 
 import (

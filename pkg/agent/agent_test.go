@@ -522,17 +522,19 @@ func TestAgent(t *testing.T) {
 		tok4 := publish(t, c, "vol-a", "node-4", false, "10.99.0.2", "127.0.0.1")
 		mustDial(t, r, access.NodeExport("vol-a", tok4))
 
-		// A token publication that lists no address grants nothing: its
-		// token would be good from any host (an earlier controller made
-		// such when the node announced no address). It is applied with
-		// one that lists its address: once that one opens, both are in
-		// force.
-		tokAny, tokHere := must(t, access.NewToken), must(t, access.NewToken)
+		// A publication of a node's token that lists no address grants
+		// nothing: the token would be good from any host. One made by an
+		// earlier controller (a Secret's token, made so when the node
+		// announced no address) keeps its terms. Both are applied with
+		// one that lists its address: once that one opens, all three
+		// are in force.
+		tokAny, tokOld, tokHere := must(t, access.NewToken), must(t, access.NewToken), must(t, access.NewToken)
 		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			v := getVolume(t, c, "vol-a")
 			v.Spec.Publications = append(v.Spec.Publications,
-				v1alpha1.Publication{NodeID: "node-any", SecretRef: access.SecretName("vol-a", "node-any"), TokenSHA256: access.TokenHash(tokAny)},
-				v1alpha1.Publication{NodeID: "node-here", SecretRef: access.SecretName("vol-a", "node-here"), TokenSHA256: access.TokenHash(tokHere), Addresses: []string{"127.0.0.1"}})
+				v1alpha1.Publication{NodeID: "node-any", TokenSHA256: access.TokenHash(tokAny)},
+				v1alpha1.Publication{NodeID: "node-old", SecretRef: access.SecretName("vol-a", "node-old"), TokenSHA256: access.TokenHash(tokOld)},
+				v1alpha1.Publication{NodeID: "node-here", TokenSHA256: access.TokenHash(tokHere), Addresses: []string{"127.0.0.1"}})
 			return c.Update(ctx, v)
 		})
 		if err != nil {
@@ -547,9 +549,10 @@ func TestAgent(t *testing.T) {
 			return ""
 		})
 		refused(t, r, "a token publication without addresses", access.NodeExport("vol-a", tokAny))
+		mustDial(t, r, access.NodeExport("vol-a", tokOld)).Close()
 		editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
 			v.Spec.Publications = slices.DeleteFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool {
-				return p.NodeID == "node-any" || p.NodeID == "node-here"
+				return p.NodeID == "node-any" || p.NodeID == "node-old" || p.NodeID == "node-here"
 			})
 		})
 	})

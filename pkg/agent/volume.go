@@ -288,13 +288,19 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 		case access.ValidTokenHash(p.TokenSHA256):
 			// The agent holds the token's hash, never the token. A
 			// token is good only from its node's addresses: a
-			// publication that lists none grants nothing.
-			if len(addrs) == 0 {
+			// publication of the node's own token that lists none
+			// grants nothing. One made by an earlier controller, with
+			// a per-(volume, node) Secret, keeps the terms it was made
+			// under (its node's session lives on them) until the
+			// controller adds the addresses its node announces.
+			legacy := p.SecretRef != ""
+			if len(addrs) == 0 && !legacy {
 				unbound = append(unbound, p.NodeID)
 				waiting = append(waiting, p.NodeID)
 				continue
 			}
-			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: true, addrs: addrs, epoch: p.Epoch}
+			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly,
+				limited: len(p.Addresses) > 0 || !legacy, addrs: addrs, epoch: p.Epoch}
 		case p.SecretRef != "":
 			// A token in a Secret, without its hash (made by an older
 			// controller): it grants nothing until the controller
