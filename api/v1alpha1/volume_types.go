@@ -69,6 +69,16 @@ type Publication struct {
 	// ReadOnly publishes the volume read-only to this node.
 	// +optional
 	ReadOnly bool `json:"readOnly,omitempty"`
+	// Epoch tells this publication from every earlier one of the volume
+	// (to this node or another): the volume's metadata.generation when it
+	// was made, so it rises with every publish. The node presents it in
+	// the export name it asks for; the storage agent refuses a connection
+	// presenting an older one as superseded, and the node's data path
+	// then fails its I/O instead of redialing. 0: made before epochs
+	// existed, and connections present none.
+	// +kubebuilder:validation:Minimum=0
+	// +optional
+	Epoch int64 `json:"epoch,omitempty"`
 }
 
 // Encryption is an NBDVolume's encryption in transit.

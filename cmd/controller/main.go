@@ -190,8 +190,9 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 }
 
 // backfill gives the publications made before they carried their token's
-// hash that hash (retrying until it succeeds): the storage agents grant a
-// token only by it.
+// hash, or their node's storage addresses, those (retrying until it
+// succeeds): the storage agents grant a token only by its hash and only
+// from those addresses.
 func backfill(ctx context.Context, ctl *driver.Controller, log *slog.Logger) {
 	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
 		n, err := ctl.BackfillTokenHashes(ctx)

@@ -101,7 +101,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	})
 	fs.BoolVar(&o.autoBackup, "auto-backup", true, "flag backup the endpoint of a storage NIC whose path is much slower than the others while it stays slow")
 	fs.IntVar(&o.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "raise the host's net.mptcp.stale_loss_cnt to at least this while the storage NICs are kept (0: leave it), so that subflows queued behind many others are not taken for dead")
-	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them; repeatable or comma-separated", func(s string) error {
+	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them (default: every global address of the host); repeatable or comma-separated", func(s string) error {
 		for _, a := range splitList(s) {
 			if _, err := netip.ParseAddr(a); err != nil {
 				return fmt.Errorf("storage address %q is not an IP address", a)
@@ -111,7 +111,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return nil
 	})
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics of the attached volumes (connected, MPTCP subflows, health) at http://ADDR/metrics; empty: off")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing --storage-address (default: in-cluster, then $KUBECONFIG)")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing the storage addresses and the token's hash (default: in-cluster, then $KUBECONFIG)")
 	fs.StringVar(&o.namespace, "namespace", os.Getenv("POD_NAMESPACE"), "the driver's namespace, which holds the CA bundle of the storage network (default $POD_NAMESPACE)")
 	fs.BoolVar(&o.identity, "identity", true, "get this node's certificate for the storage network from the controller (a CertificateSigningRequest, renewed before it expires), kept in --state-dir/identity; needs --namespace")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
@@ -253,9 +253,13 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if len(o.storageNICs) > 0 {
 		go keepEndpoints(ctx, o, log)
 	}
-	if len(o.storageAddrs) > 0 {
-		go publishAddresses(ctx, o, log)
+	// The node's token opens its volumes without encryption; the
+	// controller learns only its hash, from the Node object.
+	token, err := access.LoadOrCreateToken(filepath.Join(o.stateDir, "token"))
+	if err != nil {
+		return err
 	}
+	go publishAddresses(ctx, o, access.TokenHash(token), log)
 	if o.identity && o.namespace != "" {
 		go keepIdentity(ctx, o, log)
 	}
@@ -268,6 +272,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		Mounter:    driver.NewMounter(),
 		Logger:     log,
 		StateDir:   filepath.Join(o.stateDir, "node"),
+		Token:      token,
 	}
 	if o.identity && o.namespace != "" {
 		cfg.IdentityDir = identityDir(o)
@@ -436,8 +441,18 @@ const volumeWatchInterval = 5 * time.Second
 const pathsHold = 3 * volumeWatchInterval
 
 // publishAddresses annotates this node's Node object with its storage
-// addresses, retrying until it works or ctx ends.
-func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
+// addresses (--storage-address, else every global address of the host:
+// the token is good from none other) and its token's hash, retrying until
+// it works or ctx ends.
+func publishAddresses(ctx context.Context, o *options, tokenHash string, log *slog.Logger) {
+	addrs := o.storageAddrs
+	if len(addrs) == 0 {
+		var err error
+		if addrs, err = hostAddresses(); err != nil || len(addrs) == 0 {
+			log.Error("storage addresses not published: none given and none found on the host; volumes without encryption cannot be published here", "error", err)
+			return
+		}
+	}
 	cfg, err := kubeconfig.Load(o.kubeconfig)
 	if err != nil {
 		log.Error("storage addresses not published: no API server access", "error", err)
@@ -449,9 +464,9 @@ func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
 		return
 	}
 	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
-		err := driver.PublishStorageAddresses(ctx, c, o.nodeID, o.storageAddrs)
+		err := driver.PublishNodeAccess(ctx, c, o.nodeID, addrs, tokenHash)
 		if err == nil {
-			log.Info("storage addresses published", "addresses", o.storageAddrs)
+			log.Info("storage addresses and token hash published", "addresses", addrs)
 			return
 		}
 		log.Warn("publishing storage addresses failed; retrying", "error", err, "retry_in", delay)
@@ -461,6 +476,27 @@ func publishAddresses(ctx context.Context, o *options, log *slog.Logger) {
 		case <-time.After(delay):
 		}
 	}
+}
+
+// hostAddresses are the host's global unicast addresses (the node plugin
+// runs in the host's network namespace): the sources its connections to
+// storage agents may come from when no --storage-address says which.
+func hostAddresses() ([]string, error) {
+	ifAddrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, a := range ifAddrs {
+		p, err := netip.ParsePrefix(a.String())
+		if err != nil {
+			continue
+		}
+		if ip := p.Addr().Unmap(); ip.IsGlobalUnicast() {
+			out = append(out, ip.String())
+		}
+	}
+	return out, nil
 }
 
 // identityDir keeps the node certificate and the CA bundle, where the

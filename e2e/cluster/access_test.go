@@ -14,6 +14,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	testpki "github.com/mpnbd/mpnbd/internal/testenv/pki"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
@@ -67,6 +68,22 @@ func (s *suite) dialExport(export string, cfg *tls.Config) (*nbd.Client, error) 
 	return nbd.Dial(ctx, nbd.DialOptions{Addr: net.JoinHostPort(pathAddr(1, false), "10809"), Export: export, TLS: cfg})
 }
 
+// certExport is the export name with which the suite's node opens pv, an
+// encrypted volume, over TLS: its name and its publication's epoch.
+func (s *suite) certExport(pv string) string {
+	var v v1alpha1.NBDVolume
+	if err := s.kubeClient().Get(s.ctx, client.ObjectKey{Name: pv}, &v); err != nil {
+		s.t.Fatal(err)
+	}
+	for _, p := range v.Spec.Publications {
+		if p.NodeID == s.c.NodeName {
+			return access.ExportName(pv, "", p.Epoch)
+		}
+	}
+	s.t.Fatalf("NBDVolume %s is not published to %s: %+v", pv, s.c.NodeName, v.Spec.Publications)
+	return ""
+}
+
 // onlyThisNode: the export of pv, published to the suite's node, opens
 // with that node's certificate, and not with a certificate of the same CA
 // naming another node. It returns the open connection.
@@ -81,7 +98,7 @@ func (s *suite) onlyThisNode(pv string) *nbd.Client {
 	if !errors.Is(err, nbd.ErrAccessDenied) {
 		t.Fatalf("node %s's certificate opening %s: %v, want access denied", other, pv, err)
 	}
-	cl, err = s.dialExport(pv, s.nodeTLS())
+	cl, err = s.dialExport(s.certExport(pv), s.nodeTLS())
 	if err != nil {
 		t.Fatalf("the node's own certificate opening %s: %v", pv, err)
 	}
@@ -103,7 +120,7 @@ func (s *suite) readOnlyRefusesWrites(pv string) {
 	if len(v.Spec.Publications) != 1 || !v.Spec.Publications[0].ReadOnly {
 		t.Fatalf("NBDVolume %s publications %+v, want one, read-only", pv, v.Spec.Publications)
 	}
-	cl, err := s.dialExport(pv, s.nodeTLS())
+	cl, err := s.dialExport(s.certExport(pv), s.nodeTLS())
 	if err != nil {
 		t.Fatalf("opening the read-only %s: %v", pv, err)
 	}

@@ -213,22 +213,25 @@ volumeBindingMode: WaitForFirstConsumer
 }
 
 // noSecretsExposed searches every log line of the driver's pods, every
-// Event and the node plugin's metrics for the secrets the driver holds:
-// the node's private key (and any PEM private key) and the tokens of the
-// volumes published with one. The VolumeAttachment of a volume without
-// encryption holds its token by design; nothing else may.
+// Event, every VolumeAttachment and the node plugin's metrics for the
+// secrets the driver holds: the node's private key (and any PEM private
+// key), the node's token and the tokens of publications made by earlier
+// releases; and every VolumeAttachment and Event for the value of any
+// Secret of the driver's namespace.
 func (s *suite) noSecretsExposed() { s.searchSecrets(0) }
 
 // tokenScenario: with a volume of a class without encryption attached
-// (published with a token), no log line, Event or metric holds its token.
+// (opened with the node's token), no log line, Event, VolumeAttachment or
+// metric holds the token, and no VolumeAttachment or Event any Secret's
+// value.
 func (s *suite) tokenScenario() {
 	s.apply(pvc("tok", "mpnbd-ext4", "64Mi", false))
-	s.step("tokens: none in any log, Event or metrics while a volume is published with one", func() {
+	s.step("tokens: none in any log, Event, VolumeAttachment or metrics while a volume is published with one", func() {
 		s.startPod("tok-app", pod("tok-app", "tok", `head -c 8M /dev/urandom > /data/f && sync && sleep 3600`, false))
 		pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "tok")
-		s.waitFor("the token of "+pv, time.Minute, func() string {
-			if s.jsonpath("{.items[*].metadata.name}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume="+pv) == "" {
-				return "no publication Secret yet"
+		s.waitFor("the VolumeAttachment of "+pv, time.Minute, func() string {
+			if !strings.Contains(s.jsonpath("{.items[*].spec.source.persistentVolumeName}", "get", "volumeattachments"), pv) {
+				return "no VolumeAttachment yet"
 			}
 			return ""
 		})
@@ -267,17 +270,25 @@ func (s *suite) searchSecrets(minTokens int) {
 		t.Fatal("no private key in the node's kept identity")
 	}
 	tokens := strings.Fields(s.jsonpath("{.items[*].data.token}", "get", "secrets", "-n", namespace, "-l", "mpnbd.io/volume"))
-	if len(tokens) < minTokens {
-		t.Fatalf("%d publication tokens to search for, want at least %d", len(tokens), minTokens)
-	}
-	for _, tok := range tokens {
+	for i, tok := range tokens {
 		raw, err := base64.StdEncoding.DecodeString(tok)
 		if err != nil {
 			t.Fatal(err)
 		}
-		secrets = append(secrets, string(raw))
+		tokens[i] = string(raw)
 	}
+	if b, err := os.ReadFile(filepath.Join(s.dir, "node-state", "token")); err == nil {
+		tokens = append(tokens, strings.TrimSpace(string(b)))
+	}
+	if len(tokens) < minTokens {
+		t.Fatalf("%d tokens to search for, want at least %d", len(tokens), minTokens)
+	}
+	secrets = append(secrets, tokens...)
+	vas := s.kubectl("get", "volumeattachments", "-o", "json")
+	events := s.kubectl("get", "events", "-A", "-o", "yaml")
+	s.noSecretValueIn(vas + events)
 	var haystack strings.Builder
+	haystack.WriteString(vas)
 	pods := strings.Fields(s.jsonpath("{.items[*].metadata.name}", "get", "pods", "-n", namespace))
 	for _, p := range pods {
 		out, err := s.c.Kubectl(s.ctx, "logs", "-n", namespace, p, "--all-containers")
@@ -286,7 +297,7 @@ func (s *suite) searchSecrets(minTokens int) {
 		}
 		haystack.WriteString(out)
 	}
-	haystack.WriteString(s.kubectl("get", "events", "-A", "-o", "yaml"))
+	haystack.WriteString(events)
 	resp, err := http.Get(s.nodeMetricsURL())
 	if err != nil {
 		t.Fatal(err)
@@ -303,8 +314,41 @@ func (s *suite) searchSecrets(minTokens int) {
 	}
 	for i, sec := range secrets {
 		if strings.Contains(all, sec) {
-			t.Errorf("secret %d of %d (a private key or a token) appears in a log, an Event or the metrics", i+1, len(secrets))
+			t.Errorf("secret %d of %d (a private key or a token) appears in a log, an Event, a VolumeAttachment or the metrics", i+1, len(secrets))
 		}
 	}
-	t.Logf("searched %d bytes of logs (%d pods), Events and metrics for %d secrets", len(all), len(pods), len(secrets))
+	t.Logf("searched %d bytes of logs (%d pods), Events, VolumeAttachments and metrics for %d secrets", len(all), len(pods), len(secrets))
+}
+
+// noSecretValueIn fails when the value of any Secret of the driver's
+// namespace (of 16 bytes or more: shorter ones could match by chance),
+// raw or in base64, appears in text.
+func (s *suite) noSecretValueIn(text string) {
+	t := s.t
+	var l struct {
+		Items []struct {
+			Metadata struct{ Name string }
+			Data     map[string]string
+		}
+	}
+	if err := json.Unmarshal([]byte(s.kubectl("get", "secrets", "-n", namespace, "-o", "json")), &l); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, sec := range l.Items {
+		for k, b64 := range sec.Data {
+			raw, err := base64.StdEncoding.DecodeString(b64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(raw) < 16 {
+				continue
+			}
+			n++
+			if strings.Contains(text, string(raw)) || strings.Contains(text, b64) {
+				t.Errorf("the value of Secret %s/%s key %s appears in a VolumeAttachment or an Event", namespace, sec.Metadata.Name, k)
+			}
+		}
+	}
+	t.Logf("no value of the %d Secret values of %s in %d bytes of VolumeAttachments and Events", n, namespace, len(text))
 }

@@ -125,6 +125,14 @@ func nodePluginMayAnnotateOnlyItsNode(t *testing.T, cfg *rest.Config, c client.C
 	if got.Annotations[access.AnnotationStorageAddresses] != "10.0.0.1,10.0.1.1" {
 		t.Fatalf("node-a's annotations %v", got.Annotations)
 	}
+	// Its token's hash too, on its own Node only.
+	hash := access.TokenHash("00112233445566778899aabbccddeeff")
+	if err := driver.PublishNodeAccess(ctx, plugin, "node-a", []string{"10.0.0.1"}, hash); err != nil {
+		t.Fatalf("node-a's plugin publishing its token's hash: %v", err)
+	}
+	if msg := denied(driver.PublishNodeAccess(ctx, plugin, "node-b", []string{"10.0.0.1"}, hash)); msg != "" {
+		t.Errorf("node-a's plugin publishing its token's hash on node-b: %s", msg)
+	}
 	for _, c := range []struct {
 		what string
 		err  error

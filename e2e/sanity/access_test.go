@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -32,12 +33,19 @@ func blockCap(m csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
 	}
 }
 
-// open dials the export of a publish context from source address src
-// with MPTCP, as a node would.
-func open(ctx context.Context, pc map[string]string, src string) (*nbd.Client, error) {
+// open dials export on the storage node of a publish context from source
+// address src with MPTCP, as a node would.
+func open(ctx context.Context, pc map[string]string, export, src string) (*nbd.Client, error) {
 	addr, _, _ := strings.Cut(pc[driver.PublishContextAddresses], ",")
 	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}}
-	return nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: pc[driver.PublishContextExport], MPTCP: true, Dialer: d})
+	return nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: export, MPTCP: true, Dialer: d})
+}
+
+// nodeExport is the export a node with token opens for a publish context
+// (with its publication's epoch).
+func nodeExport(pc map[string]string, token string) string {
+	epoch, _ := strconv.ParseInt(pc[driver.PublishContextEpoch], 10, 64)
+	return access.ExportName(pc[driver.PublishContextExport], token, epoch)
 }
 
 func wantRefused(t *testing.T, what string, c *nbd.Client, err error) {
@@ -61,15 +69,20 @@ func wantCode(t *testing.T, what string, err error, code codes.Code) {
 
 // TestAccessControl checks, with the real controller, storage agent and
 // MPTCP server, that an export opens only for a node it is published to,
-// with that node's token, from that node's storage address; that a
+// with that node's token, from that node's storage address; that the
+// publish context holds no token; that a
 // single-node volume cannot be published to a second node; and that
 // unpublishing closes the node's connection and refuses it afterwards.
 func TestAccessControl(t *testing.T) {
 	cl := startCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
+	otherToken, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
 	other := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: otherNode,
-		Annotations: map[string]string{access.AnnotationStorageAddresses: "127.0.0.2"}}}
+		Annotations: map[string]string{access.AnnotationStorageAddresses: "127.0.0.2", access.AnnotationTokenSHA256: access.TokenHash(otherToken)}}}
 	if err := cl.client.Create(ctx, other); err != nil {
 		t.Fatal(err)
 	}
@@ -111,9 +124,12 @@ func TestAccessControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	data := bytes.Repeat([]byte("mpnbd"), 4096/5+1)[:4096]
+	if pc[driver.PublishContextExport] != id {
+		t.Fatalf("the publish context names export %q, want %q alone (it is kept in the VolumeAttachment)", pc[driver.PublishContextExport], id)
+	}
 
 	// The published node, with its token, from its storage address.
-	c, err := open(ctx, pc, "127.0.0.1")
+	c, err := open(ctx, pc, nodeExport(pc, cl.nodeToken), "127.0.0.1")
 	if err != nil {
 		t.Fatalf("the published node cannot open its export: %v", err)
 	}
@@ -123,17 +139,15 @@ func TestAccessControl(t *testing.T) {
 	}
 
 	// Everyone else is refused.
-	exportName := pc[driver.PublishContextExport]
-	vol, _, _ := access.SplitExport(exportName)
+	exportName := nodeExport(pc, cl.nodeToken)
 	forged, _ := access.NewToken()
 	for _, tc := range []struct{ what, export, src string }{
 		{"the right token from another address", exportName, "127.0.0.2"},
-		{"the bare volume name", vol, "127.0.0.1"},
-		{"a forged token", access.NodeExport(vol, forged), "127.0.0.1"},
-		{"another volume's name with this token", access.NodeExport("other-volume", strings.TrimPrefix(exportName, vol+"/")), "127.0.0.1"},
+		{"the bare volume name", id, "127.0.0.1"},
+		{"a forged token", access.NodeExport(id, forged), "127.0.0.1"},
+		{"another volume's name with this token", access.NodeExport("other-volume", cl.nodeToken), "127.0.0.1"},
 	} {
-		forgedPC := map[string]string{driver.PublishContextExport: tc.export, driver.PublishContextAddresses: pc[driver.PublishContextAddresses]}
-		c2, err := open(ctx, forgedPC, tc.src)
+		c2, err := open(ctx, pc, tc.export, tc.src)
 		wantRefused(t, tc.what, c2, err)
 	}
 
@@ -154,12 +168,12 @@ func TestAccessControl(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if pc1[driver.PublishContextExport] == pc2[driver.PublishContextExport] {
-		t.Fatal("two nodes got the same token")
+	if pc1[driver.PublishContextExport] != shared || pc2[driver.PublishContextExport] != shared {
+		t.Fatalf("publish contexts name exports %q and %q, want %q alone", pc1[driver.PublishContextExport], pc2[driver.PublishContextExport], shared)
 	}
-	c2, err := open(ctx, pc2, "127.0.0.1")
+	c2, err := open(ctx, pc2, nodeExport(pc2, otherToken), "127.0.0.1")
 	wantRefused(t, "worker-2's token from worker-1's address", c2, err)
-	c2, err = open(ctx, pc2, "127.0.0.2")
+	c2, err = open(ctx, pc2, nodeExport(pc2, otherToken), "127.0.0.2")
 	if err != nil {
 		t.Fatalf("worker-2 cannot open the shared volume: %v", err)
 	}
@@ -179,7 +193,7 @@ func TestAccessControl(t *testing.T) {
 	if _, err := c.ReadAt(buf, 0); err == nil {
 		t.Error("the connection of an unpublished node still serves I/O")
 	}
-	c3, err := open(ctx, pc, "127.0.0.1")
+	c3, err := open(ctx, pc, exportName, "127.0.0.1")
 	wantRefused(t, "the old token after unpublish", c3, err)
 
 	// Now the second node may have it, and sees the first node's data.
@@ -187,7 +201,7 @@ func TestAccessControl(t *testing.T) {
 	if err != nil {
 		t.Fatalf("publish to the second node after unpublish: %v", err)
 	}
-	c4, err := open(ctx, pcOther, "127.0.0.2")
+	c4, err := open(ctx, pcOther, nodeExport(pcOther, otherToken), "127.0.0.2")
 	if err != nil {
 		t.Fatal(err)
 	}

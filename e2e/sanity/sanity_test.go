@@ -46,6 +46,9 @@ type cluster struct {
 	controllerSock string
 	nodeSock       string
 	client         client.Client
+	// nodeToken is the node plugin's token (made by the test, in its
+	// state directory, so that the Node can announce its hash).
+	nodeToken string
 }
 
 func requireRoot(t *testing.T) {
@@ -139,10 +142,16 @@ func startCluster(t *testing.T) *cluster {
 		t.Fatal(err)
 	}
 	// The worker's Node object, as the kubelet would register it, with
-	// the storage address the node plugin would publish: exports are
-	// then served only to connections from it.
+	// the storage address and the hash of the token the node plugin
+	// would publish (the plugin, without API access here, takes the
+	// token from its state directory): exports are then served only to
+	// connections from that address with that token.
+	nodeToken, err := access.LoadOrCreateToken(filepath.Join(dir, "node-state", "token"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeID,
-		Annotations: map[string]string{access.AnnotationStorageAddresses: "127.0.0.1"}}}
+		Annotations: map[string]string{access.AnnotationStorageAddresses: "127.0.0.1", access.AnnotationTokenSHA256: access.TokenHash(nodeToken)}}}
 	if err := c.Create(ctx, node); err != nil {
 		t.Fatal(err)
 	}
@@ -162,6 +171,7 @@ func startCluster(t *testing.T) *cluster {
 		controllerSock: filepath.Join(dir, "controller.sock"),
 		nodeSock:       filepath.Join(dir, "node.sock"),
 		client:         c,
+		nodeToken:      nodeToken,
 	}
 	start(t, dir, "nbd-server", "--cluster", "--node-name", storageNode, "--namespace", namespace,
 		"--data-dir", filepath.Join(dir, "volumes"), "--storage-address", "127.0.0.1",
@@ -169,7 +179,8 @@ func startCluster(t *testing.T) *cluster {
 	start(t, dir, "controller", "--endpoint", "unix://"+cl.controllerSock, "--namespace", namespace,
 		"--kubeconfig", kubeconfig, "--wait-timeout", "30s")
 	start(t, dir, "node", "--endpoint", "unix://"+cl.nodeSock, "--node-id", nodeID,
-		"--state-dir", filepath.Join(dir, "node-state"), "--transports", "fuse", "--max-volumes", fmt.Sprint(maxVolumes))
+		"--state-dir", filepath.Join(dir, "node-state"), "--transports", "fuse", "--max-volumes", fmt.Sprint(maxVolumes),
+		"--storage-address", "127.0.0.1")
 
 	waitFor(t, "the storage agent's report", time.Minute, func() error {
 		sn := &v1alpha1.NBDStorageNode{}

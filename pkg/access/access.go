@@ -1,14 +1,65 @@
 // Package access is the contract between the controller, which grants a
 // node access to a volume, and the storage agent, which enforces it.
 //
-// ControllerPublishVolume makes a random token per (volume, node), keeps
-// it in a Secret in the driver's namespace (named by SecretName, the token
-// under SecretKeyToken, labelled with LabelVolume and LabelNode, owned by
-// the NBDVolume) and lists the node in the volume's spec.publications
-// with that Secret's name. The node opens the export named
-// NodeExport(volume, token); the storage agent serves it only while a
-// publication with that token exists and, when the publication lists
-// addresses, only to connections from one of them.
+// ControllerPublishVolume lists the node in the volume's
+// spec.publications. How the node then proves who it is depends on the
+// volume:
+//
+//   - An encrypted volume (spec.encryption required): the node shows its
+//     node certificate over TLS (pkg/nodeid) and opens the export by the
+//     volume's name. No token exists.
+//   - Every other volume (the kernel, tcp and multiconn transports speak
+//     plaintext): the node presents a token in the export name it asks
+//     for, NodeExport(volume, token).
+//
+// The token is the node's own: its node plugin makes it once (a random
+// NewToken, kept in a file of its state directory that only it reads,
+// LoadOrCreateToken) and announces its TokenHash on its Node object
+// (AnnotationTokenSHA256, next to AnnotationStorageAddresses; an
+// admission policy lets the node plugin change only those annotations,
+// and only on its own Node). ControllerPublishVolume copies both into the
+// publication. The token itself so never leaves the node but in the NBD
+// handshakes with the storage agents that serve it: it is in no Secret,
+// no publish context and so no VolumeAttachment (which Kubernetes keeps
+// cluster-scoped, readable by many), and no Kubernetes object names it.
+// A per-(volume, node) Secret that the node plugin read itself could not
+// be scoped to its node: RBAC grants a ServiceAccount a resource for all
+// its pods alike, an admission policy does not guard reads, and the
+// kubelet's node-stage secrets are named per volume by the StorageClass
+// (whose parameters cannot change on a class made before).
+//
+// The storage agent serves a token connection only while a publication
+// carries that token's hash, and only from one of the publication's
+// addresses: ControllerPublishVolume refuses a node that announced none,
+// and the agent grants nothing by a publication of a node's token that
+// lists none, so a token is useless from any host but its node (its node
+// plugin announces the --storage-address flags, or else every global
+// address of the host). MPTCP subflows joining later are held to the same
+// addresses (the agent's join guard). A token can be replayed only by one
+// who can both read a node's storage traffic and send from its address:
+// on a storage network where that is a concern, use encryption.
+//
+// Every publication has an epoch (the volume's generation when it was
+// made, so it rises with every publish), which the controller puts in the
+// publish context and the node in the export name it opens (ExportName).
+// The agent serves a connection only at its publication's epoch and
+// refuses an older one as superseded; a node's data path takes that
+// refusal, and only that one, as final: it fails its I/O with EIO and
+// drops the writes it kept for replay, instead of redialing. So a fenced
+// node (partitioned, force-detached) whose old session kept redialing is
+// not let back in when the volume is later published to it again, with
+// the same token or the same certificate, to replay stale writes over
+// what another node wrote meanwhile. A refusal for any other reason (an
+// agent restarting that does not know the export yet, a publication not
+// yet applied or already removed) may pass, so the data path dials again
+// and a healthy session survives it (see ExportName for the rule).
+//
+// Publications made by earlier controllers name a per-(volume, node)
+// Secret (SecretRef, named by SecretName, the token under SecretKeyToken)
+// whose token the node got in its export name; they keep working on the
+// terms they were made under (without addresses, if their node announced
+// none then, until the controller adds those it announces now) until the
+// volume is unpublished from that node.
 package access
 
 import (
@@ -26,6 +77,10 @@ const (
 	// LabelVolume and LabelNode label publication Secrets.
 	LabelVolume = "mpnbd.io/volume"
 	LabelNode   = "mpnbd.io/node"
+	// AnnotationTokenSHA256, on a Kubernetes Node, is the TokenHash of
+	// the node's token. The node plugin sets it; ControllerPublishVolume
+	// copies it into the publications of volumes without encryption.
+	AnnotationTokenSHA256 = "mpnbd.io/storage-token-sha256"
 	// AnnotationStorageAddresses, on a Kubernetes Node, lists the node's
 	// storage IP addresses (comma-separated). The node plugin sets it;
 	// ControllerPublishVolume copies it into the publication.

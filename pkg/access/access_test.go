@@ -1,6 +1,8 @@
 package access
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -67,6 +69,55 @@ func TestParseTopology(t *testing.T) {
 	for _, bad := range []string{"zone", "=a", "zone=a,zone=b", "bad key=a", "zone=not a value", "zone=" + strings.Repeat("x", 64)} {
 		if _, err := ParseTopology(bad); err == nil {
 			t.Errorf("ParseTopology(%q) succeeds", bad)
+		}
+	}
+}
+
+func TestLoadOrCreateToken(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "state", "token")
+	tok, err := LoadOrCreateToken(path)
+	if err != nil || !ValidToken(tok) {
+		t.Fatalf("LoadOrCreateToken = %q, %v", tok, err)
+	}
+	fi, err := os.Stat(path)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("token file %v, %v; want mode 0600", fi, err)
+	}
+	if again, err := LoadOrCreateToken(path); err != nil || again != tok {
+		t.Fatalf("second load = %q, %v; want the same token", again, err)
+	}
+	if err := os.WriteFile(path, []byte("not a token\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LoadOrCreateToken(path); err == nil {
+		t.Fatal("a damaged token file was taken")
+	}
+}
+
+func TestExportNameRoundTrip(t *testing.T) {
+	tok, _ := NewToken()
+	for _, tc := range []struct {
+		volume, token string
+		epoch         int64
+		want          string
+	}{
+		{"pvc-1", tok, 7, "pvc-1/" + tok + "@7"},
+		{"pvc-1", "", 12, "pvc-1@12"},
+		{"pvc-1", tok, 0, "pvc-1/" + tok},
+		{"pvc-1", "", 0, "pvc-1"},
+	} {
+		name := ExportName(tc.volume, tc.token, tc.epoch)
+		if name != tc.want {
+			t.Errorf("ExportName(%q, %q, %d) = %q, want %q", tc.volume, tc.token, tc.epoch, name, tc.want)
+		}
+		v, tk, e, ok := ParseExport(name)
+		if !ok || v != tc.volume || tk != tc.token || e != tc.epoch {
+			t.Errorf("ParseExport(%q) = %q, %q, %d, %v", name, v, tk, e, ok)
+		}
+	}
+	for _, name := range []string{"", "@3", "pvc-1@", "pvc-1@0", "pvc-1@-2", "pvc-1@03", "pvc-1@x", "pvc-1/short@3", "pvc-1/" + tok + "@3@4"} {
+		if v, tk, e, ok := ParseExport(name); ok {
+			t.Errorf("ParseExport(%q) = %q, %q, %d, true; want refusal", name, v, tk, e)
 		}
 	}
 }

@@ -164,11 +164,12 @@ type grant struct {
 	addrs     []netip.Addr
 	limited   bool // the publication lists addresses (maybe none valid)
 	readOnly  bool
+	epoch     int64 // the publication's epoch; 0 for one made before epochs
 }
 
 func (g grant) equal(o grant) bool {
 	return g.nodeID == o.nodeID && g.tokenHash == o.tokenHash && g.limited == o.limited &&
-		g.readOnly == o.readOnly && slices.Equal(g.addrs, o.addrs)
+		g.readOnly == o.readOnly && g.epoch == o.epoch && slices.Equal(g.addrs, o.addrs)
 }
 
 // New returns an agent serving on srv. It installs srv.Resolve (only
@@ -266,27 +267,30 @@ func (a *Agent) Started() bool { return a.started.Load() }
 var errUnpublished = errors.New("no current publication with this token")
 
 // resolve is the nbd.Server's Resolve hook. A node opens a volume in one
-// of two ways:
+// of two ways (access.ExportName):
 //
-//   - NodeExport(volume, token): served when token is that of a current
-//     publication of the volume; over TLS the node certificate must name
-//     the node the token was issued to;
-//   - the volume's name alone, over TLS with a node certificate: served
+//   - with a token: served when token is that of a current publication of
+//     the volume; over TLS the node certificate must name the node the
+//     token was issued to;
+//   - by the volume's name alone, over TLS with a node certificate: served
 //     when the volume is published to the node the certificate names.
 //
 // Either way the connection must come from one of the publication's
-// addresses (if it lists any). Everything else is refused.
+// addresses (if it lists any), and present the publication's epoch: an
+// older one is refused as superseded (nbd.ErrSuperseded, which ends the
+// node's data path). Everything else is refused.
 func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 	peer, err := a.peerNode(c)
 	if err != nil {
 		return nbd.Grant{}, err
 	}
-	vol, token, withToken := access.SplitExport(name)
-	if !withToken {
-		if peer == "" {
-			return nbd.Grant{}, fmt.Errorf("export name is not <volume>/<token> and the connection has no node certificate")
-		}
-		vol = name
+	vol, token, epoch, ok := access.ParseExport(name)
+	withToken := token != ""
+	switch {
+	case !ok:
+		return nbd.Grant{}, errors.New("export name is not <volume>[/<token>][@<epoch>]")
+	case !withToken && peer == "":
+		return nbd.Grant{}, errors.New("export name has no token and the connection has no node certificate")
 	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
@@ -305,6 +309,16 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 		}
 		if g.limited && !slices.Contains(g.addrs, remoteIP(c)) {
 			return nbd.Grant{}, fmt.Errorf("node %s: connection from %v, not one of its storage addresses", g.nodeID, c.RemoteAddr)
+		}
+		switch {
+		case epoch < g.epoch:
+			return nbd.Grant{}, fmt.Errorf("node %s: the connection is of publication epoch %d, replaced by epoch %d: %w",
+				g.nodeID, epoch, g.epoch, nbd.ErrSuperseded)
+		case epoch > g.epoch:
+			// The publication that the node was given is not applied
+			// here yet: the node dials again.
+			return nbd.Grant{}, fmt.Errorf("node %s: the connection is of publication epoch %d, newer than the one applied here (%d)",
+				g.nodeID, epoch, g.epoch)
 		}
 		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.tokenHash == ""}, nil
 	}

@@ -269,14 +269,17 @@ func editVolume(t *testing.T, c client.Client, name string, edit func(*v1alpha1.
 }
 
 // publish grants node access to volume and returns its token. As the
-// controller does, the publication names the token's Secret and carries
-// its hash; the Secret itself is not made: the agent never reads it.
+// controller does, the publication carries the token's hash and the
+// node's addresses (127.0.0.1, where the tests dial from, unless given).
 func publish(t *testing.T, c client.Client, volume, node string, readOnly bool, addrs ...string) string {
 	t.Helper()
 	tok := must(t, access.NewToken)
+	if len(addrs) == 0 {
+		addrs = []string{"127.0.0.1"}
+	}
 	editVolume(t, c, volume, func(v *v1alpha1.NBDVolume) {
 		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
-			NodeID: node, SecretRef: access.SecretName(volume, node), TokenSHA256: access.TokenHash(tok),
+			NodeID: node, TokenSHA256: access.TokenHash(tok),
 			Addresses: addrs, ReadOnly: readOnly,
 		})
 	})
@@ -518,6 +521,40 @@ func TestAgent(t *testing.T) {
 		refused(t, r, "connection from an address not published", access.NodeExport("vol-a", tok3))
 		tok4 := publish(t, c, "vol-a", "node-4", false, "10.99.0.2", "127.0.0.1")
 		mustDial(t, r, access.NodeExport("vol-a", tok4))
+
+		// A publication of a node's token that lists no address grants
+		// nothing: the token would be good from any host. One made by an
+		// earlier controller (a Secret's token, made so when the node
+		// announced no address) keeps its terms. Both are applied with
+		// one that lists its address: once that one opens, all three
+		// are in force.
+		tokAny, tokOld, tokHere := must(t, access.NewToken), must(t, access.NewToken), must(t, access.NewToken)
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vol-a")
+			v.Spec.Publications = append(v.Spec.Publications,
+				v1alpha1.Publication{NodeID: "node-any", TokenSHA256: access.TokenHash(tokAny)},
+				v1alpha1.Publication{NodeID: "node-old", SecretRef: access.SecretName("vol-a", "node-old"), TokenSHA256: access.TokenHash(tokOld)},
+				v1alpha1.Publication{NodeID: "node-here", TokenSHA256: access.TokenHash(tokHere), Addresses: []string{"127.0.0.1"}})
+			return c.Update(ctx, v)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "the publication with an address in force", func() string {
+			cl, err := dial(t, r, access.NodeExport("vol-a", tokHere))
+			if err != nil {
+				return err.Error()
+			}
+			cl.Close()
+			return ""
+		})
+		refused(t, r, "a token publication without addresses", access.NodeExport("vol-a", tokAny))
+		mustDial(t, r, access.NodeExport("vol-a", tokOld)).Close()
+		editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+			v.Spec.Publications = slices.DeleteFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool {
+				return p.NodeID == "node-any" || p.NodeID == "node-old" || p.NodeID == "node-here"
+			})
+		})
 	})
 
 	t.Run("token hash not there yet", func(t *testing.T) {
@@ -536,7 +573,7 @@ func TestAgent(t *testing.T) {
 		var gen int64
 		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 			v := getVolume(t, c, "vol-a")
-			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-6", SecretRef: secret})
+			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-6", SecretRef: secret, Addresses: []string{"127.0.0.1"}})
 			if err := c.Update(ctx, v); err != nil {
 				return err
 			}
@@ -562,6 +599,47 @@ func TestAgent(t *testing.T) {
 		})
 		mustDial(t, r, access.NodeExport("vol-a", tok))
 		unpublish(t, c, "vol-a", "node-6")
+	})
+
+	t.Run("epochs", func(t *testing.T) {
+		// A node keeps its token across publications (it is the node's
+		// own); the epoch tells them apart. Published, unpublished (a
+		// fenced node, force-detached) and published again: a session
+		// of the first publication, still redialing, is refused as
+		// superseded, which ends it, and only that refusal is final.
+		tok := must(t, access.NewToken)
+		publishAt := func(epoch int64) {
+			editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+				v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
+					NodeID: "node-e", TokenSHA256: access.TokenHash(tok), Addresses: []string{"127.0.0.1"}, Epoch: epoch,
+				})
+			})
+		}
+		superseded := func(what, export string) {
+			t.Helper()
+			cl, err := dial(t, r, export)
+			if err == nil {
+				cl.Close()
+				t.Fatalf("%s: open %q succeeded", what, export)
+			}
+			if !errors.Is(err, nbd.ErrSuperseded) {
+				t.Fatalf("%s: open %q: %v, want a refusal as superseded", what, export, err)
+			}
+		}
+		publishAt(5)
+		unpublish(t, c, "vol-a", "node-e")
+		publishAt(9)
+		superseded("a session from before epochs", access.NodeExport("vol-a", tok))
+		superseded("a session of the earlier publication", access.ExportName("vol-a", tok, 5))
+		mustDial(t, r, access.ExportName("vol-a", tok, 9)).Close()
+		// A newer epoch than the agent applied: the node dials again.
+		if cl, err := dial(t, r, access.ExportName("vol-a", tok, 10)); err == nil || errors.Is(err, nbd.ErrSuperseded) || !errors.Is(err, nbd.ErrAccessDenied) {
+			if cl != nil {
+				cl.Close()
+			}
+			t.Fatalf("an epoch not applied yet: %v, want a refusal that is not final", err)
+		}
+		unpublish(t, c, "vol-a", "node-e")
 	})
 
 	t.Run("read-only", func(t *testing.T) {

@@ -174,4 +174,27 @@ func TestAgentNodeCertificates(t *testing.T) {
 	})
 	t.Logf("node-1's connection closed %v after it was unpublished", time.Since(closed).Round(time.Millisecond))
 	refusedAs("node-1 after unpublishing", node1, "vol-enc")
+
+	// Published to node-1 again: a session of the first publication
+	// (which presented none, or an older epoch) is refused as superseded
+	// although the certificate is the same; the new one opens.
+	editVolume(t, c, "vol-enc", func(v *v1alpha1.NBDVolume) {
+		v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{NodeID: "node-1", Addresses: []string{"127.0.0.1"}, Epoch: 7})
+	})
+	eventually(t, "node-1 opens vol-enc at epoch 7", func() string {
+		cl, err := as(node1, access.ExportName("vol-enc", "", 7))
+		if err != nil {
+			return err.Error()
+		}
+		cl.Close()
+		return ""
+	})
+	for _, name := range []string{"vol-enc", access.ExportName("vol-enc", "", 6)} {
+		if cl, err := as(node1, name); !errors.Is(err, nbd.ErrSuperseded) {
+			if cl != nil {
+				cl.Close()
+			}
+			t.Errorf("node-1's certificate opening %q after it was published again: %v, want a refusal as superseded", name, err)
+		}
+	}
 }

@@ -295,21 +295,35 @@ func (a *Agent) checkRoom(need int64, what string) *failure {
 func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (string, error) {
 	next := make(map[string]grant, len(vol.Spec.Publications))
 	var waiting []string
+	var unbound []string
 	for _, p := range vol.Spec.Publications {
-		if p.SecretRef == "" {
-			// No token: the node shows its certificate over TLS.
-			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
-			continue
-		}
-		// The agent holds the token's hash, never the token: the
-		// controller writes it into the publication with the Secret.
-		// A publication without one (made by an older controller) grants
-		// nothing until the controller adds it.
-		if !access.ValidTokenHash(p.TokenSHA256) {
+		addrs := parseAddrs(log, p)
+		switch {
+		case access.ValidTokenHash(p.TokenSHA256):
+			// The agent holds the token's hash, never the token. A
+			// token is good only from its node's addresses: a
+			// publication of the node's own token that lists none
+			// grants nothing. One made by an earlier controller, with
+			// a per-(volume, node) Secret, keeps the terms it was made
+			// under (its node's session lives on them) until the
+			// controller adds the addresses its node announces.
+			legacy := p.SecretRef != ""
+			if len(addrs) == 0 && !legacy {
+				unbound = append(unbound, p.NodeID)
+				waiting = append(waiting, p.NodeID)
+				continue
+			}
+			next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly,
+				limited: len(p.Addresses) > 0 || !legacy, addrs: addrs, epoch: p.Epoch}
+		case p.SecretRef != "":
+			// A token in a Secret, without its hash (made by an older
+			// controller): it grants nothing until the controller
+			// adds the hash.
 			waiting = append(waiting, p.NodeID)
-			continue
+		default:
+			// No token: the node shows its certificate over TLS.
+			next[p.NodeID] = grant{nodeID: p.NodeID, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: addrs, epoch: p.Epoch}
 		}
-		next[p.NodeID] = grant{nodeID: p.NodeID, tokenHash: p.TokenSHA256, readOnly: p.ReadOnly, limited: len(p.Addresses) > 0, addrs: parseAddrs(log, p)}
 	}
 
 	a.mu.Lock()
@@ -345,6 +359,10 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	}
 	if n > 0 || len(changed) > 0 {
 		log.Info("publications changed; connections closed", "nodes", len(changed), "connections_closed", n, "drain_error", err)
+	}
+	if len(unbound) > 0 {
+		return "no storage address in the token publications to " + strings.Join(unbound, ", ") +
+			" (a token is good only from its node's addresses; the controller adds those the node announces)", nil
 	}
 	if len(waiting) > 0 {
 		return "no token hash yet in the publications to " + strings.Join(waiting, ", ") + " (the controller adds it)", nil

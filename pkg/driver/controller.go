@@ -457,32 +457,51 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 			return nil, err
 		}
 	}
-	// The Secret comes first: a publication always names a Secret that
-	// exists. An encrypted volume has none: the node shows its node
-	// certificate, and no credential reaches the VolumeAttachment.
-	token, secretRef := "", ""
-	if v.Spec.Encryption != v1alpha1.EncryptionRequired {
+	// A volume without encryption is opened with the node's own token,
+	// whose hash (and the addresses it is good from) the node announced
+	// on its Node: the token is handed to no one, so no credential
+	// reaches the VolumeAttachment. An encrypted volume needs neither:
+	// the node shows its node certificate.
+	token, secretRef, hash := "", "", ""
+	addrs := storageAddresses(&node)
+	i := slices.IndexFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool { return p.NodeID == nodeID })
+	switch {
+	case v.Spec.Encryption == v1alpha1.EncryptionRequired:
+	case !add && i >= 0 && v.Spec.Publications[i].SecretRef != "":
+		// Made by an earlier controller: its node was given a token of
+		// the publication's own Secret in the export name, and its data
+		// path keeps redialing with it. It stays as it is until the
+		// volume is unpublished from the node.
 		if token, err = c.ensureSecret(ctx, v, nodeID); err != nil {
 			return nil, err
 		}
-		secretRef = access.SecretName(id, nodeID)
-	}
-	hash := ""
-	if token != "" {
-		hash = access.TokenHash(token)
+		secretRef, hash = access.SecretName(id, nodeID), access.TokenHash(token)
+	default:
+		if hash = node.Annotations[access.AnnotationTokenSHA256]; !access.ValidTokenHash(hash) {
+			return nil, fmt.Errorf("%w: node %s has not announced its token (annotation %s, set by the node plugin)",
+				ErrUnavailable, nodeID, access.AnnotationTokenSHA256)
+		}
+		if len(addrs) == 0 {
+			return nil, fmt.Errorf("%w: node %s has not announced its storage addresses (annotation %s, set by the node plugin): its token would be good from anywhere",
+				ErrUnavailable, nodeID, access.AnnotationStorageAddresses)
+		}
 	}
 	if add {
 		pub := v1alpha1.Publication{
 			NodeID:      nodeID,
-			SecretRef:   secretRef,
 			TokenSHA256: hash,
-			Addresses:   storageAddresses(&node),
+			Addresses:   addrs,
 			ReadOnly:    readOnly,
 		}
 		v, err = c.updateVolume(ctx, id, func(v *v1alpha1.NBDVolume) (bool, error) {
 			add, err := check(v)
 			if add {
-				v.Spec.Publications = append(v.Spec.Publications, pub)
+				// The generation before this update, which raises it:
+				// greater than the epoch of every earlier publication of
+				// the volume, each made by an update that raised it.
+				p := pub
+				p.Epoch = max(v.Generation, 1)
+				v.Spec.Publications = append(v.Spec.Publications, p)
 			}
 			return add, err
 		})
@@ -491,10 +510,10 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 		}
 		c.log.Info("volume published", "volume_id", id, "node_id", nodeID, "read_only", readOnly,
 			"node_addresses", strings.Join(pub.Addresses, ","))
-	} else if i := slices.IndexFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool { return p.NodeID == nodeID }); i >= 0 &&
-		(v.Spec.Publications[i].TokenSHA256 != hash || v.Spec.Publications[i].SecretRef != secretRef) {
-		// Made before publications carried the hash, or its Secret was
-		// renewed: the storage agent checks the token against this.
+	} else if i >= 0 && (v.Spec.Publications[i].TokenSHA256 != hash || v.Spec.Publications[i].SecretRef != secretRef) {
+		// Made before publications carried the hash, its Secret was
+		// renewed, or the node has a new token: the storage agent checks
+		// the token against this.
 		if v, err = c.setTokenHash(ctx, id, nodeID, secretRef, hash); err != nil {
 			return nil, err
 		}
@@ -503,7 +522,7 @@ func (c *Controller) publish(ctx context.Context, req *csi.ControllerPublishVolu
 	if err != nil {
 		return nil, err
 	}
-	return c.publishContext(ctx, w, token)
+	return c.publishContext(ctx, w, nodeID, token)
 }
 
 func (c *Controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {

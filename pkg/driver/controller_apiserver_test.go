@@ -40,7 +40,7 @@ func TestControllerAPIServer(t *testing.T) {
 	putStorageNode(t, c, "big", 100*gib, map[string]string{"zone": "a"}, nil, now)
 	putStorageNode(t, c, "small", 10*gib, map[string]string{"zone": "b"}, map[string]string{"tier": "fast"}, now)
 	putNode(t, c, "worker-1", "10.0.0.1,10.0.1.1")
-	putNode(t, c, "worker-2", "")
+	putNode(t, c, "worker-2", "10.0.0.2")
 	agent := startAgent(t, c)
 	ctl := newTestController(t, asController, func(cfg *ControllerConfig) { cfg.PollInterval = 20 * time.Millisecond })
 
@@ -91,21 +91,16 @@ func TestControllerAPIServer(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, ok := getSecret(t, c, "api-pub", "worker-1")
-		if !ok {
-			t.Fatal("no publication Secret")
+		if _, ok := getSecret(t, c, "api-pub", "worker-1"); ok {
+			t.Error("a publication Secret was made: the node has a token of its own")
 		}
 		v := getVolume(t, c, "api-pub")
-		if len(s.OwnerReferences) != 1 || s.OwnerReferences[0].UID != v.UID {
-			t.Errorf("Secret owners %+v", s.OwnerReferences)
-		}
-		tok := string(s.Data[access.SecretKeyToken])
-		if got := resp.GetPublishContext(); got[PublishContextExport] != access.NodeExport("api-pub", tok) ||
+		if got := resp.GetPublishContext(); got[PublishContextExport] != "api-pub" ||
 			got[PublishContextAddresses] != "192.0.2.1:10809,192.0.2.2:10809" {
 			t.Errorf("publish context %v", got)
 		}
 		if v.Generation != 2 || v.Status.ObservedGeneration != 2 || len(v.Spec.Publications) != 1 ||
-			v.Spec.Publications[0].SecretRef != s.Name || v.Spec.Publications[0].TokenSHA256 != access.TokenHash(tok) || !slices.Equal(v.Spec.Publications[0].Addresses, []string{"10.0.0.1", "10.0.1.1"}) {
+			v.Spec.Publications[0].SecretRef != "" || v.Spec.Publications[0].TokenSHA256 != access.TokenHash(nodeToken("worker-1")) || !slices.Equal(v.Spec.Publications[0].Addresses, []string{"10.0.0.1", "10.0.1.1"}) {
 			t.Errorf("NBDVolume after publish: generation %d, status %+v, publications %+v", v.Generation, v.Status, v.Spec.Publications)
 		}
 		again, err := ctl.ControllerPublishVolume(ctx, publishReq("api-pub", "worker-1", fsCap(rwo), false))

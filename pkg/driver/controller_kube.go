@@ -251,13 +251,19 @@ func (c *Controller) setTokenHash(ctx context.Context, id, nodeID, secretRef, ha
 // hash of its Secret's token: storage agents grant a token only by its
 // hash. It returns how many it filled in. A publication whose Secret is
 // gone or damaged is left alone (it grants nothing; publishing the volume
-// again renews both).
+// again renews both). Token publications made without their node's
+// storage addresses (its plugin announced none then) get those the node
+// announces now: storage agents grant a token only from them. It returns
+// how many publications it changed.
 func (c *Controller) BackfillTokenHashes(ctx context.Context) (int, error) {
 	var l v1alpha1.NBDVolumeList
 	if err := c.c.List(ctx, &l); err != nil {
 		return 0, kubeErr(err, "listing NBDVolumes")
 	}
-	filled := 0
+	filled, err := c.backfillAddresses(ctx, l.Items)
+	if err != nil {
+		return filled, err
+	}
 	for _, v := range l.Items {
 		for _, p := range v.Spec.Publications {
 			if p.SecretRef == "" || p.TokenSHA256 != "" {
@@ -298,6 +304,52 @@ func (c *Controller) BackfillTokenHashes(ctx context.Context) (int, error) {
 			if err == nil && set {
 				filled++
 				c.log.Info("publication given its token hash", "volume_id", v.Name, "node_id", node)
+			}
+		}
+	}
+	return filled, nil
+}
+
+// backfillAddresses gives the token publications of vols that list no
+// address the storage addresses their node announces (if it does yet).
+func (c *Controller) backfillAddresses(ctx context.Context, vols []v1alpha1.NBDVolume) (int, error) {
+	filled := 0
+	for _, v := range vols {
+		for _, p := range v.Spec.Publications {
+			if (p.SecretRef == "" && p.TokenSHA256 == "") || len(p.Addresses) > 0 {
+				continue
+			}
+			var n corev1.Node
+			if err := c.c.Get(ctx, client.ObjectKey{Name: p.NodeID}, &n); err != nil {
+				if apierrors.IsNotFound(err) {
+					continue
+				}
+				return filled, kubeErr(err, "reading Node "+p.NodeID)
+			}
+			addrs, node := storageAddresses(&n), p.NodeID
+			if len(addrs) == 0 {
+				c.log.Warn("a token publication lists no storage address and its node announces none: it grants nothing",
+					"volume_id", v.Name, "node_id", node)
+				continue
+			}
+			set := false
+			_, err := c.updateVolume(ctx, v.Name, func(v *v1alpha1.NBDVolume) (bool, error) {
+				set = false
+				for i := range v.Spec.Publications {
+					if q := &v.Spec.Publications[i]; q.NodeID == node && len(q.Addresses) == 0 && (q.SecretRef != "" || q.TokenSHA256 != "") {
+						q.Addresses, set = addrs, true
+						return true, nil
+					}
+				}
+				return false, nil
+			})
+			if err != nil && !errors.Is(err, ErrNotFound) {
+				return filled, err
+			}
+			if err == nil && set {
+				filled++
+				c.log.Info("publication given its node's storage addresses", "volume_id", v.Name, "node_id", node,
+					"node_addresses", strings.Join(addrs, ","))
 			}
 		}
 	}
@@ -381,9 +433,12 @@ func (c *Controller) deleteSecrets(ctx context.Context, id, nodeID string) error
 }
 
 // publishContext is what the node plugin needs to open the export: the
-// export name (with the node's token, for a volume that has one), the
-// storage node's addresses and its name (which its certificate names).
-func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, token string) (map[string]string, error) {
+// export's name (with the token of a publication made by an earlier
+// controller, which had the node's token in a Secret), the epoch of the
+// node's publication, the storage node's addresses and its name (which
+// its certificate names). No credential: Kubernetes keeps the context
+// in the VolumeAttachment.
+func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, nodeID, token string) (map[string]string, error) {
 	exportName := v.Name
 	var addrs []string
 	var port int32
@@ -417,11 +472,17 @@ func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, 
 	if token != "" {
 		exportName = access.NodeExport(exportName, token)
 	}
-	return map[string]string{
+	pc := map[string]string{
 		PublishContextExport:      exportName,
 		PublishContextAddresses:   strings.Join(hostports, ","),
 		PublishContextStorageNode: v.Spec.StorageNode,
-	}, nil
+	}
+	for _, p := range v.Spec.Publications {
+		if p.NodeID == nodeID && p.Epoch > 0 {
+			pc[PublishContextEpoch] = strconv.FormatInt(p.Epoch, 10)
+		}
+	}
+	return pc, nil
 }
 
 // csiVolume describes a volume for CreateVolume and ListVolumes. topo maps

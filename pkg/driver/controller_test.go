@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -271,12 +272,18 @@ func putStorageNode(t *testing.T, c client.Client, name string, avail int64, top
 	}
 }
 
-// putNode creates a Kubernetes Node with storage addresses (if any).
+// nodeToken is the token of the test node name, whose hash its Node
+// announces.
+func nodeToken(name string) string { return access.TokenHash(name)[:32] }
+
+// putNode creates a Kubernetes Node with storage addresses (if any) and
+// its token's hash, as its node plugin announces them.
 func putNode(t *testing.T, c client.Client, name string, addrs string) {
 	t.Helper()
 	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	n.Annotations = map[string]string{access.AnnotationTokenSHA256: access.TokenHash(nodeToken(name))}
 	if addrs != "" {
-		n.Annotations = map[string]string{access.AnnotationStorageAddresses: addrs}
+		n.Annotations[access.AnnotationStorageAddresses] = addrs
 	}
 	if err := c.Create(context.Background(), n); err != nil {
 		t.Fatal(err)
@@ -368,7 +375,7 @@ func setup(t *testing.T, mods ...func(*ControllerConfig)) (*Controller, client.C
 	putStorageNode(t, c, "big", 100*gib, map[string]string{"zone": "a"}, nil, now)
 	putStorageNode(t, c, "small", 10*gib, map[string]string{"zone": "b"}, map[string]string{"tier": "fast"}, now)
 	putNode(t, c, "worker-1", "10.0.0.1,10.0.1.1")
-	putNode(t, c, "worker-2", "")
+	putNode(t, c, "worker-2", "10.0.0.2")
 	return newTestController(t, c, mods...), c, startAgent(t, c)
 }
 
@@ -759,30 +766,22 @@ func TestPublishUnpublish(t *testing.T) {
 		t.Fatal(err)
 	}
 	pc := resp.GetPublishContext()
-	s, ok := getSecret(t, c, "fs", "worker-1")
-	if !ok {
-		t.Fatal("no publication Secret")
-	}
-	token := string(s.Data[access.SecretKeyToken])
-	if !access.ValidToken(token) || s.Labels[access.LabelVolume] != "fs" || s.Labels[access.LabelNode] != "worker-1" {
-		t.Errorf("Secret %+v", s)
+	if _, ok := getSecret(t, c, "fs", "worker-1"); ok {
+		t.Error("a publication Secret was made: the node has a token of its own")
 	}
 	v := getVolume(t, c, "fs")
-	if len(s.OwnerReferences) != 1 || s.OwnerReferences[0].UID != v.UID || s.OwnerReferences[0].Kind != "NBDVolume" {
-		t.Errorf("Secret owners %+v", s.OwnerReferences)
-	}
-	if pc[PublishContextExport] != access.NodeExport("fs", token) ||
-		pc[PublishContextAddresses] != "192.0.2.1:10809,192.0.2.2:10809" {
+	if pc[PublishContextExport] != "fs" || pc[PublishContextAddresses] != "192.0.2.1:10809,192.0.2.2:10809" {
 		t.Errorf("publish context %v", pc)
 	}
-	// The publication carries the token's hash, never the token.
-	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", SecretRef: s.Name, TokenSHA256: access.TokenHash(token), Addresses: []string{"10.0.0.1", "10.0.1.1"}}}
+	// The publication carries the hash the node announced and the
+	// addresses its token is good from.
+	wantPub := []v1alpha1.Publication{{NodeID: "worker-1", TokenSHA256: access.TokenHash(nodeToken("worker-1")), Addresses: []string{"10.0.0.1", "10.0.1.1"}, Epoch: 1}}
 	if !equality.Semantic.DeepEqual(v.Spec.Publications, wantPub) || v.Status.ObservedGeneration != v.Generation {
 		t.Errorf("publications %+v (generation %d, observed %d)", v.Spec.Publications, v.Generation, v.Status.ObservedGeneration)
 	}
 	// The node plugin can use what it got.
-	if _, err := parseAttachSpec("fs", pc, nil, ""); err != nil {
-		t.Errorf("node side rejects the publish context: %v", err)
+	if spec, err := parseAttachSpec("fs", pc, nil, "", nodeToken("worker-1")); err != nil || spec.Target.Export != access.NodeExport("fs", nodeToken("worker-1"))+"@"+pc[PublishContextEpoch] {
+		t.Errorf("node side: %+v, %v", spec.Target, err)
 	}
 
 	// Idempotent, and the same token.
@@ -815,16 +814,23 @@ func TestPublishUnpublish(t *testing.T) {
 	if _, ok := getSecret(t, c, "fs", "worker-1"); ok {
 		t.Error("Secret left after unpublish")
 	}
-	// Now the other node may have it, with a new token.
-	resp, err = ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-2", fsCap(rwo), false))
-	if err != nil {
+	// A node that announced no address or no token hash is refused: its
+	// token would be good from anywhere, or there is none to check.
+	putNode(t, c, "worker-3", "")
+	_, err = ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-3", fsCap(rwo), false))
+	wantStatus(t, err, codes.Unavailable, "worker-3", access.AnnotationStorageAddresses)
+	if err := c.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "worker-4",
+		Annotations: map[string]string{access.AnnotationStorageAddresses: "10.0.0.4"}}}); err != nil {
 		t.Fatal(err)
 	}
-	if resp.GetPublishContext()[PublishContextExport] == pc[PublishContextExport] {
-		t.Error("the new node got the old node's token")
+	_, err = ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-4", fsCap(rwo), false))
+	wantStatus(t, err, codes.Unavailable, "worker-4", access.AnnotationTokenSHA256)
+	// Now the other node may have it, with its own token.
+	if _, err = ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-2", fsCap(rwo), false)); err != nil {
+		t.Fatal(err)
 	}
-	if v := getVolume(t, c, "fs"); len(v.Spec.Publications) != 1 || len(v.Spec.Publications[0].Addresses) != 0 {
-		t.Errorf("publication of a node without storage addresses: %+v", v.Spec.Publications)
+	if v := getVolume(t, c, "fs"); len(v.Spec.Publications) != 1 || v.Spec.Publications[0].TokenSHA256 != access.TokenHash(nodeToken("worker-2")) {
+		t.Errorf("publication to worker-2: %+v", v.Spec.Publications)
 	}
 
 	// Unpublish of unknown volumes and nodes succeeds.
@@ -841,10 +847,101 @@ func TestPublishUnpublish(t *testing.T) {
 	wantStatus(t, err, codes.InvalidArgument, "volume_id")
 }
 
-// TestTokenHashes: publications made before they carried their token's
-// hash (by an older controller) get it from BackfillTokenHashes, or when
-// the volume is published again; one whose Secret is gone gets a new
-// token, Secret and hash from the next publish.
+// TestPublishContextHoldsNoToken: Kubernetes keeps the publish context
+// in the VolumeAttachment's status, cluster-scoped and readable by many.
+// It holds no token for any volume, with encryption or without: the
+// export's name alone, to which the node adds its own token. No Secret of
+// the driver's namespace shows in it either.
+func TestPublishContextHoldsNoToken(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t)
+	for id, params := range map[string]map[string]string{
+		"plain": nil, "pref": {ParamEncryption: "preferred"}, "enc": {ParamEncryption: "required"},
+	} {
+		if _, err := ctl.CreateVolume(ctx, createReq(id, gib, params)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := ctl.ControllerPublishVolume(ctx, publishReq(id, "worker-1", fsCap(rwo), false))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pc := resp.GetPublishContext()
+		if export := pc[PublishContextExport]; export != id {
+			t.Errorf("%s: the publish context names export %q, want %q alone", id, export, id)
+		}
+		var secrets corev1.SecretList
+		if err := c.List(ctx, &secrets, client.InNamespace(testNamespace)); err != nil {
+			t.Fatal(err)
+		}
+		for k, v := range pc {
+			if strings.Contains(v, nodeToken("worker-1")) {
+				t.Errorf("%s: publish context %s holds the node's token", id, k)
+			}
+			for _, s := range secrets.Items {
+				for sk, sv := range s.Data {
+					if len(sv) > 0 && strings.Contains(v, string(sv)) {
+						t.Errorf("%s: publish context %s holds Secret %s's %s", id, k, s.Name, sk)
+					}
+				}
+			}
+		}
+		spec, err := parseAttachSpec(id, pc, params, "/state/identity", nodeToken("worker-1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := access.NodeExport(id, nodeToken("worker-1")) + "@" + pc[PublishContextEpoch]
+		if id == "enc" {
+			want = id + "@" + pc[PublishContextEpoch]
+		}
+		if spec.Target.Export != want {
+			t.Errorf("%s: the node opens %q, want %q", id, spec.Target.Export, want)
+		}
+	}
+}
+
+// TestPublishEpochs: every publication of a volume gets an epoch greater
+// than those of the ones before it (to any node), which the node presents
+// in the export name it opens; a repeated publish keeps it.
+func TestPublishEpochs(t *testing.T) {
+	ctx := context.Background()
+	ctl, _, _ := setup(t)
+	if _, err := ctl.CreateVolume(ctx, createReq("fs", gib, nil)); err != nil {
+		t.Fatal(err)
+	}
+	epochOf := func() (int64, map[string]string) {
+		t.Helper()
+		resp, err := ctl.ControllerPublishVolume(ctx, publishReq("fs", "worker-1", fsCap(rwo), false))
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := strconv.ParseInt(resp.GetPublishContext()[PublishContextEpoch], 10, 64)
+		if err != nil || e <= 0 {
+			t.Fatalf("publish context %v: no epoch", resp.GetPublishContext())
+		}
+		return e, resp.GetPublishContext()
+	}
+	first, _ := epochOf()
+	if again, _ := epochOf(); again != first {
+		t.Errorf("a repeated publish changed the epoch from %d to %d", first, again)
+	}
+	if _, err := ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "fs", NodeId: "worker-1"}); err != nil {
+		t.Fatal(err)
+	}
+	second, pc := epochOf()
+	if second <= first {
+		t.Errorf("published again with epoch %d, after %d", second, first)
+	}
+	spec, err := parseAttachSpec("fs", pc, nil, "", nodeToken("worker-1"))
+	if want := access.ExportName("fs", nodeToken("worker-1"), second); err != nil || spec.Target.Export != want {
+		t.Errorf("the node opens %q, %v; want %q", spec.Target.Export, err, want)
+	}
+}
+
+// TestTokenHashes: publications made by earlier controllers, with a
+// per-(volume, node) Secret, keep working: made before they carried their
+// token's hash, they get it from BackfillTokenHashes, or when the volume
+// is published again; one whose Secret is gone gets a new token, Secret
+// and hash from the next publish.
 func TestTokenHashes(t *testing.T) {
 	ctx := context.Background()
 	ctl, c, _ := setup(t)
@@ -853,17 +950,14 @@ func TestTokenHashes(t *testing.T) {
 		if _, err := ctl.CreateVolume(ctx, createReq(id, gib, nil)); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := ctl.ControllerPublishVolume(ctx, publishReq(id, "worker-1", fsCap(rwo), false)); err != nil {
+		// As an older controller left it: a Secret, no hash.
+		tok, err := ctl.ensureSecret(ctx, getVolume(t, c, id), "worker-1")
+		if err != nil {
 			t.Fatal(err)
 		}
-		s, ok := getSecret(t, c, id, "worker-1")
-		if !ok {
-			t.Fatalf("%s: no publication Secret", id)
-		}
-		tokens[id] = string(s.Data[access.SecretKeyToken])
-		// As an older controller left it: no hash.
+		tokens[id] = tok
 		v := getVolume(t, c, id)
-		v.Spec.Publications[0].TokenSHA256 = ""
+		v.Spec.Publications = []v1alpha1.Publication{{NodeID: "worker-1", SecretRef: access.SecretName(id, "worker-1"), Addresses: []string{"10.0.0.1"}}}
 		if err := c.Update(ctx, v); err != nil {
 			t.Fatal(err)
 		}
@@ -967,9 +1061,8 @@ func TestPublishTimeoutThenRetry(t *testing.T) {
 	ctl.cfg.WaitTimeout = 200 * time.Millisecond
 	_, err := ctl.ControllerPublishVolume(ctx, publishReq("lag", "worker-1", fsCap(rwo), false))
 	wantStatus(t, err, codes.DeadlineExceeded, "grant")
-	s, ok := getSecret(t, c, "lag", "worker-1")
-	if !ok {
-		t.Fatal("no Secret after the timed-out publish")
+	if v := getVolume(t, c, "lag"); len(v.Spec.Publications) != 1 {
+		t.Fatalf("publications after the timed-out publish: %+v", v.Spec.Publications)
 	}
 	agent.setHold("lag", false)
 	ctl.cfg.WaitTimeout = 20 * time.Second
@@ -977,8 +1070,8 @@ func TestPublishTimeoutThenRetry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := access.NodeExport("lag", string(s.Data[access.SecretKeyToken])); resp.GetPublishContext()[PublishContextExport] != want {
-		t.Errorf("retry got export %q, want %q (the token kept)", resp.GetPublishContext()[PublishContextExport], want)
+	if got := resp.GetPublishContext()[PublishContextExport]; got != "lag" {
+		t.Errorf("retry got export %q, want %q", got, "lag")
 	}
 }
 
@@ -1445,11 +1538,12 @@ func TestPublishEncrypted(t *testing.T) {
 	if len(v.Spec.Publications) != 1 || v.Spec.Publications[0].SecretRef != "" || v.Spec.Publications[0].NodeID != "worker-1" {
 		t.Errorf("publications %+v", v.Spec.Publications)
 	}
-	spec, err := parseAttachSpec("enc", pc, map[string]string{ParamEncryption: "required"}, "/state/identity")
+	spec, err := parseAttachSpec("enc", pc, map[string]string{ParamEncryption: "required"}, "/state/identity", nodeToken("worker-1"))
 	if err != nil || spec.Target.TLS == nil || spec.Target.TLS.StorageNode != v.Spec.StorageNode || spec.Target.TLS.Optional {
 		t.Errorf("node side: %+v, %v", spec.Target, err)
 	}
-	// Preferred keeps a token: a transport without TLS may still be used.
+	// Preferred keeps the node's token: a transport without TLS may
+	// still be used.
 	if _, err := ctl.CreateVolume(ctx, createReq("pref", gib, map[string]string{ParamEncryption: "preferred"})); err != nil {
 		t.Fatal(err)
 	}
@@ -1457,8 +1551,8 @@ func TestPublishEncrypted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, ok := getSecret(t, c, "pref", "worker-1"); !ok || resp.GetPublishContext()[PublishContextExport] != access.NodeExport("pref", string(s.Data[access.SecretKeyToken])) {
-		t.Errorf("preferred: publish context %v, secret %v", resp.GetPublishContext(), ok)
+	if p := getVolume(t, c, "pref").Spec.Publications; resp.GetPublishContext()[PublishContextExport] != "pref" || len(p) != 1 || p[0].TokenSHA256 != access.TokenHash(nodeToken("worker-1")) {
+		t.Errorf("preferred: publish context %v, publications %+v", resp.GetPublishContext(), p)
 	}
 	if _, err := ctl.CreateVolume(ctx, createReq("bad", gib, map[string]string{ParamEncryption: "always"})); err == nil {
 		t.Error("encryption=always accepted")

@@ -16,9 +16,21 @@ import (
 // PublishStorageAddresses records a node's storage IP addresses in the
 // annotation of its Node object that ControllerPublishVolume reads.
 func PublishStorageAddresses(ctx context.Context, c client.Client, nodeID string, addrs []string) error {
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{
-		"annotations": map[string]string{access.AnnotationStorageAddresses: strings.Join(addrs, ",")},
-	}})
+	return annotateNode(ctx, c, nodeID, map[string]string{access.AnnotationStorageAddresses: strings.Join(addrs, ",")})
+}
+
+// PublishNodeAccess records on a node's Node object what
+// ControllerPublishVolume copies into the publications to it: its
+// storage IP addresses and the hash of its token (access.TokenHash).
+func PublishNodeAccess(ctx context.Context, c client.Client, nodeID string, addrs []string, tokenHash string) error {
+	return annotateNode(ctx, c, nodeID, map[string]string{
+		access.AnnotationStorageAddresses: strings.Join(addrs, ","),
+		access.AnnotationTokenSHA256:      tokenHash,
+	})
+}
+
+func annotateNode(ctx context.Context, c client.Client, nodeID string, annotations map[string]string) error {
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": annotations}})
 	if err != nil {
 		return err
 	}

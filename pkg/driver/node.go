@@ -95,6 +95,10 @@ type NodeConfig struct {
 	// no certificate, and volumes whose encryption is required fail to
 	// stage.
 	IdentityDir string
+	// Token is the node's token (access.LoadOrCreateToken), which opens
+	// the volumes without encryption: the controller hands it to no one.
+	// Empty: such volumes fail to stage.
+	Token string
 }
 
 // expectedDir is the directory under NodeConfig.StateDir holding, per
@@ -215,7 +219,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err := checkCapability(capability); err != nil {
 		return nil, err
 	}
-	spec, err := parseAttachSpec(id, req.GetPublishContext(), req.GetVolumeContext(), n.cfg.IdentityDir)
+	spec, err := parseAttachSpec(id, req.GetPublishContext(), req.GetVolumeContext(), n.cfg.IdentityDir, n.cfg.Token)
 	if err != nil {
 		return nil, toStatus(err)
 	}

@@ -17,6 +17,7 @@ type fakeAttacher struct {
 	mu        sync.Mutex
 	attached  map[string]*attach.Attachment
 	opts      map[string]attach.Options
+	targets   map[string]attach.Target
 	health    map[string]attach.Health
 	attachErr error
 	detachErr error
@@ -53,6 +54,10 @@ func (f *fakeAttacher) Attach(ctx context.Context, tr attach.Transport, t attach
 	a := &attach.Attachment{VolumeID: t.VolumeID, Transport: attach.FUSE, Device: fmt.Sprintf("/dev/fake%d", len(f.attached)), Size: 1 << 30}
 	f.attached[t.VolumeID] = a
 	f.opts[t.VolumeID] = o
+	if f.targets == nil {
+		f.targets = map[string]attach.Target{}
+	}
+	f.targets[t.VolumeID] = t
 	// Like the manager's: only the attach that made it says how.
 	fresh := *a
 	fresh.Choice = &attach.Choice{Requested: tr, Missing: []attach.Transport{attach.Kernel, attach.Ublk, attach.Relay}}

@@ -19,6 +19,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
@@ -59,7 +60,7 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 	}
 	srv := &nbd.Server{Logger: slog.New(slog.DiscardHandler)}
 	for _, e := range exports {
-		if err := srv.AddExport(&nbd.Export{Name: e, Backend: nbd.NewMemBackend(fuseExportSize)}); err != nil {
+		if err := srv.AddExport(&nbd.Export{Name: access.NodeExport(e, testNodeToken), Backend: nbd.NewMemBackend(fuseExportSize)}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -76,7 +77,7 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 	f.mgr = attach.NewManager(map[attach.Transport]attach.Attacher{
 		attach.FUSE: fuse.New(fuse.Config{StateDir: f.stateDir, Logger: log}),
 	}, log)
-	f.node, err = NewNode(NodeConfig{NodeID: "node-1", Attacher: f.mgr, Mounter: NewMounter(), Logger: log})
+	f.node, err = NewNode(NodeConfig{NodeID: "node-1", Attacher: f.mgr, Mounter: NewMounter(), Logger: log, Token: testNodeToken})
 	if err != nil {
 		t.Fatal(err)
 	}

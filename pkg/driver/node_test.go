@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
@@ -28,7 +29,7 @@ type nodeFixture struct {
 func newNodeFixture(t *testing.T) *nodeFixture {
 	t.Helper()
 	f := &nodeFixture{att: newFakeAttacher(), mnt: newFakeMounter(), dir: t.TempDir()}
-	n, err := NewNode(NodeConfig{NodeID: "node-1", Topology: map[string]string{"topology.mpnbd.io/zone": "a"}, MaxVolumes: 16, Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler)})
+	n, err := NewNode(NodeConfig{NodeID: "node-1", Topology: map[string]string{"topology.mpnbd.io/zone": "a"}, MaxVolumes: 16, Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler), Token: testNodeToken})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +58,7 @@ func (f *nodeFixture) stageReq(id string, c *csi.VolumeCapability) *csi.NodeStag
 		VolumeId:          id,
 		StagingTargetPath: filepath.Join(f.dir, "staging", id),
 		VolumeCapability:  c,
-		PublishContext:    map[string]string{PublishContextExport: id + "-token", PublishContextAddresses: "10.0.0.1:10809,10.0.1.1:10809"},
+		PublishContext:    map[string]string{PublishContextExport: id, PublishContextAddresses: "10.0.0.1:10809,10.0.1.1:10809"},
 		VolumeContext:     map[string]string{ParamFSType: "ext4", "storage.kubernetes.io/csiProvisionerIdentity": "x"},
 	}
 }
@@ -179,6 +180,40 @@ func TestNodeStageVolumeFilesystem(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestNodeStageVolumeToken: the publish context names the export alone
+// (it is kept in the VolumeAttachment, readable by many); the node opens
+// it with its own token, which no Kubernetes object holds. An encrypted
+// volume is opened by its name with the node certificate, no token.
+func TestNodeStageVolumeToken(t *testing.T) {
+	f := newNodeFixture(t)
+	if _, err := f.node.NodeStageVolume(context.Background(), f.stageReq("pv-1", mountCap(rwo, ""))); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.att.targets["pv-1"].Export, access.NodeExport("pv-1", testNodeToken); got != want {
+		t.Errorf("attached export %q, want %q (the node's own token)", got, want)
+	}
+	n, err := NewNode(NodeConfig{NodeID: "node-1", Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler), IdentityDir: "/state/identity", Token: testNodeToken})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := f.stageReq("pv-enc", mountCap(rwo, ""))
+	req.PublishContext[PublishContextStorageNode] = "store-1"
+	req.VolumeContext = map[string]string{ParamEncryption: "required"}
+	if _, err := n.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.att.targets["pv-enc"]; got.Export != "pv-enc" || got.TLS == nil {
+		t.Errorf("encrypted volume attached as %+v, want its name alone over TLS", got)
+	}
+	// Without a token of its own the node cannot open such volumes.
+	n, err = NewNode(NodeConfig{NodeID: "node-1", Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = n.NodeStageVolume(context.Background(), f.stageReq("pv-2", mountCap(rwo, "")))
+	wantCode(t, err, codes.FailedPrecondition)
 }
 
 func TestNodeStageVolumeOptions(t *testing.T) {
@@ -563,7 +598,7 @@ func TestNodeExpectedSubflowsAfterRestart(t *testing.T) {
 	f := newNodeFixture(t)
 	state := t.TempDir()
 	node := func() *Node {
-		n, err := NewNode(NodeConfig{NodeID: "node-1", Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler), StateDir: state})
+		n, err := NewNode(NodeConfig{NodeID: "node-1", Attacher: f.att, Mounter: f.mnt, Logger: slog.New(slog.DiscardHandler), StateDir: state, Token: testNodeToken})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -3,17 +3,21 @@ package driver
 import (
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
 // Publish context keys, set by ControllerPublishVolume and read by the
 // node plugin.
 const (
-	// PublishContextExport is the NBD export name, including the
-	// per-(volume, node) token.
+	// PublishContextExport is the NBD export's base name. The node adds
+	// its own token (access.NodeExport) unless the volume is encrypted.
+	// Publications made by earlier controllers give the name with a
+	// per-(volume, node) token already in it; it is used as it is.
 	PublishContextExport = "export"
 	// PublishContextAddresses lists the storage node's addresses
 	// (host:port, comma-separated); the first is the primary one.
@@ -21,6 +25,9 @@ const (
 	// PublishContextStorageNode names the storage node: its certificate
 	// must name it when the connection runs TLS.
 	PublishContextStorageNode = "storageNode"
+	// PublishContextEpoch is the epoch of the node's publication
+	// (access.ExportName), absent for one made before epochs.
+	PublishContextEpoch = "epoch"
 )
 
 // nodeParamKeys are the StorageClass parameters (copied into the volume
@@ -40,9 +47,10 @@ type attachSpec struct {
 
 // parseAttachSpec builds the attach target of a volume from the publish
 // and volume contexts; an encrypted volume's connections use the node
-// certificate kept in identityDir. A missing or malformed key is an
+// certificate kept in identityDir, every other volume's the node's token
+// (access.LoadOrCreateToken). A missing or malformed key is an
 // InvalidArgument error that names it.
-func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, identityDir string) (attachSpec, error) {
+func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, identityDir, token string) (attachSpec, error) {
 	export := strings.TrimSpace(publishCtx[PublishContextExport])
 	if export == "" {
 		return attachSpec{}, fmt.Errorf("%w: publish context %q is missing", ErrInvalidArgument, PublishContextExport)
@@ -61,6 +69,21 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, i
 	if err != nil {
 		return attachSpec{}, fmt.Errorf("volume context: %w", err)
 	}
+	var epoch int64
+	if s, ok := publishCtx[PublishContextEpoch]; ok {
+		if epoch, err = strconv.ParseInt(strings.TrimSpace(s), 10, 64); err != nil || epoch <= 0 {
+			return attachSpec{}, fmt.Errorf("%w: publish context %q: %q is not a publication epoch", ErrInvalidArgument, PublishContextEpoch, s)
+		}
+	}
+	if _, _, legacy := access.SplitExport(export); legacy {
+		// An earlier controller's, with the token in it.
+		token = ""
+	} else if p.Encryption == v1alpha1.EncryptionRequired {
+		token = ""
+	} else if token == "" {
+		return attachSpec{}, fmt.Errorf("%w: the volume is not encrypted and this node plugin has no node token", ErrPrecondition)
+	}
+	export = access.ExportName(export, token, epoch)
 	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs}
 	switch {
 	case p.Encryption == v1alpha1.EncryptionRequired && identityDir == "":

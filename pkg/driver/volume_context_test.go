@@ -10,7 +10,11 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
+// testNodeToken is the node token of the node services under test.
+const testNodeToken = "00112233445566778899aabbccddeeff"
+
 func TestParseAttachSpec(t *testing.T) {
+	legacy := "pv-1/ffeeddccbbaa99887766554433221100"
 	pub := func(export, addrs string) map[string]string {
 		return map[string]string{PublishContextExport: export, PublishContextAddresses: addrs}
 	}
@@ -19,6 +23,7 @@ func TestParseAttachSpec(t *testing.T) {
 		pub     map[string]string
 		vol     map[string]string
 		idDir   string
+		noToken bool
 		want    attachSpec
 		wantErr string
 		// wantPrecondition: the error is ErrPrecondition, not
@@ -27,9 +32,21 @@ func TestParseAttachSpec(t *testing.T) {
 	}{
 		{
 			name: "defaults",
-			pub:  pub("pv-1.tok", "10.0.0.1:10809"),
-			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1.tok", Addrs: []string{"10.0.0.1:10809"}}},
+			pub:  pub("pv-1", "10.0.0.1:10809"),
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken, Addrs: []string{"10.0.0.1:10809"}}},
 		},
+		{
+			name: "a token in the publish context (an earlier controller's)",
+			pub:  pub(legacy, "10.0.0.1:10809"),
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: legacy, Addrs: []string{"10.0.0.1:10809"}}},
+		},
+		{name: "no node token", noToken: true, pub: pub("pv-1", "a:1"), wantErr: "no node token", wantPrecondition: true},
+		{
+			name: "epoch",
+			pub:  map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextEpoch: "42"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken + "@42", Addrs: []string{"a:1"}}},
+		},
+		{name: "bad epoch", pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextEpoch: "0"}, wantErr: `"epoch"`},
 		{
 			name: "everything",
 			pub:  pub("e", " 10.0.0.1:1, [fd00::1]:2 "),
@@ -37,7 +54,7 @@ func TestParseAttachSpec(t *testing.T) {
 				ParamStorageNode: "ignored here", "csi.storage.k8s.io/pod.name": "p", "storage.kubernetes.io/csiProvisionerIdentity": "id"},
 			want: attachSpec{
 				Transport: attach.Relay, FSType: "xfs",
-				Target:  attach.Target{VolumeID: "pv-1", Export: "e", Addrs: []string{"10.0.0.1:1", "[fd00::1]:2"}},
+				Target:  attach.Target{VolumeID: "pv-1", Export: "e/" + testNodeToken, Addrs: []string{"10.0.0.1:1", "[fd00::1]:2"}},
 				Options: attach.Options{DeadConnTimeout: time.Minute, RequestTimeout: 10 * time.Second, BlockSize: 1024},
 			},
 		},
@@ -56,16 +73,16 @@ func TestParseAttachSpec(t *testing.T) {
 		},
 		{
 			name: "encryption preferred", idDir: "/state/identity",
-			pub: map[string]string{PublishContextExport: "pv-1/tok", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
+			pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
 			vol: map[string]string{ParamEncryption: "preferred"},
-			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/tok", Addrs: []string{"a:1"},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken, Addrs: []string{"a:1"},
 				TLS: &attach.TargetTLS{StorageNode: "store-1", IdentityDir: "/state/identity", Optional: true}}},
 		},
 		{
 			name: "encryption preferred without a certificate",
-			pub:  map[string]string{PublishContextExport: "pv-1/tok", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
+			pub:  map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextStorageNode: "store-1"},
 			vol:  map[string]string{ParamEncryption: "preferred"},
-			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/tok", Addrs: []string{"a:1"}}},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken, Addrs: []string{"a:1"}}},
 		},
 		{name: "encryption required, no storage node", idDir: "/id", pub: pub("pv-1", "a:1"), vol: map[string]string{ParamEncryption: "required"}, wantErr: `"storageNode"`},
 		{name: "bad encryption", pub: pub("e", "a:1"), vol: map[string]string{ParamEncryption: "yes"}, wantErr: "encryption"},
@@ -76,7 +93,11 @@ func TestParseAttachSpec(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseAttachSpec("pv-1", tt.pub, tt.vol, tt.idDir)
+			tok := testNodeToken
+			if tt.noToken {
+				tok = ""
+			}
+			got, err := parseAttachSpec("pv-1", tt.pub, tt.vol, tt.idDir, tok)
 			if tt.wantErr != "" {
 				want := ErrInvalidArgument
 				if tt.wantPrecondition {

@@ -179,6 +179,8 @@ func (e *OptionError) Is(target error) bool {
 		return e.Reply == RepErrUnknown
 	case ErrAccessDenied:
 		return e.Reply == RepErrPolicy
+	case ErrSuperseded:
+		return isSupersededReply(e.Reply, e.Msg)
 	case ErrUnsupported:
 		return e.Reply == RepErrUnsup
 	case ErrTLSRequired:

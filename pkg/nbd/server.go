@@ -622,7 +622,7 @@ func (s *Server) lookup(c ConnInfo, name string) (*Export, Grant, uint32, error)
 			if errors.Is(err, ErrUnknownExport) {
 				return nil, Grant{}, RepErrUnknown, err
 			}
-			return nil, Grant{}, RepErrPolicy, fmt.Errorf("%w: %v", ErrAccessDenied, err)
+			return nil, Grant{}, RepErrPolicy, fmt.Errorf("%w: %w", ErrAccessDenied, err)
 		}
 		e, ok := s.Export(g.Export)
 		if !ok {

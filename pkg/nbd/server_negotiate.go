@@ -3,6 +3,7 @@ package nbd
 import (
 	"bufio"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -195,7 +196,10 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 			e, g, rep, err := s.lookup(sc.info, q.Name)
 			if err != nil {
 				msg := "unknown export"
-				if rep == RepErrPolicy {
+				switch {
+				case rep == RepErrPolicy && errors.Is(err, ErrSuperseded):
+					msg = SupersededMessage + ": a newer grant replaced this one"
+				case rep == RepErrPolicy:
 					msg = "access denied"
 				}
 				if err := replyErr(o.Code, rep, msg); err != nil {

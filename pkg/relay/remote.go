@@ -35,6 +35,10 @@ func (r *Relay) remoteLoop(ctx context.Context) {
 				out = outage{start: time.Now()}
 			}
 			c, err := r.redial(ctx, &out)
+			if errors.Is(err, ErrFenced) {
+				r.fence(err, out.attempts)
+				return
+			}
 			if err != nil {
 				if ctx.Err() == nil {
 					r.mu.Lock()
@@ -200,6 +204,9 @@ func (r *Relay) redial(ctx context.Context, out *outage) (net.Conn, error) {
 		}
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
+		}
+		if ferr := fencedDial(err); ferr != nil {
+			return nil, ferr
 		}
 		out.err = err
 		r.log.Debug("redial failed", "error", err, "attempt", out.attempts)

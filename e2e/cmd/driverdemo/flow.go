@@ -211,8 +211,15 @@ func (d *demo) registerWorker(ctx context.Context, c client.Client) error {
 	for _, p := range d.topo.Paths {
 		addrs = append(addrs, p.ClientAddr.String())
 	}
+	// The node plugin has no API access here: the Node announces what it
+	// would, the storage addresses and the hash of its token.
+	tok, err := access.LoadOrCreateToken(filepath.Join(d.dir, "node-state", "token"))
+	if err != nil {
+		return err
+	}
+	d.nodeToken = tok
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: workerNode,
-		Annotations: map[string]string{access.AnnotationStorageAddresses: strings.Join(addrs, ",")}}}
+		Annotations: map[string]string{access.AnnotationStorageAddresses: strings.Join(addrs, ","), access.AnnotationTokenSHA256: access.TokenHash(tok)}}}
 	if err := c.Create(ctx, node); err != nil {
 		return err
 	}
@@ -317,8 +324,12 @@ func (d *demo) startPlugins(ctx context.Context, cfg *rest.Config) (*csiClients,
 	if transports == "auto" {
 		transports = ""
 	}
+	var addrs []string
+	for _, p := range d.topo.Paths {
+		addrs = append(addrs, p.ClientAddr.String())
+	}
 	nodeArgs := []string{"--endpoint", "unix://" + nodeSock, "--node-id", workerNode,
-		"--state-dir", filepath.Join(d.dir, "node-state")}
+		"--state-dir", filepath.Join(d.dir, "node-state"), "--storage-address", strings.Join(addrs, ",")}
 	if transports != "" {
 		nodeArgs = append(nodeArgs, "--transports", transports)
 	}

@@ -39,6 +39,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
 
@@ -142,10 +143,12 @@ func (d *demo) rawColumn(ctx context.Context, cc *csiClients, b *FSBench, c *FSC
 		return err
 	}
 	addrs := pubAddrs(v.pubCtx)
-	export := v.pubCtx[driver.PublishContextExport]
-	if len(addrs) == 0 || export == "" {
+	if len(addrs) == 0 || v.pubCtx[driver.PublishContextExport] == "" {
 		return errors.New("the publish context has no export or no storage address")
 	}
+	// As the node opens it: with its token and the publication's epoch.
+	epoch, _ := strconv.ParseInt(v.pubCtx[driver.PublishContextEpoch], 10, 64)
+	export := access.ExportName(v.pubCtx[driver.PublishContextExport], d.nodeToken, epoch)
 	span := strconv.FormatInt(b.SpanBytes, 10)
 	if err := d.step(fmt.Sprintf("raw: write the first %s and verify it (nbdload --verify)", formatBytes(b.SpanBytes)), func() error {
 		_, _, err := d.nbdload(ctx, addrs[0], export, "--verify", "--rw", "write", "--bs", "1M", "--qd", "8", "--span", span)

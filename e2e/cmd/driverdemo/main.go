@@ -220,6 +220,9 @@ type demo struct {
 
 	dir  string
 	topo *topo.Topology
+	// nodeToken is the worker's token (made here, in the node plugin's
+	// state directory, so that its Node can announce the hash).
+	nodeToken string
 }
 
 // step runs fn as a numbered, timed step and records it.

@@ -92,6 +92,9 @@ type volume struct {
 	relayDone  chan struct{}
 	reconnects int
 	lastErr    error
+	// fenced: the server refused the export as superseded and the
+	// device was disconnected (fence.go).
+	fenced bool
 }
 
 // New returns an attacher for cfg.Mode.
@@ -627,7 +630,10 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 		// A device from an earlier process that nobody re-adopted.
 		return a.cfg.Kernel.Disconnect(idx)
 	}
-	if err := a.cfg.Kernel.Disconnect(v.index); err != nil {
+	v.mu.Lock()
+	fenced := v.fenced
+	v.mu.Unlock()
+	if err := a.cfg.Kernel.Disconnect(v.index); err != nil && !fenced {
 		return fmt.Errorf("disconnect nbd%d: %w", v.index, err)
 	}
 	v.end()
@@ -769,6 +775,10 @@ func (a *Attacher) reconnect(v *volume) {
 			return
 		}
 		if v.life.Err() != nil {
+			return
+		}
+		if superseded(err) {
+			a.fence(v, err, log)
 			return
 		}
 		if v.bounded() && !warned && time.Since(start) > v.opts.DeadConnTimeout {

@@ -2,9 +2,13 @@ package nbddev
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -315,5 +319,80 @@ func waitReconfigured(t *testing.T, k *fakeKernel) {
 	case <-k.reconfigured:
 	case <-time.After(15 * time.Second):
 		t.Fatal("no RECONFIGURE after the server came back")
+	}
+}
+
+// TestSupersededDisconnects: a reconnect that the server refuses as
+// superseded (the volume was published to this node again since) ends
+// the device: it is disconnected, which fails its I/O with EIO, instead
+// of reconnecting forever; other refusals are retried (as a server that
+// restarts gives them). Detach still succeeds.
+func TestSupersededDisconnects(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mode atomic.Value
+	mode.Store("")
+	s := &nbd.Server{Logger: quiet()}
+	s.Resolve = func(_ nbd.ConnInfo, name string) (nbd.Grant, error) {
+		switch mode.Load().(string) {
+		case "denied":
+			return nbd.Grant{}, errors.New("not published")
+		case "superseded":
+			return nbd.Grant{}, fmt.Errorf("epoch 3, now 5: %w", nbd.ErrSuperseded)
+		}
+		return nbd.Grant{Export: name}, nil
+	}
+	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go s.Serve(l)
+	t.Cleanup(func() { s.Shutdown(context.Background()) })
+	k := newFakeKernel()
+	k.linkDead = make(chan nbdnl.LinkDead, 8)
+	a, err := New(Config{Mode: attach.TCP, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet(), DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	tg := attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: []string{l.Addr().String()}}
+	if _, err := a.Attach(context.Background(), tg, attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	disconnects := func() int {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return len(k.disconnects)
+	}
+	mode.Store("denied")
+	k.linkDead <- nbdnl.LinkDead{Index: 0}
+	for i := 0; i < 100; i++ {
+		if h, _ := a.Health("pvc-1"); !h.Connected && strings.Contains(h.Message, "not published") {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := disconnects(); n != 0 {
+		t.Fatalf("%d disconnects after an ordinary refusal", n)
+	}
+	mode.Store("superseded")
+	for i := 0; i < 500 && disconnects() == 0; i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := disconnects(); n != 1 {
+		t.Fatalf("%d disconnects 10 s after the server refused the export as superseded, want 1", n)
+	}
+	if h, _ := a.Health("pvc-1"); !strings.Contains(h.Message, "superseded") {
+		t.Errorf("health after the refusal: %+v", h)
+	}
+	k.mu.Lock()
+	n := len(k.reconfigs)
+	k.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d RECONFIGUREs", n)
+	}
+	if err := a.Detach(context.Background(), "pvc-1"); err != nil {
+		t.Fatalf("detach after the fence: %v", err)
 	}
 }

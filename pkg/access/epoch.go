@@ -1,0 +1,61 @@
+package access
+
+import (
+	"strconv"
+	"strings"
+)
+
+// epochSeparator puts a publication's epoch at the end of an export name.
+// Volume names are DNS subdomains and tokens hex, so it occurs in neither.
+const epochSeparator = "@"
+
+// ExportName is the export a node opens for its publication of volume:
+// the volume's name, then "/" and the node's token unless the volume is
+// encrypted (token empty), then "@" and the publication's epoch unless it
+// has none (0, a publication made before epochs existed).
+//
+// The epoch ties every connection to one publication. The storage agent
+// serves a connection only when its epoch is that of the node's current
+// publication. One presenting an older epoch comes from a data path of a
+// publication since replaced (a node fenced, force-detached and published
+// again later, whose old session kept redialing): the agent refuses it
+// as superseded (nbd.ErrSuperseded), and such a refusal alone is final,
+// so the old session fails its I/O and drops the writes it kept instead
+// of replaying them over what was written since. Every other refusal
+// (the volume unknown to an agent that just restarted, no publication to
+// the node yet or any more, an epoch newer than the agent has applied)
+// only makes the data path dial again. A connection without an epoch
+// matches only a publication without one.
+func ExportName(volume, token string, epoch int64) string {
+	name := volume
+	if token != "" {
+		name = NodeExport(volume, token)
+	}
+	if epoch > 0 {
+		name += epochSeparator + strconv.FormatInt(epoch, 10)
+	}
+	return name
+}
+
+// ParseExport undoes ExportName. ok is false for names it does not make
+// (an empty volume, a malformed token or epoch).
+func ParseExport(name string) (volume, token string, epoch int64, ok bool) {
+	if base, e, found := strings.Cut(name, epochSeparator); found {
+		n, err := strconv.ParseInt(e, 10, 64)
+		if err != nil || n <= 0 || strconv.FormatInt(n, 10) != e {
+			return "", "", 0, false
+		}
+		name, epoch = base, n
+	}
+	if strings.Contains(name, separator) {
+		volume, token, ok = SplitExport(name)
+		if !ok {
+			return "", "", 0, false
+		}
+		return volume, token, epoch, true
+	}
+	if name == "" {
+		return "", "", 0, false
+	}
+	return name, "", epoch, true
+}
