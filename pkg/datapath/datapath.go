@@ -85,6 +85,7 @@ var sentinels = map[string]error{
 	"wrong_volume":  attach.ErrWrongVolume,
 	"refused":       attach.ErrServerRefused,
 	"too_small":     attach.ErrTooSmall,
+	"unflushed":     attach.ErrUnflushed,
 	"canceled":      context.Canceled,
 	"deadline":      context.DeadlineExceeded,
 	"datapath_gone": ErrUnavailable,
