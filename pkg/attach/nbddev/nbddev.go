@@ -614,7 +614,10 @@ func (v *volume) shutdown() {
 	v.mu.Unlock()
 }
 
-// Detach disconnects the volume's device. Unknown volumes succeed.
+// Detach disconnects the volume's device. Unknown volumes succeed. A
+// relay first drains (drainRelay): if the storage node does not answer
+// within ctx, the detach fails with attach.ErrUnflushed and the device
+// stays, served, for the caller's retry.
 func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	a.mu.Lock()
 	v, ok := a.vols[volumeID]
@@ -627,7 +630,12 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 		// A device from an earlier process that nobody re-adopted.
 		return a.cfg.Kernel.Disconnect(idx)
 	}
+	resume, err := a.drainRelay(ctx, v)
+	if err != nil {
+		return err
+	}
 	if err := a.cfg.Kernel.Disconnect(v.index); err != nil {
+		resume()
 		return fmt.Errorf("disconnect nbd%d: %w", v.index, err)
 	}
 	v.end()
