@@ -149,6 +149,8 @@ var drainRetry = time.Second
 // wraps ErrUnflushed: the writes stay retained in the session, which
 // keeps redialing, and Close would drop them. A FLUSH still unanswered
 // when ctx ends is left to the relay (it is answered, or replayed, later).
+// A session that has ended (closed, or refused for good) holds nothing
+// any more: Drain returns nil at once.
 func (s *Session) Drain(ctx context.Context) error {
 	var last error
 	for {
@@ -160,10 +162,14 @@ func (s *Session) Drain(ctx context.Context) error {
 				return nil
 			}
 			last = err
+		case <-s.done:
+			return nil
 		case <-ctx.Done():
 			return s.undrained(ctx, last)
 		}
 		select {
+		case <-s.done:
+			return nil
 		case <-ctx.Done():
 			return s.undrained(ctx, last)
 		case <-time.After(drainRetry):

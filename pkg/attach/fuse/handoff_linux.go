@@ -22,15 +22,17 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
-// Timeouts of a handover.
-const (
-	// handoffTimeout is how long a quiesced predecessor waits for the
-	// word to resume or release (then it resumes), and a successor for
-	// the word to start (then it gives up).
-	handoffTimeout = 2 * time.Minute
-	// handoffFlushTimeout bounds the flush before the files leave.
-	handoffFlushTimeout = 30 * time.Second
-)
+// handoffTimeout is how long a successor waits for the word to start
+// (then it gives up, leaving the volume alone). A quiesced predecessor
+// waits for its word, resume or release, without a bound: resuming on a
+// timeout of its own while its caller, alive, may be releasing it would
+// have it serve (and acknowledge writes) until the caller kills it, the
+// successor about to serve. Only the end of the caller's connection (the
+// caller is gone) resumes it.
+var handoffTimeout = 2 * time.Minute
+
+// handoffFlushTimeout bounds the flush before the files leave.
+const handoffFlushTimeout = 30 * time.Second
 
 var _ attach.HandingOver = (*Attacher)(nil)
 
@@ -125,8 +127,9 @@ func (v *volume) resume() {
 }
 
 // handoff serves opHandoff on c, whose decoder is dec: quiesce, send the
-// handoff with its files, then wait for the verdict. Anything but
-// release (a closed connection, a timeout) resumes.
+// handoff with its files, then wait for the verdict, as long as the
+// caller keeps the connection. Anything but release (resume, the
+// connection's end) resumes.
 func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -164,7 +167,7 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 		return
 	}
 	s.log.Info("fuse: quiesced for a handoff")
-	c.SetReadDeadline(time.Now().Add(handoffTimeout))
+	c.SetReadDeadline(time.Time{})
 	var next ctlRequest
 	err = dec.Decode(&next)
 	resp = &ctlResponse{Pid: s.pid, StartTime: s.start}
@@ -198,8 +201,8 @@ func (s *volumeServer) release() {
 
 // HandOff quiesces a volume served by a server process and returns it
 // ready for TakeHandoff (see attach.Handoff). Until Resume or Release,
-// the server takes no request of the device; if neither comes within
-// handoffTimeout, or the Attacher goes away, it serves again.
+// the server takes no request of the device; if the Attacher goes away
+// first (its connection ends), it serves again.
 func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handoff, error) {
 	if volumeID == "" {
 		return nil, fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
