@@ -75,13 +75,16 @@ type startMsg struct {
 }
 
 // The files of a handoff, in attach.Handoff.Files order: the FUSE
-// connection, and the volume's lock file, whose lock the successor holds
+// connection; the volume's lock file, whose lock the successor holds
 // from the moment it has the file (a flock belongs to the open file, not
 // to a process), so that no Attacher finds the volume unlocked and cleans
-// it up while it moves.
+// it up while it moves; and a pidfd of the predecessor server, by which
+// the successor serves only once the predecessor has exited (a server of
+// an earlier release sends none).
 const (
 	fileFUSE = iota
 	fileLock
+	filePidfd
 	nFiles
 )
 
@@ -157,9 +160,17 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	resp.Handoff = &handoffMsg{Target: s.v.target, Options: s.opts, Attachment: s.attachment(), State: *st}
 	// One line of JSON, as every answer on the socket, the files with its
 	// first bytes.
+	files := []*os.File{s.v.server.dev, s.lock}
+	if fd, perr := unix.PidfdOpen(os.Getpid(), 0); perr == nil {
+		pf := os.NewFile(uintptr(fd), "pidfd")
+		defer pf.Close()
+		files = append(files, pf)
+	} else {
+		s.log.Warn("fuse: no pidfd for the successor: it will serve without seeing this process exit", "error", perr)
+	}
 	b, err := json.Marshal(resp)
 	if err == nil {
-		err = fdpass.Send(c, append(b, '\n'), []*os.File{s.v.server.dev, s.lock}, time.Now().Add(ctlTimeout))
+		err = fdpass.Send(c, append(b, '\n'), files, time.Now().Add(ctlTimeout))
 	}
 	if err != nil {
 		s.v.resume()
@@ -338,7 +349,7 @@ func (p *serverProc) callHandoff(ctx context.Context) (*net.UnixConn, io.Reader,
 		fdpass.Close(files)
 		return fail(resp.Error.Err())
 	}
-	if resp.Handoff == nil || len(files) != nFiles {
+	if resp.Handoff == nil || len(files) < nFiles-1 {
 		// Without its files the server cannot have sent a handoff.
 		fdpass.Close(files)
 		return fail(fmt.Errorf("handoff answer with %d files", len(files)))
@@ -364,7 +375,7 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	if err := json.Unmarshal(h.State, &st); err != nil {
 		return nil, fmt.Errorf("%w: fuse: handoff state: %v", attach.ErrInvalid, err)
 	}
-	if len(files) != nFiles {
+	if len(files) != nFiles && len(files) != nFiles-1 {
 		return nil, fmt.Errorf("%w: fuse: handoff with %d files, want %d", attach.ErrInvalid, len(files), nFiles)
 	}
 	if filepath.Clean(st.StateDir) != a.stateDir() {
@@ -376,7 +387,11 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	log := a.cfg.Logger.With("volume_id", id, "transport", string(attach.FUSE))
 	spec := a.specFor(h.Target, h.Options, time.Now().Add(handoffTimeout))
 	spec.Handoff = &successorSpec{State: st, Attachment: h.Attachment}
-	l, err := a.launch(spec, []*os.File{files[fileLock], files[fileFUSE]})
+	extra := []*os.File{files[fileLock], files[fileFUSE]}
+	if len(files) > filePidfd {
+		extra = append(extra, files[filePidfd])
+	}
+	l, err := a.launch(spec, extra)
 	if err != nil {
 		return nil, fmt.Errorf("fuse: start the successor server of volume %s: %w", id, err)
 	}

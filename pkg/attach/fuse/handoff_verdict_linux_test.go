@@ -2,6 +2,8 @@ package fuse
 
 import (
 	"context"
+	"slices"
+	"syscall"
 	"testing"
 	"time"
 
@@ -48,6 +50,71 @@ func TestHandoffPredecessorWaitsForItsVerdict(t *testing.T) {
 	w.waitWrites(t, 20)
 	w.finish(t)
 	w.verify(t, att.Device, ts.backend)
+	if err := a.Detach(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	assertNothingLeft(t, a, id, ts)
+}
+
+// TestHandoffSuccessorWaitsForThePredecessorsExit: told to start while
+// the predecessor server still runs (it resumed: the process that handed
+// the volume off went away before its verdict, and the successor's side
+// took that for a release), the successor does not serve beside it; it
+// gives up at its deadline and the predecessor serves on.
+func TestHandoffSuccessorWaitsForThePredecessorsExit(t *testing.T) {
+	requireFUSE(t)
+	old := handoffTimeout
+	handoffTimeout = 2 * time.Second // the successor's deadline
+	t.Cleanup(func() { handoffTimeout = old })
+	ts := localServer(t, 64<<20)
+	stateDir := t.TempDir() + "/state"
+	a := newAttacher(t, Config{StateDir: stateDir})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const id = "pv-handoff-pred-lives"
+	att, err := a.Attach(ctx, target(id, ts.addr), attach.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := serverPid(t, a, id)
+	w := startWriter(t, att.Device, 16)
+	w.waitWrites(t, 20)
+	h, err := a.HandOff(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := liveServers(t)
+	b := New(Config{StateDir: stateDir})
+	if _, err := b.TakeHandoff(ctx, h); err != nil {
+		t.Fatal(err)
+	}
+	var succ int
+	for _, p := range liveServers(t) {
+		if !slices.Contains(before, p) {
+			succ = p
+		}
+	}
+	if succ == 0 {
+		t.Fatal("no successor process")
+	}
+	// The predecessor serves again, as on the end of its caller's
+	// connection.
+	if err := h.Resume(); err != nil {
+		t.Fatalf("Resume: %v", err)
+	}
+	if err := h.Start(); err == nil {
+		// Two servers read the one FUSE connection: end the successor
+		// before the writer, whose requests it may hold.
+		syscall.Kill(succ, syscall.SIGKILL)
+		w.finish(t)
+		t.Fatal("the successor serves while the predecessor it took the volume from still serves it: two servers")
+	}
+	w.waitWrites(t, 20)
+	w.finish(t)
+	w.verify(t, att.Device, ts.backend)
+	if got := serverPid(t, a, id); got != pid {
+		t.Fatalf("the volume's server is %d, want the predecessor %d", got, pid)
+	}
 	if err := a.Detach(ctx, id); err != nil {
 		t.Fatal(err)
 	}
