@@ -298,15 +298,15 @@ func (s *Supervisor) Detach(ctx context.Context, volumeID string) error {
 			s.mu.Unlock()
 			return fmt.Errorf("ublk: detach %s: %w", volumeID, resp.Error.Err())
 		}
-		if err != nil && !errors.Is(err, errServerGone) {
-			// Not answered in time: the process may be waiting to flush
+		if err != nil && !errors.Is(err, errServerGone) && srv.answers() {
+			// Not answered in time, but alive: the process waits to flush
 			// what its session acknowledged (the storage node away), and
 			// killing it would drop that. It serves on, its detach still
 			// under way; the caller tries again.
 			s.mu.Lock()
 			v.stop = false
 			s.mu.Unlock()
-			return fmt.Errorf("ublk: detach %s: the volume's server process did not answer: %w", volumeID, err)
+			return fmt.Errorf("ublk: detach %s: the volume's server process did not finish: %w", volumeID, err)
 		}
 		if err != nil {
 			v.log.Warn("ublk: the volume's server process is gone; removing the device", "pid", srv.pid, "error", err)
@@ -701,6 +701,15 @@ func (srv *server) call(ctx context.Context, req request) (response, error) {
 		forget()
 		return response{}, ctx.Err()
 	}
+}
+
+// answers reports whether the process answers a health request: one that
+// does is alive, whatever else it waits for.
+func (srv *server) answers() bool {
+	ctx, cancel := context.WithTimeout(context.Background(), ctlTimeout)
+	defer cancel()
+	_, err := srv.call(ctx, request{Op: opHealth})
+	return err == nil
 }
 
 // kill ends the process. os.Process signals through a pidfd: this cannot
