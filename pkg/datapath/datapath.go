@@ -48,6 +48,23 @@
 //     for, never served beside.
 //  7. predecessor: {done} after the last volume.
 //
+// What "exited" covers per transport: the relay runs in the datapath
+// process itself, so its exit ends it. A FUSE volume is served by a
+// process of its own, which resumes when the datapath that quiesced it
+// goes away before a verdict; its successor server therefore serves only
+// once that process has exited too (a pidfd of it travels with the
+// handoff's files), and gives up, leaving it serving, otherwise. A ublk
+// volume's process releases its device when its supervisor goes away, and
+// the kernel hands the device to a new server only once no live one
+// serves it (user recovery).
+//
+// Release never drops what the volume's session acknowledged: the relay
+// and FUSE quiesce (stop taking requests, then flush) before the files
+// leave; ublk, whose queues serve until the release, ends its queues at
+// the release and then flushes through an outage, for as long as the
+// volume's outage policy says, before it closes the session. The
+// successor waits for that.
+//
 // The successor asks again every retryInterval while volumes stay with a
 // live predecessor; once nobody answers the handover socket, what is left
 // is adopted, as after a crash. A predecessor of an earlier release sends
