@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/relay"
@@ -20,10 +21,17 @@ import (
 // disconnect that fails). Without a relay there is nothing to drain.
 func (a *Attacher) drainRelay(ctx context.Context, v *volume) (resume func(), err error) {
 	v.mu.Lock()
-	r := v.relay
+	r, done := v.relay, v.relayDone
 	v.mu.Unlock()
 	if r == nil {
 		return func() {}, nil
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		// A call without a deadline of its own (the datapath runs them
+		// with its own context) must still end, for the caller's retry.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, drainTimeout)
+		defer cancel()
 	}
 	_, err = r.Pause(ctx)
 	switch {
@@ -40,9 +48,29 @@ func (a *Attacher) drainRelay(ctx context.Context, v *volume) (resume func(), er
 		st := r.Stats()
 		return nil, fmt.Errorf("%w: nbd%d of %s: %d writes (%d bytes) acknowledged and not yet flushed, %d requests unanswered (%v)",
 			attach.ErrUnflushed, v.index, v.target.VolumeID, st.Retained, st.RetainedBytes, st.InFlight, ctx.Err())
-	default:
-		// A relay that ended: what it retained is gone already.
-		a.log.Warn("detach: the relay does not pause", "volume_id", v.target.VolumeID, "nbd_index", v.index, "error", err)
+	case ended(done):
+		// What it retained is gone already.
+		a.log.Warn("detach: the relay has ended", "volume_id", v.target.VolumeID, "nbd_index", v.index, "error", err)
 		return func() {}, nil
+	default:
+		// Paused already: a drain (an earlier detach still waiting) or a
+		// handoff is under way.
+		return nil, fmt.Errorf("%w: nbd%d of %s: %v", attach.ErrUnflushed, v.index, v.target.VolumeID, err)
+	}
+}
+
+// drainTimeout bounds a drain whose caller set no deadline.
+const drainTimeout = 2 * time.Minute
+
+// ended reports whether done, a relay's end, is closed.
+func ended(done chan struct{}) bool {
+	if done == nil {
+		return true
+	}
+	select {
+	case <-done:
+		return true
+	default:
+		return false
 	}
 }

@@ -88,3 +88,47 @@ func TestRelayDetachWithTheStorageNodeAwayFails(t *testing.T) {
 		t.Fatal("a write the relay acknowledged is not on the storage node's medium after the detach")
 	}
 }
+
+// TestRelayDetachOfAPausedRelayFails: a detach that finds the relay
+// paused already (an earlier detach still draining it, or a handoff under
+// way) does not end it: the writes it retains are the pausing one's to
+// flush.
+func TestRelayDetachOfAPausedRelayFails(t *testing.T) {
+	node := powerloss.Start(t, 1<<20)
+	k := newFakeKernel()
+	a, err := New(Config{Mode: attach.Relay, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	tg := attach.Target{VolumeID: "pvc-1", Export: powerloss.Export, Addrs: []string{node.Addr}}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if _, err := a.Attach(ctx, tg, attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	h, err := a.HandOff(ctx, "pvc-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		for _, f := range h.Files {
+			f.Close()
+		}
+	}()
+	if err := a.Detach(ctx, "pvc-1"); !errors.Is(err, attach.ErrUnflushed) {
+		t.Fatalf("a detach of a paused relay: %v, want ErrUnflushed", err)
+	}
+	k.mu.Lock()
+	disconnects := len(k.disconnects)
+	k.mu.Unlock()
+	if disconnects != 0 {
+		t.Fatal("the detach disconnected a device whose relay another one paused")
+	}
+	if err := h.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Detach(ctx, "pvc-1"); err != nil {
+		t.Fatalf("the detach once the relay serves again: %v", err)
+	}
+}
