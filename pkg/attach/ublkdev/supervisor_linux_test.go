@@ -109,6 +109,17 @@ func (e *fakeEngine) Detach(ctx context.Context, _ string) error {
 }
 
 func (e *fakeEngine) releaseVolume(string) {
+	if e.sp.Target.Export == "slowrelease" {
+		// Its session drains through an outage: until the test lets it
+		// (a file "releasable").
+		note(e.sp.StateDir, "releasing-"+e.sp.Target.VolumeID, fmt.Sprint(os.Getpid()))
+		for {
+			if _, err := os.Stat(filepath.Join(e.sp.StateDir, "releasable")); err == nil {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
 	note(e.sp.StateDir, "released-"+e.sp.Target.VolumeID, fmt.Sprint(os.Getpid()))
 }
 
@@ -356,5 +367,42 @@ func TestSupervisorDetachWaitsForAFlushingProcess(t *testing.T) {
 	got := notes(t, dir, "detached-pv-slow")
 	if len(got) == 0 || slices.ContainsFunc(got, func(p string) bool { return p != fmt.Sprint(pid) }) {
 		t.Fatalf("detached by %v, want by %d", got, pid)
+	}
+}
+
+// TestSupervisorReleaseWaitsForADrainingProcess: a volume process whose
+// release waits for its session to drain (the storage node away) is
+// waited for, past every control timeout, not killed with the writes it
+// drains: the release ends when the process has released the volume.
+func TestSupervisorReleaseWaitsForADrainingProcess(t *testing.T) {
+	old := teardownTimeout
+	teardownTimeout = 100 * time.Millisecond
+	t.Cleanup(func() { teardownTimeout = old })
+	s, dir := newTestSupervisor(t)
+	attachOK(t, s, fakeTarget("pv-r", "slowrelease"))
+	pid := s.ServerPID("pv-r")
+	h, err := s.HandOff(context.Background(), "pv-r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan struct{})
+	go func() {
+		defer close(released)
+		h.Release()
+	}()
+	waitFor(t, "the process releasing", func() bool { return len(notes(t, dir, "releasing-pv-r")) > 0 })
+	// Past every bound of a control request, and then some.
+	time.Sleep(teardownTimeout + ctlTimeout + time.Second)
+	if syscall.Kill(pid, 0) != nil {
+		t.Fatal("the process draining its session was killed: the writes it held are gone")
+	}
+	note(dir, "releasable", "")
+	select {
+	case <-released:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the release does not end once the process has released the volume")
+	}
+	if got := notes(t, dir, "released-pv-r"); len(got) != 1 || got[0] != fmt.Sprint(pid) {
+		t.Fatalf("released by %v, want by %d", got, pid)
 	}
 }
