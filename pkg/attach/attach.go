@@ -275,4 +275,9 @@ var (
 	// ErrTooSmall: Resize found the export smaller than requested (the
 	// storage node has not grown it yet).
 	ErrTooSmall = errors.New("attach: export smaller than requested")
+	// ErrUnflushed: writes the volume's data path acknowledged are not
+	// durable on the storage node yet (it does not answer), so the volume
+	// is not detached: detaching would drop them. The session keeps them
+	// and keeps redialing; a later detach succeeds once they are flushed.
+	ErrUnflushed = errors.New("attach: acknowledged writes are not durable yet")
 )

@@ -16,10 +16,13 @@ import (
 // The exchange has a commit point. The predecessor quiesces the volume
 // (HandOff) and sends the Handoff; the successor takes it (TakeHandoff)
 // without serving yet and answers that it is ready; only then does the
-// predecessor Release its part for good, and the successor starts
-// (Handoff.Start). If the successor goes away before it said it was
-// ready, the predecessor Resumes: the volume never has two servers and
-// never none while both live.
+// predecessor Release its part for good and say so, and only on that
+// word, or on the predecessor's verified exit, does the successor start
+// (Handoff.Start). A predecessor that hears no readiness says it Resumes
+// before it does, and the successor then Aborts: the volume never has
+// two servers, and never none while both live (pkg/datapath's package
+// doc has the messages). Release may take long (it flushes what the
+// volume's session holds); the successor waits for it.
 type Handoff struct {
 	VolumeID   string
 	Transport  Transport

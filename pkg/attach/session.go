@@ -33,6 +33,9 @@ type Session struct {
 	// device over continues its predecessor's ID.
 	ID nbd.SessionID
 
+	// FailAfter is the relay's bound on an outage (zero: a hard mount).
+	FailAfter time.Duration
+
 	addrs AddrDialer
 	stop  context.CancelFunc
 	done  chan struct{}
@@ -82,10 +85,8 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	}
 	s.Info = first.Info
 	s.Multipath = nbd.IsMultipathTCP(first.Conn)
-	ro := relay.Options{Logger: log}
-	if d := o.DeadConnTimeout; d > 0 && d < DefaultDeadConnTimeout {
-		ro.FailAfter = d
-	}
+	ro := relay.Options{Logger: log, FailAfter: FailAfter(o)}
+	s.FailAfter = ro.FailAfter
 	// A Dialer returns a net.Conn: no typed nil on failure.
 	redial := func(ctx context.Context) (net.Conn, error) {
 		rc, err := dial(ctx)
@@ -126,6 +127,67 @@ func (s *Session) Flush(timeout time.Duration) error {
 	case <-time.After(timeout):
 		return fmt.Errorf("no answer from the storage node within %v", timeout)
 	}
+}
+
+// FailAfter is how long a session with options o waits through an
+// outage before it fails requests: DeadConnTimeout when it bounds the
+// outage, zero (a hard mount: no bound) otherwise.
+func FailAfter(o Options) time.Duration {
+	if d := o.DeadConnTimeout; d > 0 && d < DefaultDeadConnTimeout {
+		return d
+	}
+	return 0
+}
+
+// drainRetry is the pause between the FLUSHes of a Drain that fail.
+var drainRetry = time.Second
+
+// Drain makes what the session acknowledged durable before it ends: it
+// sends FLUSHes until one succeeds, waiting through an outage (the relay
+// redials, and replays what it retains to a new incarnation of the
+// storage node) and past failed ones, until ctx ends. Its error then
+// wraps ErrUnflushed: the writes stay retained in the session, which
+// keeps redialing, and Close would drop them. A FLUSH still unanswered
+// when ctx ends is left to the relay (it is answered, or replayed, later).
+// A session that has ended (closed, or refused for good) holds nothing
+// any more: Drain returns nil at once.
+func (s *Session) Drain(ctx context.Context) error {
+	var last error
+	for {
+		done := make(chan error, 1)
+		go func() { done <- s.Client.Flush() }()
+		select {
+		case err := <-done:
+			if err == nil {
+				return nil
+			}
+			last = err
+		case <-s.done:
+			return nil
+		case <-ctx.Done():
+			return s.undrained(ctx, last)
+		}
+		select {
+		case <-s.done:
+			return nil
+		case <-ctx.Done():
+			return s.undrained(ctx, last)
+		case <-time.After(drainRetry):
+		}
+	}
+}
+
+// undrained is Drain's error when ctx ended first.
+func (s *Session) undrained(ctx context.Context, last error) error {
+	st := s.Relay.Stats()
+	msg := fmt.Sprintf("%d writes (%d bytes) acknowledged and not yet flushed (%v", st.Retained, st.RetainedBytes, ctx.Err())
+	if last != nil {
+		msg += fmt.Sprintf("; last flush: %v", last)
+	}
+	if !st.DownSince.IsZero() {
+		msg += fmt.Sprintf("; storage node unreachable for %v", time.Since(st.DownSince).Round(time.Second))
+	}
+	return fmt.Errorf("%w: %s)", ErrUnflushed, msg)
 }
 
 // Close ends the session (NBD_CMD_DISC once the requests in flight are

@@ -28,6 +28,7 @@ var wireKinds = []struct {
 	{"wrong-volume", ErrWrongVolume},
 	{"server-refused", ErrServerRefused},
 	{"too-small", ErrTooSmall},
+	{"unflushed", ErrUnflushed},
 	{"unknown-export", nbd.ErrUnknownExport},
 	{"access-denied", nbd.ErrAccessDenied},
 	{"loop-busy", blockdev.ErrLoopBusy},

@@ -11,6 +11,65 @@
 // The protocol is JSON-RPC over the unix socket (net/rpc/jsonrpc), one
 // connection per call: a call made while the datapath itself restarts
 // fails and is retried by the caller (the CSI sidecars retry).
+//
+// # Handover
+//
+// A planned upgrade runs the new datapath (the successor) beside the old
+// one (the predecessor; the DaemonSet surges). The successor asks, on the
+// handover socket next to the service socket, for every volume in turn;
+// no request fails, and I/O pauses for as long as one volume takes to
+// quiesce. The messages (fdpass frames: the length of the JSON, big-endian,
+// then the JSON, files attached by SCM_RIGHTS):
+//
+//  1. successor: {op: handover, generation, liveness}. A predecessor of a
+//     later generation answers {superseded} and keeps its volumes.
+//  2. predecessor: {liveness} with its pidfd, if asked. From here on it
+//     answers the node plugin's calls as Unavailable (retried; they reach
+//     the successor once it serves).
+//  3. per volume, predecessor: HandOff quiesces it (stops taking requests,
+//     answers those taken, flushes what it acknowledged) and sends
+//     {handoff} with the files the kernel holds the device by, or {error}
+//     (the volume stays: it could not quiesce, its storage node away).
+//  4. successor: TakeHandoff (without serving) and {ready: true}, or
+//     {ready: false} (the predecessor resumes).
+//  5. predecessor: the commit point. With {ready: true} it Releases the
+//     volume for good and then sends {released}. With no readiness within
+//     stepTimeout (or a broken exchange) it first sends {resumed} and then
+//     serves the volume on. It never does both for one volume, and never
+//     serves a volume again once it began to release it.
+//  6. successor: Start only on {released}, or when the exchange ends and
+//     the predecessor's pidfd shows it exited, within exitGrace, without
+//     having said {resumed}: a dead process serves nothing, and one that
+//     never said resumed never served the volume after its quiesce. A
+//     {resumed}, or an end or silence from a predecessor still running, is
+//     no release: the successor Aborts the volume and asks again later.
+//     It waits for the verdict with no timeout but its context: a slow
+//     predecessor (a release that flushes through an outage) is waited
+//     for, never served beside.
+//  7. predecessor: {done} after the last volume.
+//
+// What "exited" covers per transport: the relay runs in the datapath
+// process itself, so its exit ends it. A FUSE volume is served by a
+// process of its own, which resumes when the datapath that quiesced it
+// goes away before a verdict; its successor server therefore serves only
+// once that process has exited too (a pidfd of it travels with the
+// handoff's files), and gives up, leaving it serving, otherwise. A ublk
+// volume's process releases its device when its supervisor goes away, and
+// the kernel hands the device to a new server only once no live one
+// serves it (user recovery).
+//
+// Release never drops what the volume's session acknowledged: the relay
+// and FUSE quiesce (stop taking requests, then flush) before the files
+// leave; ublk, whose queues serve until the release, ends its queues at
+// the release and then flushes through an outage, for as long as the
+// volume's outage policy says, before it closes the session. The
+// successor waits for that.
+//
+// The successor asks again every retryInterval while volumes stay with a
+// live predecessor; once nobody answers the handover socket, what is left
+// is adopted, as after a crash. A predecessor of an earlier release sends
+// no pidfd: its end is then never taken for its death, and a volume whose
+// release was not heard is adopted after it, as after a crash.
 package datapath
 
 import (
@@ -43,6 +102,7 @@ var sentinels = map[string]error{
 	"wrong_volume":  attach.ErrWrongVolume,
 	"refused":       attach.ErrServerRefused,
 	"too_small":     attach.ErrTooSmall,
+	"unflushed":     attach.ErrUnflushed,
 	"canceled":      context.Canceled,
 	"deadline":      context.DeadlineExceeded,
 	"datapath_gone": ErrUnavailable,

@@ -14,19 +14,8 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/fdpass"
 )
 
-// A planned upgrade of the datapath component runs the new process beside
-// the old one (the DaemonSet surges); the new one asks the old one, on the
-// handover socket next to the service socket, for every volume in turn:
-// the old one quiesces the volume (attach.HandingOver) and sends what the
-// kernel holds the device by over SCM_RIGHTS, the new one says it is
-// ready, the old one releases the volume for good and the new one starts
-// serving it. No request fails; I/O pauses for as long as one volume
-// takes to quiesce (its requests in flight answered, a FLUSH).
-//
-// From the first request on, the old process answers the node plugin's
-// calls as Unavailable (they are retried, and reach the new process once
-// it serves); if the new one goes away before the end, the old one serves
-// again whatever it still has.
+// The handover protocol, its commit point and who may serve a volume when,
+// are in the package doc (# Handover).
 
 // Handing is what a handover needs of the local data path;
 // *attach.Manager is one.
@@ -46,8 +35,6 @@ const (
 	// quiesceTimeout bounds one volume's quiesce; a volume that does not
 	// quiesce in time (its storage node away) stays with the old process.
 	quiesceTimeout = 60 * time.Second
-	// stepTimeout bounds every other wait of the exchange.
-	stepTimeout = 2 * time.Minute
 	// maxFiles bounds the files of a message (messages are bounded by
 	// fdpass.MaxFrame).
 	maxFiles = 16
@@ -57,6 +44,21 @@ const (
 // the volumes that stayed with its predecessor.
 var retryInterval = 2 * time.Second
 
+// stepTimeout bounds the predecessor's wait for the successor's readiness
+// (past it the predecessor says Resumed and serves on) and the writing of
+// a message. The successor's wait for the release has no bound but its
+// context and the predecessor's life.
+var stepTimeout = 2 * time.Minute
+
+// exitGrace bounds how long a successor that met the end of the exchange
+// waits for the predecessor's pidfd to say it exited: a process closes its
+// sockets a moment before it is seen to exit. A predecessor still running
+// after it is alive, and its silence no release.
+var exitGrace = 5 * time.Second
+
+// releaseNotice is how often a successor waiting for a release says so.
+var releaseNotice = 30 * time.Second
+
 // handoverMsg is one message of the exchange.
 type handoverMsg struct {
 	Op       string          `json:"op,omitempty"` // "handover", from the successor
@@ -65,7 +67,13 @@ type handoverMsg struct {
 	Error    string          `json:"error,omitempty"`    // a volume that stays
 	Ready    *bool           `json:"ready,omitempty"`    // the successor took the handoff
 	Released bool            `json:"released,omitempty"` // the predecessor let it go
-	Done     bool            `json:"done,omitempty"`     // no more volumes
+	// Resumed: the predecessor serves the volume again (no readiness in
+	// time); the successor must not start it.
+	Resumed bool `json:"resumed,omitempty"`
+	Done    bool `json:"done,omitempty"` // no more volumes
+	// Liveness, in the request: the successor can watch the predecessor's
+	// exit; in the predecessor's first answer: its pidfd comes with it.
+	Liveness bool `json:"liveness,omitempty"`
 	// Generation is the successor's, in its request; Superseded the
 	// answer to a successor older than the predecessor.
 	Generation int64 `json:"generation,omitempty"`
@@ -85,10 +93,16 @@ func writeMsg(c *net.UnixConn, m handoverMsg, files []*os.File) error {
 }
 
 // readMsg reads one message and the files that came with it, as many as
-// it announces.
+// it announces; a timeout of 0 waits for as long as it takes.
 func readMsg(c *net.UnixConn, timeout time.Duration) (handoverMsg, []*os.File, error) {
 	var m handoverMsg
-	files, err := fdpass.RecvJSON(c, &m, maxFiles, time.Now().Add(timeout))
+	var deadline time.Time
+	if timeout > 0 {
+		deadline = time.Now().Add(timeout)
+	} else if err := c.SetReadDeadline(time.Time{}); err != nil {
+		return m, nil, err
+	}
+	files, err := fdpass.RecvJSON(c, &m, maxFiles, deadline)
 	if err != nil {
 		return m, nil, err
 	}
@@ -119,6 +133,19 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire
 			log.Warn("handover: refusal", "error", err)
 		}
 		return
+	}
+	if m.Liveness {
+		// Its exit is how a successor tells our death from our silence.
+		if pf, err := selfPidfd(); err != nil {
+			log.Warn("handover: no pidfd for the successor: it will take our silence for life", "error", err)
+		} else {
+			err := writeMsg(c, handoverMsg{Liveness: true}, []*os.File{pf})
+			pf.Close()
+			if err != nil {
+				log.Warn("handover: liveness", "error", err)
+				return
+			}
+		}
 	}
 	retire()
 	log.Info("a successor asks for the volumes: handing them over", "volumes", len(h.Volumes()))
@@ -177,7 +204,13 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 	m, files, err := readMsg(c, stepTimeout)
 	fdpass.Close(files)
 	if err != nil || m.Ready == nil {
-		// Gone before it said it was ready: the volume is still ours.
+		// No readiness (in time): the volume is ours again. Said before it
+		// is so, so that a successor still there never starts it: it
+		// starts only on Released, or once this process has exited
+		// without having said Resumed.
+		if werr := writeMsg(c, handoverMsg{Resumed: true}, nil); werr != nil {
+			log.Debug("handover: the successor did not hear that the volume stays", "volume_id", id, "error", werr)
+		}
 		resume()
 		if err == nil {
 			err = errors.New("datapath: handover: no readiness in the answer")
@@ -189,10 +222,13 @@ func handOne(ctx context.Context, c *net.UnixConn, h Handing, id string, log *sl
 		log.Warn("the successor could not take the volume; serving it on", "volume_id", id, "error", m.Error)
 		return false, nil
 	}
+	// The commit point: from here on the volume is never served here
+	// again, whatever happens to the exchange.
 	ho.Release()
 	if err := writeMsg(c, handoverMsg{Released: true}, nil); err != nil {
-		// The successor starts on its own when it sees the end.
+		// The successor is gone (it reads until it hears a verdict).
 		log.Warn("handover: released, but the successor did not hear it", "volume_id", id, "error", err)
+		return true, err
 	}
 	log.Info("volume handed over", "volume_id", id)
 	return true, nil
@@ -258,29 +294,46 @@ func takeOverRound(ctx context.Context, path string, gen int64, h Handing, log *
 	}
 	c := nc.(*net.UnixConn)
 	defer c.Close()
-	if err := writeMsg(c, handoverMsg{Op: "handover", Generation: gen}, nil); err != nil {
+	if err := writeMsg(c, handoverMsg{Op: "handover", Generation: gen, Liveness: true}, nil); err != nil {
 		return nil, 0, fmt.Errorf("datapath: handover request: %w", err)
 	}
 	log.Info("taking the volumes over from the running datapath")
+	// The predecessor's pidfd: nil until it sends one (a predecessor of an
+	// earlier release does not, and its end is then never taken for its
+	// death).
+	var pred *os.File
+	defer func() {
+		if pred != nil {
+			pred.Close()
+		}
+	}()
 	for {
 		m, files, err := readMsg(c, quiesceTimeout+stepTimeout)
 		if err != nil {
 			return taken, 0, fmt.Errorf("datapath: handover: %w", err)
 		}
 		switch {
+		case m.Liveness:
+			if len(files) == 1 && pred == nil {
+				pred = files[0]
+			} else {
+				fdpass.Close(files)
+			}
+			continue
 		case m.Superseded:
+			fdpass.Close(files)
 			return nil, 0, ErrSuperseded
 		case m.Done:
+			fdpass.Close(files)
 			log.Info("handover round complete", "taken", len(taken), "left", left)
 			return taken, left, nil
 		case m.Error != "":
+			fdpass.Close(files)
 			log.Warn("a volume stays with the predecessor", "error", m.Error)
 			left++
 			continue
 		case m.Handoff == nil:
-			for _, f := range files {
-				f.Close()
-			}
+			fdpass.Close(files)
 			return taken, 0, errors.New("datapath: handover: a message with neither volume nor end")
 		}
 		ho := m.Handoff
@@ -297,24 +350,79 @@ func takeOverRound(ctx context.Context, path string, gen int64, h Handing, log *
 		}
 		yes := true
 		if err := writeMsg(c, handoverMsg{Ready: &yes}, nil); err != nil {
+			// Not heard: the predecessor resumes (or is gone: then the next
+			// round finds nobody, and what it served is adopted).
 			ho.Abort()
 			return taken, 0, fmt.Errorf("datapath: handover: %w", err)
 		}
-		// Released, or the predecessor is gone after our readiness: it let
-		// the volume go (or died, which lets it go too).
-		rm, rfiles, rerr := readMsg(c, stepTimeout)
-		fdpass.Close(rfiles)
-		if rerr == nil && !rm.Released {
+		start, why := awaitRelease(ctx, c, pred, ho.VolumeID, log)
+		if !start {
 			ho.Abort()
-			return taken, 0, errors.New("datapath: handover: expected the release")
+			log.Warn("a volume taken is not started: its predecessor did not release it", "volume_id", ho.VolumeID, "why", why)
+			return taken, 0, fmt.Errorf("datapath: handover of %s: %s", ho.VolumeID, why)
 		}
 		if err := ho.Start(); err != nil {
 			log.Error("a volume taken over did not start; it is taken over again by the next attach", "volume_id", ho.VolumeID, "error", err)
 		} else {
 			taken = append(taken, att)
 		}
-		if rerr != nil {
-			return taken, 0, fmt.Errorf("datapath: handover: the predecessor went away: %w", rerr)
+		if why != "" {
+			return taken, 0, fmt.Errorf("datapath: handover: %s", why)
 		}
 	}
 }
+
+// awaitRelease waits, after the successor's readiness, for the
+// predecessor's verdict on the volume: start reports whether the
+// successor may serve it, which it may only once the predecessor has said
+// Released, or has exited (its pidfd pred says so) without having said
+// Resumed. A silence, a timeout or the end of the connection from a
+// predecessor that still runs is no release: it may be slow to let go,
+// and serving beside it would give the device two servers. why, if not
+// empty, says why the exchange ends.
+func awaitRelease(ctx context.Context, c *net.UnixConn, pred *os.File, id string, log *slog.Logger) (start bool, why string) {
+	type verdict struct {
+		m   handoverMsg
+		err error
+	}
+	vc := make(chan verdict, 1)
+	// No deadline: only a verdict, the predecessor's end or ours ends the
+	// wait.
+	go func() {
+		m, files, err := readMsg(c, 0)
+		fdpass.Close(files)
+		vc <- verdict{m, err}
+	}()
+	began := time.Now()
+	tick := time.NewTicker(releaseNotice)
+	defer tick.Stop()
+	for {
+		select {
+		case v := <-vc:
+			switch {
+			case v.err == nil && v.m.Released:
+				return true, ""
+			case v.err == nil && v.m.Resumed:
+				return false, "the predecessor serves it on (it did not hear the readiness in time)"
+			case v.err == nil:
+				return false, "the predecessor answered the readiness with neither release nor resume"
+			}
+			if exitedWithin(pred, exitGrace) {
+				log.Warn("the predecessor exited during the handover, without resuming the volume: starting it", "volume_id", id, "error", v.err)
+				return true, fmt.Sprintf("the predecessor exited (%v)", v.err)
+			}
+			return false, fmt.Sprintf("the exchange ended and the predecessor is not seen to have exited: %v", v.err)
+		case <-tick.C:
+			log.Warn("waiting for the predecessor to release a volume (it runs, and no silence of it counts as a release)", "volume_id", id, "waited", time.Since(began).Round(time.Second))
+		case <-ctx.Done():
+			c.SetReadDeadline(pastDeadline)
+			if v := <-vc; v.err == nil && v.m.Released {
+				return true, ""
+			}
+			return false, ctx.Err().Error()
+		}
+	}
+}
+
+// pastDeadline ends a pending read at once.
+var pastDeadline = time.Unix(1, 0)

@@ -31,6 +31,14 @@ type handing struct {
 	resumed  []string
 	released []string
 	started  map[string]*os.File // successor: the files of started volumes
+	// releasing, if set, hears a volume's name when its Release begins;
+	// Release then waits for releaseGate, if set, to close.
+	releasing   chan string
+	releaseGate chan struct{}
+	// onStart, if set, is called as a volume starts; beforeTake as
+	// TakeHandoff begins.
+	onStart    func(id string)
+	beforeTake func(id string)
 }
 
 func newHanding(t *testing.T, vols ...string) *handing {
@@ -77,6 +85,12 @@ func (h *handing) HandOff(ctx context.Context, id string) (*attach.Handoff, erro
 			return nil
 		},
 		Release: func() {
+			if h.releasing != nil {
+				h.releasing <- id
+			}
+			if h.releaseGate != nil {
+				<-h.releaseGate
+			}
 			h.mu.Lock()
 			h.released = append(h.released, id)
 			h.mu.Unlock()
@@ -87,6 +101,9 @@ func (h *handing) HandOff(ctx context.Context, id string) (*attach.Handoff, erro
 }
 
 func (h *handing) TakeHandoff(ctx context.Context, ho *attach.Handoff) (*attach.Attachment, error) {
+	if h.beforeTake != nil {
+		h.beforeTake(ho.VolumeID)
+	}
 	if h.noTake {
 		for _, f := range ho.Files {
 			f.Close()
@@ -98,6 +115,9 @@ func (h *handing) TakeHandoff(ctx context.Context, ho *attach.Handoff) (*attach.
 	}
 	f := ho.Files[0]
 	ho.Start = func() error {
+		if h.onStart != nil {
+			h.onStart(ho.VolumeID)
+		}
 		h.mu.Lock()
 		h.started[ho.VolumeID] = f
 		h.mu.Unlock()

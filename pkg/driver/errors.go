@@ -53,7 +53,7 @@ func toStatus(err error) error {
 	case errors.Is(err, ErrOutOfRange):
 		code = codes.OutOfRange
 	case errors.Is(err, ErrUnavailable), errors.Is(err, attach.ErrUnsupported), errors.Is(err, attach.ErrTooSmall),
-		errors.Is(err, datapath.ErrUnavailable):
+		errors.Is(err, datapath.ErrUnavailable), errors.Is(err, attach.ErrUnflushed):
 		code = codes.Unavailable
 	case errors.Is(err, ErrUnimplementedErr):
 		code = codes.Unimplemented

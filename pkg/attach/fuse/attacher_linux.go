@@ -151,6 +151,12 @@ func startVolume(ctx context.Context, cfg Config, t attach.Target, o attach.Opti
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "error", terr)
 		}
+		if !v.closed {
+			// Nothing was acknowledged to anyone who waits for it: no
+			// retry will come for the session.
+			v.path.Close(cfg.UnmountTimeout)
+			v.closed = true
+		}
 		return nil, err
 	}
 
@@ -343,11 +349,18 @@ func teardown(v *volume, timeout time.Duration, log *slog.Logger) error {
 		log.Warn("fuse: removing mount point", "dir", v.dir, "error", err)
 	}
 	if !v.closed {
-		if v.node != nil && !v.node.readOnly && v.node.lastErr.Load() == nil {
-			// Writes nobody fsync'ed (a raw device closed without a flush)
-			// become durable before the connection goes.
-			if err := v.path.Flush(timeout); err != nil {
-				log.Warn("fuse: final flush", "error", err)
+		if v.node != nil && !v.node.readOnly {
+			// Writes nobody fsync'ed (a raw device closed without a flush),
+			// and every write the session retains, become durable before
+			// the connection goes. With the storage node away the detach
+			// fails here, the session kept and redialing: a later try
+			// (the steps above done already) flushes them. Dropped, they
+			// would be lost for good should the node have lost its cache.
+			ctx, cancel := context.WithTimeout(context.Background(), timeout)
+			err := v.path.Drain(ctx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("fuse: detach %s: %w", v.target.VolumeID, err)
 			}
 		}
 		v.path.Close(timeout)

@@ -22,15 +22,17 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
-// Timeouts of a handover.
-const (
-	// handoffTimeout is how long a quiesced predecessor waits for the
-	// word to resume or release (then it resumes), and a successor for
-	// the word to start (then it gives up).
-	handoffTimeout = 2 * time.Minute
-	// handoffFlushTimeout bounds the flush before the files leave.
-	handoffFlushTimeout = 30 * time.Second
-)
+// handoffTimeout is how long a successor waits for the word to start
+// (then it gives up, leaving the volume alone). A quiesced predecessor
+// waits for its word, resume or release, without a bound: resuming on a
+// timeout of its own while its caller, alive, may be releasing it would
+// have it serve (and acknowledge writes) until the caller kills it, the
+// successor about to serve. Only the end of the caller's connection (the
+// caller is gone) resumes it.
+var handoffTimeout = 2 * time.Minute
+
+// handoffFlushTimeout bounds the flush before the files leave.
+const handoffFlushTimeout = 30 * time.Second
 
 var _ attach.HandingOver = (*Attacher)(nil)
 
@@ -73,13 +75,16 @@ type startMsg struct {
 }
 
 // The files of a handoff, in attach.Handoff.Files order: the FUSE
-// connection, and the volume's lock file, whose lock the successor holds
+// connection; the volume's lock file, whose lock the successor holds
 // from the moment it has the file (a flock belongs to the open file, not
 // to a process), so that no Attacher finds the volume unlocked and cleans
-// it up while it moves.
+// it up while it moves; and a pidfd of the predecessor server, by which
+// the successor serves only once the predecessor has exited (a server of
+// an earlier release sends none).
 const (
 	fileFUSE = iota
 	fileLock
+	filePidfd
 	nFiles
 )
 
@@ -125,8 +130,9 @@ func (v *volume) resume() {
 }
 
 // handoff serves opHandoff on c, whose decoder is dec: quiesce, send the
-// handoff with its files, then wait for the verdict. Anything but
-// release (a closed connection, a timeout) resumes.
+// handoff with its files, then wait for the verdict, as long as the
+// caller keeps the connection. Anything but release (resume, the
+// connection's end) resumes.
 func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -154,9 +160,17 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 	resp.Handoff = &handoffMsg{Target: s.v.target, Options: s.opts, Attachment: s.attachment(), State: *st}
 	// One line of JSON, as every answer on the socket, the files with its
 	// first bytes.
+	files := []*os.File{s.v.server.dev, s.lock}
+	if fd, perr := unix.PidfdOpen(os.Getpid(), 0); perr == nil {
+		pf := os.NewFile(uintptr(fd), "pidfd")
+		defer pf.Close()
+		files = append(files, pf)
+	} else {
+		s.log.Warn("fuse: no pidfd for the successor: it will serve without seeing this process exit", "error", perr)
+	}
 	b, err := json.Marshal(resp)
 	if err == nil {
-		err = fdpass.Send(c, append(b, '\n'), []*os.File{s.v.server.dev, s.lock}, time.Now().Add(ctlTimeout))
+		err = fdpass.Send(c, append(b, '\n'), files, time.Now().Add(ctlTimeout))
 	}
 	if err != nil {
 		s.v.resume()
@@ -164,7 +178,7 @@ func (s *volumeServer) handoff(c *net.UnixConn, dec *json.Decoder) {
 		return
 	}
 	s.log.Info("fuse: quiesced for a handoff")
-	c.SetReadDeadline(time.Now().Add(handoffTimeout))
+	c.SetReadDeadline(time.Time{})
 	var next ctlRequest
 	err = dec.Decode(&next)
 	resp = &ctlResponse{Pid: s.pid, StartTime: s.start}
@@ -198,8 +212,8 @@ func (s *volumeServer) release() {
 
 // HandOff quiesces a volume served by a server process and returns it
 // ready for TakeHandoff (see attach.Handoff). Until Resume or Release,
-// the server takes no request of the device; if neither comes within
-// handoffTimeout, or the Attacher goes away, it serves again.
+// the server takes no request of the device; if the Attacher goes away
+// first (its connection ends), it serves again.
 func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handoff, error) {
 	if volumeID == "" {
 		return nil, fmt.Errorf("%w: empty volume ID", attach.ErrInvalid)
@@ -335,7 +349,7 @@ func (p *serverProc) callHandoff(ctx context.Context) (*net.UnixConn, io.Reader,
 		fdpass.Close(files)
 		return fail(resp.Error.Err())
 	}
-	if resp.Handoff == nil || len(files) != nFiles {
+	if resp.Handoff == nil || len(files) < nFiles-1 {
 		// Without its files the server cannot have sent a handoff.
 		fdpass.Close(files)
 		return fail(fmt.Errorf("handoff answer with %d files", len(files)))
@@ -361,7 +375,7 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	if err := json.Unmarshal(h.State, &st); err != nil {
 		return nil, fmt.Errorf("%w: fuse: handoff state: %v", attach.ErrInvalid, err)
 	}
-	if len(files) != nFiles {
+	if len(files) != nFiles && len(files) != nFiles-1 {
 		return nil, fmt.Errorf("%w: fuse: handoff with %d files, want %d", attach.ErrInvalid, len(files), nFiles)
 	}
 	if filepath.Clean(st.StateDir) != a.stateDir() {
@@ -373,7 +387,11 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	log := a.cfg.Logger.With("volume_id", id, "transport", string(attach.FUSE))
 	spec := a.specFor(h.Target, h.Options, time.Now().Add(handoffTimeout))
 	spec.Handoff = &successorSpec{State: st, Attachment: h.Attachment}
-	l, err := a.launch(spec, []*os.File{files[fileLock], files[fileFUSE]})
+	extra := []*os.File{files[fileLock], files[fileFUSE]}
+	if len(files) > filePidfd {
+		extra = append(extra, files[filePidfd])
+	}
+	l, err := a.launch(spec, extra)
 	if err != nil {
 		return nil, fmt.Errorf("fuse: start the successor server of volume %s: %w", id, err)
 	}

@@ -117,7 +117,8 @@ func TestCallHandoffWire(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if len(files) != nFiles || got.Target.VolumeID != "v" || got.State.Device != "/dev/loop9" {
+	// A server of an earlier release sends no pidfd: still a handoff.
+	if len(files) != nFiles-1 || got.Target.VolumeID != "v" || got.State.Device != "/dev/loop9" {
 		t.Fatalf("handoff %+v with %d files", got, len(files))
 	}
 	if _, err := files[fileFUSE].Write([]byte("fuse")); err != nil {
@@ -161,7 +162,7 @@ func TestCallHandoffRefused(t *testing.T) {
 		want       string
 	}{
 		{"one file", line, 1, false, "with 1 files"},
-		{"more files than room for", line, 3, false, "truncated"},
+		{"more files than room for", line, nFiles + 1, false, "more files than expected"},
 		{"cut short", line[:len(line)/2], 2, true, "EOF"},
 		{"error", handoffLine(t, ctlResponse{Pid: os.Getpid(), Error: attach.EncodeError(attach.ErrNotAttached)}), 2, false, "not attached"},
 		{"another pid", handoffLine(t, ctlResponse{Pid: 1, Handoff: &handoffMsg{}}), 2, false, "pid 1"},

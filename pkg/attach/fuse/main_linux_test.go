@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
@@ -15,6 +16,9 @@ import (
 // runs the executable again with ServeEnv set) and, with attachHelperEnv
 // set, an attaching process that tests kill.
 func TestMain(m *testing.M) {
+	if d, err := time.ParseDuration(os.Getenv(handoffTimeoutEnv)); err == nil {
+		handoffTimeout = d
+	}
 	if ServeRequested() {
 		os.Exit(ServeMain())
 	}
@@ -33,6 +37,9 @@ func TestMain(m *testing.M) {
 }
 
 const attachHelperEnv = "MPNBD_FUSE_TEST_ATTACH"
+
+// handoffTimeoutEnv sets handoffTimeout in the test's processes.
+const handoffTimeoutEnv = "MPNBD_FUSE_TEST_HANDOFF_TIMEOUT"
 
 // attachHelperSpec is what the attaching helper attaches.
 type attachHelperSpec struct {

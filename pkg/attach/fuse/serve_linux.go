@@ -144,6 +144,12 @@ func startServer(sp serveSpec, lockf *os.File, pid int, start uint64, log *slog.
 		if terr := teardown(v, cfg.UnmountTimeout, log); terr != nil {
 			log.Error("fuse: cleaning up after a failed attach", "error", terr)
 		}
+		if !v.closed {
+			// Nothing was acknowledged to anyone who waits for it: no
+			// retry will come for the session.
+			v.path.Close(cfg.UnmountTimeout)
+			v.closed = true
+		}
 		os.Remove(s.state)
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package fuse
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -14,14 +15,21 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
-// successorFd is the descriptor a successor gets the FUSE connection on.
-const successorFd = 5
+// successorFd is the descriptor a successor gets the FUSE connection on;
+// predecessorFd the predecessor server's pidfd, if it sent one.
+const (
+	successorFd   = 5
+	predecessorFd = 6
+)
 
 // serveSuccessor is ServeMain of a successor: it prepares to serve the
 // connection it was handed, reports that it is ready, and serves once
-// told to start on standard input. Told nothing (the input closes, or
-// the spec's deadline passes) it exits without touching the volume,
-// which the predecessor serves again.
+// told to start on standard input and once the predecessor server has
+// exited (its pidfd says so): a predecessor still running serves the
+// volume (it resumed when the process that handed it off went away), and
+// two readers of one FUSE connection would split its requests. Told
+// nothing, or the predecessor still running, by the spec's deadline, it
+// exits without touching the volume, which the predecessor serves.
 func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), ready, lockf *os.File, pid int, start uint64, log *slog.Logger) int {
 	if _, err := unix.FcntlInt(successorFd, unix.F_GETFD, 0); err != nil {
 		err = fmt.Errorf("%w: fuse: no FUSE connection on descriptor %d: %v", attach.ErrInvalid, successorFd, err)
@@ -29,6 +37,12 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 		return 2
 	}
 	unix.CloseOnExec(successorFd)
+	var pred *os.File
+	if _, err := unix.FcntlInt(predecessorFd, unix.F_GETFD, 0); err == nil {
+		unix.CloseOnExec(predecessorFd)
+		pred = os.NewFile(predecessorFd, "predecessor pidfd")
+		defer pred.Close()
+	}
 	// Passing the descriptor made the open file blocking; the readers
 	// need it non-blocking, in the poller, so that a later handoff can
 	// stop them.
@@ -60,6 +74,9 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	case err = <-startc:
 	case <-time.After(wait):
 		err = fmt.Errorf("not started within %v", wait.Round(time.Second))
+	}
+	if err == nil && pred != nil && !exitedBy(pred, sp.Deadline) {
+		err = fmt.Errorf("the predecessor server (pid %d) still runs at the deadline: it serves the volume", sp.Handoff.State.Pid)
 	}
 	if err != nil {
 		// The predecessor still serves the volume: leave it all alone.
@@ -149,4 +166,30 @@ func volumeFromHandoff(ctx context.Context, cfg Config, t attach.Target, o attac
 func (s *volumeServer) runUnpublished() int {
 	<-s.v.server.done()
 	return 1
+}
+
+// exitedBy reports whether the process of pidfd f has exited by deadline
+// (a pidfd polls readable once its process has exited).
+func exitedBy(f *os.File, deadline time.Time) bool {
+	raw, err := f.SyscallConn()
+	if err != nil {
+		return false
+	}
+	for {
+		ms := max(int(time.Until(deadline)/time.Millisecond), 0)
+		var n int
+		var perr error
+		var revents int16
+		if err := raw.Control(func(fd uintptr) {
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			n, perr = unix.Poll(fds, ms)
+			revents = fds[0].Revents
+		}); err != nil {
+			return false
+		}
+		if errors.Is(perr, unix.EINTR) && time.Now().Before(deadline) {
+			continue
+		}
+		return perr == nil && n > 0 && revents&unix.POLLIN != 0
+	}
 }

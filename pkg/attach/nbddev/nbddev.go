@@ -617,7 +617,10 @@ func (v *volume) shutdown() {
 	v.mu.Unlock()
 }
 
-// Detach disconnects the volume's device. Unknown volumes succeed.
+// Detach disconnects the volume's device. Unknown volumes succeed. A
+// relay first drains (drainRelay): if the storage node does not answer
+// within ctx, the detach fails with attach.ErrUnflushed and the device
+// stays, served, for the caller's retry.
 func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	a.mu.Lock()
 	v, ok := a.vols[volumeID]
@@ -633,7 +636,17 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	v.mu.Lock()
 	fenced := v.fenced
 	v.mu.Unlock()
+	// A fenced volume's relay has ended and dropped what it kept: the
+	// volume was published again since, and nothing of it may be sent.
+	resume := func() {}
+	if !fenced {
+		var err error
+		if resume, err = a.drainRelay(ctx, v); err != nil {
+			return err
+		}
+	}
 	if err := a.cfg.Kernel.Disconnect(v.index); err != nil && !fenced {
+		resume()
 		return fmt.Errorf("disconnect nbd%d: %w", v.index, err)
 	}
 	v.end()

@@ -23,7 +23,7 @@ import (
 
 // teardownTimeout bounds the FLUSH and DISC of a detach when the storage
 // node does not answer.
-const teardownTimeout = 10 * time.Second
+var teardownTimeout = 10 * time.Second
 
 // Attacher is the ublk transport.
 type Attacher struct {
@@ -39,8 +39,22 @@ type volume struct {
 	target attach.Target
 	opts   attach.Options
 	sess   *attach.Session
-	dev    *ublk.Device
+	dev    device
+	devID  uint32
 	att    attach.Attachment
+	// devGone: the device was deleted by a detach whose last flush did
+	// not succeed; the session stays for the next detach to flush.
+	devGone bool
+}
+
+// device is what a volume needs of its ublk device: a *ublk.Device, or a
+// fake in the tests, which run without ublk.
+type device interface {
+	BlockPath() string
+	// Abandon stops serving and leaves the device to a successor.
+	Abandon()
+	// Delete stops and removes the device (the kernel flushes it first).
+	Delete() error
 }
 
 // New opens the ublk control device; without ublk in the kernel it fails
@@ -97,10 +111,10 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 		sess.Close(teardownTimeout)
 		return nil, fmt.Errorf("ublk device for %s: %w", t.VolumeID, err)
 	}
-	v := &volume{target: t, opts: o, sess: sess, dev: dev}
+	v := &volume{target: t, opts: o, sess: sess, dev: dev, devID: dev.ID}
 	if err := a.saveState(v); err != nil {
 		err = fmt.Errorf("ublk: state of %s: %w", t.VolumeID, err)
-		if rerr := a.remove(v); rerr != nil {
+		if rerr := a.remove(ctx, v); rerr != nil {
 			// The device stays, served, with no state to find it by.
 			err = errors.Join(err, rerr)
 		}
@@ -177,7 +191,7 @@ func (a *Attacher) takeOverFrom(ctx context.Context, r record, handedOff bool) (
 		sess.Close(teardownTimeout)
 		return nil, fmt.Errorf("ublk: take over device %d of %s: %w", r.DevID, r.Target.VolumeID, err)
 	}
-	v := &volume{target: r.Target, opts: r.Options, sess: sess, dev: dev}
+	v := &volume{target: r.Target, opts: r.Options, sess: sess, dev: dev, devID: dev.ID}
 	att := a.register(v)
 	log.Info("volume taken over from an earlier process", "device", att.Device)
 	return &att, nil
@@ -266,12 +280,18 @@ func adoptAll(dir string, one func(record) (*attach.Attachment, error)) ([]*atta
 }
 
 // Detach removes the volume's device and ends its session. Unknown
-// volumes succeed.
+// volumes succeed. What the session acknowledged is made durable first,
+// within ctx: if the storage node does not answer in time, the detach
+// fails with ErrUnflushed and changes nothing (the volume stays attached
+// and served, its session redialing), so that the caller's retry, not a
+// success, follows. Dropping the writes would lose them for good should
+// the storage node have lost its cache; waiting without bound would hold
+// the caller (a NodeUnstage) past its own deadline.
 func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	v, ok := a.vols[volumeID]
 	if !ok {
+		defer a.mu.Unlock()
 		r, found := a.loadState(volumeID)
 		if !found {
 			return nil
@@ -283,7 +303,17 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 		a.dropState(volumeID)
 		return nil
 	}
-	if err := a.remove(v); err != nil {
+	a.mu.Unlock()
+	// Outside mu: the drain may wait for the storage node.
+	if err := v.sess.Drain(ctx); err != nil {
+		return fmt.Errorf("ublk: detach %s: %w", volumeID, err)
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.vols[volumeID] != v {
+		return nil // detached or released meanwhile
+	}
+	if err := a.remove(ctx, v); err != nil {
 		return err
 	}
 	delete(a.vols, volumeID)
@@ -292,14 +322,19 @@ func (a *Attacher) Detach(ctx context.Context, volumeID string) error {
 	return nil
 }
 
-// remove deletes v's device (the kernel flushes it first) and closes its
-// session.
-func (a *Attacher) remove(v *volume) error {
-	if err := v.dev.Delete(); err != nil {
-		return fmt.Errorf("ublk: delete device %d of %s: %w", v.dev.ID, v.target.VolumeID, err)
+// remove deletes v's device (the kernel flushes it first) and, once what
+// the session acknowledged is durable (within ctx), closes the session.
+// A drain that fails leaves the session, and v marked devGone, for the
+// next try.
+func (a *Attacher) remove(ctx context.Context, v *volume) error {
+	if !v.devGone {
+		if err := v.dev.Delete(); err != nil {
+			return fmt.Errorf("ublk: delete device %d of %s: %w", v.devID, v.target.VolumeID, err)
+		}
+		v.devGone = true
 	}
-	if err := v.sess.Flush(teardownTimeout); err != nil {
-		a.log.Warn("flush at detach", "volume_id", v.target.VolumeID, "error", err)
+	if err := v.sess.Drain(ctx); err != nil {
+		return fmt.Errorf("ublk: detach %s: its device is removed, but %w", v.target.VolumeID, err)
 	}
 	v.sess.Close(teardownTimeout)
 	return nil
@@ -349,7 +384,7 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 	if f, err := a.ctrl.Features(); err != nil || f&ublk.FlagUpdateSize == 0 {
 		return 0, fmt.Errorf("%w: ublk: online resize needs a kernel whose ublk driver can update a device's size (Linux 6.14 or later)", attach.ErrUnsupported)
 	}
-	if err := a.ctrl.UpdateSize(v.dev.ID, size); err != nil {
+	if err := a.ctrl.UpdateSize(v.devID, size); err != nil {
 		return 0, err
 	}
 	a.mu.Lock()
@@ -369,7 +404,7 @@ func (a *Attacher) saveState(v *volume) error {
 	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
 		return err
 	}
-	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.dev.ID, Session: v.sess.ID})
+	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.devID, Session: v.sess.ID})
 	if err != nil {
 		return err
 	}

@@ -22,7 +22,10 @@ var _ attach.HandingOver = (*Attacher)(nil)
 // (Release), the driver holds the device's I/O, requeueing what was in
 // flight, until the successor ends the recovery (user recovery, the path a
 // crash takes, but with the session flushed on both sides of the stop).
-// Before the commit point nothing changes but a FLUSH.
+// Before the commit point nothing changes but a FLUSH, which tells that
+// the storage node answers (a volume whose node is away stays here); the
+// queues serve on meanwhile, so the writes they acknowledge until the
+// release are flushed by the release itself.
 func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handoff, error) {
 	a.mu.Lock()
 	v, ok := a.vols[volumeID]
@@ -37,7 +40,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	if err := v.sess.Flush(timeout); err != nil {
 		return nil, fmt.Errorf("hand off %s: flush: %w", volumeID, err)
 	}
-	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.dev.ID, Session: v.sess.ID})
+	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.devID, Session: v.sess.ID})
 	if err != nil {
 		return nil, err
 	}
@@ -47,10 +50,16 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 	return h, nil
 }
 
-// release stops serving v and leaves its device to the successor: the
-// queues end (what they had in flight is requeued by the driver), then
-// the session flushes what the stopped queues had acknowledged and
-// closes; its connections are superseded by the successor's anyway.
+// release stops serving v and leaves its device to the successor: first
+// the queues end (nothing more is acknowledged; what they had in flight
+// is requeued by the driver), then the session drains (every write it
+// acknowledged, since the handoff's FLUSH too, made durable, through an
+// outage and a new incarnation of the storage node if need be), and only
+// then does it close: the writes it retains exist nowhere else, and the
+// successor, which starts only once this release is over, cannot replay
+// them. The drain is bounded only by the volume's own outage policy (the
+// relay's FailAfter; none for a hard mount): a successor waits for a
+// slow release, never serves beside it.
 func (a *Attacher) release(v *volume) {
 	a.mu.Lock()
 	if a.vols[v.target.VolumeID] == v {
@@ -58,11 +67,22 @@ func (a *Attacher) release(v *volume) {
 	}
 	a.mu.Unlock()
 	v.dev.Abandon()
-	if err := v.sess.Flush(teardownTimeout); err != nil {
-		a.log.Error("flush after handing a volume off: writes it acknowledged may exist only here", "volume_id", v.target.VolumeID, "error", err)
+	ctx, cancel := releaseContext(v.sess.FailAfter)
+	defer cancel()
+	if err := v.sess.Drain(ctx); err != nil {
+		a.log.Error("ublk: releasing a volume past its outage bound: writes it acknowledged are not durable and are dropped", "volume_id", v.target.VolumeID, "error", err)
 	}
 	v.sess.Close(teardownTimeout)
-	a.log.Info("volume released: the kernel holds its device for the next process", "volume_id", v.target.VolumeID, "ublk_dev", v.dev.ID)
+	a.log.Info("volume released: the kernel holds its device for the next process", "volume_id", v.target.VolumeID, "ublk_dev", v.devID)
+}
+
+// releaseContext bounds a release's drain by a volume's outage bound
+// (failAfter; zero: a hard mount, no bound), teardownTimeout at least.
+func releaseContext(failAfter time.Duration) (context.Context, context.CancelFunc) {
+	if failAfter <= 0 {
+		return context.WithCancel(context.Background())
+	}
+	return context.WithTimeout(context.Background(), max(failAfter, teardownTimeout))
 }
 
 // TakeHandoff prepares to take a device a predecessor hands off; Start

@@ -298,8 +298,18 @@ func (s *Supervisor) Detach(ctx context.Context, volumeID string) error {
 			s.mu.Unlock()
 			return fmt.Errorf("ublk: detach %s: %w", volumeID, resp.Error.Err())
 		}
+		if err != nil && !errors.Is(err, errServerGone) && srv.answers() {
+			// Not answered in time, but alive: the process waits to flush
+			// what its session acknowledged (the storage node away), and
+			// killing it would drop that. It serves on, its detach still
+			// under way; the caller tries again.
+			s.mu.Lock()
+			v.stop = false
+			s.mu.Unlock()
+			return fmt.Errorf("ublk: detach %s: the volume's server process did not finish: %w", volumeID, err)
+		}
 		if err != nil {
-			v.log.Warn("ublk: the volume's server process did not detach; killing it and removing the device", "pid", srv.pid, "error", err)
+			v.log.Warn("ublk: the volume's server process is gone; removing the device", "pid", srv.pid, "error", err)
 			srv.kill()
 		}
 	}
@@ -450,7 +460,10 @@ func (s *Supervisor) HandOff(ctx context.Context, volumeID string) (*attach.Hand
 		// The process serving now: another one if the first died since.
 		cur := s.stopping(v)
 		if cur != nil {
-			ctx, cancel := context.WithTimeout(context.Background(), teardownTimeout+ctlTimeout)
+			// Its release drains the session through an outage, as long
+			// as the volume's outage policy says (releaseContext); killed
+			// sooner, it would drop writes it acknowledged.
+			ctx, cancel := releaseContext(attach.FailAfter(v.opts))
 			_, err := cur.call(ctx, request{Op: opRelease})
 			cancel()
 			if err != nil {
@@ -688,6 +701,15 @@ func (srv *server) call(ctx context.Context, req request) (response, error) {
 		forget()
 		return response{}, ctx.Err()
 	}
+}
+
+// answers reports whether the process answers a health request: one that
+// does is alive, whatever else it waits for.
+func (srv *server) answers() bool {
+	ctx, cancel := context.WithTimeout(context.Background(), ctlTimeout)
+	defer cancel()
+	_, err := srv.call(ctx, request{Op: opHealth})
+	return err == nil
 }
 
 // kill ends the process. os.Process signals through a pidfd: this cannot

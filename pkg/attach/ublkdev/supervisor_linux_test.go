@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -88,12 +89,37 @@ func (e *fakeEngine) HandOff(context.Context, string) (*attach.Handoff, error) {
 		Resume: func() error { return nil }}, nil
 }
 
-func (e *fakeEngine) Detach(context.Context, string) error {
+func (e *fakeEngine) Detach(ctx context.Context, _ string) error {
+	if e.sp.Target.Export == "slowdetach" {
+		// Its session waits for the storage node to flush: until the
+		// test lets it (a file "flushable"), or the request's end.
+		for {
+			if _, err := os.Stat(filepath.Join(e.sp.StateDir, "flushable")); err == nil {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("%w: storage node away", attach.ErrUnflushed)
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}
 	note(e.sp.StateDir, "detached-"+e.sp.Target.VolumeID, fmt.Sprint(os.Getpid()))
 	return nil
 }
 
 func (e *fakeEngine) releaseVolume(string) {
+	if e.sp.Target.Export == "slowrelease" {
+		// Its session drains through an outage: until the test lets it
+		// (a file "releasable").
+		note(e.sp.StateDir, "releasing-"+e.sp.Target.VolumeID, fmt.Sprint(os.Getpid()))
+		for {
+			if _, err := os.Stat(filepath.Join(e.sp.StateDir, "releasable")); err == nil {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
 	note(e.sp.StateDir, "released-"+e.sp.Target.VolumeID, fmt.Sprint(os.Getpid()))
 }
 
@@ -312,5 +338,71 @@ func TestSupervisorHandsOver(t *testing.T) {
 	bad := attach.Handoff{VolumeID: "pv-other", State: taken.State}
 	if _, err := next.TakeHandoff(ctx, &bad); !errors.Is(err, attach.ErrInvalid) {
 		t.Fatalf("a handoff describing another volume: %v, want ErrInvalid", err)
+	}
+}
+
+// TestSupervisorDetachWaitsForAFlushingProcess: a volume process that has
+// not finished its detach when the caller's context ends, because its
+// session waits for the storage node to flush what it acknowledged, is
+// alive: the detach fails and the process is left to flush (killed, it
+// would drop the writes); a later detach succeeds once it could.
+func TestSupervisorDetachWaitsForAFlushingProcess(t *testing.T) {
+	s, dir := newTestSupervisor(t)
+	attachOK(t, s, fakeTarget("pv-slow", "slowdetach"))
+	pid := s.ServerPID("pv-slow")
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	err := s.Detach(ctx, "pv-slow")
+	cancel()
+	if err == nil {
+		t.Fatal("a detach whose process is still flushing succeeds: the process was killed, and its writes with it")
+	}
+	if syscall.Kill(pid, 0) != nil || s.ServerPID("pv-slow") != pid {
+		t.Fatalf("the flushing process %d was ended (serving now: %d)", pid, s.ServerPID("pv-slow"))
+	}
+	note(dir, "flushable", "")
+	if err := s.Detach(context.Background(), "pv-slow"); err != nil {
+		t.Fatalf("the detach once the process could flush: %v", err)
+	}
+	// The first request's detach, still under way, may end too.
+	got := notes(t, dir, "detached-pv-slow")
+	if len(got) == 0 || slices.ContainsFunc(got, func(p string) bool { return p != fmt.Sprint(pid) }) {
+		t.Fatalf("detached by %v, want by %d", got, pid)
+	}
+}
+
+// TestSupervisorReleaseWaitsForADrainingProcess: a volume process whose
+// release waits for its session to drain (the storage node away) is
+// waited for, past every control timeout, not killed with the writes it
+// drains: the release ends when the process has released the volume.
+func TestSupervisorReleaseWaitsForADrainingProcess(t *testing.T) {
+	old := teardownTimeout
+	teardownTimeout = 100 * time.Millisecond
+	t.Cleanup(func() { teardownTimeout = old })
+	s, dir := newTestSupervisor(t)
+	attachOK(t, s, fakeTarget("pv-r", "slowrelease"))
+	pid := s.ServerPID("pv-r")
+	h, err := s.HandOff(context.Background(), "pv-r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan struct{})
+	go func() {
+		defer close(released)
+		h.Release()
+	}()
+	waitFor(t, "the process releasing", func() bool { return len(notes(t, dir, "releasing-pv-r")) > 0 })
+	// Past every bound of a control request, and then some.
+	time.Sleep(teardownTimeout + ctlTimeout + time.Second)
+	if syscall.Kill(pid, 0) != nil {
+		t.Fatal("the process draining its session was killed: the writes it held are gone")
+	}
+	note(dir, "releasable", "")
+	select {
+	case <-released:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the release does not end once the process has released the volume")
+	}
+	if got := notes(t, dir, "released-pv-r"); len(got) != 1 || got[0] != fmt.Sprint(pid) {
+		t.Fatalf("released by %v, want by %d", got, pid)
 	}
 }

@@ -23,6 +23,23 @@
 // kernel for the next supervisor's Adopt; every process of a restarted
 // container goes this way.
 //
+// # Acknowledged writes at the end of a process
+//
+// The session keeps every write it acknowledged until a FLUSH covers it;
+// those writes exist only in the process until then. A release (a
+// handoff, the supervisor gone) ends the queues first, so that nothing
+// more is acknowledged, then flushes until a FLUSH succeeds, through an
+// outage and a new incarnation of the storage node, bounded only by the
+// volume's outage policy (DeadConnTimeout when set; none for a hard
+// mount), and only then closes the session: a successor starts once the
+// release is over. A detach flushes before it deletes the device, within
+// the caller's context; with the storage node away it fails with
+// attach.ErrUnflushed and leaves the volume attached and served, and the
+// caller's retry (kubelet retries NodeUnstage) finishes it once the node
+// is back. Failing beats both alternatives: reporting success would drop
+// the writes (lost for good if the node lost its cache), and waiting
+// without bound would hold a CSI call past its deadline.
+//
 // Attacher serves volumes in the process that calls it: the engine of a
 // volume's process, and a transport of its own for tools and tests.
 package ublkdev
