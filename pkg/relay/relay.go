@@ -108,6 +108,12 @@ type Options struct {
 	// retains stay owed to the server. Zero means requests wait for as
 	// long as it takes (a hard mount).
 	FailAfter time.Duration
+	// DeadPeerTimeout bounds how long requests may go unanswered with
+	// nothing received from the server and no acknowledgement from its
+	// host before the connection counts as dead and is replaced
+	// (deadline.go); zero means DefaultDeadPeerTimeout, a negative value
+	// turns the check off (the kernel then notices after tcp_retries2).
+	DeadPeerTimeout time.Duration
 	// OnEvent, when set, is called for connection events from the relay's
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
@@ -213,6 +219,9 @@ type Stats struct {
 	Failed  int
 	// Replaced counts connections replaced by better ones (Replace).
 	Replaced int
+	// DeadPeers counts connections closed because the server went
+	// silent (DeadPeerTimeout).
+	DeadPeers int
 	// Remote is the current remote connection; nil while there is none.
 	Remote net.Conn
 	// Connected reports whether a remote connection is in use.
@@ -326,6 +335,8 @@ type Relay struct {
 	// replaced counts the connections so replaced.
 	spare    net.Conn
 	replaced int
+	// deadPeers counts connections the watchdog closed (deadline.go).
+	deadPeers int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -431,6 +442,7 @@ func (r *Relay) Stats() Stats {
 		Failing:         r.failing,
 		Failed:          r.failed,
 		Replaced:        r.replaced,
+		DeadPeers:       r.deadPeers,
 	}
 }
 

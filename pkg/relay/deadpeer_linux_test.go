@@ -1,0 +1,265 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// Silence, not resets: these tests make a storage host (or one of its
+// paths) drop every packet with nftables, as a host that lost power does,
+// and check that the relay notices within seconds (the kernel alone would
+// retransmit for tcp_retries2, about 15 minutes).
+
+// silentBound is how long a test waits for the relay to notice a silent
+// server before it fails: far below tcp_retries2, above the default
+// DeadPeerTimeout with room for a loaded machine.
+const silentBound = 15 * time.Second
+
+// serveIn serves backend as exportName on addr from namespace ns (MPTCP
+// listener) and stops when the test ends.
+func serveIn(t *testing.T, ns, addr string, backend nbd.Backend, inc nbd.Incarnation) {
+	t.Helper()
+	var ln net.Listener
+	if err := topo.InNetns(ns, func() error {
+		var err error
+		ln, err = mptcp.Listen(context.Background(), "tcp", addr, true)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	srv := &nbd.Server{Logger: quietLogger(), Incarnation: inc}
+	if err := srv.AddExport(&nbd.Export{Name: exportName, Backend: backend}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = srv.Serve(ln)
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		srv.Shutdown(ctx)
+		<-done
+	})
+}
+
+// dialIn dials addr from namespace ns with MPTCP and negotiates.
+func dialIn(ctx context.Context, ns, addr string) (c net.Conn, info nbd.ExportInfo, err error) {
+	err = topo.InNetns(ns, func() error {
+		var err error
+		c, info, err = dialNegotiated(ctx, addr, true)
+		return err
+	})
+	return c, info, err
+}
+
+// verifyLoad writes random blocks through cl from several goroutines, each
+// over blocks of its own, reads one of its blocks back after every write
+// and compares it with what it last wrote there, and FLUSHes now and
+// then. It counts operations and errors until stop is closed.
+type verifyLoad struct {
+	cl         *nbd.Client
+	block      int
+	model      []byte // what every block must hold
+	ops        atomic.Int64
+	errs       atomic.Int64
+	mu         sync.Mutex
+	firstErr   error
+	wg         sync.WaitGroup
+	stop       chan struct{}
+	lastOpNano atomic.Int64
+}
+
+func startVerifyLoad(cl *nbd.Client, size, block, workers int) *verifyLoad {
+	l := &verifyLoad{cl: cl, block: block, model: make([]byte, size), stop: make(chan struct{})}
+	per := size / block / workers
+	for w := range workers {
+		l.wg.Add(1)
+		go l.worker(w*per, per, uint64(w))
+	}
+	return l
+}
+
+func (l *verifyLoad) fail(err error) {
+	l.errs.Add(1)
+	l.mu.Lock()
+	if l.firstErr == nil {
+		l.firstErr = err
+	}
+	l.mu.Unlock()
+}
+
+func (l *verifyLoad) worker(first, n int, seed uint64) {
+	defer l.wg.Done()
+	rng := rand.New(rand.NewPCG(seed, 7))
+	buf := make([]byte, l.block)
+	got := make([]byte, l.block)
+	for i := 0; ; i++ {
+		select {
+		case <-l.stop:
+			return
+		default:
+		}
+		b := first + rng.IntN(n)
+		off := b * l.block
+		for j := range buf {
+			buf[j] = byte(rng.Uint32())
+		}
+		if _, err := l.cl.WriteAt(buf, int64(off)); err != nil {
+			l.fail(fmt.Errorf("write block %d: %w", b, err))
+			return
+		}
+		copy(l.model[off:off+l.block], buf)
+		c := first + rng.IntN(n)
+		coff := c * l.block
+		if _, err := l.cl.ReadAt(got, int64(coff)); err != nil {
+			l.fail(fmt.Errorf("read block %d: %w", c, err))
+			return
+		}
+		if string(got) != string(l.model[coff:coff+l.block]) {
+			l.fail(fmt.Errorf("block %d differs from what was written", c))
+		}
+		if i%16 == 15 {
+			if err := l.cl.Flush(); err != nil {
+				l.fail(fmt.Errorf("flush: %w", err))
+				return
+			}
+		}
+		l.ops.Add(1)
+		l.lastOpNano.Store(time.Now().UnixNano())
+	}
+}
+
+// finish stops the load and returns the first error, if any.
+func (l *verifyLoad) finish() error {
+	close(l.stop)
+	l.wg.Wait()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.firstErr
+}
+
+// TestDeadPeerSilentServerDetected: under a continuous write+verify load
+// the storage host falls silent (nftables drops everything in its
+// namespace: no reset, no ICMP) and the export is served again by a
+// reachable server. The relay must notice the silent connection within
+// seconds, redial, replay, and every block must verify. Without a
+// deadline of the relay's own the requests would wait for tcp_retries2
+// (about 15 minutes); the test gives up after silentBound.
+func TestDeadPeerSilentServerDetected(t *testing.T) {
+	topo.RequireNft(t)
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	checkGoroutines(t)
+	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName("dp")))
+	const size, block = 32 << 20, 64 << 10
+	backend := nbd.NewMemBackend(size)
+	silentAddr := net.JoinHostPort(tp.ServerAddr(1).String(), "10809")
+	serveIn(t, tp.ServerNS, silentAddr, backend, nbd.Incarnation{1})
+	// The export's new home: reachable from the client, on its loopback.
+	newAddr := "127.0.0.1:10810"
+	serveIn(t, tp.ClientNS, newAddr, backend, nbd.Incarnation{2})
+
+	var silenced atomic.Bool
+	dial := func(ctx context.Context) (net.Conn, error) {
+		if !silenced.Load() {
+			c, _, err := dialIn(ctx, tp.ClientNS, silentAddr)
+			return c, err
+		}
+		c, _, err := dialIn(ctx, tp.ClientNS, newAddr)
+		return c, err
+	}
+	remote, info, err := dialIn(context.Background(), tp.ClientNS, silentAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var dropAt, lostAt, backAt time.Time
+	var lostErr error
+	rg := newRig(t, remote, dial, &info, Options{OnEvent: func(e Event) {
+		mu.Lock()
+		defer mu.Unlock()
+		now := time.Now()
+		switch {
+		case e.Kind == EventDisconnected && lostAt.IsZero():
+			lostAt, lostErr = now, e.Err
+		case e.Kind == EventReconnected && backAt.IsZero():
+			backAt = now
+		}
+	}})
+	load := startVerifyLoad(rg.client, size, block, 4)
+	defer func() {
+		if load != nil {
+			rg.cancel() // unblocks the load's requests
+			_ = load.finish()
+		}
+	}()
+	time.Sleep(time.Second)
+	before := load.ops.Load()
+	if before == 0 {
+		t.Fatal("no I/O completed before the fault")
+	}
+
+	if err := topo.Drop(tp.ServerNS, "silence", ""); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	dropAt = time.Now()
+	mu.Unlock()
+	silenced.Store(true)
+	t.Cleanup(func() { _ = topo.Undrop(tp.ServerNS, "silence") })
+
+	deadline := time.Now().Add(silentBound)
+	for {
+		mu.Lock()
+		back := !backAt.IsZero()
+		mu.Unlock()
+		if back {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the relay did not notice the silent server within %v (stats %+v): requests would wait for tcp_retries2, about 15 minutes",
+				silentBound, rg.relay.Stats())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	mu.Lock()
+	detect, redial := lostAt.Sub(dropAt), backAt.Sub(dropAt)
+	why := lostErr
+	mu.Unlock()
+	resumed := load.ops.Load()
+	waitFor(t, 10*time.Second, "I/O to resume after the reconnect", func() bool { return load.ops.Load() > resumed+32 })
+	l := load
+	load = nil
+	if err := l.finish(); err != nil {
+		t.Fatalf("I/O across the silent server: %v", err)
+	}
+	// Everything written, read back whole.
+	got := make([]byte, size)
+	want := l.model
+	if _, err := rg.client.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if sum(got) != sum(want) {
+		t.Fatal("the volume differs from what was written")
+	}
+	st := rg.relay.Stats()
+	t.Logf("silent server noticed %v after the drop (%v), reconnected to the new server after %v; %d operations verified, 0 errors; stats: reconnects %d, replayed %d, retained replays %d",
+		detect.Round(time.Millisecond), why, redial.Round(time.Millisecond), l.ops.Load(), st.Reconnects, st.Replayed, st.RetainedReplays)
+	if detect > silentBound {
+		t.Fatalf("detection took %v, want under %v", detect, silentBound)
+	}
+}
