@@ -263,3 +263,111 @@ func TestDeadPeerSilentServerDetected(t *testing.T) {
 		t.Fatalf("detection took %v, want under %v", detect, silentBound)
 	}
 }
+
+// slowSync is a backend whose next Sync, once armed, takes delay: a
+// FLUSH over a large dirty cache on a loaded disk.
+type slowSync struct {
+	nbd.Backend
+	delay time.Duration
+	armed *atomic.Bool
+}
+
+func (b slowSync) Sync() error {
+	if b.armed.CompareAndSwap(true, false) {
+		time.Sleep(b.delay)
+	}
+	return b.Backend.Sync()
+}
+
+// TestDeadPeerSlowServerKept: a server whose one outstanding request (a
+// FLUSH) takes three times DeadPeerTimeout, with nothing else to send,
+// is slow, not dead: its host answers the keepalive, so the relay keeps
+// the connection and the FLUSH succeeds on it.
+func TestDeadPeerSlowServerKept(t *testing.T) {
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	checkGoroutines(t)
+	const bound = MinDeadPeerTimeout
+	armed := new(atomic.Bool)
+	ts := &testServer{t: t, backend: slowSync{Backend: nbd.NewMemBackend(1 << 20), delay: 3 * bound, armed: armed}, mptcp: true}
+	ts.start()
+	t.Cleanup(ts.kill)
+	rg := newServerRig(t, ts, Options{DeadPeerTimeout: bound})
+	if _, err := rg.client.WriteAt(make([]byte, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	start := time.Now()
+	if err := rg.client.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	st := rg.relay.Stats()
+	t.Logf("a FLUSH of %v with a DeadPeerTimeout of %v: reconnects %d, connections declared dead %d", took.Round(time.Millisecond), bound, st.Reconnects, st.DeadPeers)
+	if st.Reconnects != 0 || st.DeadPeers != 0 || rg.eventCount(EventDisconnected) != 0 {
+		t.Fatalf("a slow server was declared dead: stats %+v", st)
+	}
+}
+
+// TestDeadPeerSilentPathKeepsConnection: one path of a 4-subflow MPTCP
+// connection falls silent (nftables drops everything on that interface of
+// the storage host) under a write+verify load for three times
+// DeadPeerTimeout. MPTCP carries on over the other subflows, whose
+// acknowledgements keep the server's host heard from: the relay must not
+// replace the connection, and I/O goes on.
+func TestDeadPeerSilentPathKeepsConnection(t *testing.T) {
+	topo.RequireNft(t)
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	checkGoroutines(t)
+	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName("dq")))
+	const size, block = 32 << 20, 64 << 10
+	const bound = MinDeadPeerTimeout
+	addr := net.JoinHostPort(tp.ServerAddr(1).String(), "10809")
+	serveIn(t, tp.ServerNS, addr, nbd.NewMemBackend(size), nbd.Incarnation{1})
+	dial := func(ctx context.Context) (net.Conn, error) {
+		c, _, err := dialIn(ctx, tp.ClientNS, addr)
+		return c, err
+	}
+	remote, info, err := dialIn(context.Background(), tp.ClientNS, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rg := newRig(t, remote, dial, &info, Options{DeadPeerTimeout: bound})
+	load := startVerifyLoad(rg.client, size, block, 4)
+	defer func() {
+		if load != nil {
+			rg.cancel()
+			_ = load.finish()
+		}
+	}()
+	waitFor(t, 10*time.Second, "4 subflows", func() bool {
+		subs, err := mptcp.GetSubflows(remote)
+		return err == nil && len(subs) == 4
+	})
+	if err := topo.Drop(tp.ServerNS, "onepath", tp.Paths[1].ServerIf); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = topo.Undrop(tp.ServerNS, "onepath") })
+	before := load.ops.Load()
+	time.Sleep(3 * bound)
+	during := load.ops.Load() - before
+	if err := topo.Undrop(tp.ServerNS, "onepath"); err != nil {
+		t.Fatal(err)
+	}
+	l := load
+	load = nil
+	if err := l.finish(); err != nil {
+		t.Fatalf("I/O across a silent path: %v", err)
+	}
+	st := rg.relay.Stats()
+	t.Logf("path 2 silent for %v: %d operations verified meanwhile; reconnects %d, connections declared dead %d", 3*bound, during, st.Reconnects, st.DeadPeers)
+	if st.DeadPeers != 0 || st.Reconnects != 0 {
+		t.Fatalf("one silent path of a live MPTCP connection made the relay replace it: stats %+v", st)
+	}
+	if during == 0 {
+		t.Fatal("no I/O completed while one path was silent")
+	}
+}

@@ -39,6 +39,14 @@
 //     power loss of the storage host then loses nothing the kernel was
 //     told is written. What is retained is bounded by FLUSHes of the
 //     relay's own.
+//   - A silent server is noticed in seconds, not after tcp_retries2: a
+//     connection whose requests wait while nothing is received and the
+//     server's host acknowledges nothing for Options.DeadPeerTimeout is
+//     closed and replaced as if it had been reset. The bound is on
+//     progress, not on the age of the oldest request, and the host's
+//     kernel (keepalive) vetoes it, so a slow server under load is never
+//     taken for a dead one (deadline.go; TestDeadPeerSilentServerDetected,
+//     TestDeadPeerSlowServerKept, TestDeadPeerSilentPathKeepsConnection).
 package relay
 
 import (
