@@ -131,9 +131,8 @@ func withDefaults(o attach.Options) attach.Options {
 	if o.DeadConnTimeout == 0 {
 		o.DeadConnTimeout = attach.DefaultDeadConnTimeout
 	}
-	if o.RequestTimeout == 0 {
-		o.RequestTimeout = attach.DefaultRequestTimeout
-	}
+	o.DeadPeerTimeout = o.EffectiveDeadPeerTimeout()
+	o.RequestTimeout = o.KernelRequestTimeout()
 	if o.BlockSize == 0 {
 		o.BlockSize = attach.DefaultBlockSize
 	}
@@ -207,11 +206,19 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 		}
 	}()
 	flags := nbdnl.DestroyOnDisconnect
-	timeout := o.RequestTimeout
+	// One policy on every transport: a storage host silent for the
+	// dead-peer bound loses its connection, which is replaced; a slow one
+	// keeps it. The kernel's own request timeout is an age bound, the
+	// wrong tool for that (a busy server's queue would trip it), so it
+	// stays well above the dead-peer bound (attach.Options.
+	// KernelRequestTimeout) and the sockets carry the bound themselves
+	// (armSockets).
+	timeout := v.opts.RequestTimeout
 	if a.cfg.Mode == attach.Relay {
-		// The relay watches the server itself and never loses a request;
-		// a kernel timeout would shut its socket down and throw away what
-		// it holds for a replay. Without one the kernel only warns.
+		// The relay watches the server itself (relay.Options.
+		// DeadPeerTimeout) and never loses a request; a kernel timeout
+		// would shut its socket down and throw away what it holds for a
+		// replay. Without one the kernel only warns.
 		timeout = 0
 	}
 	idx, err := a.cfg.Kernel.Connect(nbdnl.ConnectOptions{
@@ -413,6 +420,7 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 	v.mu.Lock()
 	v.conns = conns
 	v.mu.Unlock()
+	a.armSockets(v, conns)
 
 	files := make([]*os.File, 0, len(conns))
 	for _, c := range conns {
@@ -565,7 +573,7 @@ func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remot
 		v.mu.Unlock()
 		return c, nil
 	}
-	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending}
+	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending, DeadPeerTimeout: v.opts.DeadPeerTimeout}
 	if v.bounded() {
 		ro.FailAfter = v.opts.DeadConnTimeout
 	}
