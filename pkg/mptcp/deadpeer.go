@@ -21,10 +21,9 @@ var ErrPeerUnknown = errors.New("mptcp: no kernel view of the peer")
 // KeepaliveFor returns the keepalive ArmDeadPeer sets for a bound of d:
 // a probe after a quarter of d without a segment from the peer and every
 // quarter of d after that (whole seconds, the kernel's unit, at least
-// one), so that a live peer is heard from well within d. The count is
-// kept high enough (about three times d) that a subflow of an MPTCP
-// connection is not reset for one path's short outage: the connection
-// as a whole is judged by its owner with LastHeard.
+// one), so that a live peer is heard from well within d. The count
+// makes the probes outlast d about three times (on a plain TCP socket
+// TCP_USER_TIMEOUT ends it at d anyway).
 func KeepaliveFor(d time.Duration) net.KeepAliveConfig {
 	iv := max((d/4+time.Second-1)/time.Second*time.Second, time.Second)
 	return net.KeepAliveConfig{Enable: true, Idle: iv, Interval: iv, Count: int(max(3*d/iv, 3))}
@@ -49,10 +48,18 @@ func ArmDeadPeer(c net.Conn, d time.Duration) error {
 	if tc == nil {
 		return ErrPeerUnknown
 	}
-	if err := tc.SetKeepAliveConfig(KeepaliveFor(d)); err != nil {
+	ka := KeepaliveFor(d)
+	multipath := IsMPTCP(tc)
+	if multipath {
+		// Probes as often, but a subflow is reset only after about a
+		// minute of silence: a path's short outage keeps its subflow,
+		// which carries on when the path is back.
+		ka.Count = max(ka.Count, int(time.Minute/ka.Interval))
+	}
+	if err := tc.SetKeepAliveConfig(ka); err != nil {
 		return err
 	}
-	if IsMPTCP(tc) {
+	if multipath {
 		return nil
 	}
 	return setUserTimeout(tc, d)
