@@ -4,6 +4,24 @@
 // destroy-on-disconnect, a dead-connection timeout and a request timeout;
 // a LINK_DEAD watcher redials and hands the kernel new sockets with
 // RECONFIGURE, and a fresh process re-adopts devices by their identifier.
+//
+// Every transport here bounds the wait on a silent storage host by the
+// dead-peer bound (attach.Options.DeadPeerTimeout): the relay watches it
+// itself, and the plain TCP sockets of tcp and multiconn carry it as
+// TCP_USER_TIMEOUT with a keepalive (deadpeer.go), while the kernel's
+// request timeout stays at least twice the bound.
+//
+// multiconn announces no session (the kernel cannot), so nothing fences a
+// socket the kernel gave up on; what makes it safe instead is that a
+// request can no longer reach the server late, after the kernel requeued
+// it on another socket and newer writes followed: the socket of a silent
+// path dies of TCP_USER_TIMEOUT before the kernel's request timeout
+// requeues its requests, and a dead socket's unsent data is purged with
+// it; the server ends its side of such a connection within the same bound
+// and drops the requests it had read but not started (pkg/nbd). A
+// request the server started before the path fell silent completes at
+// once, long before any requeue. TestMulticonnNoLateWriteAfterSilentPath
+// proves it with a path whose packets are dropped.
 package nbddev
 
 import (
