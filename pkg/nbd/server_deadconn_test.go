@@ -88,10 +88,10 @@ func TestQueuedRequestsOfAClosedConnectionAreDropped(t *testing.T) {
 		t.Fatal("the connection's handler did not end")
 	}
 	got := make([]byte, 4096)
-	if _, err := g.MemBackend.ReadAt(got, 0); err != nil || !bytes.Equal(got, first) {
+	if _, err := g.ReadAt(got, 0); err != nil || !bytes.Equal(got, first) {
 		t.Fatalf("the write already executing when the connection ended was not completed (%v)", err)
 	}
-	if _, err := g.MemBackend.ReadAt(got, 8192); err != nil {
+	if _, err := g.ReadAt(got, 8192); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, make([]byte, 4096)) {
