@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -370,4 +371,96 @@ func TestDeadPeerSilentPathKeepsConnection(t *testing.T) {
 	if during == 0 {
 		t.Fatal("no I/O completed while one path was silent")
 	}
+}
+
+// TestFaultSilentServerSoak (MPNBD_SOAK=1): rounds of a 4-path MPTCP
+// connection whose storage host falls silent for 20 s and comes back,
+// under the write+verify load. Each silence must be noticed within
+// silentBound of its start (long before it ends), the relay must be back
+// on the same server after it, and every block must verify at the end.
+func TestFaultSilentServerSoak(t *testing.T) {
+	if os.Getenv("MPNBD_SOAK") != "1" {
+		t.Skip("skipping: a soak test (MPNBD_SOAK=1)")
+	}
+	topo.RequireNft(t)
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	tp := topo.NewForTest(t, topo.Default4(topo.UniqueName("ds")))
+	const size, block = 64 << 20, 64 << 10
+	const rounds, silence = 5, 20 * time.Second
+	addr := net.JoinHostPort(tp.ServerAddr(1).String(), "10809")
+	serveIn(t, tp.ServerNS, addr, nbd.NewMemBackend(size), nbd.Incarnation{1})
+	dial := func(ctx context.Context) (net.Conn, error) {
+		// One attempt a couple of seconds long, as attach.Dial gives an
+		// address: a SYN into the silence is not retried for long.
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		c, _, err := dialIn(ctx, tp.ClientNS, addr)
+		return c, err
+	}
+	remote, info, err := dialIn(context.Background(), tp.ClientNS, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost := make(chan time.Time, rounds+1)
+	back := make(chan time.Time, rounds+1)
+	rg := newRig(t, remote, dial, &info, Options{OnEvent: func(e Event) {
+		switch e.Kind {
+		case EventDisconnected:
+			lost <- time.Now()
+		case EventReconnected:
+			back <- time.Now()
+		}
+	}})
+	load := startVerifyLoad(rg.client, size, block, 4)
+	defer func() {
+		if load != nil {
+			rg.cancel()
+			_ = load.finish()
+		}
+	}()
+	for r := 1; r <= rounds; r++ {
+		time.Sleep(2 * time.Second)
+		if err := topo.Drop(tp.ServerNS, "silence", ""); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		var detect time.Duration
+		select {
+		case at := <-lost:
+			detect = at.Sub(start)
+		case <-time.After(silentBound):
+			_ = topo.Undrop(tp.ServerNS, "silence")
+			t.Fatalf("round %d: the silence was not noticed within %v (stats %+v)", r, silentBound, rg.relay.Stats())
+		}
+		time.Sleep(time.Until(start.Add(silence)))
+		if err := topo.Undrop(tp.ServerNS, "silence"); err != nil {
+			t.Fatal(err)
+		}
+		var redial time.Duration
+		select {
+		case at := <-back:
+			redial = at.Sub(start.Add(silence))
+		case <-time.After(30 * time.Second):
+			t.Fatalf("round %d: no reconnect within 30 s of the silence's end (stats %+v)", r, rg.relay.Stats())
+		}
+		t.Logf("round %d: silence noticed after %v, reconnected %v after it ended", r, detect.Round(time.Millisecond), redial.Round(time.Millisecond))
+		if e := load.errs.Load(); e != 0 {
+			break
+		}
+	}
+	l := load
+	load = nil
+	if err := l.finish(); err != nil {
+		t.Fatalf("I/O across the silences: %v", err)
+	}
+	got := make([]byte, size)
+	if _, err := rg.client.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if sum(got) != sum(l.model) {
+		t.Fatal("the volume differs from what was written")
+	}
+	t.Logf("%d silences of %v: %d operations verified, 0 errors; stats %+v", rounds, silence, l.ops.Load(), rg.relay.Stats())
 }
