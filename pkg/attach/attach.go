@@ -96,10 +96,17 @@ func (o Options) KernelRequestTimeout() time.Duration {
 	return max(rt, 2*o.EffectiveDeadPeerTimeout())
 }
 
-// EffectiveDeadPeerTimeout is o.DeadPeerTimeout or its default.
+// EffectiveDeadPeerTimeout is the dead-peer bound of o: DeadPeerTimeout
+// when set; else the default, lowered to half of an explicit
+// RequestTimeout (a class asking for a short request timeout asks for
+// quick failover, and the bound must stay below it), never below
+// relay.MinDeadPeerTimeout.
 func (o Options) EffectiveDeadPeerTimeout() time.Duration {
-	if o.DeadPeerTimeout > 0 {
+	switch {
+	case o.DeadPeerTimeout > 0:
 		return max(o.DeadPeerTimeout, relay.MinDeadPeerTimeout)
+	case o.RequestTimeout > 0:
+		return max(min(DefaultDeadPeerTimeout, o.RequestTimeout/2), relay.MinDeadPeerTimeout)
 	}
 	return DefaultDeadPeerTimeout
 }

@@ -82,7 +82,7 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	}
 	s.Info = first.Info
 	s.Multipath = nbd.IsMultipathTCP(first.Conn)
-	ro := relay.Options{Logger: log, DeadPeerTimeout: o.DeadPeerTimeout}
+	ro := relay.Options{Logger: log, DeadPeerTimeout: o.EffectiveDeadPeerTimeout()}
 	if d := o.DeadConnTimeout; d > 0 && d < DefaultDeadConnTimeout {
 		ro.FailAfter = d
 	}

@@ -25,6 +25,8 @@ func TestKernelSocketsCarryTheDeadPeerBound(t *testing.T) {
 		{attach.TCP, attach.Options{}, attach.DefaultDeadPeerTimeout, attach.DefaultRequestTimeout},
 		{attach.MultiConn, attach.Options{DeadPeerTimeout: 3 * time.Second}, 3 * time.Second, attach.DefaultRequestTimeout},
 		{attach.MultiConn, attach.Options{DeadPeerTimeout: 8 * time.Second, RequestTimeout: 10 * time.Second}, 8 * time.Second, 16 * time.Second},
+		{attach.TCP, attach.Options{RequestTimeout: 3 * time.Second}, 2 * time.Second, 4 * time.Second},
+		{attach.TCP, attach.Options{RequestTimeout: 6 * time.Second}, 3 * time.Second, 6 * time.Second},
 	} {
 		t.Run(string(c.mode), func(t *testing.T) {
 			a, k, _, _, tg := newTest(t, c.mode)
