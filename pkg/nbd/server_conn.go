@@ -209,8 +209,9 @@ func (c *serverConn) worker(queue <-chan work) {
 // backend call ended.
 func (c *serverConn) run(w work) time.Time {
 	if c.fenced.Load() || c.gone.Load() {
-		// Superseded: the client replays this request on the new
-		// connection, which must not meet it executing late.
+		// Superseded, or the connection ended: the client sends this
+		// request again on another connection, which must not meet it
+		// executing late.
 		if w.buf != nil {
 			putBuf(w.buf)
 		}
