@@ -68,7 +68,11 @@ const (
 	DefaultDeadConnTimeout = 10 * 365 * 24 * time.Hour
 	// DefaultRequestTimeout is the kernel's per-request timeout: a request
 	// unanswered this long marks its connection dead, which triggers a
-	// reconnect and requeues the request (it does not fail it).
+	// reconnect and requeues the request (it does not fail it). It is an
+	// age bound, so it stays long (a busy server's queue must not trip
+	// it); a dead socket's requests wait for it all the same, so it also
+	// bounds how long they stall after the dead-peer bound ended their
+	// socket.
 	DefaultRequestTimeout = 30 * time.Second
 	DefaultBlockSize      = 4096
 	// DefaultDeadPeerTimeout bounds how long a data connection waits on a
