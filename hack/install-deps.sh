@@ -2,7 +2,7 @@
 # Installs what the tests, benchmarks and demo need on a fresh Debian 12 machine.
 set -euo pipefail
 pkgs=(iproute2 nbd-server nbd-client nbdkit libnbd-bin qemu-utils qemu-system-x86 busybox-static fio mptcpd mptcpize iperf3 e2fsprogs xfsprogs util-linux etcd-server
-  containerd runc containernetworking-plugins iptables conntrack debootstrap openssl buildah
+  containerd runc containernetworking-plugins iptables nftables conntrack debootstrap openssl buildah
   linux-source-6.1 flex bison libelf-dev bc libssl-dev prometheus)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -35,7 +35,7 @@ if [ -n "$suite" ]; then
 	apt_opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o Dir::Etc::sourceparts=-
 		-o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
 fi
-modules=${MPNBD_VM_MODULES:-"nbd veth sch_tbf sch_netem loop brd"}
+modules=${MPNBD_VM_MODULES:-"nbd veth sch_tbf sch_netem loop brd nf_tables"}
 host_pkgs=(qemu-system-x86 e2fsprogs iproute2)
 # Any busybox will do (the harness copies a dynamic one with its
 # libraries), but the static one is preferred.

@@ -17,6 +17,10 @@ var guestTests = []string{"TestAttachTransports", "TestKernelTransportRefused", 
 	"TestNodeServiceKernelTransports", "TestTransportsServerKills", "TestTransportsLongOutage",
 	"TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout", "TestReadoptHealthyDevices", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
 
+// soakGuestTests run in the VM only with MPNBD_SOAK=1 or when MPNBD_VM_RUN
+// names them: TCG makes them too slow for every run.
+var soakGuestTests = []string{"TestTransportsSilentStorage"}
+
 // TestNodeAttachInVM boots the test VM and runs this package's guest tests
 // against the kernel's real nbd driver. MPNBD_VM_RUN, a regular
 // expression, runs only the guest tests it matches.
@@ -24,7 +28,11 @@ func TestNodeAttachInVM(t *testing.T) {
 	if os.Getenv("MPNBD_IN_VM") == "1" {
 		t.Skip("already inside the VM")
 	}
-	names := selectGuestTests(t, guestTests)
+	all := guestTests
+	if soak() || os.Getenv("MPNBD_VM_RUN") != "" {
+		all = append(append([]string(nil), guestTests...), soakGuestTests...)
+	}
+	names := selectGuestTests(t, all)
 	cfg := vm.Default(t)
 	cfg.MemoryMB = 2048
 	cfg.Timeout = 16 * time.Minute
@@ -110,14 +118,15 @@ func selectGuestTests(t *testing.T, names []string) []string {
 	return out
 }
 
-// addFaultTools gives the guest what the fault tests run: fio and Debian's
-// nbd-server from the host (packages fio and nbd-server; without them
+// addFaultTools gives the guest what the fault tests run: fio, nft and
+// Debian's nbd-server from the host (packages fio, nftables and
+// nbd-server; without them
 // those tests skip, saying so, and do not pass) and our own nbd-server,
 // built for the guest. MPNBD_SOAK=1 goes through and lengthens the VM's
 // time limit.
 func addFaultTools(t *testing.T, cfg *vm.Config) {
 	t.Helper()
-	for _, tool := range []string{"fio", "nbd-server"} {
+	for _, tool := range []string{"fio", "nbd-server", "nft"} {
 		if p, err := exec.LookPath(tool); err == nil {
 			cfg.Tools = append(cfg.Tools, p)
 		}

@@ -68,10 +68,52 @@ const (
 	DefaultDeadConnTimeout = 10 * 365 * 24 * time.Hour
 	// DefaultRequestTimeout is the kernel's per-request timeout: a request
 	// unanswered this long marks its connection dead, which triggers a
-	// reconnect and requeues the request (it does not fail it).
+	// reconnect and requeues the request (it does not fail it). It is an
+	// age bound, so it stays long (a busy server's queue must not trip
+	// it); a dead socket's requests wait for it all the same, so it also
+	// bounds how long they stall after the dead-peer bound ended their
+	// socket.
 	DefaultRequestTimeout = 30 * time.Second
 	DefaultBlockSize      = 4096
+	// DefaultDeadPeerTimeout bounds how long a data connection waits on a
+	// silent storage host (one that lost power sends no reset) before it
+	// is replaced: requests waiting, nothing received and no
+	// acknowledgement from the host's kernel for this long. Userspace
+	// sessions watch it themselves (relay.Options.DeadPeerTimeout); the
+	// plain TCP sockets handed to the kernel get it as TCP_USER_TIMEOUT
+	// with a keepalive (mptcp.ArmDeadPeer). The StorageClass parameter
+	// deadPeerTimeout changes it. It stays below the request timeout, so
+	// that a kernel socket dies, dropping what it had not sent, before
+	// the kernel requeues its requests elsewhere.
+	DefaultDeadPeerTimeout = relay.DefaultDeadPeerTimeout
 )
+
+// KernelRequestTimeout is the request timeout given to the kernel for
+// o: RequestTimeout (default DefaultRequestTimeout), raised to at least
+// twice the dead-peer bound so that a socket the bound ends is dead
+// before the kernel times its requests out and requeues them.
+func (o Options) KernelRequestTimeout() time.Duration {
+	rt := o.RequestTimeout
+	if rt <= 0 {
+		rt = DefaultRequestTimeout
+	}
+	return max(rt, 2*o.EffectiveDeadPeerTimeout())
+}
+
+// EffectiveDeadPeerTimeout is the dead-peer bound of o: DeadPeerTimeout
+// when set; else the default, lowered to half of an explicit
+// RequestTimeout (a class asking for a short request timeout asks for
+// quick failover, and the bound must stay below it), never below
+// relay.MinDeadPeerTimeout.
+func (o Options) EffectiveDeadPeerTimeout() time.Duration {
+	switch {
+	case o.DeadPeerTimeout > 0:
+		return max(o.DeadPeerTimeout, relay.MinDeadPeerTimeout)
+	case o.RequestTimeout > 0:
+		return max(min(DefaultDeadPeerTimeout, o.RequestTimeout/2), relay.MinDeadPeerTimeout)
+	}
+	return DefaultDeadPeerTimeout
+}
 
 // Target says what to attach.
 type Target struct {
@@ -127,6 +169,10 @@ type Options struct {
 	// DefaultDeadConnTimeout.
 	DeadConnTimeout time.Duration
 	RequestTimeout  time.Duration
+	// DeadPeerTimeout is how long a data connection may wait with nothing
+	// from the storage host before it counts as dead and is replaced; see
+	// DefaultDeadPeerTimeout.
+	DeadPeerTimeout time.Duration `json:",omitempty"`
 	BlockSize       uint64
 	ReadOnly        bool
 }

@@ -85,7 +85,7 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	}
 	s.Info = first.Info
 	s.Multipath = nbd.IsMultipathTCP(first.Conn)
-	ro := relay.Options{Logger: log, FailAfter: FailAfter(o)}
+	ro := relay.Options{Logger: log, FailAfter: FailAfter(o), DeadPeerTimeout: o.EffectiveDeadPeerTimeout()}
 	s.FailAfter = ro.FailAfter
 	// A Dialer returns a net.Conn: no typed nil on failure.
 	redial := func(ctx context.Context) (net.Conn, error) {

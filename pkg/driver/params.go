@@ -9,6 +9,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // StorageClass parameter keys.
@@ -19,6 +20,7 @@ const (
 	ParamNodeSelector    = "storageNodeSelector"
 	ParamDeadConnTimeout = "deadConnTimeout"
 	ParamRequestTimeout  = "requestTimeout"
+	ParamDeadPeerTimeout = "deadPeerTimeout"
 	ParamBlockSize       = "blockSize"
 	ParamEncryption      = "encryption"
 
@@ -34,6 +36,9 @@ type Params struct {
 	NodeSelector    map[string]string
 	DeadConnTimeout time.Duration
 	RequestTimeout  time.Duration
+	// DeadPeerTimeout: how long a data connection waits on a silent
+	// storage host before it is replaced (attach.DefaultDeadPeerTimeout).
+	DeadPeerTimeout time.Duration
 	BlockSize       uint64
 	// Encryption is none (the default), preferred or required.
 	Encryption v1alpha1.Encryption
@@ -86,6 +91,12 @@ func ParseParams(in map[string]string) (Params, error) {
 			} else {
 				p.RequestTimeout = d
 			}
+		case ParamDeadPeerTimeout:
+			d, err := time.ParseDuration(v)
+			if err != nil || d < relay.MinDeadPeerTimeout || d > 10*time.Minute {
+				return bad(fmt.Sprintf("want a duration between %v and 10m, e.g. 5s", relay.MinDeadPeerTimeout))
+			}
+			p.DeadPeerTimeout = d
 		case ParamBlockSize:
 			n, err := strconv.ParseUint(v, 10, 64)
 			if err != nil || (n != 512 && n != 1024 && n != 2048 && n != 4096) {
@@ -105,6 +116,12 @@ func ParseParams(in map[string]string) (Params, error) {
 			}
 			return bad("unknown parameter")
 		}
+	}
+	if p.DeadPeerTimeout > 0 && p.RequestTimeout > 0 && p.RequestTimeout < 2*p.DeadPeerTimeout {
+		// A kernel socket must be dead, its unsent requests dropped,
+		// before the kernel's request timeout requeues them elsewhere.
+		return Params{}, fmt.Errorf("%w: StorageClass parameters %s=%s and %s=%s: the request timeout must be at least twice the dead-peer timeout",
+			ErrInvalidArgument, ParamRequestTimeout, p.RequestTimeout, ParamDeadPeerTimeout, p.DeadPeerTimeout)
 	}
 	if p.Encryption == v1alpha1.EncryptionRequired && p.Transport != attach.Auto && !attach.CanEncrypt(p.Transport) {
 		return Params{}, fmt.Errorf("%w: StorageClass parameters %s=%s and %s=%s: %s; use encryption preferred or none, or another transport",

@@ -15,14 +15,14 @@ import (
 func TestParseParams(t *testing.T) {
 	p, err := ParseParams(map[string]string{
 		"fsType": "xfs", "transport": "relay", "storageNode": "node-a", "storageNodeSelector": "zone=a, rack=3",
-		"deadConnTimeout": "90s", "requestTimeout": "10s", "blockSize": "512", "encryption": "required",
+		"deadConnTimeout": "90s", "requestTimeout": "10s", "deadPeerTimeout": "4s", "blockSize": "512", "encryption": "required",
 		"csi.storage.k8s.io/pvc/name": "data",
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p.FSType != "xfs" || p.Transport != attach.Relay || p.StorageNode != "node-a" || p.NodeSelector["rack"] != "3" ||
-		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.BlockSize != 512 || p.Encryption != "required" {
+		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.DeadPeerTimeout != 4*time.Second || p.BlockSize != 512 || p.Encryption != "required" {
 		t.Fatalf("%+v", p)
 	}
 	def, err := ParseParams(nil)
@@ -48,10 +48,23 @@ func TestParseParamsEncryptionNeedsATransportThatCan(t *testing.T) {
 	}
 }
 
+// A kernel socket must die of the dead-peer bound before the kernel's
+// request timeout requeues its requests: a class that sets both keeps
+// the request timeout at least twice the bound.
+func TestParseParamsDeadPeerBelowRequestTimeout(t *testing.T) {
+	_, err := ParseParams(map[string]string{"requestTimeout": "10s", "deadPeerTimeout": "6s"})
+	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), "deadPeerTimeout") || !strings.Contains(err.Error(), "requestTimeout") {
+		t.Fatalf("requestTimeout 10s with deadPeerTimeout 6s: %v", err)
+	}
+	if _, err := ParseParams(map[string]string{"requestTimeout": "10s", "deadPeerTimeout": "5s"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestParseParamsErrorsNameTheKey(t *testing.T) {
 	for key, val := range map[string]string{
 		"fsType": "btrfs", "transport": "iscsi", "storageNode": "a b", "storageNodeSelector": "novalue",
-		"deadConnTimeout": "forever", "requestTimeout": "-1s", "blockSize": "8192", "replicas": "3", "encryption": "yes",
+		"deadConnTimeout": "forever", "requestTimeout": "-1s", "deadPeerTimeout": "1s", "blockSize": "8192", "replicas": "3", "encryption": "yes",
 	} {
 		_, err := ParseParams(map[string]string{key: val})
 		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), key) {

@@ -34,7 +34,7 @@ const (
 // context) that matter on the node. Everything else in the volume context
 // (the provisioner's identity, pod info, controller-only parameters) is
 // ignored here: the controller validated it when the volume was created.
-var nodeParamKeys = []string{ParamFSType, ParamTransport, ParamDeadConnTimeout, ParamRequestTimeout, ParamBlockSize, ParamEncryption}
+var nodeParamKeys = []string{ParamFSType, ParamTransport, ParamDeadConnTimeout, ParamRequestTimeout, ParamDeadPeerTimeout, ParamBlockSize, ParamEncryption}
 
 // attachSpec is what the node needs to attach a volume.
 type attachSpec struct {
@@ -102,6 +102,7 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, i
 		Options: attach.Options{
 			DeadConnTimeout: p.DeadConnTimeout,
 			RequestTimeout:  p.RequestTimeout,
+			DeadPeerTimeout: p.DeadPeerTimeout,
 			BlockSize:       p.BlockSize,
 		},
 		FSType: p.FSType,

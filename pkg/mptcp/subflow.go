@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"time"
 )
 
 // Socket options of level SolMPTCP that list an MPTCP connection's
@@ -79,6 +80,7 @@ const (
 // Field offsets in struct tcp_info (include/uapi/linux/tcp.h).
 const (
 	offTCPState         = 0
+	offTCPLastAckRecv   = 56  // tcpi_last_ack_recv, milliseconds
 	offTCPBytesAcked    = 120 // tcpi_bytes_acked (4.1)
 	offTCPBytesReceived = 128 // tcpi_bytes_received (4.1)
 	offTCPBytesSent     = 200 // tcpi_bytes_sent (4.19)
@@ -110,6 +112,11 @@ type SubflowInfo struct {
 	// BytesReceived counts the bytes received in order
 	// (tcpi_bytes_received).
 	BytesReceived uint64
+	// LastAckRecv is how long ago the subflow last received an
+	// acknowledgement it accepted (tcpi_last_ack_recv): a peer whose
+	// kernel answers keepalive probes keeps it short however slow its
+	// server process is.
+	LastAckRecv time.Duration
 }
 
 // FullInfo is a decoded MPTCP_FULL_INFO reply.
@@ -215,6 +222,7 @@ func decodeTCPInfo(s *SubflowInfo, b []byte) {
 	ne := binary.NativeEndian
 	d := decoder{b: b}
 	s.State = d.u8(offTCPState)
+	s.LastAckRecv = time.Duration(d.u32(ne, offTCPLastAckRecv)) * time.Millisecond
 	s.BytesAcked = d.u64(ne, offTCPBytesAcked)
 	s.BytesReceived = d.u64(ne, offTCPBytesReceived)
 	s.BytesSent = d.u64(ne, offTCPBytesSent)

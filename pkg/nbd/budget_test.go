@@ -9,13 +9,13 @@ import (
 	"time"
 )
 
-// writeGate blocks every write until its gate closes.
-type writeGate struct {
+// blockedWrites blocks every write until its gate closes.
+type blockedWrites struct {
 	*MemBackend
 	gate chan struct{}
 }
 
-func (g *writeGate) WriteAt(p []byte, off int64) (int, error) {
+func (g *blockedWrites) WriteAt(p []byte, off int64) (int, error) {
 	<-g.gate
 	return g.MemBackend.WriteAt(p, off)
 }
@@ -76,7 +76,7 @@ func TestInflightBudgetsSharedByConnections(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			g := &writeGate{MemBackend: NewMemBackend(16 << 20), gate: make(chan struct{})}
+			g := &blockedWrites{MemBackend: NewMemBackend(16 << 20), gate: make(chan struct{})}
 			open := sync.OnceFunc(func() { close(g.gate) })
 			e := &Export{Name: "d", Backend: g}
 			s := newTestServer(t, e)

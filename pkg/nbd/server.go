@@ -193,6 +193,11 @@ type Server struct {
 	// counts as a new incarnation. Set it to something that changes
 	// exactly when writes not yet flushed can have been lost.
 	Incarnation Incarnation
+	// DeadPeerTimeout arms every connection against a client host that
+	// falls silent (server_deadconn.go); zero means
+	// DefaultDeadPeerTimeout, a negative value leaves the sockets as
+	// they are.
+	DeadPeerTimeout time.Duration
 
 	mu        sync.Mutex
 	exports   map[string]*Export

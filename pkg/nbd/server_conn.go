@@ -41,6 +41,10 @@ type serverConn struct {
 	// fenced is set once a newer connection of the same session lane
 	// supersedes this one: requests not yet started are dropped.
 	fenced atomic.Bool
+	// gone is set once the connection ended under its requests (its
+	// read failed, or a reply could not be written): requests not yet
+	// started are dropped (server_deadconn.go).
+	gone atomic.Bool
 	// active: this connection sent a request and superseded the older
 	// ones of its session lane (reader goroutine only).
 	active bool
@@ -109,6 +113,7 @@ func (c *serverConn) transmit() {
 		c.lim.shared = append(c.lim.shared, b)
 		defer done()
 	}
+	c.srv.armDeadPeer(c)
 	lc := newLowatConn(c.conn)
 	lc.stopping = c.draining.Load
 	var src io.Reader = lc
@@ -215,9 +220,10 @@ func (c *serverConn) worker(queue <-chan work) {
 // run executes one request and queues its reply; it returns when the
 // backend call ended.
 func (c *serverConn) run(w work) time.Time {
-	if c.fenced.Load() {
-		// Superseded: the client replays this request on the new
-		// connection, which must not meet it executing late.
+	if c.fenced.Load() || c.gone.Load() {
+		// Superseded, or the connection ended: the client sends this
+		// request again on another connection, which must not meet it
+		// executing late.
 		if w.buf != nil {
 			putBuf(w.buf)
 		}
@@ -334,6 +340,7 @@ func (c *serverConn) drop(payload int) {
 }
 
 func (c *serverConn) readEnded(err error) {
+	c.abandon()
 	if c.fenced.Load() {
 		c.log.Info("connection superseded by a newer one of its session")
 		return
@@ -506,6 +513,7 @@ func (c *serverConn) reply(r queuedReply) {
 
 		c.qmu.Lock()
 		if werr != nil && c.werr == nil {
+			c.gone.Store(true)
 			c.werr = werr
 			c.log.Info("reply failed, closing connection", "error", werr)
 			c.conn.Close()

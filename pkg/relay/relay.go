@@ -40,6 +40,14 @@
 //     told is written. A FUA write is durable once answered, but is kept
 //     behind older retained writes so that their replay cannot land over
 //     it. What is retained is bounded by FLUSHes of the relay's own.
+//   - A silent server is noticed in seconds, not after tcp_retries2: a
+//     connection whose requests wait while nothing is received and the
+//     server's host acknowledges nothing for Options.DeadPeerTimeout is
+//     closed and replaced as if it had been reset. The bound is on
+//     progress, not on the age of the oldest request, and the host's
+//     kernel (keepalive) vetoes it, so a slow server under load is never
+//     taken for a dead one (deadline.go; TestDeadPeerSilentServerDetected,
+//     TestDeadPeerSlowServerKept, TestDeadPeerSilentPathKeepsConnection).
 package relay
 
 import (
@@ -111,6 +119,12 @@ type Options struct {
 	// retains stay owed to the server. Zero means requests wait for as
 	// long as it takes (a hard mount).
 	FailAfter time.Duration
+	// DeadPeerTimeout bounds how long requests may go unanswered with
+	// nothing received from the server and no acknowledgement from its
+	// host before the connection counts as dead and is replaced
+	// (deadline.go); zero means DefaultDeadPeerTimeout, a negative value
+	// turns the check off (the kernel then notices after tcp_retries2).
+	DeadPeerTimeout time.Duration
 	// OnEvent, when set, is called for connection events from the relay's
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
@@ -220,6 +234,9 @@ type Stats struct {
 	Failed  int
 	// Replaced counts connections replaced by better ones (Replace).
 	Replaced int
+	// DeadPeers counts connections closed because the server went
+	// silent (DeadPeerTimeout).
+	DeadPeers int
 	// Remote is the current remote connection; nil while there is none.
 	Remote net.Conn
 	// Connected reports whether a remote connection is in use.
@@ -338,6 +355,8 @@ type Relay struct {
 	// replaced counts the connections so replaced.
 	spare    net.Conn
 	replaced int
+	// deadPeers counts connections the watchdog closed (deadline.go).
+	deadPeers int
 }
 
 // New returns a relay between local (the kernel's end) and remote, a
@@ -445,6 +464,7 @@ func (r *Relay) Stats() Stats {
 		Failing:          r.failing,
 		Failed:           r.failed,
 		Replaced:         r.replaced,
+		DeadPeers:        r.deadPeers,
 	}
 }
 

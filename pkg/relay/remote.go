@@ -368,7 +368,9 @@ func (r *Relay) fail(gen uint64, err error) {
 // connection that dies in the middle of a read payload leaves the request
 // to the replay, and each reply reaches the local side exactly once.
 func (r *Relay) downLoop(conn net.Conn, gen uint64, br *bufio.Reader) (delivered int, err error) {
-	br.Reset(conn)
+	src, unwatch := r.watch(conn, gen)
+	defer unwatch()
+	br.Reset(src)
 	defer func() {
 		// Replies taken out of the table must reach the local side even
 		// though this connection is done.

@@ -197,7 +197,8 @@ func DefaultNewest(t testing.TB) Config {
 }
 
 // Default returns a Config for tests: the cached Debian cloud kernel with
-// the nbd, veth, sch_tbf, sch_netem, loop and brd modules loaded (nbd with
+// the nbd, veth, sch_tbf, sch_netem, loop, brd and nf_tables (for nft
+// rules that silence a host or a path) modules loaded (nbd with
 // nbds_max=8, brd providing a 128 MiB /dev/ram0), iproute2 and e2fsprogs
 // tools, 1 GiB of memory, 2 CPUs and a 5 minute timeout. It skips the test
 // with the reason if the VM cannot be had (not linux/amd64, -short, no

@@ -4,6 +4,24 @@
 // destroy-on-disconnect, a dead-connection timeout and a request timeout;
 // a LINK_DEAD watcher redials and hands the kernel new sockets with
 // RECONFIGURE, and a fresh process re-adopts devices by their identifier.
+//
+// Every transport here bounds the wait on a silent storage host by the
+// dead-peer bound (attach.Options.DeadPeerTimeout): the relay watches it
+// itself, and the plain TCP sockets of tcp and multiconn carry it as
+// TCP_USER_TIMEOUT with a keepalive (deadpeer.go), while the kernel's
+// request timeout stays at least twice the bound.
+//
+// multiconn announces no session (the kernel cannot), so nothing fences a
+// socket the kernel gave up on; what makes it safe instead is that a
+// request can no longer reach the server late, after the kernel requeued
+// it on another socket and newer writes followed: the socket of a silent
+// path dies of TCP_USER_TIMEOUT before the kernel's request timeout
+// requeues its requests, and a dead socket's unsent data is purged with
+// it; the server ends its side of such a connection within the same bound
+// and drops the requests it had read but not started (pkg/nbd). A
+// request the server started before the path fell silent completes at
+// once, long before any requeue. TestMulticonnNoLateWriteAfterSilentPath
+// proves it with a path whose packets are dropped.
 package nbddev
 
 import (
@@ -134,9 +152,8 @@ func withDefaults(o attach.Options) attach.Options {
 	if o.DeadConnTimeout == 0 {
 		o.DeadConnTimeout = attach.DefaultDeadConnTimeout
 	}
-	if o.RequestTimeout == 0 {
-		o.RequestTimeout = attach.DefaultRequestTimeout
-	}
+	o.DeadPeerTimeout = o.EffectiveDeadPeerTimeout()
+	o.RequestTimeout = o.KernelRequestTimeout()
 	if o.BlockSize == 0 {
 		o.BlockSize = attach.DefaultBlockSize
 	}
@@ -210,11 +227,19 @@ func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Option
 		}
 	}()
 	flags := nbdnl.DestroyOnDisconnect
-	timeout := o.RequestTimeout
+	// One policy on every transport: a storage host silent for the
+	// dead-peer bound loses its connection, which is replaced; a slow one
+	// keeps it. The kernel's own request timeout is an age bound, the
+	// wrong tool for that (a busy server's queue would trip it), so it
+	// stays well above the dead-peer bound (attach.Options.
+	// KernelRequestTimeout) and the sockets carry the bound themselves
+	// (armSockets).
+	timeout := v.opts.RequestTimeout
 	if a.cfg.Mode == attach.Relay {
-		// The relay watches the server itself and never loses a request;
-		// a kernel timeout would shut its socket down and throw away what
-		// it holds for a replay. Without one the kernel only warns.
+		// The relay watches the server itself (relay.Options.
+		// DeadPeerTimeout) and never loses a request; a kernel timeout
+		// would shut its socket down and throw away what it holds for a
+		// replay. Without one the kernel only warns.
 		timeout = 0
 	}
 	idx, err := a.cfg.Kernel.Connect(nbdnl.ConnectOptions{
@@ -416,6 +441,7 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 	v.mu.Lock()
 	v.conns = conns
 	v.mu.Unlock()
+	a.armSockets(v, conns)
 
 	files := make([]*os.File, 0, len(conns))
 	for _, c := range conns {
@@ -568,7 +594,7 @@ func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remot
 		v.mu.Unlock()
 		return c, nil
 	}
-	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending}
+	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending, DeadPeerTimeout: v.opts.DeadPeerTimeout}
 	if v.bounded() {
 		ro.FailAfter = v.opts.DeadConnTimeout
 	}
