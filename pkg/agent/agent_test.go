@@ -375,6 +375,18 @@ func refused(t *testing.T, r *running, what, export string) {
 	}
 }
 
+// knownSources checks the server's known sources (published addresses).
+func knownSources(t *testing.T, r *running, want ...string) {
+	t.Helper()
+	var got []string
+	for _, a := range r.srv.KnownSources() {
+		got = append(got, a.String())
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("known sources %v, want %v", got, want)
+	}
+}
+
 func storageNode(t *testing.T, c client.Client) *v1alpha1.NBDStorageNode {
 	t.Helper()
 	var n v1alpha1.NBDStorageNode
@@ -518,6 +530,11 @@ func TestAgent(t *testing.T) {
 		refused(t, r, "connection from an address not published", access.NodeExport("vol-a", tok3))
 		tok4 := publish(t, c, "vol-a", "node-4", false, "10.99.0.2", "127.0.0.1")
 		mustDial(t, r, access.NodeExport("vol-a", tok4))
+		// The published addresses are the sources the server keeps
+		// handshake slots for, and only while they are published.
+		knownSources(t, r, "10.99.0.1", "10.99.0.2", "127.0.0.1", "fd00::1")
+		unpublish(t, c, "vol-a", "node-3")
+		knownSources(t, r, "10.99.0.2", "127.0.0.1")
 	})
 
 	t.Run("token hash not there yet", func(t *testing.T) {
