@@ -11,13 +11,15 @@ import (
 // connections; the refused ones are closed by the server.
 func (e *limitEnv) flood(src string, n int) []net.Conn {
 	e.t.Helper()
+	// The observer's lock is not held while the server's is taken: the
+	// server reports its counts to the observer under its own.
 	settled := func() int {
 		e.obs.mu.Lock()
-		defer e.obs.mu.Unlock()
 		r := 0
 		for _, v := range e.obs.refused {
 			r += v
 		}
+		e.obs.mu.Unlock()
 		return e.srv.ConnStats().Handshakes + r
 	}
 	var cs []net.Conn
