@@ -3,7 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
-	"net"
+	"net/netip"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -27,9 +27,10 @@ type clusterAgent struct {
 	stop context.CancelFunc
 }
 
-// startAgent builds the manager and the agent serving on d.srv, whose
-// listener has the given port, and starts them.
-func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error) {
+// startAgent builds the manager and the agent serving on d.srv through
+// ls, and starts them.
+func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterAgent, error) {
+	port := ls.Port()
 	co := d.opts.cluster
 	kubelog.Bridge(d.log)
 	cfg, err := kubeconfig.Load(co.kubeconfig)
@@ -71,6 +72,7 @@ func (d *daemon) startAgent(ctx context.Context, port int) (*clusterAgent, error
 		SignalNICs:        co.signalNICs,
 		AutoBackup:        co.autoBackup,
 		StaleLossCount:    co.staleLoss,
+		Listeners:         ls,
 		Exports:           d.metrics,
 		OnLostWrites:      d.lostWrites,
 		Logger:            d.log,
@@ -125,10 +127,13 @@ func (d *daemon) startIdentity(ctx context.Context, cfg *rest.Config, scheme *ru
 	return id, nil
 }
 
-// listenerPort is the TCP port l is bound to.
-func listenerPort(l net.Listener) int {
-	if a, ok := l.Addr().(*net.TCPAddr); ok {
-		return a.Port
+// storageAddrs parses the storage addresses (checked by resolve).
+func storageAddrs(addrs []string) []netip.Addr {
+	out := make([]netip.Addr, 0, len(addrs))
+	for _, a := range addrs {
+		if ip, err := netip.ParseAddr(a); err == nil {
+			out = append(out, ip)
+		}
 	}
-	return 0
+	return out
 }

@@ -51,7 +51,7 @@ func TestRunCluster(t *testing.T) {
 	}
 	dir := t.TempDir()
 	r := start(t, "--cluster", "--node-name", "n1", "--namespace", "mpnbd", "--storage-address", "127.0.0.1",
-		"--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--data-dir", dir,
+		"--listen", ":0", "--metrics-addr", "127.0.0.1:0", "--data-dir", dir,
 		"--kubeconfig", apiserver.WriteKubeconfig(t, cfg), "--heartbeat", "1s", "--log-format", "json")
 
 	waitUntil(t, "/readyz", func() string {
@@ -90,6 +90,12 @@ func TestRunCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, port, _ := net.SplitHostPort(r.addr)
+	// The NBD port listens on the storage address only: another address
+	// of the host refuses the connection.
+	if c, err := net.DialTimeout("tcp", net.JoinHostPort("127.0.0.2", port), 5*time.Second); err == nil {
+		c.Close()
+		t.Fatalf("the NBD port %s accepts connections on 127.0.0.2, which is no storage address", port)
+	}
 	waitUntil(t, "volume available", func() string {
 		if err := c.Get(ctx, client.ObjectKeyFromObject(vol), vol); err != nil {
 			return err.Error()

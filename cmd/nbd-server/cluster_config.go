@@ -4,9 +4,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // Cluster mode defaults.
@@ -36,10 +39,11 @@ type clusterFlags struct {
 	heartbeat        time.Duration
 	kubeconfig       string
 	identity         bool
+	reserved         int
 }
 
 // clusterOnly are the flags that mean something only with --cluster.
-var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "mptcp-stale-loss-count", "topology", "heartbeat", "kubeconfig", "identity"}
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "mptcp-stale-loss-count", "topology", "heartbeat", "kubeconfig", "identity", "reserved-handshakes"}
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
@@ -54,6 +58,12 @@ type clusterOptions struct {
 	heartbeat  time.Duration
 	kubeconfig string
 	identity   bool
+	// port is the NBD port, bound on the storage addresses and on the
+	// addresses of signalNICs only (0: any free one).
+	port int
+	// reservedHandshakes are the handshake slots kept for the published
+	// nodes (nbd.Limits.ReservedHandshakes; -1: none).
+	reservedHandshakes int
 }
 
 func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
@@ -68,6 +78,8 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.StringVar(&c.topology, "topology", "", "cluster mode: topology labels reported for the node")
 	fs.DurationVar(&c.heartbeat, "heartbeat", defaultHeartbeat, "cluster mode: report the node's capacity every `DURATION`")
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
+	fs.IntVar(&c.reserved, "reserved-handshakes", nbd.DefaultReservedHandshakes,
+		"cluster mode: keep `N` of the --max-handshakes slots for connections from the storage addresses of the nodes a volume is published to; other sources share the rest; 0: none kept (default: half of --max-handshakes)")
 	fs.BoolVar(&c.identity, "identity", true, "cluster mode: get this storage node's certificate from the controller (CertificateSigningRequest) and offer STARTTLS with it; nodes then open volumes with their node certificates")
 }
 
@@ -139,6 +151,16 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 	case o.heartbeat <= 0:
 		return nil, fmt.Errorf("invalid --heartbeat %s: must be positive", o.heartbeat)
 	}
+	switch {
+	case c.reserved < 0:
+		return nil, fmt.Errorf("invalid --reserved-handshakes %d: want a number of handshakes, or 0 for none", c.reserved)
+	case !set["reserved-handshakes"]:
+		// nbd's default: half of --max-handshakes, whatever it is.
+	case c.reserved == 0:
+		o.reservedHandshakes = -1
+	default:
+		o.reservedHandshakes = c.reserved
+	}
 	if o.staleLoss < 0 {
 		return nil, fmt.Errorf("invalid --mptcp-stale-loss-count %d: want 0 (leave it) or more", o.staleLoss)
 	}
@@ -170,4 +192,25 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 	}
 	o.topology = topo
 	return o, nil
+}
+
+// clusterPort is the port of cluster mode's one --listen address, which
+// must not name a host: the agent binds the port on its storage addresses
+// only.
+func clusterPort(listen []string) (int, error) {
+	if len(listen) != 1 {
+		return 0, fmt.Errorf("cluster mode takes one --listen address (:PORT), not %d", len(listen))
+	}
+	host, port, err := net.SplitHostPort(listen[0])
+	if err != nil {
+		return 0, fmt.Errorf("invalid --listen %q: want :PORT", listen[0])
+	}
+	if host != "" {
+		return 0, fmt.Errorf("in cluster mode --listen gives only the port (:%s, not %q): the agent binds it on its --storage-address addresses and the addresses of its --signal-nic NICs, never on every address", port, listen[0])
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return 0, fmt.Errorf("invalid --listen %q: the port is not a number from 0 to 65535", listen[0])
+	}
+	return int(n), nil
 }

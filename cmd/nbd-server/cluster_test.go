@@ -29,6 +29,7 @@ func TestParseArgsCluster(t *testing.T) {
 		autoBackup: true,
 		staleLoss:  mptcp.DefaultStaleLossCount,
 		identity:   true,
+		port:       10809,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
@@ -53,12 +54,33 @@ func TestParseArgsCluster(t *testing.T) {
 		topology:   map[string]string{"topology.kubernetes.io/zone": "a", "rack": "r1"},
 		heartbeat:  3 * time.Second,
 		kubeconfig: "/etc/kube.conf",
+		port:       10810,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
 	}
 	if !o.tcp || !reflect.DeepEqual(o.listen, []string{":10810"}) {
 		t.Fatalf("options = %+v", o)
+	}
+
+	// The handshakes kept for published nodes: half of --max-handshakes
+	// unless given; 0 keeps none.
+	for _, tc := range []struct {
+		args []string
+		want int
+	}{
+		{nil, 0},
+		{[]string{"--reserved-handshakes", "100"}, 100},
+		{[]string{"--reserved-handshakes", "0"}, -1},
+		{[]string{"--max-handshakes", "0", "--reserved-handshakes", "5000"}, 5000},
+	} {
+		o, err := parseArgs(append([]string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--storage-address", "10.0.0.1"}, tc.args...))
+		if err != nil {
+			t.Fatalf("%q: %v", tc.args, err)
+		}
+		if o.limits.ReservedHandshakes != tc.want {
+			t.Errorf("%q: Limits.ReservedHandshakes %d, want %d", tc.args, o.limits.ReservedHandshakes, tc.want)
+		}
 	}
 
 	// Standalone runs stay as they were.
@@ -95,6 +117,11 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		{"cluster flag without cluster", []string{"--export", "a=/a", "--node-name", "n1"}, "--node-name needs --cluster"},
 		{"address without cluster", []string{"--export", "a=/a", "--storage-address", "10.0.0.1"}, "--storage-address needs --cluster"},
 		{"identity without cluster", []string{"--export", "a=/a", "--identity"}, "--identity needs --cluster"},
+		{"listen on a host in cluster mode", with("--listen", "0.0.0.0:10809"), "in cluster mode --listen gives only the port (:10809"},
+		{"two listen addresses in cluster mode", with("--listen", ":10809", "--listen", ":10810"), "one --listen address"},
+		{"negative reserved handshakes", with("--reserved-handshakes", "-1"), "invalid --reserved-handshakes -1"},
+		{"more reserved than handshakes", with("--max-handshakes", "10", "--reserved-handshakes", "11"), "--reserved-handshakes 11 is more than --max-handshakes 10"},
+		{"reserved handshakes without cluster", []string{"--export", "a=/a", "--reserved-handshakes", "3"}, "--reserved-handshakes needs --cluster"},
 		{"tls files in cluster mode", with("--tls", "on", "--tls-cert", "c.pem", "--tls-key", "k.pem"), "--tls cannot be combined with --cluster"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -116,7 +143,7 @@ func TestRunClusterUsage(t *testing.T) {
 		t.Fatalf("--help: exit %d", code)
 	}
 	for _, want := range []string{"--cluster", "--node-name NAME", "--storage-address IP[,IP...]", "--signal-nic NIC[,NIC...]",
-		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--kubeconfig FILE", "--data-dir DIR", "--identity",
+		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--reserved-handshakes N", "--kubeconfig FILE", "--data-dir DIR", "--identity",
 		defaultDataDir, "$NODE_NAME", "$POD_NAMESPACE", "/readyz"} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("help text lacks %q", want)

@@ -79,7 +79,9 @@ override the file:
   }
 
 "size" is a number of bytes or a string with a suffix as above; unknown keys
-are errors. Without any listen address the server listens on %s.
+are errors. Without any listen address the server listens on %s, every
+address of the host: on a host with networks clients must not reach the
+port from, give the addresses clients use instead.
 
 Signals:
   SIGINT, SIGTERM  stop accepting, drain connections (in-flight requests
@@ -97,7 +99,13 @@ Cluster mode (--cluster):
   endpoints on those NICs (interface names or CIDRs); without it the host's
   endpoints are left alone. With it, --auto-backup (on by default) flags
   backup the endpoint of a path much slower than the others, from what its
-  subflows deliver, and clears the flag once the path recovers. The cluster is reached with --kubeconfig, else
+  subflows deliver, and clears the flag once the path recovers.
+  --listen gives only the port (:PORT, default 10809): the agent binds
+  it on the --storage-address addresses (one not up yet is bound all
+  the same and served once it is) and on the addresses of the
+  --signal-nic NICs, following them as they come and go (the port opens
+  on an address before its endpoint is announced), never on every
+  address. The cluster is reached with --kubeconfig, else
   $KUBECONFIG, else the in-cluster service account. A volume's file is
   deleted only with an NBDVolume that CSI DeleteVolume deleted (annotation
   mpnbd.io/delete-data); the file of one deleted otherwise (by hand, or
@@ -122,7 +130,10 @@ Connection limits (the storage agent has the same): --max-conns,
 --max-conns-per-source (per client IP address) and --max-conns-per-export
 bound open connections; --max-handshakes and --max-handshakes-per-source
 bound those still negotiating, which must finish within
---handshake-timeout. A connection over a total or per-source limit is
+--handshake-timeout. In cluster mode --reserved-handshakes of the
+--max-handshakes slots (default half) are kept for connections from the
+storage addresses of the nodes a volume is published to; other sources
+share the rest. A connection over a total or per-source limit is
 closed as soon as it is accepted; one over --max-conns-per-export is
 refused NBD_OPT_GO with NBD_REP_ERR_POLICY (or hung up on after
 NBD_OPT_EXPORT_NAME). 0 turns a limit off. Refusals are counted in
@@ -216,7 +227,8 @@ func usage(fs *flag.FlagSet) string {
 		if arg != "" {
 			fmt.Fprintf(&b, " %s", arg)
 		}
-		if f.DefValue != "" && f.DefValue != "false" && f.DefValue != "[]" {
+		// reserved-handshakes says its default (half of another flag).
+		if f.DefValue != "" && f.DefValue != "false" && f.DefValue != "[]" && f.Name != "reserved-handshakes" {
 			text += fmt.Sprintf(" (default %q)", f.DefValue)
 		}
 		fmt.Fprintf(&b, "\n        %s\n", text)
@@ -234,7 +246,7 @@ func newFlagSet() (*flag.FlagSet, *flagValues) {
 	v := &flagValues{}
 	fs := flag.NewFlagSet("nbd-server", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	fs.Var(&v.listen, "listen", "listen on `ADDR` (HOST:PORT); repeatable; "+defaultListen+" if no address is given")
+	fs.Var(&v.listen, "listen", "listen on `ADDR` (HOST:PORT); repeatable; "+defaultListen+" (every address) if no address is given; cluster mode: :PORT only, bound on the storage addresses")
 	fs.Var(&v.exports, "export", "serve the file or block device PATH as export NAME; repeatable, see Export options")
 	fs.StringVar(&v.config, "config", "", "read listen addresses, exports and options from JSON `FILE`")
 	fs.BoolVar(&v.tcp, "tcp", false, "listen with plain TCP instead of Multipath TCP")
@@ -452,6 +464,13 @@ func parseArgs(args []string) (*options, error) {
 	if v.cluster.enabled {
 		if o.cluster, err = v.cluster.resolve(set); err != nil {
 			return nil, err
+		}
+		if o.cluster.port, err = clusterPort(o.listen); err != nil {
+			return nil, err
+		}
+		o.limits.ReservedHandshakes = o.cluster.reservedHandshakes
+		if r, m := o.limits.ReservedHandshakes, o.limits.MaxHandshakes; r > 0 && m > 0 && r > m {
+			return nil, fmt.Errorf("--reserved-handshakes %d is more than --max-handshakes %d", r, m)
 		}
 		o.noList = true
 		return o, nil

@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -152,14 +153,36 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		log.Warn("no exports yet; add some to the config file and send SIGHUP", "config", opts.configPath)
 	}
 
+	// Standalone: every --listen address. Cluster mode: the port on the
+	// storage addresses, and on the signal NICs' addresses as the agent
+	// finds them.
 	var listeners []net.Listener
+	var clusterListeners *agent.Listeners
 	closeListeners := func() {
 		for _, l := range listeners {
 			l.Close()
 		}
+		if clusterListeners != nil {
+			clusterListeners.Close()
+		}
 	}
 	var bound []string
+	if co := opts.cluster; co != nil {
+		clusterListeners = agent.NewListeners(d.srv, co.port, !opts.tcp, log)
+		if err := clusterListeners.Bind(storageAddrs(co.addresses)); err != nil {
+			log.Error("cannot listen on the storage addresses", "error", err)
+			closeListeners()
+			return exitFailure
+		}
+		for _, l := range clusterListeners.Listeners() {
+			bound = append(bound, l.Addr().String())
+			d.logListener(l, l.Addr().String())
+		}
+	}
 	for _, addr := range opts.listen {
+		if opts.cluster != nil {
+			break // the storage addresses, above
+		}
 		l, err := mptcp.Listen(ctx, "tcp", addr, !opts.tcp)
 		if err != nil {
 			log.Error("cannot listen", "addr", addr, "error", err)
@@ -174,7 +197,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 
 	var ca *clusterAgent
 	if opts.cluster != nil {
-		ca, err = d.startAgent(ctx, listenerPort(listeners[0]))
+		ca, err = d.startAgent(ctx, clusterListeners)
 		if err != nil {
 			log.Error("cannot start the storage agent", "error", err)
 			closeListeners()
@@ -223,6 +246,9 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			}
 		})
 	}
+	if clusterListeners != nil {
+		clusterListeners.Serve()
+	}
 	log.Info("ready", "listen", bound, "metrics_addr", metricsAddr, "exports", len(d.exports))
 
 	code := exitOK
@@ -269,6 +295,9 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 	}
 	cancel()
 	serving.Wait()
+	if clusterListeners != nil {
+		clusterListeners.Close()
+	}
 	if ca != nil {
 		if err := ca.agent.Close(); err != nil {
 			log.Error("closing volumes failed", "error", err)

@@ -56,7 +56,8 @@ func TestChartValues(t *testing.T) {
 		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
 	has("storage agent", argsOf(t, objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent"),
 		"--cluster", "--data-dir=/srv/mpnbd", "--listen=:10900", "--metrics-addr=:19810", "--signal-nic=eth1,eth2",
-		"--auto-backup=false", "--storage-address=10.10.1.1,10.10.2.1", "--shutdown-timeout=60s")
+		"--auto-backup=false", "--storage-address=10.10.1.1,10.10.2.1", "--shutdown-timeout=60s", "--reserved-handshakes=100",
+		"--max-handshakes=1024")
 	has("controller", argsOf(t, objs, "Deployment", "mpnbd-controller", "controller"),
 		"--wait-timeout=90s", "--stale-after=5m", "--log-format=json")
 	has("provisioner", argsOf(t, objs, "Deployment", "mpnbd-controller", "csi-provisioner"),

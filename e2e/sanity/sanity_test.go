@@ -175,7 +175,7 @@ func startCluster(t *testing.T) *cluster {
 	}
 	start(t, dir, "nbd-server", "--cluster", "--node-name", storageNode, "--namespace", namespace,
 		"--data-dir", filepath.Join(dir, "volumes"), "--storage-address", "127.0.0.1",
-		"--listen", "127.0.0.1:0", "--metrics-addr", "", "--heartbeat", "2s", "--kubeconfig", kubeconfig)
+		"--listen", ":0", "--metrics-addr", "", "--heartbeat", "2s", "--kubeconfig", kubeconfig)
 	start(t, dir, "controller", "--endpoint", "unix://"+cl.controllerSock, "--namespace", namespace,
 		"--kubeconfig", kubeconfig, "--wait-timeout", "30s")
 	start(t, dir, "node", "--endpoint", "unix://"+cl.nodeSock, "--node-id", nodeID,

@@ -104,6 +104,11 @@ type Config struct {
 	// StaleLossCount is the least net.mptcp.stale_loss_cnt kept with the
 	// signal endpoints (0: left alone; see mptcp.DefaultStaleLossCount).
 	StaleLossCount int
+	// Listeners, when set, are the NBD server's listeners: the port is
+	// opened on each address of SignalNICs before its endpoint is
+	// announced, and closed when the address leaves (Listeners.Follow).
+	// Without it the port must already listen there.
+	Listeners *Listeners
 	// Snapshots turns the NBDSnapshot reconciler on (SnapshotsServed);
 	// the cache must then come from CacheOptions(node, true).
 	Snapshots bool
@@ -217,6 +222,9 @@ func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Re
 	}
 	srv.Resolve = a.resolve
 	srv.DisableList = true
+	// The handshake slots Limits.ReservedHandshakes keeps are for the
+	// published nodes; none is published before the first reconcile.
+	srv.SetKnownSources(nil)
 	return a, nil
 }
 

@@ -378,6 +378,18 @@ func refused(t *testing.T, r *running, what, export string) {
 	}
 }
 
+// knownSources checks the server's known sources (published addresses).
+func knownSources(t *testing.T, r *running, want ...string) {
+	t.Helper()
+	var got []string
+	for _, a := range r.srv.KnownSources() {
+		got = append(got, a.String())
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("known sources %v, want %v", got, want)
+	}
+}
+
 func storageNode(t *testing.T, c client.Client) *v1alpha1.NBDStorageNode {
 	t.Helper()
 	var n v1alpha1.NBDStorageNode
@@ -555,6 +567,12 @@ func TestAgent(t *testing.T) {
 				return p.NodeID == "node-any" || p.NodeID == "node-old" || p.NodeID == "node-here"
 			})
 		})
+
+		// The published addresses are the sources the server keeps
+		// handshake slots for, and only while they are published.
+		knownSources(t, r, "10.99.0.1", "10.99.0.2", "127.0.0.1", "fd00::1")
+		unpublish(t, c, "vol-a", "node-3")
+		knownSources(t, r, "10.99.0.2", "127.0.0.1")
 	})
 
 	t.Run("token hash not there yet", func(t *testing.T) {

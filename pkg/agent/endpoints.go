@@ -12,8 +12,11 @@ import (
 // to each. Only those endpoints are touched.
 func (a *Agent) runEndpoints(ctx context.Context) error {
 	// Port 0: the endpoints announce the port each connection uses, the
-	// NBD server's, which already listens on every address.
+	// NBD server's, opened on each address before it is announced.
 	d := mptcp.Desired{NICs: a.cfg.SignalNICs, Role: mptcp.RoleServer, StaleLossCount: a.cfg.StaleLossCount}
+	if a.cfg.Listeners != nil {
+		d.BeforeAdd = a.cfg.Listeners.Follow
+	}
 	var slow *mptcp.SlowPathPolicy
 	if a.cfg.AutoBackup {
 		slow = &mptcp.SlowPathPolicy{}

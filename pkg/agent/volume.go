@@ -329,6 +329,7 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	a.mu.Lock()
 	prev := v.grants
 	v.grants = next
+	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
 
 	// Nodes still published but with other terms (read-only now, other
@@ -468,6 +469,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	a.mu.Lock()
 	v := a.vols[vol.Name]
 	delete(a.vols, vol.Name)
+	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
 	if v != nil {
 		if err := a.closeVolume(v); err != nil {
@@ -567,6 +569,7 @@ func (a *Agent) forget(log *slog.Logger, name string) {
 	a.mu.Lock()
 	v := a.vols[name]
 	delete(a.vols, name)
+	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
 	if v != nil {
 		log.Warn("volume object gone without its finalizer; export closed, backing file kept")

@@ -89,6 +89,13 @@ type Desired struct {
 	// Keep leaves in its namespace (see DefaultStaleLossCount); a larger
 	// value stays.
 	StaleLossCount int
+	// BeforeAdd, if not nil, is called in every run with the addresses
+	// the endpoints are wanted for (sorted), before any endpoint is
+	// added. A server whose port listens on chosen addresses only opens
+	// it on each new one here: a signal endpoint is announced to the
+	// connections at once, and a join to an address where nothing
+	// listens is reset and not tried again.
+	BeforeAdd func(addrs []netip.Addr)
 }
 
 // Result reports what Reconcile did.
@@ -431,6 +438,9 @@ func reconcile(p PMInterface, addrs AddrSource, d Desired, prev map[netip.Addr]b
 	res.Warnings = warns
 	for _, w := range want {
 		res.Addrs = append(res.Addrs, w.ep.Addr)
+	}
+	if d.BeforeAdd != nil {
+		d.BeforeAdd(slices.Clone(res.Addrs))
 	}
 	managed := func(e Endpoint) bool {
 		return e.Addr.IsValid() && (owns(e) || prev[e.Addr.Unmap()])

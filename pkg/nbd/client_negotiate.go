@@ -57,6 +57,7 @@ func startTLS(c net.Conn, cfg *tls.Config) (*tls.Conn, error) {
 	if err := tc.Handshake(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrTLSHandshake, err)
 	}
+	bufferTLS(tc)
 	return tc, nil
 }
 

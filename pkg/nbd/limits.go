@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 )
@@ -38,6 +39,18 @@ type Limits struct {
 	// MaxHandshakes bounds all connections that have not finished the
 	// handshake. Default DefaultMaxHandshakes.
 	MaxHandshakes int
+	// ReservedHandshakes are handshake slots of MaxHandshakes that only
+	// connections from known sources may take (Server.SetKnownSources: for
+	// a storage agent, the storage addresses of the nodes its volumes are
+	// published to); connections from any other address share the rest.
+	// A few addresses that flood the port with handshakes they never
+	// finish then cannot refuse the nodes' redials: they fill the shared
+	// slots only, and MaxHandshakesPerSource keeps one known address from
+	// taking the reserve alone. It applies once SetKnownSources was
+	// called, even with no address; before that every slot is shared.
+	// Default: half of MaxHandshakes (DefaultReservedHandshakes with its
+	// default); more than MaxHandshakes leaves unknown sources none.
+	ReservedHandshakes int
 	// HandshakeTimeout is how long a connection may take from being
 	// accepted to choosing an export; it is closed then. Default
 	// DefaultHandshakeTimeout.
@@ -58,6 +71,7 @@ const (
 	DefaultMaxConns               = 4096
 	DefaultMaxHandshakesPerSource = 128
 	DefaultMaxHandshakes          = 1024
+	DefaultReservedHandshakes     = DefaultMaxHandshakes / 2
 	DefaultHandshakeTimeout       = 10 * time.Second
 )
 
@@ -67,6 +81,7 @@ const (
 	RefusedPerSource           = "per_source"
 	RefusedHandshakesTotal     = "handshakes_total"
 	RefusedHandshakesPerSource = "handshakes_per_source"
+	RefusedHandshakesUnknown   = "handshakes_unknown_sources"
 	RefusedHandshakeTimeout    = "handshake_timeout"
 	RefusedPerExport           = "per_export"
 )
@@ -74,7 +89,7 @@ const (
 // RefusalReasons lists every reason a connection can be refused for.
 var RefusalReasons = []string{
 	RefusedTotal, RefusedPerSource, RefusedHandshakesTotal,
-	RefusedHandshakesPerSource, RefusedHandshakeTimeout, RefusedPerExport,
+	RefusedHandshakesPerSource, RefusedHandshakesUnknown, RefusedHandshakeTimeout, RefusedPerExport,
 }
 
 // LimitObserver may be implemented by a Server's Observer to learn of
@@ -94,7 +109,10 @@ var errPerExport = errors.New("nbd: too many connections to the export")
 // resolvedLimits are Limits with defaults applied; 0 means no limit.
 type resolvedLimits struct {
 	perExport, perSource, total, hsPerSource, hsTotal int
-	hsTimeout                                         time.Duration
+	// hsReserved is how many of hsTotal are kept for known sources; 0
+	// with hsTotal 0.
+	hsReserved int
+	hsTimeout  time.Duration
 }
 
 func pickLimit(v, def int) int {
@@ -115,6 +133,13 @@ func (l Limits) resolve() resolvedLimits {
 		hsPerSource: pickLimit(l.MaxHandshakesPerSource, DefaultMaxHandshakesPerSource),
 		hsTotal:     pickLimit(l.MaxHandshakes, DefaultMaxHandshakes),
 		hsTimeout:   l.HandshakeTimeout,
+	}
+	switch {
+	case r.hsTotal == 0 || l.ReservedHandshakes < 0:
+	case l.ReservedHandshakes == 0:
+		r.hsReserved = r.hsTotal / 2
+	default:
+		r.hsReserved = min(l.ReservedHandshakes, r.hsTotal)
 	}
 	switch {
 	case r.hsTimeout == 0:
@@ -138,14 +163,37 @@ type connCounts struct {
 	mu         sync.Mutex
 	conns      int
 	handshakes int
-	sources    map[netip.Addr]*sourceCount
+	// unknownHandshakes are the handshakes from sources not known, which
+	// ReservedHandshakes does not let grow past the shared slots.
+	unknownHandshakes int
+	sources           map[netip.Addr]*sourceCount
+	// known are the sources ReservedHandshakes are kept for; knownSet
+	// says SetKnownSources was called (the reserve applies).
+	known    map[netip.Addr]struct{}
+	knownSet bool
 }
 
 // admission is one admitted connection's share of the counts.
 type admission struct {
 	src         netip.Addr // invalid when not an IP source
+	unknown     bool       // counted in unknownHandshakes while handshaking
 	handshaking bool
 	released    bool
+}
+
+// SetKnownSources replaces the source addresses that may take the
+// handshake slots Limits.ReservedHandshakes keeps (IPv4-mapped addresses
+// count as IPv4). Connections already admitted keep their class. The
+// reserve applies from the first call on, also when addrs is empty.
+func (s *Server) SetKnownSources(addrs []netip.Addr) {
+	known := make(map[netip.Addr]struct{}, len(addrs))
+	for _, a := range addrs {
+		known[a.Unmap()] = struct{}{}
+	}
+	cc := &s.counts
+	cc.mu.Lock()
+	cc.known, cc.knownSet = known, true
+	cc.mu.Unlock()
 }
 
 // sourceAddr is the IP address a connection comes from, if any.
@@ -170,6 +218,23 @@ func sourceAddr(a net.Addr) (netip.Addr, bool) {
 	return ip, ip.IsValid()
 }
 
+// KnownSources returns the addresses SetKnownSources set last, sorted
+// (nil before the first call).
+func (s *Server) KnownSources() []netip.Addr {
+	cc := &s.counts
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	if !cc.knownSet {
+		return nil
+	}
+	out := make([]netip.Addr, 0, len(cc.known))
+	for a := range cc.known {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, netip.Addr.Compare)
+	return out
+}
+
 // ConnStats are the counts a Server's Limits bound.
 type ConnStats struct {
 	// Conns are the open connections, in the handshake or past it.
@@ -178,13 +243,17 @@ type ConnStats struct {
 	Handshakes int
 	// Sources are the source IP addresses with an open connection.
 	Sources int
+	// UnknownHandshakes are the Handshakes from sources that are not
+	// known (SetKnownSources) while the reserve applies.
+	UnknownHandshakes int
 }
 
 // ConnStats returns the current counts.
 func (s *Server) ConnStats() ConnStats {
 	s.counts.mu.Lock()
 	defer s.counts.mu.Unlock()
-	return ConnStats{Conns: s.counts.conns, Handshakes: s.counts.handshakes, Sources: len(s.counts.sources)}
+	return ConnStats{Conns: s.counts.conns, Handshakes: s.counts.handshakes, Sources: len(s.counts.sources),
+		UnknownHandshakes: s.counts.unknownHandshakes}
 }
 
 // admit counts a new connection in, or returns the reason to refuse it.
@@ -201,6 +270,13 @@ func (s *Server) admit(remote net.Addr) (*admission, string) {
 	if sc == nil {
 		sc = &sourceCount{}
 	}
+	// A connection from an unknown source may take a shared slot only
+	// (the reserve applies once the known sources were set).
+	unknown := false
+	if cc.knownSet && lim.hsReserved > 0 {
+		_, known := cc.known[src]
+		unknown = !isIP || !known
+	}
 	switch {
 	case over(cc.conns, lim.total):
 		return nil, RefusedTotal
@@ -210,10 +286,15 @@ func (s *Server) admit(remote net.Addr) (*admission, string) {
 		return nil, RefusedHandshakesTotal
 	case isIP && over(sc.handshakes, lim.hsPerSource):
 		return nil, RefusedHandshakesPerSource
+	case unknown && cc.unknownHandshakes >= lim.hsTotal-lim.hsReserved:
+		return nil, RefusedHandshakesUnknown
 	}
 	cc.conns++
 	cc.handshakes++
-	a := &admission{handshaking: true}
+	a := &admission{handshaking: true, unknown: unknown}
+	if unknown {
+		cc.unknownHandshakes++
+	}
 	if isIP {
 		if cc.sources == nil {
 			cc.sources = make(map[netip.Addr]*sourceCount)
@@ -237,6 +318,9 @@ func (s *Server) handshakeDone(a *admission) {
 	}
 	a.handshaking = false
 	cc.handshakes--
+	if a.unknown {
+		cc.unknownHandshakes--
+	}
 	if sc := cc.sources[a.src]; sc != nil {
 		sc.handshakes--
 	}
@@ -255,6 +339,9 @@ func (s *Server) release(a *admission) {
 	cc.conns--
 	if a.handshaking {
 		cc.handshakes--
+		if a.unknown {
+			cc.unknownHandshakes--
+		}
 	}
 	if sc := cc.sources[a.src]; sc != nil {
 		sc.conns--

@@ -261,7 +261,7 @@ func TestLimitsDefaults(t *testing.T) {
 		r.hsPerSource != DefaultMaxHandshakesPerSource || r.hsTotal != DefaultMaxHandshakes || r.hsTimeout != DefaultHandshakeTimeout {
 		t.Errorf("zero Limits resolve to %+v", r)
 	}
-	off := Limits{-1, -1, -1, -1, -1, -1}.resolve()
+	off := Limits{-1, -1, -1, -1, -1, -1, -1}.resolve()
 	if off != (resolvedLimits{}) {
 		t.Errorf("negative Limits resolve to %+v, want every limit off", off)
 	}

@@ -503,6 +503,11 @@ func (s *Server) serveConn(c net.Conn, a *admission) {
 		o.ConnOpened(sc.info, exp.Name)
 		defer o.ConnClosed(sc.info, exp.Name)
 	}
+	// Only now, with the client verified and its export granted, does a
+	// TLS connection get the transport's read buffer.
+	if bufferTLS(sc.conn) {
+		serverTLSBuffers.Add(1)
+	}
 	sc.log.Debug("transmission started", "flags", exp.flags(sc.readOnly))
 	sc.transmit()
 }

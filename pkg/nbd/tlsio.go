@@ -6,11 +6,16 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 )
 
 // tlsIOSize is the read buffer and the write batch of a TLS connection's
 // transport: 16 records.
 const tlsIOSize = 16 * (tlsRecord + 256)
+
+// serverTLSBuffers counts the server connections given TLS transport
+// buffers, for tests.
+var serverTLSBuffers atomic.Int64
 
 // tlsTransport is what a TLS connection of this package runs on, the
 // socket with buffers on both sides. crypto/tls reads and writes its
@@ -18,6 +23,13 @@ const tlsIOSize = 16 * (tlsRecord + 256)
 // plaintext connection moves a megabyte in one. Reads go through a buffer
 // that takes whatever the socket holds; writes made inside Batched are
 // gathered and go out together when it ends.
+//
+// The read buffer is a quarter megabyte, so a transport starts without
+// it and reads the socket directly: the server gives it one (buffer) only
+// to a client that is verified and chose an export, so that STARTTLS
+// handshakes of clients it refuses cost it no more than plaintext ones
+// (crypto/tls keeps what it read ahead itself, so nothing is lost when
+// the buffer comes).
 type tlsTransport struct {
 	net.Conn
 	r *bufio.Reader
@@ -28,10 +40,23 @@ type tlsTransport struct {
 }
 
 func newTLSTransport(c net.Conn) *tlsTransport {
-	return &tlsTransport{Conn: c, r: bufio.NewReaderSize(c, tlsIOSize)}
+	return &tlsTransport{Conn: c}
 }
 
-func (t *tlsTransport) Read(p []byte) (int, error) { return t.r.Read(p) }
+// buffer gives t its read buffer. Reads of t must not run meanwhile: call
+// it from the goroutine that reads, between two reads.
+func (t *tlsTransport) buffer() {
+	if t.r == nil {
+		t.r = bufio.NewReaderSize(t.Conn, tlsIOSize)
+	}
+}
+
+func (t *tlsTransport) Read(p []byte) (int, error) {
+	if t.r == nil {
+		return t.Conn.Read(p)
+	}
+	return t.r.Read(p)
+}
 
 // Write sends p at once, or, inside Batched, adds it to the batch (which
 // goes out first when p does not fit).
@@ -114,6 +139,22 @@ func tlsOver(c net.Conn, cfg *tls.Config, server bool) *tls.Conn {
 		return tls.Server(t, tlsConfig(cfg))
 	}
 	return tls.Client(t, tlsConfig(cfg))
+}
+
+// bufferTLS gives c's transport its read buffer when c is a TLS
+// connection of this package that has none yet; it reports whether it
+// did. See tlsTransport for when.
+func bufferTLS(c net.Conn) bool {
+	tc, ok := c.(*tls.Conn)
+	if !ok {
+		return false
+	}
+	t, ok := tc.NetConn().(*tlsTransport)
+	if !ok || t.r != nil {
+		return false
+	}
+	t.buffer()
+	return true
 }
 
 // Batched runs write, which writes to c, with what it writes gathered into

@@ -95,7 +95,7 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 		connsAccepted: counter("connections_accepted_total",
 			"Connections that completed negotiation and attached to the export.", "export"),
 		refused: counter("refused_connections_total",
-			"Connections closed by the server's limits, by reason: total, per_source (open connections), handshakes_total, handshakes_per_source (connections still negotiating), handshake_timeout (negotiation not finished in time), per_export (connections to the chosen export).", "reason"),
+			"Connections closed by the server's limits, by reason: total, per_source (open connections), handshakes_total, handshakes_per_source (connections still negotiating), handshakes_unknown_sources (negotiating connections from sources other than the published nodes, over the slots not reserved for those), handshake_timeout (negotiation not finished in time), per_export (connections to the chosen export).", "reason"),
 		strayJoins: counter("stray_subflow_connections_total",
 			"Connections the storage agent closed because a subflow joined them from outside their node's published storage addresses, by export.", "export"),
 		clients: prometheus.NewGauge(prometheus.GaugeOpts(opts("client_connections",

@@ -282,7 +282,7 @@ func (d *demo) startAgent(ctx context.Context, cfg *rest.Config, c client.Client
 		"--cluster", "--node-name", storageNode, "--namespace", namespace,
 		"--data-dir", filepath.Join(d.dir, "volumes"),
 		"--storage-address", strings.Join(addrs, ","),
-		"--listen", hostPort(d.topo.ServerAddr(1).String(), nbdPort),
+		"--listen", hostPort("", nbdPort),
 		"--metrics-addr", metrics, "--heartbeat", "2s", "--kubeconfig", kc)
 	if err != nil {
 		return err
