@@ -116,13 +116,24 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	return s, nil
 }
 
-// Flush is a FLUSH bounded by timeout: with the server away it would wait
-// for it, and a detach must not.
+// Flush sends a FLUSH of the session's own, before a handoff, and waits
+// up to timeout for its answer. It never takes from the device a failed
+// flush the device must hear: with one owed already it fails without
+// flushing (relay.ErrFlushFailureOwed), and a failure it hears itself is
+// owed to the device's next FLUSH (the server reports a failed sync once
+// per connection).
 func (s *Session) Flush(timeout time.Duration) error {
+	if s.Relay.Stats().FlushErrorOwed {
+		return relay.ErrFlushFailureOwed
+	}
 	done := make(chan error, 1)
 	go func() { done <- s.Client.Flush() }()
 	select {
 	case err := <-done:
+		var nerr *nbd.Error
+		if errors.As(err, &nerr) {
+			s.Relay.OweFlushFailure()
+		}
 		return err
 	case <-time.After(timeout):
 		return fmt.Errorf("no answer from the storage node within %v", timeout)

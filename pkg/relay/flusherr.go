@@ -46,3 +46,12 @@ func (r *Relay) flushVerdict(e *entry, errno uint32) uint32 {
 func setReplyErrno(hdr []byte, errno uint32) {
 	binary.BigEndian.PutUint32(hdr[4:8], errno)
 }
+
+// OweFlushFailure records that a FLUSH failed which an in-process caller
+// heard on the local side's behalf (a handoff's own flush): the local
+// side's next FLUSH fails, as after a failed flush of the relay's own.
+func (r *Relay) OweFlushFailure() {
+	r.mu.Lock()
+	r.flushErrOwed = true
+	r.mu.Unlock()
+}

@@ -35,6 +35,9 @@ type backend struct {
 	cache   []byte
 	dirty   map[int64]struct{}
 	dead    bool
+	// failSync makes the next Sync fail and lose the cache, as a
+	// writeback error does (reported to one sync only).
+	failSync bool
 }
 
 func (b *backend) ReadAt(p []byte, off int64) (int, error) {
@@ -62,6 +65,12 @@ func (b *backend) Sync() error {
 	defer b.mu.Unlock()
 	if b.dead {
 		return nil
+	}
+	if b.failSync {
+		b.failSync = false
+		copy(b.cache, b.durable)
+		clear(b.dirty)
+		return errors.New("powerloss: writeback failed")
 	}
 	for blk := range b.dirty {
 		o := blk * block
@@ -219,6 +228,14 @@ func (n *Node) PowerLoss() {
 			c.Close()
 		}
 	}()
+}
+
+// FailNextSync makes the node's next sync fail as a writeback error
+// does: reported to that sync only, the cached writes lost.
+func (n *Node) FailNextSync() {
+	n.be.mu.Lock()
+	n.be.failSync = true
+	n.be.mu.Unlock()
 }
 
 // Refused counts the connections made while the node was booting.
