@@ -223,12 +223,14 @@ func (s *suite) noSecretsExposed() { s.searchSecrets(0) }
 // tokenScenario: with a volume of a class without encryption attached
 // (opened with the node's token), no log line, Event, VolumeAttachment or
 // metric holds the token, and no VolumeAttachment or Event any Secret's
-// value.
+// value; and the ServiceAccount tokens the kubelet gave the node plugin's
+// and the storage agent's pods write only what is theirs of the volume.
 func (s *suite) tokenScenario() {
 	s.apply(pvc("tok", "mpnbd-ext4", "64Mi", false))
+	var pv string
 	s.step("tokens: none in any log, Event, VolumeAttachment or metrics while a volume is published with one", func() {
 		s.startPod("tok-app", pod("tok-app", "tok", `head -c 8M /dev/urandom > /data/f && sync && sleep 3600`, false))
-		pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "tok")
+		pv = s.jsonpath("{.spec.volumeName}", "get", "pvc", "tok")
 		s.waitFor("the VolumeAttachment of "+pv, time.Minute, func() string {
 			if !strings.Contains(s.jsonpath("{.items[*].spec.source.persistentVolumeName}", "get", "volumeattachments"), pv) {
 				return "no VolumeAttachment yet"
@@ -236,6 +238,11 @@ func (s *suite) tokenScenario() {
 			return ""
 		})
 		s.searchSecrets(1)
+	})
+	s.step("pod tokens: the node plugin writes only its own attachment entry, the storage agent no spec", func() {
+		s.ownNodeWritesOnly(pv)
+	})
+	s.step("tokens: the volume deleted", func() {
 		s.kubectl("delete", "pod", "tok-app", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "tok", "--wait=true", "--timeout=180s")
 		s.waitFor("the volume "+pv+" gone", 3*time.Minute, func() string {

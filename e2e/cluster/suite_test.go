@@ -415,6 +415,13 @@ storageAgent:
 		s.uninstallScenario()
 		return
 	}
+	if os.Getenv(envTokensOnly) != "" {
+		// The token scenario alone, with the driver of this chart and
+		// its admission policies.
+		s.tokenScenario()
+		s.uninstallScenario()
+		return
+	}
 	s.encryptedScenario()
 	s.filesystemScenario()
 	s.tokenScenario()
