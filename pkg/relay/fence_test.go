@@ -129,7 +129,8 @@ func TestFencedEndsTheRelay(t *testing.T) {
 		// after it, the relay has ended and closed the local side, which
 		// the kernel takes as a dead device.
 		var nerr *nbd.Error
-		if !(errors.As(err, &nerr) && nerr.Errno == nbd.EIO) && !errors.Is(err, nbd.ErrClosed) {
+		eio := errors.As(err, &nerr) && nerr.Errno == nbd.EIO
+		if !eio && !errors.Is(err, nbd.ErrClosed) {
 			t.Fatalf("the write after the refusal as superseded: %v, want an EIO reply or the local side closed", err)
 		}
 		t.Logf("%v %v after the grant was revoked", err, time.Since(start).Round(time.Millisecond))
