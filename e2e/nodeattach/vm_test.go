@@ -15,7 +15,7 @@ import (
 var guestTests = []string{"TestAttachTransports", "TestKernelTransportRefused", "TestServerRestartMidWrite",
 	"TestPathDownMidRead", "TestWrongVolumeRefused", "TestReadoptAfterKill", "TestMeasureTransports",
 	"TestNodeServiceKernelTransports", "TestTransportsServerKills", "TestTransportsLongOutage",
-	"TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout", "TestReadoptHealthyDevices", "TestDatapathHandover", "TestDatapathHandoverDuringOutage"}
+	"TestPluginRestartDuringOutage", "TestServerStallPastRequestTimeout", "TestReadoptHealthyDevices", "TestDatapathHandover", "TestDatapathHandoverDuringOutage", "TestTransportsSilentPath"}
 
 // TestNodeAttachInVM boots the test VM and runs this package's guest tests
 // against the kernel's real nbd driver. MPNBD_VM_RUN, a regular
