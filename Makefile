@@ -25,7 +25,7 @@ soak: deps
 	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_CLUSTER_SCALE=10,25,50,100 go test -count=1 -timeout 90m -v -run TestDriverOnCluster ./cluster
 	bash hack/vm-kernel-mptcp.sh
 	cd e2e && MPNBD_SOAK=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
-	  MPNBD_VM_RUN='TestTransportsServerKills|TestTransportsLongOutage|TestTransportsSilentStorage|TestPluginRestartDuringOutage|TestServerStallPastRequestTimeout|TestReadoptHealthyDevices' \
+	  MPNBD_VM_RUN='TestTransportsServerKills|TestTransportsLongOutage|TestTransportsSilentStorage|TestTransportsSilentPath|TestPluginRestartDuringOutage|TestServerStallPastRequestTimeout|TestReadoptHealthyDevices' \
 	  go test -count=1 -timeout 150m -v -run 'TestNodeAttachInVM|TestNodeAttachMPTCPKernelInVM' ./nodeattach
 
 bench: deps build

@@ -19,7 +19,7 @@ var guestTests = []string{"TestAttachTransports", "TestKernelTransportRefused", 
 
 // soakGuestTests run in the VM only with MPNBD_SOAK=1 or when MPNBD_VM_RUN
 // names them: TCG makes them too slow for every run.
-var soakGuestTests = []string{"TestTransportsSilentStorage"}
+var soakGuestTests = []string{"TestTransportsSilentStorage", "TestTransportsSilentPath"}
 
 // TestNodeAttachInVM boots the test VM and runs this package's guest tests
 // against the kernel's real nbd driver. MPNBD_VM_RUN, a regular
