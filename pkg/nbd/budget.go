@@ -85,19 +85,9 @@ func (b *budget) held() int {
 	return b.used
 }
 
-func budgetLimit(v, def int) int {
-	switch {
-	case v == 0:
-		return def
-	case v < 0:
-		return 0
-	}
-	return v
-}
-
 // exportBudget returns e's budget, made on first use; nil when off.
 func (s *Server) exportBudget(e *Export) *budget {
-	max := budgetLimit(s.MaxInflightBytesPerExport, DefaultMaxInflightBytesPerExport)
+	max := pickLimit(s.MaxInflightBytesPerExport, DefaultMaxInflightBytesPerExport)
 	if max == 0 {
 		return nil
 	}
@@ -122,7 +112,7 @@ func sourceOf(a net.Addr) (netip.Addr, bool) {
 // sourceBudget returns the budget of a connection's source address and a
 // function that gives it back; nil for none.
 func (s *Server) sourceBudget(a net.Addr) (*budget, func()) {
-	max := budgetLimit(s.MaxInflightBytesPerSource, DefaultMaxInflightBytesPerSource)
+	max := pickLimit(s.MaxInflightBytesPerSource, DefaultMaxInflightBytesPerSource)
 	ip, ok := sourceOf(a)
 	if max == 0 || !ok {
 		return nil, func() {}

@@ -123,6 +123,26 @@ func (b *powerLossBackend) durableAt(blk int64) []byte {
 	return bytes.Clone(b.durable[blk*plBlock : (blk+1)*plBlock])
 }
 
+// powerLossSession starts a server of be with an incarnation of its own
+// and dials it in a new session: the server, the session's dialer, the
+// first connection and what its handshake said.
+func powerLossSession(t *testing.T, be nbd.Backend) (*testServer, Dialer, net.Conn, nbd.ExportInfo) {
+	t.Helper()
+	ts := &testServer{t: t, backend: be, inc: newIncarnation()}
+	ts.start()
+	t.Cleanup(ts.kill)
+	dial := sessionDialer(ts.addr, nbd.NewSessionID())
+	remote, err := dial(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := remote.(*Remote).Info
+	if !info.Fenced {
+		t.Fatal("the test server did not take the session")
+	}
+	return ts, dial, remote, info
+}
+
 // sessionDialer dials addr and announces session id, returning a Remote
 // so that the relay learns the server's incarnation.
 func sessionDialer(addr string, id nbd.SessionID) Dialer {
@@ -257,18 +277,7 @@ func crashConsistency(t *testing.T, via int) {
 		writers = 4
 	)
 	be := newPowerLossBackend(blocks * plBlock)
-	ts := &testServer{t: t, backend: be, inc: newIncarnation()}
-	ts.start()
-	t.Cleanup(ts.kill)
-	dial := sessionDialer(ts.addr, nbd.NewSessionID())
-	remote, err := dial(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	info := remote.(*Remote).Info
-	if !info.Fenced {
-		t.Fatal("the test server did not take the session")
-	}
+	ts, dial, remote, info := powerLossSession(t, be)
 	// A small retention budget makes the relay flush by itself too.
 	o := Options{ReconnectBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, RetainBytes: 512 << 10, MaxInflightBytes: 4 << 20, Logger: quietLogger()}
 	var client blockClient
@@ -541,15 +550,7 @@ func TestFUAWriteNotUndoneByReplay(t *testing.T) {
 	for _, cmd := range []string{"write", "trim", "write-zeroes"} {
 		t.Run(cmd, func(t *testing.T) {
 			be := newPowerLossBackend(64 * plBlock)
-			ts := &testServer{t: t, backend: be, inc: newIncarnation()}
-			ts.start()
-			t.Cleanup(ts.kill)
-			dial := sessionDialer(ts.addr, nbd.NewSessionID())
-			remote, err := dial(context.Background())
-			if err != nil {
-				t.Fatal(err)
-			}
-			info := remote.(*Remote).Info
+			ts, dial, remote, info := powerLossSession(t, be)
 			rg := newRig(t, remote, dial, &info, Options{ReconnectBackoff: time.Millisecond})
 			client, relay := rg.client, rg.relay
 			const blk = 3
@@ -557,6 +558,7 @@ func TestFUAWriteNotUndoneByReplay(t *testing.T) {
 				t.Fatal(err)
 			}
 			want := blockData(blk, 2)
+			var err error
 			switch cmd {
 			case "write":
 				_, err = client.WriteAtFlags(want, blk*plBlock, nbd.CmdFlagFUA)
