@@ -26,6 +26,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
@@ -85,7 +86,11 @@ func (dirMounter) MakeDir(p string) error { return os.MkdirAll(p, 0o755) }
 func nodePlugin(t *testing.T, name string, vols map[string]fakeVolume) string {
 	t.Helper()
 	att := &fakeAttacher{vols: vols}
-	n, err := driver.NewNode(driver.NodeConfig{NodeID: name, Attacher: att, Mounter: dirMounter{}, Logger: slog.New(slog.DiscardHandler)})
+	token, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := driver.NewNode(driver.NodeConfig{NodeID: name, Attacher: att, Mounter: dirMounter{}, Logger: slog.New(slog.DiscardHandler), Token: token})
 	if err != nil {
 		t.Fatal(err)
 	}
