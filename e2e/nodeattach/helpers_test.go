@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -108,6 +109,14 @@ func newStorage(t *testing.T, tp *topo.Topology, size int64, useMPTCP bool) *sto
 func (st *storage) start(port string) {
 	st.t.Helper()
 	s := &nbd.Server{Logger: testLogger(st.t), Observer: &st.log}
+	// The node service opens "vol" with its node token and an epoch in
+	// the name (access.ExportName), as a storage agent serves it.
+	s.Resolve = func(_ nbd.ConnInfo, name string) (nbd.Grant, error) {
+		if v, _, _, ok := access.ParseExport(name); ok && v == "vol" {
+			return nbd.Grant{Export: "vol"}, nil
+		}
+		return nbd.Grant{}, fmt.Errorf("%w: %q", nbd.ErrUnknownExport, name)
+	}
 	if err := s.AddExport(&nbd.Export{Name: "vol", Backend: st.backend}); err != nil {
 		st.t.Fatal(err)
 	}

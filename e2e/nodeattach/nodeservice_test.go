@@ -10,6 +10,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/ublk"
@@ -79,8 +80,12 @@ func waitUblkGone(t *testing.T, st *storage) {
 func nodeServiceFlow(t *testing.T, st *storage, mode attach.Transport, a attach.Attacher, gone func()) {
 	t.Helper()
 	mgr := attach.NewManager(map[attach.Transport]attach.Attacher{mode: a}, testLogger(t))
+	token, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
 	node, err := driver.NewNode(driver.NodeConfig{
-		NodeID: "vm-node", Attacher: mgr, Mounter: driver.NewMounter(), Logger: testLogger(t),
+		NodeID: "vm-node", Attacher: mgr, Mounter: driver.NewMounter(), Logger: testLogger(t), Token: token,
 	})
 	if err != nil {
 		t.Fatal(err)
