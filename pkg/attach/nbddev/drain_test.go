@@ -43,17 +43,9 @@ func TestRelayDetachWithTheStorageNodeAwayFails(t *testing.T) {
 	node := powerloss.Start(t, 1<<20)
 	k := newFakeKernel()
 	k.holdSockets = true
-	a, err := New(Config{Mode: attach.Relay, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(a.Close)
-	tg := attach.Target{VolumeID: "pvc-1", Export: powerloss.Export, Addrs: []string{node.Addr}}
+	a := attachRelay(t, k, node)
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
-	if _, err := a.Attach(ctx, tg, attach.Options{}); err != nil {
-		t.Fatal(err)
-	}
 	k.mu.Lock()
 	held := k.held
 	k.mu.Unlock()
@@ -96,17 +88,9 @@ func TestRelayDetachWithTheStorageNodeAwayFails(t *testing.T) {
 func TestRelayDetachOfAPausedRelayFails(t *testing.T) {
 	node := powerloss.Start(t, 1<<20)
 	k := newFakeKernel()
-	a, err := New(Config{Mode: attach.Relay, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(a.Close)
-	tg := attach.Target{VolumeID: "pvc-1", Export: powerloss.Export, Addrs: []string{node.Addr}}
+	a := attachRelay(t, k, node)
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
-	if _, err := a.Attach(ctx, tg, attach.Options{}); err != nil {
-		t.Fatal(err)
-	}
 	h, err := a.HandOff(ctx, "pvc-1")
 	if err != nil {
 		t.Fatal(err)
@@ -131,4 +115,22 @@ func TestRelayDetachOfAPausedRelayFails(t *testing.T) {
 	if err := a.Detach(ctx, "pvc-1"); err != nil {
 		t.Fatalf("the detach once the relay serves again: %v", err)
 	}
+}
+
+// attachRelay attaches volume pvc-1 over the relay transport to node's
+// export, on kernel k.
+func attachRelay(t *testing.T, k *fakeKernel, node *powerloss.Node) *Attacher {
+	t.Helper()
+	a, err := New(Config{Mode: attach.Relay, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	tg := attach.Target{VolumeID: "pvc-1", Export: powerloss.Export, Addrs: []string{node.Addr}}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if _, err := a.Attach(ctx, tg, attach.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	return a
 }
