@@ -235,6 +235,10 @@ func (c *serverConn) run(w work) time.Time {
 	if w.buf != nil {
 		putBuf(w.buf)
 	}
+	if errno == errnoWithheld {
+		c.withhold(w.payload)
+		return end
+	}
 	c.reply(queuedReply{handle: w.req.Handle, errno: errno, data: data, payload: w.payload})
 	if o := c.srv.Observer; o != nil {
 		n := 0
@@ -373,8 +377,11 @@ func (c *serverConn) execute(req Request, buf []byte) (uint32, []byte) {
 		}
 		data := getBuf(int(req.Length))
 		if _, err := b.ReadAt(data, off); err != nil {
-			c.log.Error("read failed", "offset", off, "length", n, "error", err)
 			putBuf(data)
+			if errors.Is(err, ErrWithheld) {
+				return errnoWithheld, nil
+			}
+			c.log.Error("read failed", "offset", off, "length", n, "error", err)
 			return EIO, nil
 		}
 		return 0, data
@@ -443,7 +450,9 @@ func (c *serverConn) syncFUA(fua bool, mark uint64) uint32 {
 	if !fua || c.readOnly {
 		return 0
 	}
-	if err := c.export.Sync(); err != nil {
+	if err := c.export.Sync(); errors.Is(err, ErrWithheld) {
+		return errnoWithheld
+	} else if err != nil {
 		c.log.Error("flush of a FUA request failed", "error", err)
 	}
 	if c.export.syncs.failedSince(mark) {
@@ -459,7 +468,9 @@ func (c *serverConn) flush() uint32 {
 	if c.readOnly {
 		return 0
 	}
-	if err := c.export.Sync(); err != nil {
+	if err := c.export.Sync(); errors.Is(err, ErrWithheld) {
+		return errnoWithheld
+	} else if err != nil {
 		c.log.Error("flush failed", "error", err)
 	}
 	if c.export.syncs.report(c) {
@@ -470,6 +481,8 @@ func (c *serverConn) flush() uint32 {
 
 func errnoOf(err error) uint32 {
 	switch {
+	case errors.Is(err, ErrWithheld):
+		return errnoWithheld
 	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
 		return ENOSPC
 	case errors.Is(err, ErrOutOfRange):

@@ -1,6 +1,9 @@
 package nbd
 
-import "sync"
+import (
+	"errors"
+	"sync"
+)
 
 // exportSyncs runs an export's syncs and keeps their failures until every
 // client that could have lost data by them has been told.
@@ -41,6 +44,9 @@ type exportSyncs struct {
 	// owed: per session lane, the cursor of its last connection that
 	// ended before a failure was reported to it.
 	owed map[sessionKey]uint64
+	// withheld: the backend withheld a sync (ErrWithheld); every later
+	// sync returns ErrWithheld without calling it.
+	withheld bool
 }
 
 // sync makes every write completed before the call durable: it returns
@@ -54,7 +60,7 @@ func (s *exportSyncs) sync(b Backend) error {
 	}
 	mark := s.errSeq
 	target := s.started + 1
-	for s.done < target {
+	for s.done < target && !s.withheld {
 		if s.running {
 			s.waiting++
 			s.cond.Wait()
@@ -69,11 +75,17 @@ func (s *exportSyncs) sync(b Backend) error {
 		s.mu.Lock()
 		s.running = false
 		s.done = n
-		if err != nil {
+		switch {
+		case errors.Is(err, ErrWithheld):
+			s.withheld = true
+		case err != nil:
 			s.errSeq++
 			s.lastErr = err
 		}
 		s.cond.Broadcast()
+	}
+	if s.withheld {
+		return ErrWithheld
 	}
 	if s.errSeq > mark {
 		return s.lastErr
