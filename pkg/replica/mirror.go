@@ -1,0 +1,560 @@
+// Package replica keeps a volume's copies on several storage nodes in
+// step: the primary's side of replication (docs/replication.md).
+//
+// A Mirror is the backend a primary's export serves: it applies every
+// change to the primary's own copy and forwards it, in parallel, to every
+// replica of the in-sync set, and reports it done only when all have it.
+// A replica that fails a forward, or leaves one unanswered past the
+// deadline, leaves the in-sync set by a decision of the Arbiter, recorded
+// before the change that replica lacks is acknowledged; from then on a
+// DirtyLog records what it lacks, for its rebuild. A primary whose
+// decisions the arbiter refuses (a newer epoch exists: another primary)
+// or cannot record (unreachable) acknowledges nothing more: it withholds
+// the answers (nbd.ErrWithheld), so nodes replay their requests on the
+// replica that is primary now.
+package replica
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// Peer is one replica of the in-sync set, as the primary forwards changes
+// to it. Its calls may run concurrently. Close makes the calls in flight
+// return (with an error) promptly.
+type Peer interface {
+	WriteAt(p []byte, off int64) (int, error)
+	Trim(off, n int64) error
+	WriteZeroes(off, n int64, noHole bool) error
+	Flush() error
+	Close() error
+}
+
+// Arbiter records the decisions that change a volume's in-sync set
+// (docs/replication.md: the NBDVolume, updated conditionally).
+type Arbiter interface {
+	// Drop records that replica leaves the in-sync set of epoch and
+	// returns the epoch of that decision (higher). An error wrapping
+	// nbd.ErrSuperseded says epoch is not the current one any more (a
+	// newer decision, such as another primary, came first): final. Any
+	// other error is passing (the arbiter unreachable): try again.
+	Drop(ctx context.Context, epoch int64, replica string, cause error) (int64, error)
+}
+
+// DefaultDeadline is how long a forward may stay unanswered before its
+// replica counts as failed: above a loaded disk's sync and a path's
+// retransmission after a loss, below the node's own dead-peer bound, so
+// that a dead replica costs a pause, not a failover of the primary.
+const DefaultDeadline = 4 * time.Second
+
+// arbiterTimeout bounds one call to the arbiter.
+const arbiterTimeout = 5 * time.Second
+
+// Config makes a Mirror.
+type Config struct {
+	// Local is the primary's own copy.
+	Local nbd.Backend
+	// Peers are the other replicas of the in-sync set, by name.
+	Peers map[string]Peer
+	// Epoch is the replica epoch the in-sync set was recorded with.
+	Epoch   int64
+	Arbiter Arbiter
+	// Deadline bounds a forward's answer; zero means DefaultDeadline.
+	Deadline time.Duration
+	// LogDir keeps the dirty logs of the replicas that leave, one file
+	// each (<name>.dirty); empty keeps them in memory only.
+	LogDir string
+	Logger *slog.Logger
+}
+
+// replicaState is where a peer stands.
+type replicaState int
+
+const (
+	inSync   replicaState = iota
+	dropping              // failed; its decision is being recorded
+	out                   // left the in-sync set
+)
+
+// peer is one replica as the Mirror tracks it.
+type peer struct {
+	name  string
+	p     Peer
+	state replicaState
+	// decided is closed once the replica is out, or the Mirror fenced.
+	decided chan struct{}
+	// unflushed: chunks changed since the last FLUSH the replica
+	// started; flushing: those covered by FLUSHes in flight, by number.
+	// When the replica leaves, all of them go into its log: what it
+	// acknowledged but had not made durable may be lost with it.
+	unflushed *chunks
+	flushing  []flushSnap
+	log       *DirtyLog // set once it fails
+	cause     error
+}
+
+type flushSnap struct {
+	seq uint64
+	c   *chunks
+}
+
+// Mirror is a replicated volume's backend on its primary. It implements
+// nbd.Backend.
+type Mirror struct {
+	local    nbd.Backend
+	arb      Arbiter
+	deadline time.Duration
+	logDir   string
+	log      *slog.Logger
+
+	// decide serialises the arbiter calls: each names the epoch the
+	// previous one made.
+	decide sync.Mutex
+
+	mu       sync.Mutex
+	epoch    int64
+	peers    []*peer
+	flushSeq uint64
+	fenced   error // non-nil: nothing is acknowledged any more
+	closed   bool
+	ctx      context.Context
+	cancel   context.CancelFunc
+}
+
+// New returns a Mirror over cfg.Local and cfg.Peers.
+func New(cfg Config) (*Mirror, error) {
+	if cfg.Local == nil || cfg.Arbiter == nil {
+		return nil, errors.New("replica: a Mirror needs a local backend and an arbiter")
+	}
+	m := &Mirror{
+		local:    cfg.Local,
+		arb:      cfg.Arbiter,
+		deadline: cmp.Or(cfg.Deadline, DefaultDeadline),
+		logDir:   cfg.LogDir,
+		log:      cmp.Or(cfg.Logger, slog.Default()),
+		epoch:    cfg.Epoch,
+	}
+	m.ctx, m.cancel = context.WithCancel(context.Background())
+	for _, name := range slices.Sorted(maps.Keys(cfg.Peers)) {
+		m.peers = append(m.peers, &peer{name: name, p: cfg.Peers[name], unflushed: &chunks{}})
+	}
+	return m, nil
+}
+
+// Epoch is the replica epoch of the latest decision this Mirror made or
+// started with.
+func (m *Mirror) Epoch() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.epoch
+}
+
+// InSync lists the peers still in the in-sync set (the primary itself not
+// included), sorted.
+func (m *Mirror) InSync() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []string
+	for _, p := range m.peers {
+		if p.state == inSync {
+			out = append(out, p.name)
+		}
+	}
+	return out
+}
+
+// Lacking returns the log of what a replica that left the in-sync set
+// lacks, or nil for one that is in sync (or unknown).
+func (m *Mirror) Lacking(name string) *DirtyLog {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, p := range m.peers {
+		if p.name == name && p.state == out {
+			return p.log
+		}
+	}
+	return nil
+}
+
+// Fenced returns why the Mirror acknowledges nothing any more, or nil.
+func (m *Mirror) Fenced() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.fenced
+}
+
+// ReadAt reads the primary's own copy: every acknowledged change is in it.
+func (m *Mirror) ReadAt(p []byte, off int64) (int, error) { return m.local.ReadAt(p, off) }
+
+// Size is the primary's copy's size.
+func (m *Mirror) Size() int64 { return m.local.Size() }
+
+// Resize resizes the primary's own copy only: the replicas' agents resize
+// theirs first (a forward beyond a replica's end fails it).
+func (m *Mirror) Resize(size int64) error { return m.local.Resize(size) }
+
+// WriteAt writes p at off on every replica of the in-sync set.
+func (m *Mirror) WriteAt(p []byte, off int64) (int, error) {
+	err := m.change(off, int64(len(p)), func() error {
+		_, err := m.local.WriteAt(p, off)
+		return err
+	}, func(r Peer) error {
+		_, err := r.WriteAt(p, off)
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// Trim discards a range on every replica of the in-sync set.
+func (m *Mirror) Trim(off, n int64) error {
+	return m.change(off, n, func() error { return m.local.Trim(off, n) },
+		func(r Peer) error { return r.Trim(off, n) })
+}
+
+// Zero zeroes a range on every replica of the in-sync set.
+func (m *Mirror) Zero(off, n int64, noHole bool) error {
+	return m.change(off, n, func() error { return m.local.Zero(off, n, noHole) },
+		func(r Peer) error { return r.WriteZeroes(off, n, noHole) })
+}
+
+// change applies one change locally and on every in-sync replica, and
+// returns once each has it or has left the in-sync set by a recorded
+// decision. It returns nbd.ErrWithheld when the Mirror is fenced before
+// that.
+func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) error {
+	m.mu.Lock()
+	if m.fenced != nil {
+		m.mu.Unlock()
+		return nbd.ErrWithheld
+	}
+	var targets, lacking []*peer
+	for _, p := range m.peers {
+		if p.state == inSync {
+			p.unflushed.mark(off, n)
+			targets = append(targets, p)
+		} else {
+			lacking = append(lacking, p)
+		}
+	}
+	m.mu.Unlock()
+
+	// Those out of the set lack this change: recorded (durably) before
+	// it is acknowledged.
+	for _, p := range lacking {
+		if err := m.markLacking(p, off, n); err != nil {
+			return err
+		}
+	}
+	failed := m.forward(targets, fwd)
+	lerr := local()
+	return m.settle(targets, lacking, failed, lerr)
+}
+
+// markLacking records that p lacks [off, off+n). A log that cannot be
+// written fences the Mirror: acknowledging the change would lose track of
+// it.
+func (m *Mirror) markLacking(p *peer, off, n int64) error {
+	m.mu.Lock()
+	l := p.log
+	m.mu.Unlock()
+	if l == nil {
+		// Still dropping: its log is being made; the chunk goes in its
+		// unflushed set, which the log takes in.
+		m.mu.Lock()
+		if p.log == nil {
+			p.unflushed.mark(off, n)
+			m.mu.Unlock()
+			return nil
+		}
+		l = p.log
+		m.mu.Unlock()
+	}
+	if err := l.Mark(off, n); err != nil {
+		m.fence(fmt.Errorf("replica %s: %w", p.name, err))
+		return nbd.ErrWithheld
+	}
+	return nil
+}
+
+// forward runs fwd on every target at once, each bounded by the
+// deadline, and returns a channel of the targets that failed (with why),
+// closed when all have answered. A target past the deadline is closed,
+// which ends its call.
+func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan failure {
+	out := make(chan failure, len(targets))
+	if len(targets) == 0 {
+		close(out)
+		return out
+	}
+	var wg sync.WaitGroup
+	for _, p := range targets {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := m.call(p, func() error { return fwd(p.p) }); err != nil {
+				out <- failure{p, err}
+			}
+		}()
+	}
+	go func() { wg.Wait(); close(out) }()
+	return out
+}
+
+type failure struct {
+	p   *peer
+	err error
+}
+
+// errDeadline: a forward left unanswered past the deadline.
+var errDeadline = errors.New("replica: no answer within the deadline")
+
+// call runs f against p, bounded by the deadline: past it p is closed (its
+// calls in flight then return) and the call counts as failed.
+func (m *Mirror) call(p *peer, f func() error) error {
+	late := time.AfterFunc(m.deadline, func() { p.p.Close() })
+	err := f()
+	if !late.Stop() {
+		return fmt.Errorf("%w (%v)", errDeadline, m.deadline)
+	}
+	return err
+}
+
+// settle waits for the forwards, has every replica that failed dropped,
+// waits for the decisions about every replica that lacks the change, and
+// returns the change's verdict.
+func (m *Mirror) settle(targets, lacking []*peer, failed <-chan failure, lerr error) error {
+	var wait []chan struct{}
+	for f := range failed {
+		wait = append(wait, m.startDrop(f.p, f.err))
+	}
+	for _, p := range lacking {
+		m.mu.Lock()
+		if p.decided != nil {
+			wait = append(wait, p.decided)
+		}
+		m.mu.Unlock()
+	}
+	for _, ch := range wait {
+		<-ch
+	}
+	m.mu.Lock()
+	fenced := m.fenced != nil
+	m.mu.Unlock()
+	if fenced {
+		return nbd.ErrWithheld
+	}
+	return lerr
+}
+
+// startDrop starts the decision that p leaves the in-sync set (unless it
+// is under way or made) and returns the channel closed once it is made.
+func (m *Mirror) startDrop(p *peer, cause error) chan struct{} {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if p.state != inSync {
+		return p.decided
+	}
+	p.state = dropping
+	p.cause = cause
+	p.decided = make(chan struct{})
+	if m.fenced != nil {
+		close(p.decided)
+		return p.decided
+	}
+	m.log.Warn("a replica failed: recording that it leaves the in-sync set before acknowledging what it lacks", "replica", p.name, "error", cause)
+	go m.drop(p)
+	return p.decided
+}
+
+// drop makes p's log (what it lacks: every chunk changed since its last
+// completed FLUSH began), then records its leaving with the arbiter,
+// trying again while the arbiter is unreachable. A refusal (superseded)
+// fences the Mirror.
+func (m *Mirror) drop(p *peer) {
+	p.p.Close()
+	var l *DirtyLog
+	var err error
+	if m.logDir != "" {
+		l, err = OpenLog(filepath.Join(m.logDir, p.name+".dirty"))
+	} else {
+		l = NewMemoryLog()
+	}
+	if err == nil {
+		m.mu.Lock()
+		lacks := &chunks{}
+		lacks.or(p.unflushed)
+		for _, s := range p.flushing {
+			lacks.or(s.c)
+		}
+		m.mu.Unlock()
+		err = l.merge(lacks)
+	}
+	if err != nil {
+		m.fence(fmt.Errorf("replica %s: cannot record what it lacks: %w", p.name, err))
+		return
+	}
+	// Changes that arrived while the log was being made went to
+	// unflushed (markLacking): take them in under the lock that hands
+	// the log over, so none is missed.
+	m.mu.Lock()
+	rest := p.unflushed
+	p.unflushed = &chunks{}
+	p.log = l
+	m.mu.Unlock()
+	if err := l.merge(rest); err != nil {
+		m.fence(fmt.Errorf("replica %s: cannot record what it lacks: %w", p.name, err))
+		return
+	}
+
+	m.decide.Lock()
+	defer m.decide.Unlock()
+	backoff := 50 * time.Millisecond
+	for {
+		m.mu.Lock()
+		epoch, fenced := m.epoch, m.fenced
+		m.mu.Unlock()
+		if fenced != nil {
+			return
+		}
+		ctx, cancel := context.WithTimeout(m.ctx, arbiterTimeout)
+		next, err := m.arb.Drop(ctx, epoch, p.name, p.cause)
+		cancel()
+		if err == nil {
+			m.mu.Lock()
+			m.epoch = next
+			p.state = out
+			close(p.decided)
+			m.mu.Unlock()
+			m.log.Warn("a replica left the in-sync set", "replica", p.name, "epoch", next, "lacks_bytes", l.Bytes())
+			return
+		}
+		if errors.Is(err, nbd.ErrSuperseded) {
+			m.fence(fmt.Errorf("the arbiter refused to drop replica %s at epoch %d: %w", p.name, epoch, err))
+			return
+		}
+		m.log.Warn("cannot record that a replica left the in-sync set: acknowledging nothing it lacks until the arbiter answers", "replica", p.name, "error", err)
+		select {
+		case <-m.ctx.Done():
+			m.fence(fmt.Errorf("closed while dropping replica %s", p.name))
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+// fence makes the Mirror acknowledge nothing any more and wakes every
+// change waiting for a decision.
+func (m *Mirror) fence(why error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.fenced != nil {
+		return
+	}
+	m.fenced = why
+	m.log.Error("replicated volume fenced: withholding every answer, so that nodes replay their requests on the primary that replaced this one", "reason", why)
+	for _, p := range m.peers {
+		if p.state == dropping {
+			close(p.decided)
+			p.state = out
+		}
+		p.p.Close()
+	}
+}
+
+// Sync makes every completed change durable on the primary's copy and on
+// every replica of the in-sync set (a FLUSH to each).
+func (m *Mirror) Sync() error {
+	m.mu.Lock()
+	if m.fenced != nil {
+		m.mu.Unlock()
+		return nbd.ErrWithheld
+	}
+	m.flushSeq++
+	seq := m.flushSeq
+	var targets, lacking []*peer
+	for _, p := range m.peers {
+		if p.state == inSync {
+			p.flushing = append(p.flushing, flushSnap{seq, p.unflushed})
+			p.unflushed = &chunks{}
+			targets = append(targets, p)
+		} else {
+			lacking = append(lacking, p)
+		}
+	}
+	m.mu.Unlock()
+
+	results := make(chan failure, len(targets))
+	var wg sync.WaitGroup
+	for _, p := range targets {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := m.call(p, p.p.Flush)
+			if err == nil {
+				m.flushed(p, seq)
+			}
+			results <- failure{p, err}
+		}()
+	}
+	lerr := m.local.Sync()
+	wg.Wait()
+	close(results)
+	failed := make(chan failure, len(targets))
+	for r := range results {
+		if r.err != nil {
+			failed <- r
+		}
+	}
+	close(failed)
+	// A replica dropping since before this FLUSH is waited for too:
+	// until its leaving is recorded it may still become primary,
+	// without the changes it acknowledged and never made durable.
+	return m.settle(targets, lacking, failed, lerr)
+}
+
+// flushed forgets the chunks a completed FLUSH numbered seq made durable
+// on p: those of it and of every earlier one.
+func (m *Mirror) flushed(p *peer, seq uint64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	p.flushing = slices.DeleteFunc(p.flushing, func(s flushSnap) bool { return s.seq <= seq })
+}
+
+// Close closes the peers and the logs, and the local backend.
+func (m *Mirror) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	m.mu.Unlock()
+	m.cancel()
+	for _, p := range m.peers {
+		p.p.Close()
+	}
+	m.decide.Lock() // no decision in flight uses a log being closed
+	m.mu.Lock()
+	for _, p := range m.peers {
+		if p.log != nil {
+			p.log.Close()
+		}
+	}
+	m.mu.Unlock()
+	m.decide.Unlock()
+	return m.local.Close()
+}
