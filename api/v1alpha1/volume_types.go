@@ -96,9 +96,22 @@ type NBDVolumeSpec struct {
 	// SizeBytes is the requested size. Growing it expands the volume.
 	// +kubebuilder:validation:Minimum=1
 	SizeBytes int64 `json:"sizeBytes"`
-	// StorageNode is the node whose storage agent holds the volume.
+	// StorageNode is the node whose storage agent holds the volume (for a
+	// replicated volume, the first replica's, its primary at first).
 	// +kubebuilder:validation:MinLength=1
 	StorageNode string `json:"storageNode"`
+	// Replicas is how many storage nodes hold the volume's data: 1 (the
+	// default) to 3, on StorageNode and ReplicaNodes.
+	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=3
+	// +optional
+	Replicas int32 `json:"replicas,omitempty"`
+	// ReplicaNodes are the storage nodes of the other replicas, each
+	// distinct from StorageNode and from the others.
+	// +kubebuilder:validation:MaxItems=2
+	// +listType=set
+	// +optional
+	ReplicaNodes []string `json:"replicaNodes,omitempty"`
 	// AccessType is Filesystem or Block.
 	// +kubebuilder:validation:Enum=Filesystem;Block
 	AccessType AccessType `json:"accessType"`
@@ -158,6 +171,12 @@ type NBDVolumeStatus struct {
 	// +listType=map
 	// +listMapKey=type
 	Conditions []metav1.Condition `json:"conditions,omitempty"`
+	// Replication is the arbiter's record of a replicated volume's
+	// replicas (docs/replication.md): which one is primary, which are in
+	// sync, and the epoch of that decision. Changed only by conditional
+	// updates, each raising the epoch.
+	// +optional
+	Replication *ReplicationStatus `json:"replication,omitempty"`
 	// Attachments are the nodes that have the volume attached, with their
 	// data path. Each entry is written by its own node's plugin alone
 	// (server-side apply, field manager mpnbd-node/<node>), so the agent's
@@ -166,6 +185,25 @@ type NBDVolumeStatus struct {
 	// +listType=map
 	// +listMapKey=nodeID
 	Attachments []NodeAttachment `json:"attachments,omitempty"`
+}
+
+// ReplicationStatus is the record that decides a replicated volume's
+// primary and in-sync set.
+type ReplicationStatus struct {
+	// Epoch rises with every change of the primary or of the in-sync set.
+	// A replica refuses the requests of an older epoch, and a primary
+	// whose epoch is not this one any more acknowledges nothing.
+	// +kubebuilder:validation:Minimum=1
+	Epoch int64 `json:"epoch"`
+	// Primary is the storage node that serves the nodes and forwards
+	// every change to the others in sync.
+	Primary string `json:"primary"`
+	// InSync are the storage nodes whose copy holds every acknowledged
+	// change, the primary among them. Only one of them can become primary.
+	// +listType=set
+	InSync []string `json:"inSync"`
+	// InSyncReplicas is len(InSync), for kubectl get.
+	InSyncReplicas int32 `json:"inSyncReplicas"`
 }
 
 // NodeAttachment is one node's data path to a volume, as its node plugin
@@ -201,6 +239,9 @@ type NodeAttachment struct {
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.storageNode`
 // +kubebuilder:printcolumn:name="Size",type=integer,JSONPath=`.spec.sizeBytes`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Replicas",type=integer,JSONPath=`.spec.replicas`
+// +kubebuilder:printcolumn:name="InSync",type=integer,JSONPath=`.status.replication.inSyncReplicas`
+// +kubebuilder:printcolumn:name="Primary",type=string,JSONPath=`.status.replication.primary`,priority=1
 // +kubebuilder:printcolumn:name="Published",type=string,JSONPath=`.spec.publications[*].nodeID`
 // +kubebuilder:printcolumn:name="Transport",type=string,JSONPath=`.status.attachments[*].transport`,priority=1
 // +kubebuilder:printcolumn:name="Subflows",type=string,JSONPath=`.status.attachments[*].subflows`,priority=1
