@@ -220,12 +220,16 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		}
 	case apierrors.IsNotFound(err):
 		nodeName := sourceNode
+		var replicaNodes []string
 		if nodeName == "" {
-			n, err := c.pickStorageNode(ctx, p, req.GetAccessibilityRequirements(), size)
+			nodes, err := c.pickStorageNodes(ctx, p, req.GetAccessibilityRequirements(), size)
 			if err != nil {
 				return nil, err
 			}
-			nodeName = n.Name
+			nodeName = nodes[0].Name
+			for _, n := range nodes[1:] {
+				replicaNodes = append(replicaNodes, n.Name)
+			}
 		}
 		v = v1alpha1.NBDVolume{
 			ObjectMeta: metav1.ObjectMeta{
@@ -242,6 +246,10 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 				Parameters:    params,
 				ContentSource: source,
 			},
+		}
+		if len(replicaNodes) > 0 {
+			v.Spec.Replicas = int32(1 + len(replicaNodes))
+			v.Spec.ReplicaNodes = replicaNodes
 		}
 		if err := c.c.Create(ctx, &v); err != nil {
 			return nil, kubeErr(err, "creating NBDVolume "+id)

@@ -356,3 +356,84 @@ func (c *Controller) pickStorageNode(ctx context.Context, p Params, tr *csi.Topo
 	}
 	return roomy[0], nil
 }
+
+// ZoneLabel is the topology key whose values replicas of one volume keep
+// apart, when the storage nodes carry it.
+const ZoneLabel = "topology.kubernetes.io/zone"
+
+// pickStorageNodes chooses the storage nodes of a new volume's p.Replicas
+// replicas: the first as pickStorageNode does (the volume's primary at
+// first), the others among the other fresh storage nodes that match the
+// parameters (storageNode pins the first only), every requisite topology
+// (any replica may become primary) and have room, by placeReplicas.
+func (c *Controller) pickStorageNodes(ctx context.Context, p Params, tr *csi.TopologyRequirement, size int64) ([]*v1alpha1.NBDStorageNode, error) {
+	first, err := c.pickStorageNode(ctx, p, tr, size)
+	if err != nil {
+		return nil, err
+	}
+	if p.Replicas <= 1 {
+		return []*v1alpha1.NBDStorageNode{first}, nil
+	}
+	nodes, err := c.storageNodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	rest := p
+	rest.StorageNode = ""
+	var cands []*v1alpha1.NBDStorageNode
+	for i := range nodes {
+		n := &nodes[i]
+		if n.Name == first.Name || !paramsMatch(n, rest) || !c.fresh(n) || n.Status.AvailableBytes < size {
+			continue
+		}
+		if req := tr.GetRequisite(); len(req) > 0 && !slices.ContainsFunc(req, func(t *csi.Topology) bool {
+			return topologyMatches(n.Status.Topology, t.GetSegments())
+		}) {
+			continue
+		}
+		cands = append(cands, n)
+	}
+	return placeReplicas(first, cands, p.Replicas, size)
+}
+
+// placeReplicas completes first with n-1 of cands, each on its own node
+// and, among nodes that carry ZoneLabel, each in its own zone; the nodes
+// with the most available bytes first. Too few is ResourceExhausted.
+func placeReplicas(first *v1alpha1.NBDStorageNode, cands []*v1alpha1.NBDStorageNode, n int, size int64) ([]*v1alpha1.NBDStorageNode, error) {
+	zone := func(x *v1alpha1.NBDStorageNode) string {
+		if z, ok := x.Status.Topology[ZoneLabel]; ok {
+			return z
+		}
+		return x.Labels[ZoneLabel]
+	}
+	out := []*v1alpha1.NBDStorageNode{first}
+	used := map[string]bool{}
+	if z := zone(first); z != "" {
+		used[z] = true
+	}
+	cands = slices.Clone(cands)
+	slices.SortFunc(cands, func(a, b *v1alpha1.NBDStorageNode) int {
+		return cmp.Or(cmp.Compare(b.Status.AvailableBytes, a.Status.AvailableBytes), strings.Compare(a.Name, b.Name))
+	})
+	for _, c := range cands {
+		if len(out) == n {
+			break
+		}
+		if c.Name == first.Name {
+			continue
+		}
+		z := zone(c)
+		if z != "" && used[z] {
+			continue
+		}
+		if z != "" {
+			used[z] = true
+		}
+		out = append(out, c)
+	}
+	if len(out) < n {
+		return nil, fmt.Errorf("%w: %d replicas need %d storage nodes besides %s that are fresh, match the StorageClass parameters and accessibility requirements, have %d bytes available and sit in zones (%s) of their own; %d do",
+			ErrExhausted, n, n-1, first.Name, size, ZoneLabel, len(out)-1)
+	}
+	return out, nil
+}

@@ -42,12 +42,14 @@ type Params struct {
 	BlockSize       uint64
 	// Encryption is none (the default), preferred or required.
 	Encryption v1alpha1.Encryption
+	// Replicas is how many storage nodes hold the volume (1).
+	Replicas int
 }
 
 // ParseParams validates StorageClass parameters. Every unknown or invalid
 // key is an InvalidArgument error that names it.
 func ParseParams(in map[string]string) (Params, error) {
-	p := Params{FSType: "ext4", Transport: attach.Auto, Encryption: v1alpha1.EncryptionNone}
+	p := Params{FSType: "ext4", Transport: attach.Auto, Encryption: v1alpha1.EncryptionNone, Replicas: 1}
 	keys := make([]string, 0, len(in))
 	for k := range in {
 		keys = append(keys, k)

@@ -1,0 +1,86 @@
+package driver
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+)
+
+// TestPickStorageNodesForReplicas: the replicas of a volume go to
+// distinct storage nodes, in distinct zones among the nodes that carry
+// one, the first as for one replica (storageNode pins it alone), the
+// others by available bytes, each fresh, with room and in a requisite
+// topology; too few is ResourceExhausted, saying why.
+func TestPickStorageNodesForReplicas(t *testing.T) {
+	ctx := context.Background()
+	c := newFakeClient(t)
+	ctl := newTestController(t, c)
+	const gb = int64(1) << 30
+	now := time.Now()
+	z := func(zone string) map[string]string { return map[string]string{ZoneLabel: zone} }
+	for _, n := range []struct {
+		name  string
+		avail int64
+		topo  map[string]string
+		hb    time.Time
+	}{
+		{"a1", 100 * gb, z("a"), now},
+		{"a2", 90 * gb, z("a"), now},
+		{"b1", 50 * gb, z("b"), now},
+		{"plain", 10 * gb, nil, now},
+		{"stale", 500 * gb, z("c"), now.Add(-time.Hour)},
+	} {
+		putStorageNode(t, c, n.name, n.avail, n.topo, nil, n.hb)
+	}
+	names := func(ns []*v1alpha1.NBDStorageNode) []string {
+		var out []string
+		for _, n := range ns {
+			out = append(out, n.Name)
+		}
+		return out
+	}
+	requisite := func(zones ...string) *csi.TopologyRequirement {
+		tr := &csi.TopologyRequirement{}
+		for _, zn := range zones {
+			tr.Requisite = append(tr.Requisite, &csi.Topology{Segments: z(zn)})
+		}
+		return tr
+	}
+	for _, tc := range []struct {
+		name     string
+		replicas int
+		pin      string
+		size     int64
+		tr       *csi.TopologyRequirement
+		want     []string
+		code     codes.Code
+	}{
+		{"one", 1, "", gb, nil, []string{"a1"}, codes.OK},
+		{"two in two zones", 2, "", gb, nil, []string{"a1", "b1"}, codes.OK},
+		{"three: a node without a zone is a zone of its own", 3, "", gb, nil, []string{"a1", "b1", "plain"}, codes.OK},
+		{"the pin names the first only", 2, "b1", gb, nil, []string{"b1", "a1"}, codes.OK},
+		{"no room for the third", 3, "", 20 * gb, nil, nil, codes.ResourceExhausted},
+		{"one zone cannot hold two", 2, "", gb, requisite("a"), nil, codes.ResourceExhausted},
+		{"a stale node is never a replica", 4, "", gb, nil, nil, codes.ResourceExhausted},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ctl.pickStorageNodes(ctx, Params{Replicas: tc.replicas, StorageNode: tc.pin}, tc.tr, tc.size)
+			if tc.code != codes.OK {
+				wantStatus(t, toStatus(err), tc.code, ZoneLabel)
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(names(got), tc.want) {
+				t.Fatalf("placed on %v, want %v", names(got), tc.want)
+			}
+		})
+	}
+}
