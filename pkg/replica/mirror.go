@@ -101,6 +101,8 @@ type peer struct {
 	flushing  []flushSnap
 	log       *DirtyLog // set once it fails
 	cause     error
+	// flushMu sends its FLUSHes one at a time (flushPeer).
+	flushMu sync.Mutex
 }
 
 type flushSnap struct {
@@ -258,9 +260,10 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 			return err
 		}
 	}
-	failed := m.forward(targets, fwd)
+	done := m.forward(targets, fwd)
 	lerr := local()
-	return m.settle(targets, lacking, failed, lerr)
+	<-done
+	return m.settle(lerr)
 }
 
 // markLacking records that p lacks [off, off+n). A log that cannot be
@@ -290,14 +293,14 @@ func (m *Mirror) markLacking(p *peer, off, n int64) error {
 }
 
 // forward runs fwd on every target at once, each bounded by the
-// deadline, and returns a channel of the targets that failed (with why),
-// closed when all have answered. A target past the deadline is closed,
-// which ends its call.
-func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan failure {
-	out := make(chan failure, len(targets))
+// deadline, and returns a channel closed once all have answered. A target
+// that fails (or is past the deadline: closed, which ends its call) has
+// its drop started before the channel closes.
+func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan struct{} {
+	done := make(chan struct{})
 	if len(targets) == 0 {
-		close(out)
-		return out
+		close(done)
+		return done
 	}
 	var wg sync.WaitGroup
 	for _, p := range targets {
@@ -305,17 +308,12 @@ func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan failure {
 		go func() {
 			defer wg.Done()
 			if err := m.call(p, func() error { return fwd(p.p) }); err != nil {
-				out <- failure{p, err}
+				m.startDrop(p, err)
 			}
 		}()
 	}
-	go func() { wg.Wait(); close(out) }()
-	return out
-}
-
-type failure struct {
-	p   *peer
-	err error
+	go func() { wg.Wait(); close(done) }()
+	return done
 }
 
 // errDeadline: a forward left unanswered past the deadline.
@@ -332,31 +330,31 @@ func (m *Mirror) call(p *peer, f func() error) error {
 	return err
 }
 
-// settle waits for the forwards, has every replica that failed dropped,
-// waits for the decisions about every replica that lacks the change, and
-// returns the change's verdict.
-func (m *Mirror) settle(targets, lacking []*peer, failed <-chan failure, lerr error) error {
-	var wait []chan struct{}
-	for f := range failed {
-		wait = append(wait, m.startDrop(f.p, f.err))
-	}
-	for _, p := range lacking {
+// settle returns the verdict of a change or FLUSH whose forwards are
+// done: it waits until no replica's leaving is undecided (whichever
+// request found it failed: a replica that failed anything may have lost
+// what it acknowledged, for this request as for the others), and withholds
+// the answer if the Mirror is fenced by then.
+func (m *Mirror) settle(lerr error) error {
+	for {
 		m.mu.Lock()
-		if p.decided != nil {
-			wait = append(wait, p.decided)
+		var wait chan struct{}
+		for _, p := range m.peers {
+			if p.state == dropping {
+				wait = p.decided
+				break
+			}
 		}
+		fenced := m.fenced != nil
 		m.mu.Unlock()
+		if fenced {
+			return nbd.ErrWithheld
+		}
+		if wait == nil {
+			return lerr
+		}
+		<-wait
 	}
-	for _, ch := range wait {
-		<-ch
-	}
-	m.mu.Lock()
-	fenced := m.fenced != nil
-	m.mu.Unlock()
-	if fenced {
-		return nbd.ErrWithheld
-	}
-	return lerr
 }
 
 // startDrop starts the decision that p leaves the in-sync set (unless it
@@ -485,45 +483,49 @@ func (m *Mirror) Sync() error {
 	}
 	m.flushSeq++
 	seq := m.flushSeq
-	var targets, lacking []*peer
+	var targets []*peer
 	for _, p := range m.peers {
 		if p.state == inSync {
 			p.flushing = append(p.flushing, flushSnap{seq, p.unflushed})
 			p.unflushed = &chunks{}
 			targets = append(targets, p)
-		} else {
-			lacking = append(lacking, p)
 		}
 	}
 	m.mu.Unlock()
 
-	results := make(chan failure, len(targets))
 	var wg sync.WaitGroup
 	for _, p := range targets {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			err := m.call(p, p.p.Flush)
-			if err == nil {
-				m.flushed(p, seq)
-			}
-			results <- failure{p, err}
+			m.flushPeer(p, seq)
 		}()
 	}
 	lerr := m.local.Sync()
 	wg.Wait()
-	close(results)
-	failed := make(chan failure, len(targets))
-	for r := range results {
-		if r.err != nil {
-			failed <- r
-		}
+	return m.settle(lerr)
+}
+
+// flushPeer sends FLUSH number seq to p, one at a time per replica: a
+// replica reports a writeback error to one FLUSH only (and our server, to
+// one per connection), so a FLUSH that succeeds after another failed proves
+// nothing of what the failure lost. Sent one after the other, a failure's
+// drop has started before the next FLUSH goes, and that one then does not
+// count.
+func (m *Mirror) flushPeer(p *peer, seq uint64) {
+	p.flushMu.Lock()
+	defer p.flushMu.Unlock()
+	m.mu.Lock()
+	state := p.state
+	m.mu.Unlock()
+	if state != inSync {
+		return
 	}
-	close(failed)
-	// A replica dropping since before this FLUSH is waited for too:
-	// until its leaving is recorded it may still become primary,
-	// without the changes it acknowledged and never made durable.
-	return m.settle(targets, lacking, failed, lerr)
+	if err := m.call(p, p.p.Flush); err != nil {
+		m.startDrop(p, err)
+		return
+	}
+	m.flushed(p, seq)
 }
 
 // flushed forgets the chunks a completed FLUSH numbered seq made durable

@@ -64,7 +64,10 @@ func (b *backend) Sync() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.dead {
-		return nil
+		// A node that lost power acknowledges no FLUSH: the reply of
+		// a sync caught between the cut and the reset of its
+		// connections must not say its writes are durable.
+		return errors.New("powerloss: the node lost power")
 	}
 	if b.failSync {
 		b.failSync = false
