@@ -23,9 +23,9 @@ import (
 // copy: the power-loss node stands for the primary's disk.
 type clientBackend struct{ *nbd.Client }
 
-func (b clientBackend) Sync() error                        { return b.Flush() }
+func (b clientBackend) Sync() error                          { return b.Flush() }
 func (b clientBackend) Zero(off, n int64, noHole bool) error { return b.WriteZeroes(off, n, noHole) }
-func (b clientBackend) Resize(int64) error                 { return errors.New("no resize") }
+func (b clientBackend) Resize(int64) error                   { return errors.New("no resize") }
 
 func dialPowerLoss(t *testing.T, n *powerloss.Node) *nbd.Client {
 	t.Helper()
