@@ -35,6 +35,22 @@ var _ replica.Arbiter = (*VolumeArbiter)(nil)
 // error of the API server's (unreachable, timed out) is returned as is,
 // for the caller to try again.
 func (a *VolumeArbiter) Drop(ctx context.Context, epoch int64, name string, cause error) (int64, error) {
+	return a.decide(ctx, epoch, name, fmt.Sprintf("drop (%v)", cause), func(v *v1alpha1.NBDVolume, r *v1alpha1.ReplicationStatus) error {
+		if name == a.Self || !slices.Contains(r.InSync, name) {
+			return fmt.Errorf("volume %s: %s cannot leave the in-sync set %v: %w", a.Volume, name, r.InSync, nbd.ErrSuperseded)
+		}
+		r.InSync = slices.DeleteFunc(r.InSync, func(n string) bool { return n == name })
+		return nil
+	})
+}
+
+// decide reads the record, checks that it says epoch with Self the
+// primary, lets change make the decision on a copy (its error wrapping
+// nbd.ErrSuperseded refuses it), and writes it with the epoch raised,
+// conditionally on the resourceVersion read: a change made meanwhile
+// fails the write with a conflict, and the record is read and checked
+// again.
+func (a *VolumeArbiter) decide(ctx context.Context, epoch int64, name, what string, change func(*v1alpha1.NBDVolume, *v1alpha1.ReplicationStatus) error) (int64, error) {
 	for {
 		var v v1alpha1.NBDVolume
 		if err := a.Client.Get(ctx, types.NamespacedName{Name: a.Volume}, &v); err != nil {
@@ -50,17 +66,14 @@ func (a *VolumeArbiter) Drop(ctx context.Context, epoch int64, name string, caus
 		case r.Epoch != epoch || r.Primary != a.Self:
 			return 0, fmt.Errorf("volume %s is at epoch %d with primary %s, not %d with %s: %w",
 				a.Volume, r.Epoch, r.Primary, epoch, a.Self, nbd.ErrSuperseded)
-		case name == a.Self || !slices.Contains(r.InSync, name):
-			return 0, fmt.Errorf("volume %s: %s cannot leave the in-sync set %v: %w", a.Volume, name, r.InSync, nbd.ErrSuperseded)
 		}
 		next := r.DeepCopy()
+		if err := change(&v, next); err != nil {
+			return 0, err
+		}
 		next.Epoch++
-		next.InSync = slices.DeleteFunc(next.InSync, func(n string) bool { return n == name })
 		next.InSyncReplicas = int32(len(next.InSync))
 		v.Status.Replication = next
-		// The update carries the resourceVersion read above: a change
-		// made since then fails it with a conflict, and the record is
-		// checked again.
 		err := a.Client.Status().Update(ctx, &v)
 		switch {
 		case err == nil:
@@ -70,7 +83,22 @@ func (a *VolumeArbiter) Drop(ctx context.Context, epoch int64, name string, caus
 		case apierrors.IsNotFound(err):
 			return 0, fmt.Errorf("volume %s is gone: %w", a.Volume, nbd.ErrSuperseded)
 		default:
-			return 0, fmt.Errorf("recording that %s left the in-sync set of volume %s (%v): %w", name, a.Volume, cause, err)
+			return 0, fmt.Errorf("recording the %s of %s in volume %s: %w", what, name, a.Volume, err)
 		}
 	}
+}
+
+// Rejoin records that storage node name, rebuilt, is in the in-sync set
+// again, if the record still says epoch with Self the primary, name one of
+// the volume's replicas and out of the set. Errors are Drop's.
+func (a *VolumeArbiter) Rejoin(ctx context.Context, epoch int64, name string) (int64, error) {
+	return a.decide(ctx, epoch, name, "rejoin", func(v *v1alpha1.NBDVolume, r *v1alpha1.ReplicationStatus) error {
+		if slices.Contains(r.InSync, name) || (name != v.Spec.StorageNode && !slices.Contains(v.Spec.ReplicaNodes, name)) {
+			return fmt.Errorf("volume %s: %s cannot rejoin the in-sync set %v (replicas %s, %v): %w",
+				a.Volume, name, r.InSync, v.Spec.StorageNode, v.Spec.ReplicaNodes, nbd.ErrSuperseded)
+		}
+		r.InSync = append(r.InSync, name)
+		slices.Sort(r.InSync)
+		return nil
+	})
 }

@@ -39,7 +39,7 @@ func replicatedVolume(t *testing.T, c client.Client, name string) {
 // an old epoch, made by a primary that is not the recorded one, or of a
 // replica already out is refused as superseded; of two drops racing on
 // one epoch exactly one is recorded; an API server that cannot be reached
-// is a passing error, not a refusal.
+// is a passing error, not a refusal. A rebuilt replica rejoins likewise.
 func TestVolumeArbiter(t *testing.T) {
 	cfg, c := apiserver.Start(t)
 	ctx := context.Background()
@@ -81,6 +81,24 @@ func TestVolumeArbiter(t *testing.T) {
 		t.Fatalf("refused drops changed the record: %+v", r)
 	}
 
+	// s3 comes back: recorded in sync at the current epoch only, and only
+	// a replica of the volume that is out.
+	if _, err := a.Rejoin(ctx, 1, "s3"); !errors.Is(err, nbd.ErrSuperseded) {
+		t.Errorf("a rejoin at an old epoch: %v, want ErrSuperseded", err)
+	}
+	for _, name := range []string{"s2", "s9"} {
+		if _, err := a.Rejoin(ctx, 2, name); !errors.Is(err, nbd.ErrSuperseded) {
+			t.Errorf("a rejoin of %s (in sync, or no replica of the volume): %v, want ErrSuperseded", name, err)
+		}
+	}
+	epoch, err = a.Rejoin(ctx, 2, "s3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := record(); epoch != 3 || r.Epoch != 3 || !slices.Equal(r.InSync, []string{"s1", "s2", "s3"}) || r.InSyncReplicas != 3 {
+		t.Fatalf("after s3 rejoined: epoch %d, record %+v", epoch, r)
+	}
+
 	// Two drops racing on one epoch: one wins.
 	replicatedVolume(t, c, "race")
 	var wg sync.WaitGroup
@@ -115,7 +133,7 @@ func TestVolumeArbiter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := (&VolumeArbiter{Client: dc, Volume: "rv", Self: "s1"}).Drop(ctx, 2, "s2", nil); err == nil || errors.Is(err, nbd.ErrSuperseded) {
+	if _, err := (&VolumeArbiter{Client: dc, Volume: "rv", Self: "s1"}).Drop(ctx, 3, "s2", nil); err == nil || errors.Is(err, nbd.ErrSuperseded) {
 		t.Fatalf("a drop through an unreachable API server: %v, want a passing error", err)
 	}
 }

@@ -46,8 +46,9 @@ const crashBlocks = 128
 // their power. Writers (each owning its blocks, each write stamped with a
 // sequence number) write, trim and FLUSH through the Mirror while faults
 // strike at random points: a replica loses power (its connections reset),
-// a replica's sync fails as a writeback error does (its cache lost), the
-// arbiter is slow to record a drop, or cannot be reached at all. Then the primary loses power, and
+// a replica's sync fails as a writeback error does (its cache lost), a
+// replica loses power, comes back and is rebuilt, the arbiter is slow to
+// record a drop, or cannot be reached at all. Then the primary loses power, and
 // with it, at random, the replicas too. Every replica the arbiter still
 // lists in sync, any of which may become primary, must hold in its
 // durable medium every write acknowledged before a FLUSH that completed
@@ -187,7 +188,31 @@ func crashPoint(t *testing.T, rng *rand.Rand, seed uint64) {
 	// Faults before the crash, each at a random point.
 	time.Sleep(time.Duration(20+rng.IntN(80)) * time.Millisecond)
 	var faults []string
-	switch rng.IntN(4) {
+	var rebuilt sync.WaitGroup
+	defer rebuilt.Wait()
+	switch rng.IntN(5) {
+	case 3:
+		// b loses power, comes back (a new incarnation, holding what it
+		// flushed) and is rebuilt while the writers go on; the crash
+		// finds the rebuild done or under way.
+		nodes["b"].PowerLoss()
+		faults = append(faults, "b lost power")
+		for deadline := time.Now().Add(2 * time.Second); m.Lacking("b") == nil; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				break
+			}
+		}
+		if m.Lacking("b") == nil {
+			break // the arbiter is unreachable: b is never out
+		}
+		nodes["b"].Restore()
+		cl := dialPowerLoss(t, nodes["b"])
+		faults = append(faults, "b came back and is rebuilt")
+		rebuilt.Add(1)
+		go func() {
+			defer rebuilt.Done()
+			_ = m.Rebuild(t.Context(), "b", cl, RebuildOptions{})
+		}()
 	case 0:
 		nodes["b"].PowerLoss()
 		faults = append(faults, "b lost power")
@@ -207,6 +232,11 @@ func crashPoint(t *testing.T, rng *rand.Rand, seed uint64) {
 	crashed = true
 	mu.Unlock()
 	inSync := arb.inSync([]string{"b", "c"})
+	arb.mu.Lock()
+	if len(arb.rejoins) > 0 {
+		faults = append(faults, "b was back in sync")
+	}
+	arb.mu.Unlock()
 	primary.PowerLoss()
 	faults = append(faults, "the primary lost power")
 	for _, name := range []string{"b", "c"} {
@@ -218,7 +248,11 @@ func crashPoint(t *testing.T, rng *rand.Rand, seed uint64) {
 	stop()
 	m.Close()
 	wg.Wait()
+	rebuilt.Wait()
 
+	if os.Getenv("REPLICA_CRASH_VERBOSE") != "" {
+		t.Logf("faults: %v; checked %v", faults, inSync)
+	}
 	if len(inSync) == 0 {
 		// Both replicas left: the primary alone held the data, and it
 		// lost power. Nothing to check but that the drops were recorded.

@@ -21,7 +21,6 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -49,6 +48,10 @@ type Arbiter interface {
 	// newer decision, such as another primary, came first): final. Any
 	// other error is passing (the arbiter unreachable): try again.
 	Drop(ctx context.Context, epoch int64, replica string, cause error) (int64, error)
+	// Rejoin records that replica, rebuilt, is in the in-sync set of
+	// epoch again, and returns the epoch of that decision. Its errors
+	// are Drop's.
+	Rejoin(ctx context.Context, epoch int64, replica string) (int64, error)
 }
 
 // DefaultDeadline is how long a forward may stay unanswered before its
@@ -81,9 +84,10 @@ type Config struct {
 type replicaState int
 
 const (
-	inSync   replicaState = iota
-	dropping              // failed; its decision is being recorded
-	out                   // left the in-sync set
+	inSync     replicaState = iota
+	dropping                // failed; its decision is being recorded
+	out                     // left the in-sync set
+	rebuilding              // out, being brought back (rebuild.go)
 )
 
 // peer is one replica as the Mirror tracks it.
@@ -99,8 +103,10 @@ type peer struct {
 	// acknowledged but had not made durable may be lost with it.
 	unflushed *chunks
 	flushing  []flushSnap
-	log       *DirtyLog // set once it fails
-	cause     error
+	// log: what it lacks, set once it fails; kept (and marked ahead of
+	// every change) until its rejoining is recorded.
+	log   *DirtyLog
+	cause error
 	// flushMu sends its FLUSHes one at a time (flushPeer).
 	flushMu sync.Mutex
 }
@@ -122,6 +128,11 @@ type Mirror struct {
 	// decide serialises the arbiter calls: each names the epoch the
 	// previous one made.
 	decide sync.Mutex
+
+	// claims are the byte ranges of the changes (and rebuild copies)
+	// under way: one that overlaps another waits for it (claim.go).
+	claimMu sync.Mutex
+	claims  []*claim
 
 	mu       sync.Mutex
 	epoch    int64
@@ -237,6 +248,7 @@ func (m *Mirror) Zero(off, n int64, noHole bool) error {
 // decision. It returns nbd.ErrWithheld when the Mirror is fenced before
 // that.
 func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) error {
+	defer m.claim(off, n)()
 	m.mu.Lock()
 	if m.fenced != nil {
 		m.mu.Unlock()
@@ -244,10 +256,16 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 	}
 	var targets, lacking []*peer
 	for _, p := range m.peers {
-		if p.state == inSync {
+		switch p.state {
+		case inSync, rebuilding:
 			p.unflushed.mark(off, n)
 			targets = append(targets, p)
-		} else {
+			if p.log != nil {
+				// Being rebuilt or rejoining: until the arbiter has
+				// it back in sync, its log keeps what it may lack.
+				lacking = append(lacking, p)
+			}
+		default:
 			lacking = append(lacking, p)
 		}
 	}
@@ -308,7 +326,7 @@ func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan struct{} 
 		go func() {
 			defer wg.Done()
 			if err := m.call(p, func() error { return fwd(p.p) }); err != nil {
-				m.startDrop(p, err)
+				m.failed(p, err)
 			}
 		}()
 	}
@@ -383,11 +401,16 @@ func (m *Mirror) startDrop(p *peer, cause error) chan struct{} {
 // fences the Mirror.
 func (m *Mirror) drop(p *peer) {
 	p.p.Close()
-	var l *DirtyLog
+	m.mu.Lock()
+	l := p.log
+	m.mu.Unlock()
 	var err error
-	if m.logDir != "" {
-		l, err = OpenLog(filepath.Join(m.logDir, p.name+".dirty"))
-	} else {
+	switch {
+	case l != nil:
+		// Rejoining: its log is kept until the arbiter has it back.
+	case m.logDir != "":
+		l, err = OpenLog(m.logPath(p.name))
+	default:
 		l = NewMemoryLog()
 	}
 	if err == nil {
@@ -465,8 +488,11 @@ func (m *Mirror) fence(why error) {
 	m.fenced = why
 	m.log.Error("replicated volume fenced: withholding every answer, so that nodes replay their requests on the primary that replaced this one", "reason", why)
 	for _, p := range m.peers {
-		if p.state == dropping {
+		switch p.state {
+		case dropping:
 			close(p.decided)
+			p.state = out
+		case rebuilding:
 			p.state = out
 		}
 		p.p.Close()
@@ -485,7 +511,7 @@ func (m *Mirror) Sync() error {
 	seq := m.flushSeq
 	var targets []*peer
 	for _, p := range m.peers {
-		if p.state == inSync {
+		if p.state == inSync || p.state == rebuilding {
 			p.flushing = append(p.flushing, flushSnap{seq, p.unflushed})
 			p.unflushed = &chunks{}
 			targets = append(targets, p)
@@ -518,11 +544,11 @@ func (m *Mirror) flushPeer(p *peer, seq uint64) {
 	m.mu.Lock()
 	state := p.state
 	m.mu.Unlock()
-	if state != inSync {
+	if state != inSync && state != rebuilding {
 		return
 	}
 	if err := m.call(p, p.p.Flush); err != nil {
-		m.startDrop(p, err)
+		m.failed(p, err)
 		return
 	}
 	m.flushed(p, seq)

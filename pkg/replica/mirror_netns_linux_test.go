@@ -99,7 +99,7 @@ func startReplicaHost(t *testing.T, name string) *replicaHost {
 	go func() {
 		line, _ := bufio.NewReader(out).ReadString('\n')
 		ready <- strings.TrimSpace(line) == "listening"
-		io.Copy(io.Discard, out)
+		_, _ = io.Copy(io.Discard, out)
 	}()
 	select {
 	case ok := <-ready:

@@ -1,0 +1,251 @@
+package replica
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// Rebuild by difference (docs/replication.md).
+//
+// A replica that left the in-sync set comes back through Rebuild: from
+// the moment it starts, every change is forwarded to the replica as to
+// one in sync (and still marked in its log, ahead of the change's
+// acknowledgement, until the arbiter has it back); meanwhile the chunks
+// its log held when the rebuild began are copied from the primary's copy,
+// each under a claim of its range, so that no change to a chunk lands
+// between the copy's read and its write. Then a FLUSH makes all of it durable on the
+// replica, and the arbiter records it in sync again; only then is its log
+// removed. A failure of the replica on the way leaves it out, its log
+// whole (nothing was taken off it), and a later Rebuild starts over.
+
+// ErrRebuildAborted: the replica failed during its rebuild; it stays out.
+var ErrRebuildAborted = errors.New("replica: rebuild aborted")
+
+// logPath is where the log of replica name is kept in LogDir.
+func (m *Mirror) logPath(name string) string { return filepath.Join(m.logDir, name+".dirty") }
+
+// failed handles a call to p that failed: a replica in sync leaves the set
+// (startDrop); one being rebuilt is out again, its log whole.
+func (m *Mirror) failed(p *peer, err error) {
+	m.mu.Lock()
+	if p.state == rebuilding {
+		p.state = out
+		p.cause = err
+		m.mu.Unlock()
+		p.p.Close()
+		m.log.Warn("the replica being rebuilt failed: it stays out", "replica", p.name, "error", err)
+		return
+	}
+	m.mu.Unlock()
+	m.startDrop(p, err)
+}
+
+// RebuildOptions tunes Rebuild.
+type RebuildOptions struct {
+	// Rate bounds the copy, in bytes per second, so that foreground I/O
+	// keeps most of the line; zero copies as fast as the replica takes it.
+	Rate float64
+	// Progress, when set, is told the bytes copied and to copy after each
+	// chunk.
+	Progress func(copied, total int64)
+}
+
+// Rebuild brings back the replica name, which left the in-sync set, over
+// peer (a new connection to it): it copies what the replica lacks, has
+// the arbiter record it in sync, and returns then. On failure the replica
+// stays out and its log whole; a fenced Mirror rebuilds nothing.
+func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildOptions) error {
+	m.mu.Lock()
+	var p *peer
+	for _, q := range m.peers {
+		if q.name == name {
+			p = q
+		}
+	}
+	switch {
+	case m.fenced != nil:
+		m.mu.Unlock()
+		conn.Close()
+		return fmt.Errorf("replica: rebuilding %s: %w", name, nbd.ErrWithheld)
+	case p == nil:
+		m.mu.Unlock()
+		conn.Close()
+		return fmt.Errorf("replica: rebuilding %s: no such replica", name)
+	case p.state != out || p.log == nil:
+		m.mu.Unlock()
+		conn.Close()
+		return fmt.Errorf("replica: rebuilding %s: it is not out of the in-sync set", name)
+	}
+	p.p = conn
+	p.unflushed, p.flushing = &chunks{}, nil
+	p.state = rebuilding
+	m.mu.Unlock()
+
+	// A change that chose its targets before p was being rebuilt marked
+	// p's log before it began, so it is in what is copied below (and
+	// the copy of its chunk waits for it).
+	todo := p.log.Ranges()
+	var total int64
+	for _, r := range todo {
+		total += r.Len
+	}
+	m.log.Info("rebuilding a replica", "replica", name, "bytes", total)
+	start := time.Now()
+	var copied int64
+	buf := make([]byte, Chunk)
+	for _, r := range todo {
+		for off := r.Off; off < r.Off+r.Len; off += Chunk {
+			if err := m.rebuilding(ctx, p); err != nil {
+				return err
+			}
+			if err := m.copyChunk(p, off, buf); err != nil {
+				m.failed(p, err)
+				return fmt.Errorf("%w: replica %s: copying at %d: %v", ErrRebuildAborted, name, off, err)
+			}
+			copied += Chunk
+			if o.Progress != nil {
+				o.Progress(copied, total)
+			}
+			if o.Rate > 0 {
+				ahead := time.Duration(float64(copied)/o.Rate*float64(time.Second)) - time.Since(start)
+				if ahead > 0 {
+					select {
+					case <-ctx.Done():
+					case <-time.After(ahead):
+					}
+				}
+			}
+		}
+	}
+
+	// Durable on the replica, then back in sync by the arbiter's record.
+	m.mu.Lock()
+	m.flushSeq++
+	seq := m.flushSeq
+	p.flushing = append(p.flushing, flushSnap{seq, p.unflushed})
+	p.unflushed = &chunks{}
+	m.mu.Unlock()
+	m.flushPeer(p, seq)
+	if err := m.rebuilding(ctx, p); err != nil {
+		return err
+	}
+	return m.rejoin(ctx, p, time.Since(start), copied)
+}
+
+// rebuilding fails when p's rebuild cannot go on (it failed, or ctx or
+// the Mirror ended); a rebuild that ctx ended leaves p out.
+func (m *Mirror) rebuilding(ctx context.Context, p *peer) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch {
+	case p.state != rebuilding:
+		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, p.cause)
+	case ctx.Err() != nil || m.ctx.Err() != nil:
+		p.state = out
+		p.p.Close()
+		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, cmpErr(ctx.Err(), m.ctx.Err()))
+	}
+	return nil
+}
+
+func cmpErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+// copyChunk copies the chunk at off from the primary's copy to p, under a
+// claim of the chunk: no change to it lands between the read and the
+// write.
+func (m *Mirror) copyChunk(p *peer, off int64, buf []byte) error {
+	defer m.claim(off, Chunk)()
+	n := min(int64(len(buf)), m.local.Size()-off)
+	if n <= 0 {
+		return nil
+	}
+	if _, err := m.local.ReadAt(buf[:n], off); err != nil && !errors.Is(err, io.EOF) {
+		return fmt.Errorf("reading the primary's copy: %w", err)
+	}
+	return m.call(p, func() error {
+		_, err := p.p.WriteAt(buf[:n], off)
+		return err
+	})
+}
+
+// rejoin has the arbiter record p in sync again. From the moment p counts
+// as in sync here, a failure of it is a drop (queued behind this
+// decision), and its log is still marked until the decision is recorded.
+func (m *Mirror) rejoin(ctx context.Context, p *peer, took time.Duration, copied int64) error {
+	m.decide.Lock()
+	defer m.decide.Unlock()
+	m.mu.Lock()
+	if p.state != rebuilding {
+		m.mu.Unlock()
+		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, p.cause)
+	}
+	p.state = inSync
+	m.mu.Unlock()
+	backoff := 50 * time.Millisecond
+	for {
+		m.mu.Lock()
+		epoch, fenced := m.epoch, m.fenced
+		m.mu.Unlock()
+		if fenced != nil {
+			return fmt.Errorf("replica: rejoining %s: %w", p.name, nbd.ErrWithheld)
+		}
+		actx, cancel := context.WithTimeout(m.ctx, arbiterTimeout)
+		next, err := m.arb.Rejoin(actx, epoch, p.name)
+		cancel()
+		if err == nil {
+			m.mu.Lock()
+			m.epoch = next
+			l := p.log
+			if p.state != inSync {
+				// It failed meanwhile: its drop, queued behind this
+				// decision, goes on with the log.
+				m.mu.Unlock()
+				return fmt.Errorf("%w: replica %s failed as it rejoined: %v", ErrRebuildAborted, p.name, p.cause)
+			}
+			p.log = nil
+			m.mu.Unlock()
+			l.Close()
+			if m.logDir != "" {
+				if err := os.Remove(m.logPath(p.name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+					m.log.Warn("cannot remove the log of a replica back in sync", "replica", p.name, "error", err)
+				}
+			}
+			m.log.Info("a replica is back in the in-sync set", "replica", p.name, "epoch", next,
+				"copied_bytes", copied, "took", took.Round(time.Millisecond))
+			return nil
+		}
+		if errors.Is(err, nbd.ErrSuperseded) {
+			m.fence(fmt.Errorf("the arbiter refused replica %s back at epoch %d: %w", p.name, epoch, err))
+			return fmt.Errorf("replica: rejoining %s: %w", p.name, err)
+		}
+		m.log.Warn("cannot record that a rebuilt replica is back in sync: trying again", "replica", p.name, "error", err)
+		select {
+		case <-ctx.Done():
+		case <-m.ctx.Done():
+		case <-time.After(backoff):
+			backoff = min(2*backoff, 2*time.Second)
+			continue
+		}
+		// Given up: the replica is out again. Its log was marked by
+		// every change since the rebuild began, so it is whole.
+		m.mu.Lock()
+		if p.state == inSync {
+			p.state = out
+			p.p.Close()
+		}
+		m.mu.Unlock()
+		return fmt.Errorf("%w: replica %s: the arbiter was not reached", ErrRebuildAborted, p.name)
+	}
+}
