@@ -30,6 +30,7 @@ soak: deps
 
 bench: deps build
 	bash hack/bench-relay.sh
+	bash hack/bench-replica.sh
 	bash hack/bench.sh
 	bash hack/bench.sh --profile many
 	bash hack/bench-snapshots.sh

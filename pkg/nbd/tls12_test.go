@@ -1,7 +1,6 @@
 package nbd
 
 import (
-	"bytes"
 	"crypto/tls"
 	"errors"
 	"net"
@@ -38,29 +37,7 @@ func TestStartTLS12(t *testing.T) {
 	if err != nil {
 		t.Fatalf("dial with TLS 1.2 at most: %v", err)
 	}
-	data := randBytes(3 << 20)
-	if _, err := cl.WriteAt(data, 1<<20); err != nil {
-		t.Fatal(err)
-	}
-	if err := cl.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]byte, len(data))
-	if _, err := cl.ReadAt(got, 1<<20); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, data) {
-		t.Fatal("data read back over TLS 1.2 differs from what was written")
-	}
-	// A small write rides in one record with its header, as with 1.3.
-	small := randBytes(4096)
-	if _, err := cl.WriteAt(small, 0); err != nil {
-		t.Fatal(err)
-	}
-	back := make([]byte, len(small))
-	if _, err := cl.ReadAt(back, 0); err != nil || !bytes.Equal(back, small) {
-		t.Fatalf("a 4 KiB write over TLS 1.2 read back wrong (%v)", err)
-	}
+	roundTripTLS(t, cl, "TLS 1.2")
 	mu.Lock()
 	defer mu.Unlock()
 	if len(seen) != 2 {

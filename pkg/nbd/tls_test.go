@@ -93,29 +93,7 @@ func TestStartTLS(t *testing.T) {
 	if err != nil {
 		t.Fatalf("dial over TLS: %v", err)
 	}
-	data := randBytes(3 << 20)
-	if _, err := cl.WriteAt(data, 1<<20); err != nil {
-		t.Fatal(err)
-	}
-	if err := cl.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]byte, len(data))
-	if _, err := cl.ReadAt(got, 1<<20); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, data) {
-		t.Fatal("data read back over TLS differs from what was written")
-	}
-	// Small writes travel with their header in one record.
-	small := randBytes(4096)
-	if _, err := cl.WriteAt(small, 0); err != nil {
-		t.Fatal(err)
-	}
-	back := make([]byte, len(small))
-	if _, err := cl.ReadAt(back, 0); err != nil || !bytes.Equal(back, small) {
-		t.Fatalf("a 4 KiB write over TLS read back wrong (%v)", err)
-	}
+	roundTripTLS(t, cl, "TLS")
 	for _, c := range cl.Conns() {
 		if _, ok := c.(*tls.Conn); !ok {
 			t.Fatalf("client connection %T is not TLS", c)
@@ -294,5 +272,34 @@ func TestShutdownAfterStartTLS(t *testing.T) {
 	}
 	if _, err := io.Copy(io.Discard, tc); err != nil && !errors.Is(err, net.ErrClosed) && !isReset(err) {
 		t.Fatalf("after shutdown: %v, want the server to hang up", err)
+	}
+}
+
+// roundTripTLS writes 3 MiB and a 4 KiB write (which travels with its
+// header in one record), flushes and reads both back over cl, a client
+// over TLS (version names it in the failures).
+func roundTripTLS(t *testing.T, cl *Client, version string) {
+	t.Helper()
+	data := randBytes(3 << 20)
+	if _, err := cl.WriteAt(data, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := cl.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(data))
+	if _, err := cl.ReadAt(got, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data) {
+		t.Fatalf("data read back over %s differs from what was written", version)
+	}
+	small := randBytes(4096)
+	if _, err := cl.WriteAt(small, 0); err != nil {
+		t.Fatal(err)
+	}
+	back := make([]byte, len(small))
+	if _, err := cl.ReadAt(back, 0); err != nil || !bytes.Equal(back, small) {
+		t.Fatalf("a 4 KiB write over %s read back wrong (%v)", version, err)
 	}
 }

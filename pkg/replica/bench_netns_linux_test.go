@@ -1,0 +1,182 @@
+package replica
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// benchPathMbit is the rate of each of the 4 paths of both links in
+// BenchmarkMirror: low enough that two cores carry both links at line
+// rate, so the paths and not the CPU bound what each case moves.
+const benchPathMbit = 200
+
+// BenchmarkMirror compares, on the same shaped paths in one run, a client
+// writing and reading a volume on a primary that forwards every change to
+// one replica ("replicated") with the same client on the same primary
+// serving an unreplicated volume ("single"). The client reaches the
+// primary over 4 MPTCP paths, the primary the replica over 4 paths of its
+// own (storage to storage), each benchPathMbit. Besides MB/s it reports
+// line-MB/s (what the client's paths carry) and cpu-ns/B (process CPU per
+// byte; client, primary and replica share the process).
+// hack/bench-replica.sh prints the ratios.
+func BenchmarkMirror(b *testing.B) {
+	topo.RequireRoot(b)
+	if err := mptcp.Available(); err != nil {
+		b.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	const size = 256 << 20
+	front := topo.NewForTest(b, topo.Uniform(topo.UniqueName("bf"), 4, benchPathMbit))
+	back := topo.NewForTest(b, topo.Uniform(topo.UniqueName("bb"), 4, benchPathMbit))
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+
+	// The replica, on the far side of the storage-to-storage paths.
+	replicaSrv := &nbd.Server{Logger: quiet}
+	if err := replicaSrv.AddExport(&nbd.Export{Name: "r", Backend: nbd.NewMemBackend(size)}); err != nil {
+		b.Fatal(err)
+	}
+	serveIn(b, back.InServer, net.JoinHostPort(back.ServerAddr(1).String(), "10809"), replicaSrv)
+	var forward *nbd.Client
+	if err := back.InClient(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var err error
+		forward, err = nbd.Dial(ctx, nbd.DialOptions{Addr: net.JoinHostPort(back.ServerAddr(1).String(), "10809"), Export: "r", MPTCP: true, Logger: quiet})
+		return err
+	}); err != nil {
+		b.Fatal(err)
+	}
+	m, err := New(Config{Local: nbd.NewMemBackend(size), Peers: map[string]Peer{"r": forward}, Epoch: 1,
+		Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { m.Close() })
+
+	// The primary, serving both volumes to the client.
+	primary := &nbd.Server{Logger: quiet}
+	for name, be := range map[string]nbd.Backend{"single": nbd.NewMemBackend(size), "replicated": m} {
+		if err := primary.AddExport(&nbd.Export{Name: name, Backend: be}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	addr := net.JoinHostPort(front.ServerAddr(1).String(), "10809")
+	serveIn(b, front.InServer, addr, primary)
+
+	for _, c := range []struct {
+		op        string
+		bs, qd    int
+		random    bool
+		writeOnly bool
+	}{
+		{"write", 1 << 20, 8, false, true},
+		{"read", 1 << 20, 8, false, false},
+		{"randwrite", 4 << 10, 32, true, true},
+	} {
+		for _, vol := range []string{"single", "replicated"} {
+			b.Run(fmt.Sprintf("%s/%dK/qd%d/%s", c.op, c.bs>>10, c.qd, vol), func(b *testing.B) {
+				var cl *nbd.Client
+				if err := front.InClient(func() error {
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					defer cancel()
+					var err error
+					cl, err = nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: vol, MPTCP: true, Logger: quiet})
+					return err
+				}); err != nil {
+					b.Fatal(err)
+				}
+				defer cl.Close()
+				runLoad(b, cl, size, c.bs, c.qd, c.random, c.writeOnly)
+				b.ReportMetric(front.LineRateMBps(), "line-MB/s")
+			})
+		}
+	}
+}
+
+// serveIn serves srv on an MPTCP listener at addr made in a namespace
+// (in runs a function there); the benchmark's end stops it.
+func serveIn(b *testing.B, in func(func() error) error, addr string, srv *nbd.Server) {
+	b.Helper()
+	var ln net.Listener
+	if err := in(func() error {
+		var err error
+		ln, err = mptcp.Listen(context.Background(), "tcp4", addr, true)
+		return err
+	}); err != nil {
+		b.Fatal(err)
+	}
+	go func() { _ = srv.Serve(ln) }()
+	b.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	})
+}
+
+// runLoad moves b.N requests of bs bytes with qd in flight, sequential or
+// at random offsets, and reports cpu-ns/B.
+func runLoad(b *testing.B, cl *nbd.Client, size int64, bs, qd int, random, write bool) {
+	b.SetBytes(int64(bs))
+	blocks := size / int64(bs)
+	var next sync.Mutex
+	i := int64(0)
+	offset := func() (int64, bool) {
+		next.Lock()
+		defer next.Unlock()
+		if i >= int64(b.N) {
+			return 0, false
+		}
+		k := i % blocks
+		if random {
+			k = rand.Int64N(blocks)
+		}
+		i++
+		return k * int64(bs), true
+	}
+	cpu0 := cpuTime()
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	for range qd {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, bs)
+			for {
+				off, ok := offset()
+				if !ok {
+					return
+				}
+				var err error
+				if write {
+					_, err = cl.WriteAt(buf, off)
+				} else {
+					_, err = cl.ReadAt(buf, off)
+				}
+				if err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	b.StopTimer()
+	b.ReportMetric(float64(cpuTime()-cpu0)/float64(int64(b.N)*int64(bs)), "cpu-ns/B")
+}
+
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru) // fails only for a bad pointer
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
