@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONTROLLER_GEN=${CONTROLLER_GEN:-sigs.k8s.io/controller-tools/cmd/controller-gen@v0.20.1}
-go run "$CONTROLLER_GEN" object paths=./api/...
+go run "$CONTROLLER_GEN" object:headerFile=hack/boilerplate.go.txt paths=./api/...
 go run "$CONTROLLER_GEN" crd paths=./api/... output:crd:dir=deploy/crds
 # The Helm chart ships the same CRD files, templated by
 # templates/crds.yaml so that helm upgrade applies them (e2e/deploy checks
