@@ -456,35 +456,53 @@ func (m *Mirror) drop(p *peer) {
 
 	m.decide.Lock()
 	defer m.decide.Unlock()
+	next, err := m.record(m.ctx, "that replica "+p.name+" left the in-sync set", func(ctx context.Context, epoch int64) (int64, error) {
+		return m.arb.Drop(ctx, epoch, p.name, p.cause)
+	})
+	if err != nil {
+		// Refused (fenced by record) or the Mirror closed meanwhile.
+		m.fence(fmt.Errorf("replica %s: its leaving was not recorded: %w", p.name, err))
+		return
+	}
+	m.mu.Lock()
+	p.state = out
+	close(p.decided)
+	m.mu.Unlock()
+	m.log.Warn("a replica left the in-sync set", "replica", p.name, "epoch", next, "lacks_bytes", l.Bytes())
+}
+
+// record has the arbiter record one decision (ask, given the current
+// epoch), trying again while the arbiter cannot be reached, until it is
+// recorded (the epoch it made is the Mirror's), refused (superseded: the
+// Mirror is fenced) or ctx or the Mirror ends. Called with decide held.
+func (m *Mirror) record(ctx context.Context, what string, ask func(ctx context.Context, epoch int64) (int64, error)) (int64, error) {
 	backoff := 50 * time.Millisecond
 	for {
 		m.mu.Lock()
 		epoch, fenced := m.epoch, m.fenced
 		m.mu.Unlock()
 		if fenced != nil {
-			return
+			return 0, nbd.ErrWithheld
 		}
-		ctx, cancel := context.WithTimeout(m.ctx, arbiterTimeout)
-		next, err := m.arb.Drop(ctx, epoch, p.name, p.cause)
+		actx, cancel := context.WithTimeout(m.ctx, arbiterTimeout)
+		next, err := ask(actx, epoch)
 		cancel()
 		if err == nil {
 			m.mu.Lock()
 			m.epoch = next
-			p.state = out
-			close(p.decided)
 			m.mu.Unlock()
-			m.log.Warn("a replica left the in-sync set", "replica", p.name, "epoch", next, "lacks_bytes", l.Bytes())
-			return
+			return next, nil
 		}
 		if errors.Is(err, nbd.ErrSuperseded) {
-			m.fence(fmt.Errorf("the arbiter refused to drop replica %s at epoch %d: %w", p.name, epoch, err))
-			return
+			m.fence(fmt.Errorf("the arbiter refused to record %s at epoch %d: %w", what, epoch, err))
+			return 0, err
 		}
-		m.log.Warn("cannot record that a replica left the in-sync set: acknowledging nothing it lacks until the arbiter answers", "replica", p.name, "error", err)
+		m.log.Warn("cannot record a decision with the arbiter: acknowledging nothing it concerns until it answers", "decision", what, "error", err)
 		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
 		case <-m.ctx.Done():
-			m.fence(fmt.Errorf("closed while dropping replica %s", p.name))
-			return
+			return 0, m.ctx.Err()
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, 2*time.Second)

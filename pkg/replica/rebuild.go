@@ -207,59 +207,40 @@ func (m *Mirror) rejoin(ctx context.Context, p *peer, took time.Duration, copied
 	}
 	p.state = inSync
 	m.mu.Unlock()
-	backoff := 50 * time.Millisecond
-	for {
+	next, err := m.record(ctx, "that replica "+p.name+" is back in sync", func(ctx context.Context, epoch int64) (int64, error) {
+		return m.arb.Rejoin(ctx, epoch, p.name)
+	})
+	switch {
+	case err == nil:
 		m.mu.Lock()
-		epoch, fenced := m.epoch, m.fenced
-		m.mu.Unlock()
-		if fenced != nil {
-			return fmt.Errorf("replica: rejoining %s: %w", p.name, nbd.ErrWithheld)
-		}
-		actx, cancel := context.WithTimeout(m.ctx, arbiterTimeout)
-		next, err := m.arb.Rejoin(actx, epoch, p.name)
-		cancel()
-		if err == nil {
-			m.mu.Lock()
-			m.epoch = next
-			l := p.log
-			if p.state != inSync {
-				// It failed meanwhile: its drop, queued behind this
-				// decision, goes on with the log.
-				m.mu.Unlock()
-				return fmt.Errorf("%w: replica %s failed as it rejoined: %v", ErrRebuildAborted, p.name, p.cause)
-			}
-			p.log = nil
+		l := p.log
+		if p.state != inSync {
+			// It failed meanwhile: its drop, queued behind this
+			// decision, goes on with the log.
 			m.mu.Unlock()
-			l.Close()
-			if m.logDir != "" {
-				if err := os.Remove(m.logPath(p.name)); err != nil && !errors.Is(err, os.ErrNotExist) {
-					m.log.Warn("cannot remove the log of a replica back in sync", "replica", p.name, "error", err)
-				}
-			}
-			m.log.Info("a replica is back in the in-sync set", "replica", p.name, "epoch", next,
-				"copied_bytes", copied, "took", took.Round(time.Millisecond))
-			return nil
+			return fmt.Errorf("%w: replica %s failed as it rejoined: %v", ErrRebuildAborted, p.name, p.cause)
 		}
-		if errors.Is(err, nbd.ErrSuperseded) {
-			m.fence(fmt.Errorf("the arbiter refused replica %s back at epoch %d: %w", p.name, epoch, err))
-			return fmt.Errorf("replica: rejoining %s: %w", p.name, err)
-		}
-		m.log.Warn("cannot record that a rebuilt replica is back in sync: trying again", "replica", p.name, "error", err)
-		select {
-		case <-ctx.Done():
-		case <-m.ctx.Done():
-		case <-time.After(backoff):
-			backoff = min(2*backoff, 2*time.Second)
-			continue
-		}
-		// Given up: the replica is out again. Its log was marked by
-		// every change since the rebuild began, so it is whole.
-		m.mu.Lock()
-		if p.state == inSync {
-			p.state = out
-			p.p.Close()
-		}
+		p.log = nil
 		m.mu.Unlock()
-		return fmt.Errorf("%w: replica %s: the arbiter was not reached", ErrRebuildAborted, p.name)
+		l.Close()
+		if m.logDir != "" {
+			if err := os.Remove(m.logPath(p.name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				m.log.Warn("cannot remove the log of a replica back in sync", "replica", p.name, "error", err)
+			}
+		}
+		m.log.Info("a replica is back in the in-sync set", "replica", p.name, "epoch", next,
+			"copied_bytes", copied, "took", took.Round(time.Millisecond))
+		return nil
+	case errors.Is(err, nbd.ErrSuperseded), errors.Is(err, nbd.ErrWithheld):
+		return fmt.Errorf("replica: rejoining %s: %w", p.name, err)
 	}
+	// Given up: the replica is out again. Its log was marked by every
+	// change since the rebuild began, so it is whole.
+	m.mu.Lock()
+	if p.state == inSync {
+		p.state = out
+		p.p.Close()
+	}
+	m.mu.Unlock()
+	return fmt.Errorf("%w: replica %s: the arbiter was not reached", ErrRebuildAborted, p.name)
 }
