@@ -304,18 +304,14 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 func (m *Mirror) markLacking(p *peer, off, n int64) error {
 	m.mu.Lock()
 	l := p.log
-	m.mu.Unlock()
 	if l == nil {
 		// Still dropping: its log is being made; the chunk goes in its
 		// unflushed set, which the log takes in.
-		m.mu.Lock()
-		if p.log == nil {
-			p.unflushed.mark(off, n)
-			m.mu.Unlock()
-			return nil
-		}
-		l = p.log
-		m.mu.Unlock()
+		p.unflushed.mark(off, n)
+	}
+	m.mu.Unlock()
+	if l == nil {
+		return nil
 	}
 	if err := l.Mark(off, n); err != nil {
 		m.fence(fmt.Errorf("replica %s: %w", p.name, err))

@@ -120,17 +120,23 @@ type fakeArbiter struct {
 	calls   atomic.Int64
 }
 
-func (a *fakeArbiter) Drop(ctx context.Context, epoch int64, name string, cause error) (int64, error) {
+// admit counts a call and, with a gate, waits for its verdict.
+func (a *fakeArbiter) admit(ctx context.Context) error {
 	a.calls.Add(1)
-	if a.gate != nil {
-		select {
-		case err := <-a.gate:
-			if err != nil {
-				return 0, err
-			}
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
+	if a.gate == nil {
+		return nil
+	}
+	select {
+	case err := <-a.gate:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (a *fakeArbiter) Drop(ctx context.Context, epoch int64, name string, cause error) (int64, error) {
+	if err := a.admit(ctx); err != nil {
+		return 0, err
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -143,16 +149,8 @@ func (a *fakeArbiter) Drop(ctx context.Context, epoch int64, name string, cause 
 }
 
 func (a *fakeArbiter) Rejoin(ctx context.Context, epoch int64, name string) (int64, error) {
-	a.calls.Add(1)
-	if a.gate != nil {
-		select {
-		case err := <-a.gate:
-			if err != nil {
-				return 0, err
-			}
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
+	if err := a.admit(ctx); err != nil {
+		return 0, err
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()

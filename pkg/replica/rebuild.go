@@ -15,6 +15,7 @@
 package replica
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -164,16 +165,9 @@ func (m *Mirror) rebuilding(ctx context.Context, p *peer) error {
 	case ctx.Err() != nil || m.ctx.Err() != nil:
 		p.state = out
 		p.p.Close()
-		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, cmpErr(ctx.Err(), m.ctx.Err()))
+		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, cmp.Or(ctx.Err(), m.ctx.Err()))
 	}
 	return nil
-}
-
-func cmpErr(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
 }
 
 // copyChunk copies the chunk at off from the primary's copy to p, under a
