@@ -93,21 +93,29 @@ func startReplicaHost(t *testing.T, name string) *replicaHost {
 	t.Helper()
 	h := &replicaHost{name: name, tp: topo.NewForTest(t, topo.Uniform(topo.UniqueName("rp"+name), 2, 1000)),
 		file: filepath.Join(t.TempDir(), name+".img")}
+	h.start(t)
+	return h
+}
+
+// start runs the replica process over h's file (again, after a kill).
+func (h *replicaHost) start(t *testing.T) {
+	t.Helper()
 	addr := net.JoinHostPort(h.tp.ServerAddr(1).String(), "10809")
-	h.cmd = topo.Exec(h.tp.ServerNS, os.Args[0], "-test.run=^$")
-	h.cmd.Env = append(os.Environ(), replicaHelperFile+"="+h.file, replicaHelperAddr+"="+addr)
-	out, err := h.cmd.StdoutPipe()
+	cmd := topo.Exec(h.tp.ServerNS, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), replicaHelperFile+"="+h.file, replicaHelperAddr+"="+addr)
+	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var stderr bytes.Buffer
-	h.cmd.Stderr = &stderr
-	if err := h.cmd.Start(); err != nil {
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	h.cmd = cmd
 	t.Cleanup(func() {
-		h.cmd.Process.Kill()
-		h.cmd.Wait()
+		cmd.Process.Kill()
+		cmd.Wait()
 	})
 	ready := make(chan bool, 1)
 	go func() {
@@ -118,12 +126,11 @@ func startReplicaHost(t *testing.T, name string) *replicaHost {
 	select {
 	case ok := <-ready:
 		if !ok {
-			t.Fatalf("replica %s did not start: %s", name, stderr.String())
+			t.Fatalf("replica %s did not start: %s", h.name, stderr.String())
 		}
 	case <-time.After(20 * time.Second):
-		t.Fatalf("replica %s not listening after 20 s: %s", name, stderr.String())
+		t.Fatalf("replica %s not listening after 20 s: %s", h.name, stderr.String())
 	}
-	return h
 }
 
 // dial connects the primary to the replica, from the primary's side of
@@ -151,14 +158,15 @@ func (h *replicaHost) dial(t *testing.T) *nbd.Client {
 // TestMirrorThroughReplicaFaults runs a writer (4 goroutines of random
 // 4 KiB writes, a FLUSH every 32 writes each) against a primary that
 // forwards to two replica processes on hosts of their own, over MPTCP,
-// while in turn: replica c is SIGKILLed (its connections reset), then
-// replica b's host goes silent (every packet dropped, no reset: a host
-// powered off), so the primary goes on alone with both out by recorded
-// decisions. No write or FLUSH fails. After, the primary's copy equals
-// what was acknowledged, and each replica's file holds every
-// acknowledged write outside the chunks its dirty log says it lacks
-// (the writes after each fault go to the first quarter only, so the
-// logs cannot cover everything and the check bites).
+// while in turn: replica c is SIGKILLed (its connections reset); its
+// process is started again over its file and c is rebuilt under the
+// writes; then replica b's host goes silent (every packet dropped, no
+// reset: a host powered off), so the primary goes on with c alone, b out
+// by a recorded decision. No write or FLUSH fails. After, the primary's
+// copy and c's file equal what was acknowledged, and b's file holds every
+// acknowledged write outside the chunks its dirty log says it lacks (the
+// writes after the first fault go to the first quarter only, so the log
+// cannot cover everything and the check bites).
 func TestMirrorThroughReplicaFaults(t *testing.T) {
 	topo.RequireRoot(t)
 	topo.RequireNft(t)
@@ -251,6 +259,27 @@ func TestMirrorThroughReplicaFaults(t *testing.T) {
 		t.Fatalf("dropped %v after c was killed, want [c]", got)
 	}
 
+	// c's process comes back over its file and is rebuilt while the
+	// writers go on.
+	_ = hc.cmd.Wait()
+	hc.start(t)
+	rebuilt := make(chan error, 1)
+	go func() {
+		rebuilt <- m.Rebuild(context.Background(), "c", hc.dial(t), RebuildOptions{})
+	}()
+	select {
+	case err := <-rebuilt:
+		if err != nil {
+			t.Fatalf("rebuilding c: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("c not rebuilt within 60 s")
+	}
+	phase("replica c rebuilt", time.Second)
+	if got := m.InSync(); !slices.Equal(got, []string{"b", "c"}) {
+		t.Fatalf("in sync after c's rebuild: %v, want [b c]", got)
+	}
+
 	if err := topo.Drop(hb.tp.ServerNS, "silent", ""); err != nil {
 		t.Fatal(err)
 	}
@@ -260,11 +289,11 @@ func TestMirrorThroughReplicaFaults(t *testing.T) {
 	if len(failures) > 0 {
 		t.Fatalf("%d writes or FLUSHes failed, the first: %s", len(failures), failures[0])
 	}
-	if got := arb.dropped(); !slices.Equal(got, []string{"c", "b"}) {
-		t.Fatalf("dropped %v, want [c b]", got)
+	if got := arb.dropped(); !slices.Equal(got, []string{"b"}) || !slices.Equal(arb.rejoins, []string{"c"}) {
+		t.Fatalf("dropped %v, rejoined %v; want [b] and [c]", got, arb.rejoins)
 	}
-	if m.Epoch() != 3 || len(m.InSync()) != 0 {
-		t.Fatalf("epoch %d, in sync %v; want 3 and none", m.Epoch(), m.InSync())
+	if m.Epoch() != 4 || !slices.Equal(m.InSync(), []string{"c"}) {
+		t.Fatalf("epoch %d, in sync %v; want 4 and [c]", m.Epoch(), m.InSync())
 	}
 	if err := m.Sync(); err != nil {
 		t.Fatal(err)
@@ -309,13 +338,17 @@ func TestMirrorThroughReplicaFaults(t *testing.T) {
 		}
 	}
 	check("the primary", localPath, nil)
-	for _, h := range []*replicaHost{hb, hc} {
-		l := m.Lacking(h.name)
-		if l == nil {
-			t.Fatalf("no dirty log for replica %s", h.name)
-		}
-		check("replica "+h.name, h.file, l.Ranges())
+	// c, rebuilt and in sync, lacks nothing; b, silenced, lacks what its
+	// log says.
+	if m.Lacking("c") != nil {
+		t.Fatal("c, back in sync, has a dirty log")
 	}
+	check("replica c (killed, restarted, rebuilt)", hc.file, nil)
+	l := m.Lacking("b")
+	if l == nil {
+		t.Fatal("no dirty log for replica b")
+	}
+	check("replica b (silenced)", hb.file, l.Ranges())
 }
 
 // tLog sends log lines to the test's log.
