@@ -138,9 +138,18 @@ func TestCertificatesThroughAPIServer(t *testing.T) {
 		if _, err := handshake(t, store1.ServerConfig(), nodeA.ClientConfig("store-2")); err == nil || !strings.Contains(err.Error(), "not store-2") {
 			t.Errorf("node-a expecting store-2 reached store-1: %v", err)
 		}
-		// A storage agent's certificate is no client certificate.
-		if _, err := handshake(t, store1.ServerConfig(), store1ClientConfig(store1)); err == nil {
-			t.Error("a storage certificate was taken as a node's")
+		// A storage agent's certificate is a client's too (it forwards
+		// a replicated volume's changes to the other replicas' agents),
+		// and names a storage node, never a node.
+		store2 := identity(as(storageUser, "store-2"), Storage, "store-2", "")
+		if err := start(store2, 30*time.Second); err != nil {
+			t.Fatalf("store-2's certificate: %v", err)
+		}
+		if peer, err := handshake(t, store1.ServerConfig(), store2.ClientConfig("store-1")); err != nil || peer != "storage node store-2" {
+			t.Errorf("store-2 to store-1: peer %q, %v", peer, err)
+		}
+		if peer, err := handshake(t, store1.ServerConfig(), store1ClientConfig(store1)); err != nil || peer != "storage node store-1" {
+			t.Errorf("store-1's certificate as a client: peer %q, %v", peer, err)
 		}
 		// A node certificate of another CA.
 		other, err := NewCA(time.Now())
@@ -288,7 +297,8 @@ func store1ClientConfig(id *Identity) *tls.Config {
 }
 
 // handshake runs a TLS handshake over a pipe and returns the node the
-// server sees, or the first error of either side.
+// server sees ("storage node <name>" for a storage node's certificate),
+// or the first error of either side.
 func handshake(t *testing.T, server, clientCfg *tls.Config) (string, error) {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -336,9 +346,16 @@ func handshake(t *testing.T, server, clientCfg *tls.Config) (string, error) {
 	if err := errors.Join(cerr, r.err); err != nil {
 		return "", err
 	}
-	srv := r.conn
 	// The server's VerifyConnection checked the chain.
-	return NodeOf(Node, srv.ConnectionState().PeerCertificates[0])
+	leaf := r.conn.ConnectionState().PeerCertificates[0]
+	if node, err := NodeOf(Node, leaf); err == nil {
+		return node, nil
+	}
+	node, err := NodeOf(Storage, leaf)
+	if err != nil {
+		return "", err
+	}
+	return "storage node " + node, nil
 }
 
 func testLogger(t *testing.T) *slog.Logger {

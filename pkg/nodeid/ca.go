@@ -212,7 +212,7 @@ func (ca *CA) Issue(k Kind, node string, req *x509.CertificateRequest, lifetime 
 		NotBefore:    now.Add(-backdate),
 		NotAfter:     notAfter,
 		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{k.ExtKeyUsage()},
+		ExtKeyUsage:  k.ExtKeyUsages(),
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, req.PublicKey, ca.Key)
 	if err != nil {

@@ -284,9 +284,9 @@ func (id *Identity) renew(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	usage := certv1.UsageClientAuth
+	usages := []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageClientAuth}
 	if id.cfg.Kind == Storage {
-		usage = certv1.UsageServerAuth
+		usages = append(usages, certv1.UsageServerAuth)
 	}
 	secs := int32(math.Min(id.cfg.Lifetime.Seconds(), math.MaxInt32))
 	csr := &certv1.CertificateSigningRequest{
@@ -294,7 +294,7 @@ func (id *Identity) renew(ctx context.Context) error {
 		Spec: certv1.CertificateSigningRequestSpec{
 			Request:           pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}),
 			SignerName:        id.cfg.Kind.Signer(),
-			Usages:            []certv1.KeyUsage{certv1.UsageDigitalSignature, usage},
+			Usages:            usages,
 			ExpirationSeconds: &secs,
 		},
 	}
@@ -393,8 +393,9 @@ func writeFileAtomic(path string, b []byte) error {
 	return os.Rename(tmp, path)
 }
 
-// ClientConfig is the TLS configuration a node plugin dials storageNode
-// with (ClientTLS with the current certificate and CA bundle).
+// ClientConfig is the TLS configuration a node plugin, or a storage
+// agent forwarding to another replica, dials storageNode with (ClientTLS
+// with the current certificate and CA bundle).
 func (id *Identity) ClientConfig(storageNode string) *tls.Config {
 	return ClientTLS(storageNode, id.current, id.roots.Load)
 }
@@ -434,9 +435,11 @@ func ClientTLS(storageNode string, cert func() (*tls.Certificate, error), roots 
 }
 
 // ServerTLS is a storage agent's TLS configuration: TLS 1.3, the
-// certificate cert returns at each handshake, and a node certificate of
-// the CA roots returns required of every client (which node it names is
-// for the caller to match, with PeerNode).
+// certificate cert returns at each handshake, and a certificate of the
+// CA roots returns required of every client: a node's, or a storage
+// node's forwarding a replicated volume's changes (which node it names,
+// and which kind, is for the caller to match, with PeerNode or
+// PeerStorageNode).
 func ServerTLS(cert func() (*tls.Certificate, error), roots func() *x509.CertPool) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
@@ -448,10 +451,14 @@ func ServerTLS(cert func() (*tls.Certificate, error), roots func() *x509.CertPoo
 		// clients this keeps working).
 		ClientAuth: tls.RequireAnyClientCert,
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			if _, err := Verify(Node, roots(), cs.PeerCertificates); err != nil {
-				return fmt.Errorf("the client's certificate: %w", err)
+			_, err := Verify(Node, roots(), cs.PeerCertificates)
+			if err == nil {
+				return nil
 			}
-			return nil
+			if _, serr := VerifyStorageClient(roots(), cs.PeerCertificates); serr == nil {
+				return nil
+			}
+			return fmt.Errorf("the client's certificate: %w", err)
 		},
 	}
 }
@@ -471,4 +478,14 @@ func PeerNode(cs *tls.ConnectionState, roots *x509.CertPool) (string, error) {
 		return "", errors.New("not a TLS connection")
 	}
 	return Verify(Node, roots, cs.PeerCertificates)
+}
+
+// PeerStorageNode is the storage node a verified TLS client's certificate
+// names: another storage agent forwarding to this one ("" and an error
+// when the connection has no storage certificate of ours).
+func PeerStorageNode(cs *tls.ConnectionState, roots *x509.CertPool) (string, error) {
+	if cs == nil {
+		return "", errors.New("not a TLS connection")
+	}
+	return VerifyStorageClient(roots, cs.PeerCertificates)
 }

@@ -89,12 +89,24 @@ func (k Kind) Signer() string {
 	return SignerNode
 }
 
-// ExtKeyUsage is what a certificate of the kind is for.
+// ExtKeyUsage is what a certificate of the kind is checked for in its
+// role: a node's as a client, a storage node's as a server.
 func (k Kind) ExtKeyUsage() x509.ExtKeyUsage {
 	if k == Storage {
 		return x509.ExtKeyUsageServerAuth
 	}
 	return x509.ExtKeyUsageClientAuth
+}
+
+// ExtKeyUsages is what a certificate of the kind is issued for: a
+// storage node's is a client certificate too, with which its agent
+// forwards a replicated volume's changes to the other replicas' agents
+// (docs/replication.md).
+func (k Kind) ExtKeyUsages() []x509.ExtKeyUsage {
+	if k == Storage {
+		return []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}
+	}
+	return []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
 }
 
 func (k Kind) prefix() string {
@@ -142,9 +154,20 @@ func NodeOf(k Kind, cert *x509.Certificate) (string, error) {
 }
 
 // Verify checks that chain (the peer's certificates, leaf first) is a
-// certificate of kind k issued by a CA of roots, valid now, and returns
-// the node it names.
+// certificate of kind k issued by a CA of roots, valid now for its role
+// (ExtKeyUsage), and returns the node it names.
 func Verify(k Kind, roots *x509.CertPool, chain []*x509.Certificate) (string, error) {
+	return verify(k, k.ExtKeyUsage(), roots, chain)
+}
+
+// VerifyStorageClient checks that chain is a storage node's certificate
+// of a CA of roots, valid now as a client's (a storage agent forwarding
+// to another), and returns the storage node it names.
+func VerifyStorageClient(roots *x509.CertPool, chain []*x509.Certificate) (string, error) {
+	return verify(Storage, x509.ExtKeyUsageClientAuth, roots, chain)
+}
+
+func verify(k Kind, usage x509.ExtKeyUsage, roots *x509.CertPool, chain []*x509.Certificate) (string, error) {
 	if len(chain) == 0 {
 		return "", errors.New("no certificate")
 	}
@@ -158,7 +181,7 @@ func Verify(k Kind, roots *x509.CertPool, chain []*x509.Certificate) (string, er
 	if _, err := chain[0].Verify(x509.VerifyOptions{
 		Roots:         roots,
 		Intermediates: inter,
-		KeyUsages:     []x509.ExtKeyUsage{k.ExtKeyUsage()},
+		KeyUsages:     []x509.ExtKeyUsage{usage},
 	}); err != nil {
 		return "", err
 	}

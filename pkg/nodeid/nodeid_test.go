@@ -86,6 +86,7 @@ func TestSignerCheck(t *testing.T) {
 			{"node, P-256", request(t, SignerNode, nodeUser, "node-a", p256, cn("mpnbd-node:node-a"), client...), Node},
 			{"node, Ed25519", request(t, SignerNode, nodeUser, "node-a", edKey, cn("mpnbd-node:node-a"), client...), Node},
 			{"storage, P-384", request(t, SignerStorage, storageUser, "store-1.example", mustECDSA(t, elliptic.P384()), cn("mpnbd-storage:store-1.example"), server...), Storage},
+			{"storage, server and client", request(t, SignerStorage, storageUser, "store-1", p256, cn("mpnbd-storage:store-1"), append(server, certv1.UsageClientAuth)...), Storage},
 		} {
 			k, node, req, err := s.Check(tc.csr)
 			if err != nil || k != tc.kind || req == nil || !strings.HasSuffix(req.Subject.CommonName, node) {
@@ -127,6 +128,7 @@ func TestSignerCheck(t *testing.T) {
 		{"subject alternative names", request(t, SignerNode, nodeUser, "node-a", p256, withSAN, client...), "alternative names"},
 		{"organization", request(t, SignerNode, nodeUser, "node-a", p256, withOrg, client...), "subject is"},
 		{"server usage for a node", request(t, SignerNode, nodeUser, "node-a", p256, cn("mpnbd-node:node-a"), server...), "server auth"},
+		{"client usage alone for a storage node", request(t, SignerStorage, storageUser, "store-1", p256, cn("mpnbd-storage:store-1"), client...), "does not ask for"},
 		{"no client usage", request(t, SignerNode, nodeUser, "node-a", p256, cn("mpnbd-node:node-a"), certv1.UsageDigitalSignature), "does not ask for"},
 		{"signing usage", request(t, SignerNode, nodeUser, "node-a", p256, cn("mpnbd-node:node-a"), certv1.UsageCertSign, certv1.UsageClientAuth), "cert sign"},
 		{"small RSA key", request(t, SignerNode, nodeUser, "node-a", rsa1024, cn("mpnbd-node:node-a"), client...), "1024 bits"},
@@ -185,6 +187,33 @@ func TestIssueAndVerify(t *testing.T) {
 	}
 	if _, err := Verify(Node, roots, []*x509.Certificate{storageCert}); err == nil {
 		t.Error("a storage certificate passed as a node one")
+	}
+	// A storage node's certificate is also its agent's as a client of
+	// the other replicas' agents; a node's is not a storage client's.
+	if got, err := VerifyStorageClient(roots, []*x509.Certificate{storageCert}); err != nil || got != "store-1" {
+		t.Errorf("storage certificate as a client: %q, %v", got, err)
+	}
+	if _, err := VerifyStorageClient(roots, []*x509.Certificate{nodeCert}); err == nil {
+		t.Error("a node certificate passed as a storage client's")
+	}
+	serverOnly := issue(ca, Storage, "store-1", time.Hour)
+	{
+		// As issued before storage certificates were clients' too.
+		tmpl := *serverOnly
+		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+		der, err := x509.CreateCertificate(rand.Reader, &tmpl, ca.Cert, key.Public(), ca.Key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if serverOnly, err = x509.ParseCertificate(der); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := Verify(Storage, roots, []*x509.Certificate{serverOnly}); err != nil {
+		t.Errorf("a server-only storage certificate: %v", err)
+	}
+	if _, err := VerifyStorageClient(roots, []*x509.Certificate{serverOnly}); err == nil {
+		t.Error("a server-only storage certificate passed as a client's")
 	}
 	if _, err := Verify(Node, roots, []*x509.Certificate{issue(other, Node, "node-a", time.Hour)}); err == nil {
 		t.Error("a certificate of another CA passed")

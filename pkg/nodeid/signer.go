@@ -119,10 +119,13 @@ func (s *Signer) Check(csr *certv1.CertificateSigningRequest) (Kind, string, *x5
 		return 0, "", nil, err
 	}
 	want := certv1.UsageClientAuth
-	if k == Storage {
-		want = certv1.UsageServerAuth
-	}
 	allowed := []certv1.KeyUsage{certv1.UsageDigitalSignature, certv1.UsageKeyEncipherment, want}
+	if k == Storage {
+		// A storage node's certificate is its server's, and its
+		// agent's as a client of the other replicas' agents.
+		want = certv1.UsageServerAuth
+		allowed = append(allowed, want)
+	}
 	for _, u := range csr.Spec.Usages {
 		if !slices.Contains(allowed, u) {
 			return 0, "", nil, fmt.Errorf("usage %q is not issued for %s certificates", u, k)
