@@ -76,15 +76,22 @@ type suite struct {
 type timing struct {
 	what string
 	d    time.Duration
+	// failed: the test failed during this step (its message is where
+	// the step's lines are, above).
+	failed bool
 }
 
 func (s *suite) step(what string, fn func()) {
 	s.t.Helper()
-	start := time.Now()
+	start, failedBefore := time.Now(), s.t.Failed()
+	// Deferred: also when fn fails the test and ends it, so that the
+	// summary names the step.
+	defer func() {
+		d := time.Since(start).Round(10 * time.Millisecond)
+		s.timings = append(s.timings, timing{what, d, s.t.Failed() && !failedBefore})
+		s.t.Logf("step %q took %v", what, d)
+	}()
 	fn()
-	d := time.Since(start).Round(10 * time.Millisecond)
-	s.timings = append(s.timings, timing{what, d})
-	s.t.Logf("step %q took %v", what, d)
 }
 
 // cachedTool runs a hack/ script that prints NAME=path and returns path.
@@ -218,8 +225,17 @@ func TestDriverOnCluster(t *testing.T) {
 	s := &suite{t: t, dir: t.TempDir(), ctx: ctx, helmBin: helm, previousChart: prev}
 	before := hostState(t)
 	defer func() {
+		var failed []string
 		for _, tm := range s.timings {
-			t.Logf("%-40s %v", tm.what, tm.d)
+			mark := ""
+			if tm.failed {
+				mark, failed = "  FAILED", append(failed, strconv.Quote(tm.what))
+			}
+			t.Logf("%-40s %v%s", tm.what, tm.d, mark)
+		}
+		if len(failed) > 0 {
+			// The last lines of a long log are the ones always read.
+			t.Logf("failed in step(s) %s: search the log above for each step's name", strings.Join(failed, ", "))
 		}
 		// Everything is undone by now (deferred calls run in reverse).
 		if after := hostState(t); after != before {
