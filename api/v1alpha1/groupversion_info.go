@@ -19,7 +19,11 @@
 package v1alpha1
 
 import (
+	"fmt"
+	"strings"
+
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/controller-runtime/pkg/scheme"
 )
 
@@ -34,6 +38,30 @@ var (
 
 // Finalizer keeps a volume until its storage agent removed the backing store.
 const Finalizer = "mpnbd.io/backing-store"
+
+// replicaPrefix begins the label that marks the volumes of which a
+// storage node holds a replica, and that node's finalizer on them.
+const replicaPrefix = "replica.mpnbd.io/"
+
+// ReplicaLabel is the label the controller puts on a replicated volume
+// for each node of its spec.replicaNodes: the agent of that node watches
+// the volumes that carry it. A node whose name is longer than a label's
+// name may hold (63 characters) holds no replica (ValidReplicaNode).
+func ReplicaLabel(node string) string { return replicaPrefix + node }
+
+// ReplicaFinalizer keeps a replicated volume until the agent of node, one
+// of its spec.replicaNodes, has closed (and, as for Finalizer, deleted)
+// its copy. It is the same string as ReplicaLabel.
+func ReplicaFinalizer(node string) string { return replicaPrefix + node }
+
+// ValidReplicaNode reports why node cannot hold a replica (its name does
+// not fit the name of ReplicaLabel), or nil.
+func ValidReplicaNode(node string) error {
+	if errs := validation.IsQualifiedName(ReplicaLabel(node)); len(errs) > 0 {
+		return fmt.Errorf("storage node %q cannot hold a replica: its name makes no label name: %s", node, strings.Join(errs, "; "))
+	}
+	return nil
+}
 
 // DeleteDataAnnotation, set to DeleteDataTrue on an NBDVolume, asks its
 // storage agent to delete the backing file once the object is deleted. The

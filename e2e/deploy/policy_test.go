@@ -73,6 +73,7 @@ func TestNodePolicies(t *testing.T) {
 	}
 	t.Run("NodeAnnotation", func(t *testing.T) { nodePluginMayAnnotateOnlyItsNode(t, cfg, c) })
 	t.Run("VolumeWrites", func(t *testing.T) { volumeWritesOnlyOfOwnNode(t, cfg, c) })
+	t.Run("ReplicaWrites", func(t *testing.T) { replicaWritesOfOwnNode(t, cfg, c) })
 }
 
 // nodePluginMayAnnotateOnlyItsNode acts as the node plugin's

@@ -18,12 +18,14 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -56,7 +58,13 @@ func podTokenClient(t *testing.T, cfg *rest.Config, c client.Client, cs kubernet
 		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: account,
 			Containers: []corev1.Container{{Name: "c", Image: "mpnbd:test"}}},
 	}
-	if err := c.Create(ctx, pod); err != nil {
+	switch err := c.Create(ctx, pod); {
+	case apierrors.IsAlreadyExists(err):
+		// Made by an earlier test: its token is as good.
+		if err := c.Get(ctx, client.ObjectKeyFromObject(pod), pod); err != nil {
+			t.Fatal(err)
+		}
+	case err != nil:
 		t.Fatal(err)
 	}
 	tr, err := cs.CoreV1().ServiceAccounts(apiserver.DeployNamespace).CreateToken(ctx, account, &authenticationv1.TokenRequest{
@@ -328,5 +336,154 @@ func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) 
 		if msg := refusedBy(policy, err2); msg != "" {
 			t.Errorf("%s without a node in its token: %s", account, msg)
 		}
+	}
+}
+
+// replicaWritesOfOwnNode acts as node-a's storage agent on replicated
+// volumes (docs/replication.md): of a volume it holds a replica of, it
+// may add and remove its own replica finalizer and nothing else; of a
+// volume whose primary it is, it may make the replication record and
+// then only drop one replica from the in-sync set or bring one of the
+// volume's replicas back, each raising the epoch by one; it never makes
+// another node primary, and writes nothing of a volume whose record
+// names another primary.
+func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
+	ctx := context.Background()
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, agentNode := podTokenClient(t, cfg, c, cs, "mpnbd-storage-agent", "node-a")
+	if agentNode != "node-a" {
+		t.Fatalf("the API server sees node %q in the pod's token, want node-a", agentNode)
+	}
+	type record struct {
+		epoch   int64
+		primary string
+		inSync  []string
+	}
+	rec := func(r record) map[string]any {
+		return map[string]any{"epoch": r.epoch, "primary": r.primary, "inSync": r.inSync, "inSyncReplicas": len(r.inSync)}
+	}
+	// vol-r: stored on node-b, with replicas on node-a and node-c;
+	// vol-p: node-a its primary, replicas on node-b and node-c;
+	// vol-q: node-a's, a replica on node-b, no record yet;
+	// vol-m: node-a's spec, but a record naming node-b primary (a
+	// promotion the controller has recorded and not yet moved).
+	for _, v := range []struct {
+		name, node string
+		replicas   []string
+		rec        *record
+	}{
+		{"vol-r", "node-b", []string{"node-a", "node-c"}, &record{3, "node-b", []string{"node-a", "node-b", "node-c"}}},
+		{"vol-p", "node-a", []string{"node-b", "node-c"}, &record{5, "node-a", []string{"node-a", "node-b", "node-c"}}},
+		{"vol-q", "node-a", []string{"node-b"}, nil},
+		{"vol-m", "node-a", []string{"node-b"}, &record{2, "node-b", []string{"node-a", "node-b"}}},
+	} {
+		vol := &v1alpha1.NBDVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: v.name},
+			Spec: v1alpha1.NBDVolumeSpec{SizeBytes: 1 << 30, StorageNode: v.node, AccessType: v1alpha1.AccessBlock,
+				Replicas: int32(1 + len(v.replicas)), ReplicaNodes: v.replicas},
+		}
+		if err := c.Create(ctx, vol); err != nil {
+			t.Fatal(err)
+		}
+		vol.Status = v1alpha1.NBDVolumeStatus{Phase: v1alpha1.VolumeAvailable, CapacityBytes: 1 << 30}
+		if v.rec != nil {
+			vol.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: v.rec.epoch, Primary: v.rec.primary,
+				InSync: v.rec.inSync, InSyncReplicas: int32(len(v.rec.inSync))}
+		}
+		if err := c.Status().Update(ctx, vol); err != nil {
+			t.Fatal(err)
+		}
+	}
+	obj := func(name string) *v1alpha1.NBDVolume {
+		return &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	}
+	statusPatch := func(name string, status map[string]any) error {
+		b, err := json.Marshal(map[string]any{"status": status})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return agent.Status().Patch(ctx, obj(name), client.RawPatch(types.MergePatchType, b))
+	}
+	replication := func(name string, r record) func() error {
+		return func() error { return statusPatch(name, map[string]any{"replication": rec(r)}) }
+	}
+	// finalizer adds or removes finalizer f as the agent does.
+	finalizer := func(name, f string, add bool) func() error {
+		return func() error {
+			var v v1alpha1.NBDVolume
+			if err := c.Get(ctx, client.ObjectKey{Name: name}, &v); err != nil {
+				t.Fatal(err)
+			}
+			patch := client.MergeFromWithOptions(v.DeepCopy(), client.MergeFromWithOptimisticLock{})
+			if add {
+				controllerutil.AddFinalizer(&v, f)
+			} else {
+				controllerutil.RemoveFinalizer(&v, f)
+			}
+			return agent.Patch(ctx, &v, patch)
+		}
+	}
+	mine, nodeC := v1alpha1.ReplicaFinalizer("node-a"), v1alpha1.ReplicaFinalizer("node-c")
+	a, b, cc := "node-a", "node-b", "node-c"
+	for _, tc := range []struct {
+		what    string
+		do      func() error
+		refused bool
+	}{
+		{"adding its replica finalizer to vol-r, of which it holds a replica", finalizer("vol-r", mine, true), false},
+		{"adding node-c's replica finalizer to vol-r", finalizer("vol-r", nodeC, true), true},
+		{"adding the primary's finalizer to vol-r", finalizer("vol-r", v1alpha1.Finalizer, true), true},
+		{"writing the status of vol-r, of which it holds a replica", func() error { return statusPatch("vol-r", map[string]any{"message": "x"}) }, true},
+		{"dropping node-c from vol-r's in-sync set, not its primary", replication("vol-r", record{4, b, []string{a, b}}), true},
+		{"labelling vol-r", func() error {
+			return agent.Patch(ctx, obj("vol-r"), client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"x":"y"}}}`)))
+		}, true},
+		{"removing its replica finalizer from vol-r", finalizer("vol-r", mine, false), false},
+		{"adding a replica finalizer to vol-b, of which it holds none", finalizer("vol-b", mine, true), true},
+
+		{"making vol-q's record, itself primary", replication("vol-q", record{1, a, []string{a, b}}), false},
+		{"dropping node-b from vol-q's in-sync set", replication("vol-q", record{2, a, []string{a}}), false},
+		{"bringing node-x, no replica of vol-q, into its in-sync set", replication("vol-q", record{3, a, []string{a, "node-x"}}), true},
+
+		{"dropping two replicas of vol-p at once", replication("vol-p", record{6, a, []string{a}}), true},
+		{"dropping node-b from vol-p's in-sync set", replication("vol-p", record{6, a, []string{a, cc}}), false},
+		{"dropping node-c from vol-p, skipping an epoch", replication("vol-p", record{8, a, []string{a}}), true},
+		{"dropping node-c from vol-p, the epoch kept", replication("vol-p", record{6, a, []string{a}}), true},
+		{"making node-c vol-p's primary", replication("vol-p", record{7, cc, []string{a, cc}}), true},
+		{"dropping itself from vol-p's in-sync set", replication("vol-p", record{7, a, []string{cc}}), true},
+		{"miscounting vol-p's in-sync replicas", func() error {
+			r := rec(record{7, a, []string{a}})
+			r["inSyncReplicas"] = 2
+			return statusPatch("vol-p", map[string]any{"replication": r})
+		}, true},
+		{"removing vol-p's record", func() error { return statusPatch("vol-p", map[string]any{"replication": nil}) }, true},
+		{"writing vol-p's phase, its record kept", func() error { return statusPatch("vol-p", map[string]any{"message": "y"}) }, false},
+		{"bringing node-b back into vol-p's in-sync set", replication("vol-p", record{7, a, []string{a, b, cc}}), false},
+
+		{"dropping node-b from vol-m, whose record names node-b primary", replication("vol-m", record{3, a, []string{a}}), true},
+	} {
+		err := tc.do()
+		switch {
+		case !tc.refused && err != nil:
+			t.Errorf("node-a's agent %s: %v", tc.what, err)
+		case tc.refused && err == nil:
+			t.Errorf("node-a's agent %s: allowed", tc.what)
+		case tc.refused && !strings.Contains(err.Error(), agentPolicy):
+			t.Errorf("node-a's agent %s: refused, but not by %s: %v", tc.what, agentPolicy, err)
+		case tc.refused && strings.Contains(err.Error(), "resulted in error"):
+			t.Errorf("node-a's agent %s: refused by an expression that failed: %v", tc.what, err)
+		case tc.refused:
+			t.Logf("node-a's agent %s: refused: %v", tc.what, err)
+		}
+	}
+	var p v1alpha1.NBDVolume
+	if err := c.Get(ctx, client.ObjectKey{Name: "vol-p"}, &p); err != nil {
+		t.Fatal(err)
+	}
+	if r := p.Status.Replication; r == nil || r.Epoch != 7 || r.Primary != a || !slices.Equal(r.InSync, []string{a, b, cc}) {
+		t.Errorf("vol-p's record after the writes: %+v", r)
 	}
 }
