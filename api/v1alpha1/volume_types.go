@@ -212,6 +212,13 @@ type ReplicationStatus struct {
 	// Primary is the storage node that serves the nodes and forwards
 	// every change to the others in sync.
 	Primary string `json:"primary"`
+	// PrimaryEpoch is the epoch of the decision that made Primary the
+	// primary. A replica serves the primary's forwards named with an
+	// epoch from PrimaryEpoch to Epoch (its own drops and rejoins raise
+	// Epoch, not PrimaryEpoch) and closes, and refuses, any older one: an
+	// earlier primary's, whatever changes the replica's watch missed.
+	// +kubebuilder:validation:Minimum=1
+	PrimaryEpoch int64 `json:"primaryEpoch"`
 	// InSync are the storage nodes whose copy holds every acknowledged
 	// change, the primary among them. Only one of them can become primary.
 	// +listType=set

@@ -362,8 +362,11 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		primary string
 		inSync  []string
 	}
-	rec := func(r record) map[string]any {
-		return map[string]any{"epoch": r.epoch, "primary": r.primary, "inSync": r.inSync, "inSyncReplicas": len(r.inSync)}
+	// primaryEpoch is when each volume's recorded primary became it.
+	primaryEpoch := map[string]int64{"vol-r": 1, "vol-p": 2, "vol-q": 1, "vol-m": 2}
+	recFor := func(vol string, r record) map[string]any {
+		return map[string]any{"epoch": r.epoch, "primary": r.primary, "primaryEpoch": primaryEpoch[vol],
+			"inSync": r.inSync, "inSyncReplicas": len(r.inSync)}
 	}
 	// vol-r: stored on node-b, with replicas on node-a and node-c;
 	// vol-p: node-a its primary, replicas on node-b and node-c;
@@ -391,7 +394,7 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		vol.Status = v1alpha1.NBDVolumeStatus{Phase: v1alpha1.VolumeAvailable, CapacityBytes: 1 << 30}
 		if v.rec != nil {
 			vol.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: v.rec.epoch, Primary: v.rec.primary,
-				InSync: v.rec.inSync, InSyncReplicas: int32(len(v.rec.inSync))}
+				PrimaryEpoch: primaryEpoch[v.name], InSync: v.rec.inSync, InSyncReplicas: int32(len(v.rec.inSync))}
 		}
 		if err := c.Status().Update(ctx, vol); err != nil {
 			t.Fatal(err)
@@ -408,7 +411,7 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		return agent.Status().Patch(ctx, obj(name), client.RawPatch(types.MergePatchType, b))
 	}
 	replication := func(name string, r record) func() error {
-		return func() error { return statusPatch(name, map[string]any{"replication": rec(r)}) }
+		return func() error { return statusPatch(name, map[string]any{"replication": recFor(name, r)}) }
 	}
 	// finalizer adds or removes finalizer f as the agent does.
 	finalizer := func(name, f string, add bool) func() error {
@@ -455,8 +458,13 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		{"making node-c vol-p's primary", replication("vol-p", record{7, cc, []string{a, cc}}), true},
 		{"dropping itself from vol-p's in-sync set", replication("vol-p", record{7, a, []string{cc}}), true},
 		{"miscounting vol-p's in-sync replicas", func() error {
-			r := rec(record{7, a, []string{a}})
+			r := recFor("vol-p", record{7, a, []string{a}})
 			r["inSyncReplicas"] = 2
+			return statusPatch("vol-p", map[string]any{"replication": r})
+		}, true},
+		{"moving vol-p's primary epoch", func() error {
+			r := recFor("vol-p", record{7, a, []string{a}})
+			r["primaryEpoch"] = 7
 			return statusPatch("vol-p", map[string]any{"replication": r})
 		}, true},
 		{"removing vol-p's record", func() error { return statusPatch("vol-p", map[string]any{"replication": nil}) }, true},

@@ -42,7 +42,7 @@ func replicatedVolume(t *testing.T, c client.Client, name string) {
 	if err := c.Create(ctx, v); err != nil {
 		t.Fatal(err)
 	}
-	v.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 1, Primary: "s1", InSync: []string{"s1", "s2", "s3"}, InSyncReplicas: 3}
+	v.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 1, Primary: "s1", PrimaryEpoch: 1, InSync: []string{"s1", "s2", "s3"}, InSyncReplicas: 3}
 	if err := c.Status().Update(ctx, v); err != nil {
 		t.Fatal(err)
 	}
