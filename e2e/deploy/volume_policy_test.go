@@ -372,7 +372,8 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 	// vol-p: node-a its primary, replicas on node-b and node-c;
 	// vol-q: node-a's, a replica on node-b, no record yet;
 	// vol-m: node-a's spec, but a record naming node-b primary (a
-	// promotion the controller has recorded and not yet moved).
+	// promotion the controller has recorded and not yet moved); vol-x:
+	// node-b's, its replica moved from node-a to node-c.
 	for _, v := range []struct {
 		name, node string
 		replicas   []string
@@ -382,11 +383,17 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		{"vol-p", "node-a", []string{"node-b", "node-c"}, &record{5, "node-a", []string{"node-a", "node-b", "node-c"}}},
 		{"vol-q", "node-a", []string{"node-b"}, nil},
 		{"vol-m", "node-a", []string{"node-b"}, &record{2, "node-b", []string{"node-a", "node-b"}}},
+		{"vol-x", "node-b", []string{"node-c"}, nil},
 	} {
 		vol := &v1alpha1.NBDVolume{
 			ObjectMeta: metav1.ObjectMeta{Name: v.name},
 			Spec: v1alpha1.NBDVolumeSpec{SizeBytes: 1 << 30, StorageNode: v.node, AccessType: v1alpha1.AccessBlock,
 				Replicas: int32(1 + len(v.replicas)), ReplicaNodes: v.replicas},
+		}
+		if v.name == "vol-x" {
+			// Its replica moved from node-a to node-c: node-a's agent
+			// still holds its finalizer.
+			vol.Finalizers = []string{v1alpha1.ReplicaFinalizer("node-a")}
 		}
 		if err := c.Create(ctx, vol); err != nil {
 			t.Fatal(err)
@@ -446,6 +453,10 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		}, true},
 		{"removing its replica finalizer from vol-r", finalizer("vol-r", mine, false), false},
 		{"adding a replica finalizer to vol-b, of which it holds none", finalizer("vol-b", mine, true), true},
+
+		{"adding the primary's finalizer to vol-x, whose replica moved away from it", finalizer("vol-x", v1alpha1.Finalizer, true), true},
+		{"removing its replica finalizer from vol-x, whose replica moved away from it", finalizer("vol-x", mine, false), false},
+		{"adding its replica finalizer back to vol-x", finalizer("vol-x", mine, true), true},
 
 		{"making vol-q's record, itself primary", replication("vol-q", record{1, a, []string{a, b}}), false},
 		{"dropping node-b from vol-q's in-sync set", replication("vol-q", record{2, a, []string{a}}), false},

@@ -162,6 +162,9 @@ type Agent struct {
 	capacityKick chan struct{}
 	// mgrCache is waited for before the first capacity report.
 	mgrCache cache.Cache
+	// replicas caches the volumes of which this node holds a replica
+	// (replica.go); nil when it holds none.
+	replicas cache.Cache
 	started  atomic.Bool
 }
 
@@ -174,6 +177,10 @@ type volume struct {
 	backend *nbd.FileBackend // nil until the file is open
 	// grants by node ID: who may open the export, as last applied.
 	grants map[string]grant
+	// asReplica: held as a replica of another node's primary
+	// (replica.go), which alone may open it, as record says.
+	asReplica bool
+	record    *replicaRecord
 }
 
 // grant is one applied publication.
@@ -302,23 +309,27 @@ var errUnpublished = errors.New("no current publication with this token")
 // older one is refused as superseded (nbd.ErrSuperseded, which ends the
 // node's data path). Everything else is refused.
 func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
-	peer, err := a.peerNode(c)
-	if err != nil {
-		return nbd.Grant{}, err
-	}
 	vol, token, epoch, ok := access.ParseExport(name)
-	withToken := token != ""
-	switch {
-	case !ok:
+	if !ok {
 		return nbd.Grant{}, errors.New("export name is not <volume>[/<token>][@<epoch>]")
-	case !withToken && peer == "":
-		return nbd.Grant{}, errors.New("export name has no token and the connection has no node certificate")
 	}
 	a.mu.RLock()
 	defer a.mu.RUnlock()
 	v, ok := a.vols[vol]
 	if !ok || v.backend == nil {
 		return nbd.Grant{}, fmt.Errorf("volume %q: %w", vol, nbd.ErrUnknownExport)
+	}
+	if v.asReplica {
+		// Opened by the volume's primary alone (replica.go).
+		return a.resolveReplica(c, v, token, epoch)
+	}
+	peer, err := a.peerNode(c)
+	if err != nil {
+		return nbd.Grant{}, err
+	}
+	withToken := token != ""
+	if !withToken && peer == "" {
+		return nbd.Grant{}, errors.New("export name has no token and the connection has no node certificate")
 	}
 	for _, g := range v.grants {
 		switch {

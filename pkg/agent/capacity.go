@@ -153,9 +153,16 @@ func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
 	if err := a.client.List(ctx, &vols); err != nil {
 		return nil, fmt.Errorf("listing volumes: %w", err)
 	}
+	if a.replicas != nil {
+		var held v1alpha1.NBDVolumeList
+		if err := a.replicas.List(ctx, &held); err != nil {
+			return nil, fmt.Errorf("listing the volumes of the replicas held here: %w", err)
+		}
+		vols.Items = append(vols.Items, held.Items...)
+	}
 	known := make(map[string]bool, len(vols.Items))
 	for _, v := range vols.Items {
-		if v.Spec.StorageNode == a.cfg.NodeName {
+		if v.Spec.StorageNode == a.cfg.NodeName || slices.Contains(v.Spec.ReplicaNodes, a.cfg.NodeName) {
 			known[v.Name] = true
 		}
 	}

@@ -103,6 +103,9 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
+	if err := a.setupReplicas(mgr); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
 	if err := a.setupSnapshots(mgr); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
@@ -149,15 +152,24 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !vol.DeletionTimestamp.IsZero() {
 		return a.remove(ctx, log, &vol)
 	}
-	if !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) {
+	// The finalizer of the primary's copy; that of a replica this node
+	// held before it became the primary goes (its copy is this one).
+	if replicaFin := v1alpha1.ReplicaFinalizer(a.cfg.NodeName); !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) ||
+		controllerutil.ContainsFinalizer(&vol, replicaFin) {
 		patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 		controllerutil.AddFinalizer(&vol, v1alpha1.Finalizer)
+		controllerutil.RemoveFinalizer(&vol, replicaFin)
 		if err := a.client.Patch(ctx, &vol, patch); err != nil {
 			return ctrl.Result{}, fmt.Errorf("adding the finalizer: %w", err)
 		}
 		log.Info("finalizer added")
 	}
-	v, f := a.ensureStore(ctx, log, &vol)
+	v, f := a.ensureStore(ctx, log, &vol, false)
+	if f == errOtherRole {
+		// Held as a replica: its reconciler lets it go first.
+		log.Info("volume held here as a replica; waiting for it to be released")
+		return ctrl.Result{RequeueAfter: f.retry}, nil
+	}
 	if f != nil && v == nil {
 		return a.reportFailure(ctx, log, &vol, f)
 	}
@@ -182,10 +194,17 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	return ctrl.Result{}, nil
 }
 
+// errOtherRole: the volume is held here in the other role (primary or
+// replica) until that role's reconciler lets it go.
+var errOtherRole = &failure{code: "Unavailable", message: "the volume is held here in its other role", retry: time.Second}
+
 // ensureStore opens (or creates, or grows) the backing file and exports
-// it. A failure with a nil volume means there is nothing to serve; with a
-// volume, the volume is exported but could not grow to its spec's size.
-func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (*volume, *failure) {
+// it: as the volume's primary copy, or asReplica as a copy another node's
+// primary forwards to (created empty, never filled from a content source:
+// the primary's rebuild fills it; served over TLS only). A failure with
+// a nil volume means there is nothing to serve; with a volume, the volume
+// is exported but could not grow to its spec's size.
+func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, asReplica bool) (*volume, *failure) {
 	name := vol.Name
 	if f := invalidName("volume name", name); f != nil {
 		return nil, f
@@ -193,10 +212,13 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	a.mu.Lock()
 	v := a.vols[name]
 	if v == nil {
-		v = &volume{name: name, grants: map[string]grant{}}
+		v = &volume{name: name, grants: map[string]grant{}, asReplica: asReplica}
 		a.vols[name] = v
 	}
 	a.mu.Unlock()
+	if v.asReplica != asReplica {
+		return nil, errOtherRole
+	}
 
 	want := vol.Spec.SizeBytes
 	changed := false
@@ -219,7 +241,7 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 			if f := a.checkRoom(want, fmt.Sprintf("creating %d bytes", want)); f != nil {
 				return nil, f
 			}
-			if cs := vol.Spec.ContentSource; cs != nil {
+			if cs := vol.Spec.ContentSource; cs != nil && !asReplica {
 				if f := a.fill(ctx, log, path, cs, want); f != nil {
 					return nil, f
 				}
@@ -261,7 +283,7 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	}
 	if _, ok := a.srv.Export(name); !ok {
 		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: v.backend,
-			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired})
+			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired || asReplica})
 		if err != nil {
 			return nil, internal("exporting: %v", err)
 		}
@@ -471,7 +493,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	if why := a.inUse(vol); why != "" {
 		// Serve it (after an agent restart too) to the nodes still
 		// published, and to them only.
-		if v, f := a.ensureStore(ctx, log, vol); v != nil {
+		if v, f := a.ensureStore(ctx, log, vol, false); v != nil {
 			if _, err := a.applyPublications(ctx, log, vol, v); err != nil {
 				return ctrl.Result{}, err
 			}
@@ -512,6 +534,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	}
 	patch := client.MergeFromWithOptions(vol.DeepCopy(), client.MergeFromWithOptimisticLock{})
 	controllerutil.RemoveFinalizer(vol, v1alpha1.Finalizer)
+	controllerutil.RemoveFinalizer(vol, v1alpha1.ReplicaFinalizer(a.cfg.NodeName))
 	if err := a.client.Patch(ctx, vol, patch); err != nil && !apierrors.IsNotFound(err) {
 		return ctrl.Result{}, fmt.Errorf("removing the finalizer: %w", err)
 	}
@@ -582,6 +605,12 @@ func (a *Agent) blockDeletion(ctx context.Context, log *slog.Logger, vol *v1alph
 func (a *Agent) forget(log *slog.Logger, name string) {
 	a.mu.Lock()
 	v := a.vols[name]
+	if v != nil && v.asReplica {
+		// Held as a replica now (the primary moved away): the replica's
+		// reconciler has it.
+		a.mu.Unlock()
+		return
+	}
 	delete(a.vols, name)
 	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
