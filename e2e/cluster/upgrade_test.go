@@ -179,9 +179,15 @@ func (s *suite) uninstallRefusedScenario() {
 				t.Errorf("after the rollback: %v\n%s", err, out)
 			}
 		}
-		if r := s.jsonpath("{.status.numberReady}", "get", "daemonset", "mpnbd-node", "-n", namespace); r != "1" {
-			t.Errorf("node plugin pods ready after the refused uninstall: %q", r)
-		}
+		// Bounded, not at once: the earlier scenarios restarted the
+		// node plugin, and on a loaded machine a pod may still be
+		// getting ready.
+		s.waitFor("the node plugin ready after the refused uninstall", time.Minute, func() string {
+			if r := s.jsonpath("{.status.numberReady}", "get", "daemonset", "mpnbd-node", "-n", namespace); r != "1" {
+				return fmt.Sprintf("%q node plugin pods ready", r)
+			}
+			return ""
+		})
 	})
 }
 
