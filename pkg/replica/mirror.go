@@ -35,7 +35,9 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -83,6 +85,12 @@ type Config struct {
 	Local nbd.Backend
 	// Peers are the other replicas of the in-sync set, by name.
 	Peers map[string]Peer
+	// Out are the other replicas, out of the in-sync set as the record
+	// stands: what each lacks is its log in LogDir, kept since it left
+	// (a primary that restarts finds it there); a replica without one
+	// lacks everything (a full copy rebuilds it). Rebuild brings them
+	// back.
+	Out []string
 	// Epoch is the replica epoch the in-sync set was recorded with.
 	Epoch   int64
 	Arbiter Arbiter
@@ -175,8 +183,64 @@ func New(cfg Config) (*Mirror, error) {
 	for _, name := range slices.Sorted(maps.Keys(cfg.Peers)) {
 		m.peers = append(m.peers, &peer{name: name, p: cfg.Peers[name], unflushed: &chunks{}})
 	}
+	for _, name := range cfg.Out {
+		if _, ok := cfg.Peers[name]; ok {
+			m.closeLogs()
+			return nil, fmt.Errorf("replica: %s is both in sync and out", name)
+		}
+		l, err := m.outLog(name)
+		if err != nil {
+			m.closeLogs()
+			return nil, err
+		}
+		m.peers = append(m.peers, &peer{name: name, p: absent{}, state: out, log: l, unflushed: &chunks{},
+			cause: errors.New("out of the in-sync set when the primary started")})
+	}
+	slices.SortFunc(m.peers, func(a, b *peer) int { return strings.Compare(a.name, b.name) })
 	return m, nil
 }
+
+// outLog is the log of a replica out of the in-sync set at the start: the
+// one kept in LogDir since it left, or, without one, a log of the whole
+// volume.
+func (m *Mirror) outLog(name string) (*DirtyLog, error) {
+	if m.logDir != "" {
+		path := m.logPath(name)
+		_, statErr := os.Stat(path)
+		l, err := OpenLog(path)
+		if err != nil || statErr == nil {
+			return l, err
+		}
+		if err := l.Mark(0, m.local.Size()); err != nil {
+			l.Close()
+			return nil, err
+		}
+		return l, nil
+	}
+	l := NewMemoryLog()
+	return l, l.Mark(0, m.local.Size())
+}
+
+// closeLogs closes the logs opened so far (New failing).
+func (m *Mirror) closeLogs() {
+	for _, p := range m.peers {
+		if p.log != nil {
+			p.log.Close()
+		}
+	}
+}
+
+// absent is the Peer of a replica not connected: out of the in-sync set
+// until a Rebuild gives it a connection.
+type absent struct{}
+
+var errAbsent = errors.New("replica: not connected")
+
+func (absent) WriteAt([]byte, int64) (int, error)   { return 0, errAbsent }
+func (absent) Trim(int64, int64) error              { return errAbsent }
+func (absent) WriteZeroes(int64, int64, bool) error { return errAbsent }
+func (absent) Flush() error                         { return errAbsent }
+func (absent) Close() error                         { return nil }
 
 // Epoch is the replica epoch of the latest decision this Mirror made or
 // started with.

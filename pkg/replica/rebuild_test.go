@@ -18,12 +18,16 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
+	"log/slog"
 	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // dropReplica makes replica name fail a write, so that it leaves the
@@ -183,5 +187,88 @@ func TestMirrorRebuildAborted(t *testing.T) {
 	}
 	if err := m.Rebuild(context.Background(), "b", newMemPeer(testSize), RebuildOptions{}); err == nil {
 		t.Fatal("a rebuild of a replica in sync was accepted")
+	}
+}
+
+// TestMirrorOutAtStart: a primary that starts (again) over a record with
+// replicas out of the in-sync set finds what each lacks: the log kept in
+// LogDir since it left, or the whole volume for one without a log. It
+// forwards nothing to them and drops nobody for it; Rebuild brings each
+// back with exactly what it lacked, after which each holds the primary's
+// copy.
+func TestMirrorOutAtStart(t *testing.T) {
+	arb := &fakeArbiter{epoch: 1}
+	dir := t.TempDir()
+	m1, local, peers := newTestMirror(t, arb, time.Second, dir, "b", "c")
+	for i := range 4 {
+		if _, err := m1.WriteAt(pattern(byte(i), 4096), int64(i)*Chunk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m1.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	back := dropReplica(t, m1, peers, "b")
+	if _, err := m1.WriteAt(pattern(9, 4096), 10*Chunk); err != nil {
+		t.Fatal(err)
+	}
+	want := m1.Lacking("b").Ranges()
+	if err := m1.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	// The primary again, over its copy: c in sync, b out with its log,
+	// d out without one.
+	c := newMemPeer(testSize)
+	c.b = peers["c"].b
+	m2, err := New(Config{Local: local, Peers: map[string]Peer{"c": c}, Out: []string{"b", "d"}, Epoch: arb.epoch,
+		Arbiter: arb, Deadline: time.Second, LogDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m2.Close() })
+	if got := m2.Lacking("b").Ranges(); !slices.Equal(got, want) {
+		t.Errorf("b lacks %v after the restart, %v before", got, want)
+	}
+	if got := m2.Lacking("d").Bytes(); got != testSize {
+		t.Errorf("d, out with no log, lacks %d bytes, want the whole %d", got, testSize)
+	}
+	if _, err := New(Config{Local: local, Peers: map[string]Peer{"c": c}, Out: []string{"c"}, Arbiter: arb}); err == nil {
+		t.Error("a replica both in sync and out was accepted")
+	}
+	if _, err := m2.WriteAt(pattern(33, 4096), 20*Chunk); err != nil {
+		t.Fatal(err)
+	}
+	if err := m2.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if d := arb.dropped(); !slices.Equal(d, []string{"b"}) {
+		t.Errorf("drops after writing with replicas out: %v, want only b's earlier one", d)
+	}
+	if !slices.Equal(m2.InSync(), []string{"c"}) {
+		t.Errorf("in sync: %v", m2.InSync())
+	}
+
+	if err := m2.Rebuild(context.Background(), "b", back, RebuildOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	arb.mu.Lock()
+	arb.drops = append(arb.drops, "d") // as the record has it
+	arb.mu.Unlock()
+	d := newMemPeer(testSize)
+	if err := m2.Rebuild(context.Background(), "d", d, RebuildOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := d.writes.Load(); got != testSize/Chunk {
+		t.Errorf("d's rebuild wrote %d chunks, want all %d", got, testSize/Chunk)
+	}
+	whole := readBack(t, local, 0, testSize)
+	for name, b := range map[string]*nbd.MemBackend{"b": back.b, "c": c.b, "d": d.b} {
+		if !bytes.Equal(readBack(t, b, 0, testSize), whole) {
+			t.Errorf("%s differs from the primary's copy", name)
+		}
+	}
+	if !slices.Equal(m2.InSync(), []string{"b", "c", "d"}) {
+		t.Errorf("in sync after the rebuilds: %v", m2.InSync())
 	}
 }
