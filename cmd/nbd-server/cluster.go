@@ -102,6 +102,9 @@ func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterA
 		}
 		d.srv.TLSConfig = id.ServerConfig()
 		acfg.NodeRoots = id.Roots
+		// The same certificate as a client's: the primary of a
+		// replicated volume forwards to the other replicas' agents.
+		acfg.PeerTLS = id.ClientConfig
 	}
 	a, err := agent.New(acfg, d.srv, mgr.GetClient(), mgr.GetAPIReader())
 	if err != nil {

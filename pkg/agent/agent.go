@@ -27,6 +27,7 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
@@ -138,6 +139,14 @@ type Config struct {
 	// The server's TLS configuration must ask for and verify them
 	// (nodeid.Identity.ServerConfig).
 	NodeRoots func() *x509.CertPool
+	// PeerTLS, when set, is the TLS configuration with which the primary
+	// of a replicated volume dials the other replicas' agents on storage
+	// node (nodeid.Identity.ClientConfig of the agent's storage
+	// certificate). Without it replicated volumes are not served.
+	PeerTLS func(storageNode string) *tls.Config
+	// RebuildRate bounds a replica's rebuild, in bytes per second (zero:
+	// as fast as the replica takes it).
+	RebuildRate float64
 	// Logger receives structured logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -181,6 +190,9 @@ type volume struct {
 	// (replica.go), which alone may open it, as record says.
 	asReplica bool
 	record    *replicaRecord
+	// replicated: served as the primary of a replicated volume
+	// (primary.go), through its Mirror.
+	replicated *replicated
 }
 
 // grant is one applied publication.
@@ -438,7 +450,12 @@ func (a *Agent) closeVolume(v *volume) error {
 			a.cfg.OnLostWrites(v.name)
 		}
 	}
-	if cerr := v.backend.Close(); cerr != nil {
+	closeFile := v.backend.Close
+	if r := v.replicated; r != nil {
+		closeFile = func() error { return closeReplicated(r) }
+		v.replicated = nil
+	}
+	if cerr := closeFile(); cerr != nil {
 		err = errors.Join(err, fmt.Errorf("volume %s: close: %w", v.name, cerr))
 	}
 	v.backend = nil

@@ -158,14 +158,6 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 	if err := apiserver.Apply(context.Background(), admin, "deploy/rbac-storage-agent.yaml"); err != nil {
 		t.Fatal(err)
 	}
-	mgr, err := ctrl.NewManager(apiserver.As(cfg, "mpnbd-storage-agent", testNode), ctrl.Options{
-		Scheme:  scheme,
-		Cache:   CacheOptions(testNode, true),
-		Metrics: metricsserver.Options{BindAddress: "0"},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	obs := &recordingObserver{exports: map[string]bool{}}
 	acfg := Config{
 		NodeName:          testNode,
@@ -181,6 +173,15 @@ func startAgentOn(t *testing.T, cfg *rest.Config, dir string, l net.Listener, ad
 	}
 	for _, f := range with {
 		f(srv, &acfg)
+	}
+	// The agent of node acfg.NodeName (testNode unless with changed it).
+	mgr, err := ctrl.NewManager(apiserver.As(cfg, "mpnbd-storage-agent", acfg.NodeName), ctrl.Options{
+		Scheme:  scheme,
+		Cache:   CacheOptions(acfg.NodeName, true),
+		Metrics: metricsserver.Options{BindAddress: "0"},
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 	a, err := New(acfg, srv, mgr.GetClient(), mgr.GetAPIReader())
 	if err != nil {

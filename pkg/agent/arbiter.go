@@ -34,9 +34,12 @@ import (
 // it was checked on, so of two agents deciding at once one wins and the
 // other sees the change. It is replica.Arbiter.
 type VolumeArbiter struct {
-	// Client reads without a cache: a decision is checked against the
-	// object as the API server has it now.
+	// Client writes the decisions, and reads the record unless Reader
+	// is set. Either way the read must not come from a cache: a
+	// decision is checked against the object as the API server has it
+	// now.
 	Client client.Client
+	Reader client.Reader
 	Volume string
 	Self   string
 }
@@ -67,7 +70,11 @@ func (a *VolumeArbiter) Drop(ctx context.Context, epoch int64, name string, caus
 func (a *VolumeArbiter) decide(ctx context.Context, epoch int64, name, what string, change func(*v1alpha1.NBDVolume, *v1alpha1.ReplicationStatus) error) (int64, error) {
 	for {
 		var v v1alpha1.NBDVolume
-		if err := a.Client.Get(ctx, types.NamespacedName{Name: a.Volume}, &v); err != nil {
+		reader := client.Reader(a.Client)
+		if a.Reader != nil {
+			reader = a.Reader
+		}
+		if err := reader.Get(ctx, types.NamespacedName{Name: a.Volume}, &v); err != nil {
 			if apierrors.IsNotFound(err) {
 				return 0, fmt.Errorf("volume %s is gone: %w", a.Volume, nbd.ErrSuperseded)
 			}

@@ -30,9 +30,9 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
-// replicatedVolume creates a volume whose replication record has epoch 1,
+// createReplicated creates a volume whose replication record has epoch 1,
 // primary s1 and s1, s2, s3 in sync.
-func replicatedVolume(t *testing.T, c client.Client, name string) {
+func createReplicated(t *testing.T, c client.Client, name string) {
 	t.Helper()
 	ctx := context.Background()
 	v := newVolume(name, 1<<20)
@@ -57,7 +57,7 @@ func replicatedVolume(t *testing.T, c client.Client, name string) {
 func TestVolumeArbiter(t *testing.T) {
 	cfg, c := apiserver.Start(t)
 	ctx := context.Background()
-	replicatedVolume(t, c, "rv")
+	createReplicated(t, c, "rv")
 	a := &VolumeArbiter{Client: c, Volume: "rv", Self: "s1"}
 	record := func() v1alpha1.ReplicationStatus {
 		t.Helper()
@@ -114,7 +114,7 @@ func TestVolumeArbiter(t *testing.T) {
 	}
 
 	// Two drops racing on one epoch: one wins.
-	replicatedVolume(t, c, "race")
+	createReplicated(t, c, "race")
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
 	for i, name := range []string{"s2", "s3"} {

@@ -69,6 +69,9 @@ type failure struct {
 	code    string
 	message string
 	retry   time.Duration
+	// passing: a state that passes by itself (a conflicting write, a
+	// role changing hands): tried again, not reported in the status.
+	passing bool
 }
 
 func internal(format string, args ...any) *failure {
@@ -152,6 +155,24 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !vol.DeletionTimestamp.IsZero() {
 		return a.remove(ctx, log, &vol)
 	}
+	if r := vol.Status.Replication; r != nil && r.Primary != a.cfg.NodeName && replicatedVolume(&vol) {
+		// Another primary is recorded: this one serves nothing more
+		// (its forwards are refused from now on anyway).
+		a.mu.Lock()
+		v := a.vols[vol.Name]
+		if v != nil && v.replicated != nil {
+			delete(a.vols, vol.Name)
+		} else {
+			v = nil
+		}
+		a.mu.Unlock()
+		if v != nil {
+			log.Warn("another primary is recorded: this one stops serving", "primary", r.Primary, "epoch", r.Epoch)
+			if err := a.closeVolume(v); err != nil {
+				log.Warn("closing the volume", "error", err)
+			}
+		}
+	}
 	// The finalizer of the primary's copy; that of a replica this node
 	// held before it became the primary goes (its copy is this one).
 	if replicaFin := v1alpha1.ReplicaFinalizer(a.cfg.NodeName); !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) ||
@@ -165,9 +186,10 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 		log.Info("finalizer added")
 	}
 	v, f := a.ensureStore(ctx, log, &vol, false)
-	if f == errOtherRole {
-		// Held as a replica: its reconciler lets it go first.
-		log.Info("volume held here as a replica; waiting for it to be released")
+	if f != nil && f.passing {
+		// Held as a replica (its reconciler lets it go first), or a
+		// write that met another.
+		log.Info("volume not served yet", "reason", f.message)
 		return ctrl.Result{RequeueAfter: f.retry}, nil
 	}
 	if f != nil && v == nil {
@@ -196,7 +218,7 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 
 // errOtherRole: the volume is held here in the other role (primary or
 // replica) until that role's reconciler lets it go.
-var errOtherRole = &failure{code: "Unavailable", message: "the volume is held here in its other role", retry: time.Second}
+var errOtherRole = &failure{code: "Unavailable", message: "the volume is held here in its other role", retry: time.Second, passing: true}
 
 // ensureStore opens (or creates, or grows) the backing file and exports
 // it: as the volume's primary copy, or asReplica as a copy another node's
@@ -271,6 +293,8 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 		}
 		if f := a.checkRoom(want-size, fmt.Sprintf("growing from %d to %d bytes", size, want)); f != nil {
 			growFailure = f
+		} else if f := a.replicasGrown(ctx, vol, v, want); f != nil {
+			growFailure = f
 		} else if err := v.backend.Resize(want); err != nil {
 			growFailure = internal("growing %s from %d to %d bytes: %v", a.path(name), size, want, err)
 		} else {
@@ -282,7 +306,15 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 		a.kickCapacity()
 	}
 	if _, ok := a.srv.Export(name); !ok {
-		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: v.backend,
+		var backend nbd.Backend = v.backend
+		if !asReplica && replicatedVolume(vol) {
+			m, f := a.primaryBackend(ctx, log, vol, v)
+			if f != nil {
+				return nil, f
+			}
+			backend = m
+		}
+		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: backend,
 			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired || asReplica})
 		if err != nil {
 			return nil, internal("exporting: %v", err)
@@ -516,6 +548,9 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	if vol.DeletesData() {
 		if why := a.connected(vol.Name); why != "" {
 			return ctrl.Result{RequeueAfter: connectionsRetry}, a.blockDeletion(ctx, log, vol, reasonConnected, why)
+		}
+		if err := os.RemoveAll(a.logDir(vol.Name)); err != nil {
+			return ctrl.Result{}, fmt.Errorf("removing the replicas' logs: %w", err)
 		}
 		switch err := os.Remove(path); {
 		case err == nil:

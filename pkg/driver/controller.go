@@ -264,6 +264,12 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		if len(replicaNodes) > 0 {
 			v.Spec.Replicas = int32(1 + len(replicaNodes))
 			v.Spec.ReplicaNodes = replicaNodes
+			// Each replica's agent watches the volumes labelled for
+			// its node.
+			v.Labels = map[string]string{}
+			for _, n := range replicaNodes {
+				v.Labels[v1alpha1.ReplicaLabel(n)] = ""
+			}
 		}
 		if err := c.c.Create(ctx, &v); err != nil {
 			return nil, kubeErr(err, "creating NBDVolume "+id)

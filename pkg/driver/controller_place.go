@@ -433,7 +433,9 @@ func placeReplicas(first *v1alpha1.NBDStorageNode, cands []*v1alpha1.NBDStorageN
 		if len(out) == n {
 			break
 		}
-		if c.Name == first.Name {
+		if c.Name == first.Name || v1alpha1.ValidReplicaNode(c.Name) != nil {
+			// A node whose name makes no label name cannot be watched
+			// for its replicas (v1alpha1.ReplicaLabel).
 			continue
 		}
 		z := zone(c)

@@ -17,6 +17,7 @@ package driver
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -38,6 +39,7 @@ func TestPickStorageNodesForReplicas(t *testing.T) {
 	const gb = int64(1) << 30
 	now := time.Now()
 	z := func(zone string) map[string]string { return map[string]string{ZoneLabel: zone} }
+	long := strings.Repeat("l", 70) + ".example"
 	for _, n := range []struct {
 		name  string
 		avail int64
@@ -49,6 +51,9 @@ func TestPickStorageNodesForReplicas(t *testing.T) {
 		{"b1", 50 * gb, z("b"), now},
 		{"plain", 10 * gb, nil, now},
 		{"stale", 500 * gb, z("c"), now.Add(-time.Hour)},
+		// A name longer than a label name: it may hold a volume, never
+		// a replica (its agent could not be told by label).
+		{long, 80 * gb, z("c"), now},
 	} {
 		putStorageNode(t, c, n.name, n.avail, n.topo, nil, n.hb)
 	}
@@ -82,6 +87,7 @@ func TestPickStorageNodesForReplicas(t *testing.T) {
 		{"no room for the third", 3, "", 20 * gb, nil, nil, codes.ResourceExhausted},
 		{"one zone cannot hold two", 2, "", gb, requisite("a"), nil, codes.ResourceExhausted},
 		{"a stale node is never a replica", 4, "", gb, nil, nil, codes.ResourceExhausted},
+		{"a long-named node holds the first copy", 2, long, gb, nil, []string{long, "a1"}, codes.OK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, err := ctl.pickStorageNodes(ctx, Params{Replicas: tc.replicas, StorageNode: tc.pin}, tc.tr, tc.size)

@@ -1,0 +1,362 @@
+// Copyright 2026 The mpnbd Authors.
+//
+// Licensed under the Apache License, Version 2.0 (the "License");
+// you may not use this file except in compliance with the License.
+// You may obtain a copy of the License at
+//
+//     http://www.apache.org/licenses/LICENSE-2.0
+//
+// Unless required by applicable law or agreed to in writing, software
+// distributed under the License is distributed on an "AS IS" BASIS,
+// WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+// See the License for the specific language governing permissions and
+// limitations under the License.
+
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/replica"
+)
+
+// The primary's side of a replicated volume (docs/replication.md): the
+// agent of spec.storageNode serves the nodes through a replica.Mirror
+// over its own copy, which forwards every change to the replicas of the
+// in-sync set (replica.go is their side) and has the volume's record, by
+// a VolumeArbiter, drop a replica that fails before acknowledging what it
+// lacks. The record is made here when the volume has none; replicas out
+// of the in-sync set are rebuilt by difference while the volume is
+// served.
+
+const (
+	// rebuildInterval is how often the replicas out of the in-sync set
+	// are tried again.
+	rebuildInterval = 5 * time.Second
+	// refusedForNow bounds how long a forward's dial tries again when
+	// the replica refuses it for now (its watch has not seen the record
+	// the primary dials with yet): under the forward deadline, so that a
+	// replica that keeps refusing is dropped.
+	refusedForNow = 2 * time.Second
+	// logDirSuffix ends the directory, next to a volume's file, of the
+	// logs of what its replicas out of the in-sync set lack.
+	logDirSuffix = ".replicas"
+)
+
+// replicated is what the primary holds for a replicated volume.
+type replicated struct {
+	mirror *replica.Mirror
+	// stop ends the rebuilds; done is closed when they have.
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// replicatedVolume reports whether vol keeps copies on other nodes.
+func replicatedVolume(vol *v1alpha1.NBDVolume) bool { return len(vol.Spec.ReplicaNodes) > 0 }
+
+// ensureRecord returns vol's replication record, making it when there is
+// none: this node primary since epoch 1, and in sync with it the replicas
+// that hold what it holds: all of them for a volume made empty (every
+// copy is zeroes), none for one filled from a content source (they are
+// rebuilt whole). Made before the volume is first served, so that no
+// change precedes it.
+func (a *Agent) ensureRecord(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (*v1alpha1.ReplicationStatus, error) {
+	if r := vol.Status.Replication; r != nil {
+		return r, nil
+	}
+	inSync := []string{a.cfg.NodeName}
+	if vol.Spec.ContentSource == nil {
+		inSync = append(inSync, vol.Spec.ReplicaNodes...)
+	}
+	slices.Sort(inSync)
+	orig := vol.DeepCopy()
+	vol.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 1, Primary: a.cfg.NodeName, PrimaryEpoch: 1,
+		InSync: inSync, InSyncReplicas: int32(len(inSync))}
+	// Optimistic: of two writers of the first record, one wins.
+	if err := a.client.Status().Patch(ctx, vol, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return nil, fmt.Errorf("making the replication record: %w", err)
+	}
+	log.Info("replication record made", "in_sync", inSync)
+	return vol.Status.Replication, nil
+}
+
+// startMirror makes the Mirror that serves vol from v's file, its
+// forwards going to the replicas in sync as rec has them, and starts the
+// rebuilds of the others.
+func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume, rec *v1alpha1.ReplicationStatus) *failure {
+	if a.cfg.PeerTLS == nil {
+		return &failure{code: "FailedPrecondition", message: "a replicated volume needs the storage agents' certificates (the storage network's TLS)", retry: exhaustedRetry}
+	}
+	if err := os.MkdirAll(a.logDir(vol.Name), 0o700); err != nil {
+		return internal("the replicas' log directory: %v", err)
+	}
+	peers := map[string]replica.Peer{}
+	var out []string
+	for _, n := range vol.Spec.ReplicaNodes {
+		if slices.Contains(rec.InSync, n) {
+			peers[n] = a.forwardPeer(vol.Name, n, rec.PrimaryEpoch)
+		} else {
+			out = append(out, n)
+		}
+	}
+	m, err := replica.New(replica.Config{
+		Local:   v.backend,
+		Peers:   peers,
+		Out:     out,
+		Epoch:   rec.Epoch,
+		Arbiter: &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName},
+		LogDir:  a.logDir(vol.Name),
+		Logger:  log,
+	})
+	if err != nil {
+		return internal("replicating: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &replicated{mirror: m, stop: cancel, done: make(chan struct{})}
+	v.replicated = r
+	go a.runRebuilds(ctx, log, vol.Name, vol.Spec.ReplicaNodes, rec.PrimaryEpoch, r)
+	log.Info("serving as the primary", "epoch", rec.Epoch, "primary_epoch", rec.PrimaryEpoch, "in_sync", rec.InSync, "out", out)
+	return nil
+}
+
+// logDir is where the logs of what volume's replicas lack are kept.
+func (a *Agent) logDir(volume string) string {
+	return filepath.Join(a.cfg.DataDir, volume+logDirSuffix)
+}
+
+// runRebuilds brings the replicas out of the in-sync set back, trying
+// each again every rebuildInterval, until ctx ends.
+func (a *Agent) runRebuilds(ctx context.Context, log *slog.Logger, volume string, nodes []string, primaryEpoch int64, r *replicated) {
+	defer close(r.done)
+	t := time.NewTicker(rebuildInterval)
+	defer t.Stop()
+	for {
+		for _, n := range nodes {
+			if ctx.Err() != nil || r.mirror.Fenced() != nil {
+				return
+			}
+			if r.mirror.Lacking(n) == nil {
+				continue
+			}
+			cl, err := a.dialReplica(ctx, volume, n, primaryEpoch)
+			if err != nil {
+				log.Debug("a replica out of the in-sync set is not reachable yet", "replica", n, "error", err)
+				continue
+			}
+			if err := r.mirror.Rebuild(ctx, n, cl, replica.RebuildOptions{Rate: a.cfg.RebuildRate}); err != nil {
+				log.Warn("rebuilding a replica", "replica", n, "error", err)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// closeReplicated stops v's rebuilds and closes its Mirror (and with it
+// the file).
+func closeReplicated(r *replicated) error {
+	r.stop()
+	err := r.mirror.Close()
+	<-r.done
+	return err
+}
+
+// dialReplica opens volume's copy on storage node as its primary: over
+// the storage network's TLS with this node's storage certificate, named
+// with primaryEpoch, on the addresses the node's NBDStorageNode reports.
+// A refusal for now (the replica has not seen the record yet) is tried
+// again for up to refusedForNow.
+func (a *Agent) dialReplica(ctx context.Context, volume, node string, primaryEpoch int64) (*nbd.Client, error) {
+	var sn v1alpha1.NBDStorageNode
+	if err := a.reader.Get(ctx, types.NamespacedName{Name: node}, &sn); err != nil {
+		return nil, fmt.Errorf("storage node %s: %w", node, err)
+	}
+	if len(sn.Status.Addresses) == 0 || sn.Status.Port == 0 {
+		return nil, fmt.Errorf("storage node %s reports no storage address", node)
+	}
+	export := access.ExportName(volume, "", primaryEpoch)
+	end := time.Now().Add(refusedForNow)
+	for {
+		var errs []error
+		for _, addr := range sn.Status.Addresses {
+			dctx, cancel := context.WithTimeout(ctx, replica.DefaultDeadline)
+			cl, err := nbd.Dial(dctx, nbd.DialOptions{
+				Addr:   net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))),
+				Export: export,
+				MPTCP:  true,
+				TLS:    a.cfg.PeerTLS(node),
+				Logger: a.log,
+			})
+			cancel()
+			if err == nil {
+				return cl, nil
+			}
+			if errors.Is(err, nbd.ErrSuperseded) {
+				return nil, fmt.Errorf("replica %s of %s: %w", node, volume, err)
+			}
+			errs = append(errs, err)
+			if errors.Is(err, nbd.ErrAccessDenied) {
+				break // the replica answered: its other addresses say the same
+			}
+		}
+		err := errors.Join(errs...)
+		if !errors.Is(err, nbd.ErrAccessDenied) || time.Now().After(end) {
+			return nil, fmt.Errorf("replica %s of %s: %w", node, volume, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// forwardPeer is a replica of the in-sync set as the Mirror forwards to
+// it, connected on first use: a replica that cannot be reached fails the
+// forward, and the Mirror drops it from the in-sync set.
+func (a *Agent) forwardPeer(volume, node string, primaryEpoch int64) *lazyPeer {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &lazyPeer{ctx: ctx, cancel: cancel, dial: func(ctx context.Context) (*nbd.Client, error) {
+		return a.dialReplica(ctx, volume, node, primaryEpoch)
+	}}
+}
+
+// lazyPeer is a replica.Peer that dials on its first call.
+type lazyPeer struct {
+	dial   func(context.Context) (*nbd.Client, error)
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu     sync.Mutex
+	cl     *nbd.Client
+	err    error // the dial failed: every call fails so
+	closed bool
+}
+
+// conn returns the connection, dialling it on the first call; a Close
+// meanwhile ends the dial.
+func (p *lazyPeer) conn() (*nbd.Client, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.closed:
+		return nil, nbd.ErrClosed
+	case p.cl != nil || p.err != nil:
+		return p.cl, p.err
+	}
+	p.cl, p.err = p.dial(p.ctx)
+	return p.cl, p.err
+}
+
+func (p *lazyPeer) WriteAt(b []byte, off int64) (int, error) {
+	cl, err := p.conn()
+	if err != nil {
+		return 0, err
+	}
+	return cl.WriteAt(b, off)
+}
+
+func (p *lazyPeer) Trim(off, n int64) error {
+	cl, err := p.conn()
+	if err != nil {
+		return err
+	}
+	return cl.Trim(off, n)
+}
+
+func (p *lazyPeer) WriteZeroes(off, n int64, noHole bool) error {
+	cl, err := p.conn()
+	if err != nil {
+		return err
+	}
+	return cl.WriteZeroes(off, n, noHole)
+}
+
+func (p *lazyPeer) Flush() error {
+	cl, err := p.conn()
+	if err != nil {
+		return err
+	}
+	return cl.Flush()
+}
+
+// Close ends a dial under way (it holds mu) and then the connection.
+func (p *lazyPeer) Close() error {
+	p.cancel()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	if p.cl != nil {
+		return p.cl.Close()
+	}
+	return nil
+}
+
+// primaryBackend is the backend that serves replicated vol from this
+// node, its primary: the Mirror over v's file, made (with the record, if
+// none) when the volume is first served. A record that names another
+// primary serves nothing here.
+func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume) (nbd.Backend, *failure) {
+	if v.replicated != nil {
+		return v.replicated.mirror, nil
+	}
+	rec, err := a.ensureRecord(ctx, log, vol)
+	switch {
+	case apierrors.IsConflict(err):
+		return nil, &failure{code: "Aborted", message: err.Error(), retry: 100 * time.Millisecond, passing: true}
+	case err != nil:
+		return nil, internal("%v", err)
+	}
+	if rec.Primary != a.cfg.NodeName {
+		// A promotion the controller has recorded and not yet moved
+		// the volume for.
+		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
+			retry: time.Second, passing: true}
+	}
+	if f := a.startMirror(log, vol, v, rec); f != nil {
+		return nil, f
+	}
+	return v.replicated.mirror, nil
+}
+
+// replicasGrown fails until every replica in sync serves want bytes at
+// least: a primary that grew first could send a change past a replica's
+// end, which would drop it.
+func (a *Agent) replicasGrown(ctx context.Context, vol *v1alpha1.NBDVolume, v *volume, want int64) *failure {
+	if v.replicated == nil {
+		return nil
+	}
+	rec := vol.Status.Replication
+	for _, n := range v.replicated.mirror.InSync() {
+		cl, err := a.dialReplica(ctx, vol.Name, n, rec.PrimaryEpoch)
+		if err != nil {
+			return &failure{code: "Unavailable", message: fmt.Sprintf("growing to %d bytes waits for replica %s: %v", want, n, err), retry: time.Second}
+		}
+		size := cl.Size()
+		cl.Close()
+		if size < want {
+			return &failure{code: "Unavailable", message: fmt.Sprintf("growing to %d bytes waits for replica %s (%d bytes)", want, n, size), retry: time.Second}
+		}
+	}
+	return nil
+}
