@@ -66,6 +66,7 @@ func TestChartNotes(t *testing.T) {
 	}{
 		{"defaults", nil,
 			[]string{"Namespace mpnbd-system", "mpnbd-ext4: fsType ext4", "mpnbd-xfs: fsType xfs", "mpnbd-block",
+				"mpnbd-replicated: fsType ext4, transport auto, 2 replicas",
 				"kubectl label node <node> mpnbd.io/storage-node=true", "kubectl get pods -n mpnbd-system",
 				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
 				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs",

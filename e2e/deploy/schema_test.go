@@ -62,6 +62,10 @@ func TestValuesSchemaRejects(t *testing.T) {
 		{"HTTP address literal", []string{"--set", "httpAddressFrom=10.0.0.1"}, []string{"/httpAddressFrom"}},
 		{"encryption parameter", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=yes"},
 			[]string{"/storageClasses/0/parameters/encryption"}},
+		{"replicas", []string{"--set", "storageClasses[0].name=c", "--set", "storageClasses[0].replicas=4"},
+			[]string{"/storageClasses/0/replicas"}},
+		{"replicas parameter", []string{"--set", "storageClasses[0].name=c", "--set-string", "storageClasses[0].parameters.replicas=two"},
+			[]string{"/storageClasses/0/parameters/replicas"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := tryTemplate(t, tc.args...)
@@ -197,7 +201,7 @@ func TestStorageClassEncryption(t *testing.T) {
 		return p
 	}
 	objs := render(t)
-	for _, sc := range []string{"mpnbd-ext4", "mpnbd-xfs", "mpnbd-block"} {
+	for _, sc := range []string{"mpnbd-ext4", "mpnbd-xfs", "mpnbd-block", "mpnbd-replicated"} {
 		if p := params(objs, sc); p["encryption"] != "required" {
 			t.Errorf("%s parameters %v: want encryption required by default", sc, p)
 		}

@@ -37,10 +37,14 @@ const (
 	ParamDeadPeerTimeout = "deadPeerTimeout"
 	ParamBlockSize       = "blockSize"
 	ParamEncryption      = "encryption"
+	ParamReplicas        = "replicas"
 
 	// reservedPrefix marks keys the Kubernetes sidecars add or reserve.
 	reservedPrefix = "csi.storage.k8s.io/"
 )
+
+// MaxReplicas is the most storage nodes a volume's data is kept on.
+const MaxReplicas = 3
 
 // Params are validated StorageClass parameters.
 type Params struct {
@@ -56,7 +60,8 @@ type Params struct {
 	BlockSize       uint64
 	// Encryption is none (the default), preferred or required.
 	Encryption v1alpha1.Encryption
-	// Replicas is how many storage nodes hold the volume (1).
+	// Replicas is how many storage nodes hold the volume's data (1 to
+	// MaxReplicas; docs/replication.md).
 	Replicas int
 }
 
@@ -119,6 +124,12 @@ func ParseParams(in map[string]string) (Params, error) {
 				return bad("want 512, 1024, 2048 or 4096")
 			}
 			p.BlockSize = n
+		case ParamReplicas:
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 || n > MaxReplicas {
+				return bad(fmt.Sprintf("want 1 to %d storage nodes holding the volume's data", MaxReplicas))
+			}
+			p.Replicas = n
 		case ParamEncryption:
 			switch e := v1alpha1.Encryption(v); e {
 			case v1alpha1.EncryptionNone, v1alpha1.EncryptionPreferred, v1alpha1.EncryptionRequired:

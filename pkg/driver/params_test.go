@@ -29,18 +29,18 @@ import (
 func TestParseParams(t *testing.T) {
 	p, err := ParseParams(map[string]string{
 		"fsType": "xfs", "transport": "relay", "storageNode": "node-a", "storageNodeSelector": "zone=a, rack=3",
-		"deadConnTimeout": "90s", "requestTimeout": "10s", "deadPeerTimeout": "4s", "blockSize": "512", "encryption": "required",
+		"deadConnTimeout": "90s", "requestTimeout": "10s", "deadPeerTimeout": "4s", "blockSize": "512", "encryption": "required", "replicas": "2",
 		"csi.storage.k8s.io/pvc/name": "data",
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p.FSType != "xfs" || p.Transport != attach.Relay || p.StorageNode != "node-a" || p.NodeSelector["rack"] != "3" ||
-		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.DeadPeerTimeout != 4*time.Second || p.BlockSize != 512 || p.Encryption != "required" {
+		p.DeadConnTimeout != 90*time.Second || p.RequestTimeout != 10*time.Second || p.DeadPeerTimeout != 4*time.Second || p.BlockSize != 512 || p.Encryption != "required" || p.Replicas != 2 {
 		t.Fatalf("%+v", p)
 	}
 	def, err := ParseParams(nil)
-	if err != nil || def.FSType != "ext4" || def.Transport != attach.Auto || def.Encryption != "none" {
+	if err != nil || def.FSType != "ext4" || def.Transport != attach.Auto || def.Encryption != "none" || def.Replicas != 1 {
 		t.Fatalf("defaults: %+v %v", def, err)
 	}
 }
@@ -78,7 +78,7 @@ func TestParseParamsDeadPeerBelowRequestTimeout(t *testing.T) {
 func TestParseParamsErrorsNameTheKey(t *testing.T) {
 	for key, val := range map[string]string{
 		"fsType": "btrfs", "transport": "iscsi", "storageNode": "a b", "storageNodeSelector": "novalue",
-		"deadConnTimeout": "forever", "requestTimeout": "-1s", "deadPeerTimeout": "1s", "blockSize": "8192", "replicas": "3", "encryption": "yes",
+		"deadConnTimeout": "forever", "requestTimeout": "-1s", "deadPeerTimeout": "1s", "blockSize": "8192", "replicas": "4", "encryption": "yes",
 	} {
 		_, err := ParseParams(map[string]string{key: val})
 		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), key) {
