@@ -6,7 +6,7 @@
 # Prints HELM=<path>. A warm cache makes this a no-op. kustomize needs no
 # build: `kubectl kustomize` is used.
 set -euo pipefail
-HELM_VERSION=${HELM_VERSION:-v3.22.0}
+HELM_VERSION=${HELM_VERSION:-v3.21.4}
 CACHE=${MPNBD_TOOLS_CACHE:-/var/cache/mpnbd/tools}
 dir=$CACHE/helm-$HELM_VERSION
 helm=$dir/helm
