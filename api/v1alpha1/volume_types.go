@@ -191,6 +191,14 @@ type NBDVolumeStatus struct {
 	// updates, each raising the epoch.
 	// +optional
 	Replication *ReplicationStatus `json:"replication,omitempty"`
+	// Replicas is where each of a replicated volume's other replicas
+	// stands, as its primary sees it: in sync, out (and what it lacks),
+	// being rebuilt (and how far). Written by the primary's agent;
+	// Replication is what decides.
+	// +optional
+	// +listType=map
+	// +listMapKey=node
+	Replicas []ReplicaState `json:"replicas,omitempty"`
 	// Attachments are the nodes that have the volume attached, with their
 	// data path. Each entry is written by its own node's plugin alone
 	// (server-side apply, field manager mpnbd-node/<node>), so the agent's
@@ -225,6 +233,28 @@ type ReplicationStatus struct {
 	InSync []string `json:"inSync"`
 	// InSyncReplicas is len(InSync), for kubectl get.
 	InSyncReplicas int32 `json:"inSyncReplicas"`
+}
+
+// ReplicaState is one replica of a replicated volume as its primary sees
+// it.
+type ReplicaState struct {
+	// Node is the replica's storage node.
+	// +kubebuilder:validation:MinLength=1
+	Node string `json:"node"`
+	// State is InSync, Leaving (failed; its leaving being recorded), Out
+	// or Rebuilding.
+	// +kubebuilder:validation:Enum=InSync;Leaving;Out;Rebuilding
+	State string `json:"state"`
+	// LackingBytes is what a replica out of the in-sync set lacks: the
+	// regions changed since it left, which its rebuild copies.
+	// +optional
+	LackingBytes int64 `json:"lackingBytes,omitempty"`
+	// RebuildCopiedBytes and RebuildTotalBytes are the progress of the
+	// rebuild under way.
+	// +optional
+	RebuildCopiedBytes int64 `json:"rebuildCopiedBytes,omitempty"`
+	// +optional
+	RebuildTotalBytes int64 `json:"rebuildTotalBytes,omitempty"`
 }
 
 // NodeAttachment is one node's data path to a volume, as its node plugin

@@ -215,6 +215,29 @@ func writeDetail(w io.Writer, rep *Report) error {
 			}
 		}
 
+		if r := v.Replication; r != nil {
+			primary := r.Primary
+			if primary == "" {
+				primary = "none recorded yet"
+			}
+			fmt.Fprintf(w, "\nReplicas (primary %s, epoch %d, %d in sync):\n", primary, r.Epoch, len(r.InSync))
+			tw = newTabWriter(w)
+			row(tw, "  ", "NODE", "STATE", "LACKING", "REBUILD")
+			for _, rs := range r.Replicas {
+				lacking, rebuild := "-", "-"
+				if rs.LackingBytes > 0 {
+					lacking = formatBytes(rs.LackingBytes)
+				}
+				if rs.RebuildTotalBytes > 0 {
+					rebuild = fmt.Sprintf("%s of %s", formatBytes(rs.RebuildCopiedBytes), formatBytes(rs.RebuildTotalBytes))
+				}
+				row(tw, "  ", rs.Node, rs.State, lacking, rebuild)
+			}
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+		}
+
 		fmt.Fprintln(w, "\nPublished to:")
 		if len(v.Publications) == 0 {
 			fmt.Fprintln(w, "  no node")

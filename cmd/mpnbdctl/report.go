@@ -81,7 +81,19 @@ type VolumeReport struct {
 	Health             string             `json:"health"`
 	LastFault          *Fault             `json:"lastFault,omitempty"`
 	Conditions         []metav1.Condition `json:"conditions,omitempty"`
-	Publications       []Publication      `json:"publications"`
+	// Replication is a replicated volume's record (who is primary, who
+	// in sync, the epoch) and where each replica stands.
+	Replication  *Replication  `json:"replication,omitempty"`
+	Publications []Publication `json:"publications"`
+}
+
+// Replication is a replicated volume's replicas: the record that decides
+// and each replica's state as the primary reports it.
+type Replication struct {
+	Epoch    int64                   `json:"epoch,omitempty"`
+	Primary  string                  `json:"primary,omitempty"`
+	InSync   []string                `json:"inSync"`
+	Replicas []v1alpha1.ReplicaState `json:"replicas"`
 }
 
 // Publication is the volume on one node it is published to.
@@ -140,6 +152,24 @@ func volumeReport(vol *v1alpha1.NBDVolume, inv *inventory, byNode map[string]*No
 	}
 	if e := vol.Status.Export; e != nil {
 		vr.StorageAddresses, vr.StoragePort = e.Addresses, e.Port
+	}
+	if len(vol.Spec.ReplicaNodes) > 0 {
+		r := &Replication{InSync: []string{}, Replicas: []v1alpha1.ReplicaState{}}
+		if rec := vol.Status.Replication; rec != nil {
+			r.Epoch, r.Primary, r.InSync = rec.Epoch, rec.Primary, rec.InSync
+		}
+		// Every replica the spec places, as reported or, before the
+		// primary's first report, unknown.
+		for _, n := range vol.Spec.ReplicaNodes {
+			st := v1alpha1.ReplicaState{Node: n, State: "Unknown"}
+			for _, rs := range vol.Status.Replicas {
+				if rs.Node == n {
+					st = rs
+				}
+			}
+			r.Replicas = append(r.Replicas, st)
+		}
+		vr.Replication = r
 	}
 	if pv := inv.pvs[vol.Name]; pv != nil {
 		vr.PV = pv.Name

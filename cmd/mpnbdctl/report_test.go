@@ -328,7 +328,14 @@ func TestVolumeDetail(t *testing.T) {
 	// pvc-healthy's claim has a Warning Event of the node plugin, newer
 	// than the reconnects can tell.
 	at := testTime.Add(time.Hour)
-	f := newFleet(t,
+	// A replicated volume: one replica in sync, the other being rebuilt.
+	replicated := newVolume("pvc-replicated", v1alpha1.VolumeAvailable)
+	replicated.Spec.Replicas, replicated.Spec.ReplicaNodes = 3, []string{"storage-2", "storage-3"}
+	replicated.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 4, Primary: "storage-1", PrimaryEpoch: 1,
+		InSync: []string{"storage-1", "storage-2"}, InSyncReplicas: 2}
+	replicated.Status.Replicas = []v1alpha1.ReplicaState{{Node: "storage-2", State: "InSync"},
+		{Node: "storage-3", State: "Rebuilding", LackingBytes: 64 << 20, RebuildCopiedBytes: 16 << 20, RebuildTotalBytes: 64 << 20}}
+	f := newFleet(t, replicated,
 		newClaimEvent("apps/data-healthy", "node-a", driver.EventStorageUnreachable, "the storage node is unreachable (transport ublk); I/O waits until it is back", at),
 		newClaimEvent("apps/data-healthy", "node-a", driver.EventWritesResent, "older", at.Add(-time.Minute)),
 		newPVC("apps/data-healthy", "pvc-healthy"),
@@ -359,6 +366,12 @@ func TestVolumeDetail(t *testing.T) {
 			noPathsNote,
 		}},
 		{[]string{"volume", "pvc-unpublished"}, []string{"Health:               Unpublished\n", "Published to:\n  no node\n", "Last fault:           none seen\n"}},
+		{[]string{"volume", "pvc-replicated"}, []string{
+			"\nReplicas (primary storage-1, epoch 4, 2 in sync):\n" +
+				"  NODE       STATE       LACKING  REBUILD\n" +
+				"  storage-2  InSync      -        -\n" +
+				"  storage-3  Rebuilding  64Mi     16Mi of 64Mi\n",
+		}},
 		{[]string{"volume", "pvc-nodedown"}, []string{"  node-c  unreachable  -", "Node node-c: metrics unreachable:"}},
 	}
 	for _, tc := range tests {

@@ -16,6 +16,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -28,6 +29,7 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -63,9 +65,11 @@ const (
 // replicated is what the primary holds for a replicated volume.
 type replicated struct {
 	mirror *replica.Mirror
-	// stop ends the rebuilds; done is closed when they have.
+	// changed is signalled when the Mirror's replicas change.
+	changed chan struct{}
+	// stop ends the rebuilds and the reports; wg waits for them.
 	stop context.CancelFunc
-	done chan struct{}
+	wg   sync.WaitGroup
 }
 
 // replicatedVolume reports whether vol keeps copies on other nodes.
@@ -116,6 +120,7 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 			out = append(out, n)
 		}
 	}
+	changed := make(chan struct{}, 1)
 	m, err := replica.New(replica.Config{
 		Local:   v.backend,
 		Peers:   peers,
@@ -124,14 +129,22 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 		Arbiter: &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName},
 		LogDir:  a.logDir(vol.Name),
 		Logger:  log,
+		OnChange: func() {
+			select {
+			case changed <- struct{}{}:
+			default:
+			}
+		},
 	})
 	if err != nil {
 		return internal("replicating: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &replicated{mirror: m, stop: cancel, done: make(chan struct{})}
+	r := &replicated{mirror: m, changed: changed, stop: cancel}
 	v.replicated = r
+	r.wg.Add(2)
 	go a.runRebuilds(ctx, log, vol.Name, vol.Spec.ReplicaNodes, rec.PrimaryEpoch, r)
+	go a.reportReplicas(ctx, log, vol.Name, r)
 	log.Info("serving as the primary", "epoch", rec.Epoch, "primary_epoch", rec.PrimaryEpoch, "in_sync", rec.InSync, "out", out)
 	return nil
 }
@@ -144,7 +157,7 @@ func (a *Agent) logDir(volume string) string {
 // runRebuilds brings the replicas out of the in-sync set back, trying
 // each again every rebuildInterval, until ctx ends.
 func (a *Agent) runRebuilds(ctx context.Context, log *slog.Logger, volume string, nodes []string, primaryEpoch int64, r *replicated) {
-	defer close(r.done)
+	defer r.wg.Done()
 	t := time.NewTicker(rebuildInterval)
 	defer t.Stop()
 	for {
@@ -177,8 +190,49 @@ func (a *Agent) runRebuilds(ctx context.Context, log *slog.Logger, volume string
 func closeReplicated(r *replicated) error {
 	r.stop()
 	err := r.mirror.Close()
-	<-r.done
+	r.wg.Wait()
 	return err
+}
+
+// reportInterval is how often a rebuild's progress is reported while it
+// runs.
+const reportInterval = 2 * time.Second
+
+// reportReplicas keeps the volume's status.replicas what its Mirror says
+// of each replica: at once when one leaves or returns or its rebuild
+// starts, and every reportInterval while a rebuild runs. A report that
+// fails is tried again at the next.
+func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, volume string, r *replicated) {
+	defer r.wg.Done()
+	t := time.NewTicker(reportInterval)
+	defer t.Stop()
+	var last []v1alpha1.ReplicaState
+	reported := false
+	for {
+		var now []v1alpha1.ReplicaState
+		for _, st := range r.mirror.Replicas() {
+			now = append(now, v1alpha1.ReplicaState{Node: st.Name, State: st.State, LackingBytes: st.Lacking,
+				RebuildCopiedBytes: st.Copied, RebuildTotalBytes: st.Total})
+		}
+		if !reported || !slices.Equal(now, last) {
+			b, err := json.Marshal(map[string]any{"status": map[string]any{"replicas": now}})
+			if err == nil {
+				err = a.client.Status().Patch(ctx, &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: volume}},
+					client.RawPatch(types.MergePatchType, b))
+			}
+			if err != nil {
+				log.Debug("reporting the replicas", "error", err)
+			} else {
+				last, reported = now, true
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-r.changed:
+		case <-t.C:
+		}
+	}
 }
 
 // dialReplica opens volume's copy on storage node as its primary: over

@@ -183,6 +183,25 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	if msg := holds(s3); msg == "" {
 		t.Fatal("s3's file holds writes made after it stopped")
 	}
+	// The primary reports where each replica stands.
+	replicas := func(want ...string) func() string {
+		return func() string {
+			got := getVolume(t, c, "vr").Status.Replicas
+			var states []string
+			for _, r := range got {
+				st := r.Node + ":" + r.State
+				if r.State == "Out" && r.LackingBytes == 0 {
+					st += "(lacking nothing?)"
+				}
+				states = append(states, st)
+			}
+			if !slices.Equal(states, want) {
+				return fmt.Sprintf("status.replicas %+v", got)
+			}
+			return ""
+		}
+	}
+	eventually(t, "s3 reported out", replicas(s2+":InSync", s3+":Out"))
 
 	// Back over its file: rebuilt by difference, in sync again.
 	agents[s3] = sc.start(s3)
@@ -195,6 +214,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	if r := record(); r.Epoch != 3 || r.PrimaryEpoch != 1 {
 		t.Errorf("the record after the rebuild: %+v", r)
 	}
+	eventually(t, "s3 reported in sync", replicas(s2+":InSync", s3+":InSync"))
 	write(16)
 	if msg := holds(s1, s2, s3); msg != "" {
 		t.Fatal(msg)

@@ -99,7 +99,11 @@ type Config struct {
 	// LogDir keeps the dirty logs of the replicas that leave, one file
 	// each (<name>.dirty); empty keeps them in memory only.
 	LogDir string
-	Logger *slog.Logger
+	// OnChange, when set, is called (never under the Mirror's locks)
+	// after a replica's leaving or return is recorded, and as a rebuild
+	// makes progress: Replicas has changed.
+	OnChange func()
+	Logger   *slog.Logger
 }
 
 // replicaState is where a peer stands.
@@ -131,6 +135,8 @@ type peer struct {
 	cause error
 	// flushMu sends its FLUSHes one at a time (flushPeer).
 	flushMu sync.Mutex
+	// copied and total: the rebuild under way's progress, in bytes.
+	copied, total int64
 }
 
 type flushSnap struct {
@@ -143,6 +149,7 @@ type flushSnap struct {
 type Mirror struct {
 	local    nbd.Backend
 	arb      Arbiter
+	onChange func()
 	deadline time.Duration
 	logDir   string
 	log      *slog.Logger
@@ -174,6 +181,7 @@ func New(cfg Config) (*Mirror, error) {
 	m := &Mirror{
 		local:    cfg.Local,
 		arb:      cfg.Arbiter,
+		onChange: cfg.OnChange,
 		deadline: cmp.Or(cfg.Deadline, DefaultDeadline),
 		logDir:   cfg.LogDir,
 		log:      cmp.Or(cfg.Logger, slog.Default()),
@@ -262,6 +270,43 @@ func (m *Mirror) InSync() []string {
 		}
 	}
 	return out
+}
+
+// ReplicaState is where one replica stands, as its primary sees it.
+type ReplicaState struct {
+	Name string
+	// State is "InSync", "Leaving" (failed, its leaving being recorded),
+	// "Out" or "Rebuilding".
+	State string
+	// Lacking is what it lacks, in bytes (0 in sync).
+	Lacking int64
+	// Copied and Total are a rebuild's progress, in bytes.
+	Copied, Total int64
+}
+
+// Replicas lists where each replica stands, by name.
+func (m *Mirror) Replicas() []ReplicaState {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	list := make([]ReplicaState, 0, len(m.peers))
+	for _, p := range m.peers {
+		st := ReplicaState{Name: p.name, State: [...]string{inSync: "InSync", dropping: "Leaving", out: "Out", rebuilding: "Rebuilding"}[p.state]}
+		if p.log != nil && p.state != inSync {
+			st.Lacking = p.log.Bytes()
+		}
+		if p.state == rebuilding {
+			st.Copied, st.Total = p.copied, p.total
+		}
+		list = append(list, st)
+	}
+	return list
+}
+
+// changed tells OnChange.
+func (m *Mirror) changed() {
+	if m.onChange != nil {
+		m.onChange()
+	}
 }
 
 // Lacking returns the log of what a replica that left the in-sync set
@@ -529,6 +574,7 @@ func (m *Mirror) drop(p *peer) {
 	close(p.decided)
 	m.mu.Unlock()
 	m.log.Warn("a replica left the in-sync set", "replica", p.name, "epoch", next, "lacks_bytes", l.Bytes())
+	m.changed()
 }
 
 // record has the arbiter record one decision (ask, given the current

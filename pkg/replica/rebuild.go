@@ -56,6 +56,7 @@ func (m *Mirror) failed(p *peer, err error) {
 		m.mu.Unlock()
 		p.p.Close()
 		m.log.Warn("the replica being rebuilt failed: it stays out", "replica", p.name, "error", err)
+		m.changed()
 		return
 	}
 	m.mu.Unlock()
@@ -101,7 +102,9 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	p.p = conn
 	p.unflushed, p.flushing = &chunks{}, nil
 	p.state = rebuilding
+	p.copied, p.total = 0, 0
 	m.mu.Unlock()
+	m.changed()
 
 	// A change that chose its targets before p was being rebuilt marked
 	// p's log before it began, so it is in what is copied below (and
@@ -125,6 +128,9 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 				return fmt.Errorf("%w: replica %s: copying at %d: %v", ErrRebuildAborted, name, off, err)
 			}
 			copied += Chunk
+			m.mu.Lock()
+			p.copied, p.total = copied, total
+			m.mu.Unlock()
 			if o.Progress != nil {
 				o.Progress(copied, total)
 			}
@@ -224,6 +230,7 @@ func (m *Mirror) rejoin(ctx context.Context, p *peer, took time.Duration, copied
 		}
 		m.log.Info("a replica is back in the in-sync set", "replica", p.name, "epoch", next,
 			"copied_bytes", copied, "took", took.Round(time.Millisecond))
+		m.changed()
 		return nil
 	case errors.Is(err, nbd.ErrSuperseded), errors.Is(err, nbd.ErrWithheld):
 		return fmt.Errorf("replica: rejoining %s: %w", p.name, err)

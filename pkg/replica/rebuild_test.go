@@ -221,12 +221,22 @@ func TestMirrorOutAtStart(t *testing.T) {
 	// d out without one.
 	c := newMemPeer(testSize)
 	c.b = peers["c"].b
+	var changes atomic.Int64
 	m2, err := New(Config{Local: local, Peers: map[string]Peer{"c": c}, Out: []string{"b", "d"}, Epoch: arb.epoch,
-		Arbiter: arb, Deadline: time.Second, LogDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		Arbiter: arb, Deadline: time.Second, LogDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		OnChange: func() { changes.Add(1) }})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m2.Close() })
+	var wantBytes int64
+	for _, r := range want {
+		wantBytes += r.Len
+	}
+	if got := m2.Replicas(); !slices.Equal(got, []ReplicaState{{Name: "b", State: "Out", Lacking: wantBytes}, {Name: "c", State: "InSync"},
+		{Name: "d", State: "Out", Lacking: testSize}}) {
+		t.Errorf("replicas at the start: %+v", got)
+	}
 	if got := m2.Lacking("b").Ranges(); !slices.Equal(got, want) {
 		t.Errorf("b lacks %v after the restart, %v before", got, want)
 	}
@@ -270,5 +280,14 @@ func TestMirrorOutAtStart(t *testing.T) {
 	}
 	if !slices.Equal(m2.InSync(), []string{"b", "c", "d"}) {
 		t.Errorf("in sync after the rebuilds: %v", m2.InSync())
+	}
+	for _, r := range m2.Replicas() {
+		if r.State != "InSync" || r.Lacking != 0 {
+			t.Errorf("after the rebuilds: %+v", r)
+		}
+	}
+	// Each rebuild's start and return.
+	if n := changes.Load(); n != 4 {
+		t.Errorf("OnChange called %d times, want 4", n)
 	}
 }
