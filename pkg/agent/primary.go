@@ -28,6 +28,7 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -65,8 +66,11 @@ const (
 // replicated is what the primary holds for a replicated volume.
 type replicated struct {
 	mirror *replica.Mirror
-	// changed is signalled when the Mirror's replicas change.
+	// changed is signalled when the Mirror's replicas change; changes
+	// are those changes, in order, for the Events.
 	changed chan struct{}
+	mu      sync.Mutex
+	changes []replica.ReplicaState
 	// stop ends the rebuilds and the reports; wg waits for them.
 	stop context.CancelFunc
 	wg   sync.WaitGroup
@@ -120,7 +124,7 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 			out = append(out, n)
 		}
 	}
-	changed := make(chan struct{}, 1)
+	r := &replicated{changed: make(chan struct{}, 1)}
 	m, err := replica.New(replica.Config{
 		Local:   v.backend,
 		Peers:   peers,
@@ -129,9 +133,12 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 		Arbiter: &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName},
 		LogDir:  a.logDir(vol.Name),
 		Logger:  log,
-		OnChange: func() {
+		OnChange: func(st replica.ReplicaState) {
+			r.mu.Lock()
+			r.changes = append(r.changes, st)
+			r.mu.Unlock()
 			select {
-			case changed <- struct{}{}:
+			case r.changed <- struct{}{}:
 			default:
 			}
 		},
@@ -140,11 +147,12 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 		return internal("replicating: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &replicated{mirror: m, changed: changed, stop: cancel}
+	r.mirror, r.stop = m, cancel
 	v.replicated = r
 	r.wg.Add(2)
 	go a.runRebuilds(ctx, log, vol.Name, vol.Spec.ReplicaNodes, rec.PrimaryEpoch, r)
-	go a.reportReplicas(ctx, log, vol.Name, r)
+	ref := corev1.ObjectReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "NBDVolume", Name: vol.Name, UID: vol.UID}
+	go a.reportReplicas(ctx, log, ref, r)
 	log.Info("serving as the primary", "epoch", rec.Epoch, "primary_epoch", rec.PrimaryEpoch, "in_sync", rec.InSync, "out", out)
 	return nil
 }
@@ -202,13 +210,28 @@ const reportInterval = 2 * time.Second
 // of each replica: at once when one leaves or returns or its rebuild
 // starts, and every reportInterval while a rebuild runs. A report that
 // fails is tried again at the next.
-func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, volume string, r *replicated) {
+func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, ref corev1.ObjectReference, r *replicated) {
 	defer r.wg.Done()
+	volume := ref.Name
 	t := time.NewTicker(reportInterval)
 	defer t.Stop()
 	var last []v1alpha1.ReplicaState
 	reported := false
+	seen := map[string]string{} // each replica's state, as last told
+	for _, st := range r.mirror.Replicas() {
+		seen[st.Name] = st.State
+	}
 	for {
+		r.mu.Lock()
+		changes := r.changes
+		r.changes = nil
+		r.mu.Unlock()
+		for _, st := range changes {
+			if before := seen[st.Name]; before != st.State {
+				a.replicaEvent(ctx, log, ref, st, before)
+			}
+			seen[st.Name] = st.State
+		}
 		var now []v1alpha1.ReplicaState
 		for _, st := range r.mirror.Replicas() {
 			now = append(now, v1alpha1.ReplicaState{Node: st.Name, State: st.State, LackingBytes: st.Lacking,
@@ -413,4 +436,41 @@ func (a *Agent) replicasGrown(ctx context.Context, vol *v1alpha1.NBDVolume, v *v
 		}
 	}
 	return nil
+}
+
+// replicaEvent records, on the volume, a replica's move from state
+// before to st.State.
+func (a *Agent) replicaEvent(ctx context.Context, log *slog.Logger, ref corev1.ObjectReference, st replica.ReplicaState, before string) {
+	typ, reason, msg := corev1.EventTypeNormal, "", ""
+	switch st.State {
+	case "Out":
+		if before == "Rebuilding" {
+			typ, reason, msg = corev1.EventTypeWarning, "ReplicaRebuildFailed",
+				fmt.Sprintf("the rebuild of the replica on %s failed: it stays out of the in-sync set, lacking %d bytes", st.Name, st.Lacking)
+		} else {
+			typ, reason, msg = corev1.EventTypeWarning, "ReplicaOut",
+				fmt.Sprintf("the replica on %s left the in-sync set: writes go on without it; it lacks %d bytes, copied back when it returns", st.Name, st.Lacking)
+		}
+	case "Rebuilding":
+		reason, msg = "ReplicaRebuilding", fmt.Sprintf("rebuilding the replica on %s: copying the %d bytes it lacks", st.Name, st.Lacking)
+	case "InSync":
+		reason, msg = "ReplicaInSync", fmt.Sprintf("the replica on %s is in sync again", st.Name)
+	default:
+		return
+	}
+	now := metav1.Now()
+	ev := &corev1.Event{
+		ObjectMeta:     metav1.ObjectMeta{GenerateName: ref.Name + ".", Namespace: metav1.NamespaceDefault},
+		InvolvedObject: ref,
+		Reason:         reason,
+		Message:        msg,
+		Type:           typ,
+		Source:         corev1.EventSource{Component: "mpnbd-storage-agent", Host: a.cfg.NodeName},
+		FirstTimestamp: now,
+		LastTimestamp:  now,
+		Count:          1,
+	}
+	if err := a.client.Create(ctx, ev); err != nil {
+		log.Warn("recording an event failed", "reason", reason, "message", msg, "error", err)
+	}
 }

@@ -25,6 +25,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -215,6 +216,24 @@ func TestAgentReplicatedVolume(t *testing.T) {
 		t.Errorf("the record after the rebuild: %+v", r)
 	}
 	eventually(t, "s3 reported in sync", replicas(s2+":InSync", s3+":InSync"))
+	// And the Events on the volume tell the story.
+	eventually(t, "Events of s3's leaving, rebuild and return", func() string {
+		var evs corev1.EventList
+		if err := c.List(ctx, &evs, client.InNamespace(metav1.NamespaceDefault)); err != nil {
+			return err.Error()
+		}
+		var reasons []string
+		for _, e := range evs.Items {
+			if e.InvolvedObject.Kind == "NBDVolume" && e.InvolvedObject.Name == "vr" && strings.Contains(e.Message, s3) {
+				reasons = append(reasons, e.Reason)
+			}
+		}
+		slices.Sort(reasons)
+		if !slices.Equal(reasons, []string{"ReplicaInSync", "ReplicaOut", "ReplicaRebuilding"}) {
+			return fmt.Sprintf("reasons %v", reasons)
+		}
+		return ""
+	})
 	write(16)
 	if msg := holds(s1, s2, s3); msg != "" {
 		t.Fatal(msg)

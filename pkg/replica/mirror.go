@@ -100,9 +100,10 @@ type Config struct {
 	// each (<name>.dirty); empty keeps them in memory only.
 	LogDir string
 	// OnChange, when set, is called (never under the Mirror's locks)
-	// after a replica's leaving or return is recorded, and as a rebuild
-	// makes progress: Replicas has changed.
-	OnChange func()
+	// with a replica's new state when it changes: its leaving or return
+	// recorded, its rebuild begun or failed. Calls for one replica come
+	// in order.
+	OnChange func(ReplicaState)
 	Logger   *slog.Logger
 }
 
@@ -149,7 +150,7 @@ type flushSnap struct {
 type Mirror struct {
 	local    nbd.Backend
 	arb      Arbiter
-	onChange func()
+	onChange func(ReplicaState)
 	deadline time.Duration
 	logDir   string
 	log      *slog.Logger
@@ -290,23 +291,34 @@ func (m *Mirror) Replicas() []ReplicaState {
 	defer m.mu.Unlock()
 	list := make([]ReplicaState, 0, len(m.peers))
 	for _, p := range m.peers {
-		st := ReplicaState{Name: p.name, State: [...]string{inSync: "InSync", dropping: "Leaving", out: "Out", rebuilding: "Rebuilding"}[p.state]}
-		if p.log != nil && p.state != inSync {
-			st.Lacking = p.log.Bytes()
-		}
-		if p.state == rebuilding {
-			st.Copied, st.Total = p.copied, p.total
-		}
-		list = append(list, st)
+		list = append(list, p.stateLocked())
 	}
 	return list
 }
 
-// changed tells OnChange.
-func (m *Mirror) changed() {
-	if m.onChange != nil {
-		m.onChange()
+// stateLocked is where p stands (m.mu held).
+func (p *peer) stateLocked() ReplicaState {
+	st := ReplicaState{Name: p.name, State: [...]string{inSync: "InSync", dropping: "Leaving", out: "Out", rebuilding: "Rebuilding"}[p.state]}
+	if p.log != nil && p.state != inSync {
+		st.Lacking = p.log.Bytes()
 	}
+	if p.state == rebuilding {
+		st.Copied, st.Total = p.copied, p.total
+	}
+	return st
+}
+
+// changed tells OnChange where p stands now. Its calls for one replica
+// are in order: each follows the change it reports, made under decide
+// or by the one rebuild of p under way.
+func (m *Mirror) changed(p *peer) {
+	if m.onChange == nil {
+		return
+	}
+	m.mu.Lock()
+	st := p.stateLocked()
+	m.mu.Unlock()
+	m.onChange(st)
 }
 
 // Lacking returns the log of what a replica that left the in-sync set
@@ -574,7 +586,7 @@ func (m *Mirror) drop(p *peer) {
 	close(p.decided)
 	m.mu.Unlock()
 	m.log.Warn("a replica left the in-sync set", "replica", p.name, "epoch", next, "lacks_bytes", l.Bytes())
-	m.changed()
+	m.changed(p)
 }
 
 // record has the arbiter record one decision (ask, given the current

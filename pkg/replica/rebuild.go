@@ -56,7 +56,7 @@ func (m *Mirror) failed(p *peer, err error) {
 		m.mu.Unlock()
 		p.p.Close()
 		m.log.Warn("the replica being rebuilt failed: it stays out", "replica", p.name, "error", err)
-		m.changed()
+		m.changed(p)
 		return
 	}
 	m.mu.Unlock()
@@ -104,7 +104,7 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	p.state = rebuilding
 	p.copied, p.total = 0, 0
 	m.mu.Unlock()
-	m.changed()
+	m.changed(p)
 
 	// A change that chose its targets before p was being rebuilt marked
 	// p's log before it began, so it is in what is copied below (and
@@ -230,7 +230,7 @@ func (m *Mirror) rejoin(ctx context.Context, p *peer, took time.Duration, copied
 		}
 		m.log.Info("a replica is back in the in-sync set", "replica", p.name, "epoch", next,
 			"copied_bytes", copied, "took", took.Round(time.Millisecond))
-		m.changed()
+		m.changed(p)
 		return nil
 	case errors.Is(err, nbd.ErrSuperseded), errors.Is(err, nbd.ErrWithheld):
 		return fmt.Errorf("replica: rejoining %s: %w", p.name, err)

@@ -222,9 +222,16 @@ func TestMirrorOutAtStart(t *testing.T) {
 	c := newMemPeer(testSize)
 	c.b = peers["c"].b
 	var changes atomic.Int64
+	var mu sync.Mutex
+	var states []string
 	m2, err := New(Config{Local: local, Peers: map[string]Peer{"c": c}, Out: []string{"b", "d"}, Epoch: arb.epoch,
 		Arbiter: arb, Deadline: time.Second, LogDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		OnChange: func() { changes.Add(1) }})
+		OnChange: func(st ReplicaState) {
+			changes.Add(1)
+			mu.Lock()
+			states = append(states, st.Name+":"+st.State)
+			mu.Unlock()
+		}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -286,8 +293,10 @@ func TestMirrorOutAtStart(t *testing.T) {
 			t.Errorf("after the rebuilds: %+v", r)
 		}
 	}
-	// Each rebuild's start and return.
-	if n := changes.Load(); n != 4 {
-		t.Errorf("OnChange called %d times, want 4", n)
+	// Each rebuild's start and return, in order.
+	mu.Lock()
+	defer mu.Unlock()
+	if n := changes.Load(); n != 4 || !slices.Equal(states, []string{"b:Rebuilding", "b:InSync", "d:Rebuilding", "d:InSync"}) {
+		t.Errorf("OnChange called %d times: %v", n, states)
 	}
 }
