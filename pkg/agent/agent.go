@@ -51,6 +51,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
+	"github.com/mpnbd/mpnbd/pkg/replica"
 )
 
 // Defaults for Config fields left zero.
@@ -86,6 +87,13 @@ type ExportObserver interface {
 	// StrayJoin counts a connection closed because a subflow joined it
 	// from outside its node's published storage addresses.
 	StrayJoin(name string)
+}
+
+// ReplicaObserver, when the Config's ExportObserver implements it too, is
+// told where the replicas of each replicated volume this node is the
+// primary of stand, at every report of them (metrics).
+type ReplicaObserver interface {
+	Replicas(volume string, states []replica.ReplicaState)
 }
 
 // Config configures an Agent.

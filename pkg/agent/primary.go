@@ -233,9 +233,13 @@ func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, ref corev1
 			seen[st.Name] = st.State
 		}
 		var now []v1alpha1.ReplicaState
-		for _, st := range r.mirror.Replicas() {
+		states := r.mirror.Replicas()
+		for _, st := range states {
 			now = append(now, v1alpha1.ReplicaState{Node: st.Name, State: st.State, LackingBytes: st.Lacking,
 				RebuildCopiedBytes: st.Copied, RebuildTotalBytes: st.Total})
+		}
+		if o, ok := a.cfg.Exports.(ReplicaObserver); ok {
+			o.Replicas(volume, states)
 		}
 		if !reported || !slices.Equal(now, last) {
 			b, err := json.Marshal(map[string]any{"status": map[string]any{"replicas": now}})

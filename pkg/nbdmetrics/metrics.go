@@ -34,6 +34,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/replica"
 )
 
 // Namespace prefixes every metric name: mpnbd_server_...
@@ -72,6 +73,11 @@ type Observer struct {
 	// none).
 	capacity  *prometheus.GaugeVec
 	available *prometheus.GaugeVec
+	// The replicas of the replicated volumes this node is the primary
+	// of, by export and replica (its storage node).
+	replicaInSync  *prometheus.GaugeVec
+	replicaLacking *prometheus.GaugeVec
+	replicaCopied  *prometheus.GaugeVec
 
 	live *connCollector
 }
@@ -120,12 +126,18 @@ func New(reg prometheus.Registerer) (*Observer, error) {
 			"Size of the filesystem holding the volumes' backing files, as the storage agent last measured it (NBDStorageNode status.capacityBytes).")), nil),
 		available: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("available_bytes",
 			"Bytes new volumes may take if every volume filled up: the filesystem's free space less what the sparse backing files may still allocate (NBDStorageNode status.availableBytes).")), nil),
+		replicaInSync: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("replica_in_sync",
+			"1 while the replica on another storage node of a replicated volume this node is the primary of is in the in-sync set (has every acknowledged change), else 0, by export and replica.")), []string{"export", "replica"}),
+		replicaLacking: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("replica_lacking_bytes",
+			"What a replica out of the in-sync set lacks: the bytes of the regions changed since it left, which its rebuild copies, by export and replica.")), []string{"export", "replica"}),
+		replicaCopied: prometheus.NewGaugeVec(prometheus.GaugeOpts(opts("replica_rebuild_copied_bytes",
+			"Bytes the rebuild under way of a replica has copied (0 when none runs), by export and replica.")), []string{"export", "replica"}),
 		live: newConnCollector(),
 	}
 	for _, c := range []prometheus.Collector{
 		o.readBytes, o.writtenBytes, o.requests, o.requestErrors, o.duration,
 		o.connsOpen, o.connsAccepted, o.refused, o.strayJoins, o.clients, o.handshakes,
-		o.capacity, o.available, o.live,
+		o.capacity, o.available, o.replicaInSync, o.replicaLacking, o.replicaCopied, o.live,
 	} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -158,6 +170,23 @@ func (o *Observer) ExportRemoved(export string) {
 	o.connsOpen.DeletePartialMatch(l)
 	o.connsAccepted.DeletePartialMatch(l)
 	o.strayJoins.DeletePartialMatch(l)
+	o.replicaInSync.DeletePartialMatch(l)
+	o.replicaLacking.DeletePartialMatch(l)
+	o.replicaCopied.DeletePartialMatch(l)
+}
+
+// Replicas records where the replicas of export, a replicated volume
+// this node is the primary of, stand.
+func (o *Observer) Replicas(export string, states []replica.ReplicaState) {
+	for _, st := range states {
+		in := 0.0
+		if st.State == "InSync" {
+			in = 1
+		}
+		o.replicaInSync.WithLabelValues(export, st.Name).Set(in)
+		o.replicaLacking.WithLabelValues(export, st.Name).Set(float64(st.Lacking))
+		o.replicaCopied.WithLabelValues(export, st.Name).Set(float64(st.Copied))
+	}
 }
 
 // StrayJoin counts a connection of export closed for a subflow from

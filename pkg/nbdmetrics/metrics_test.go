@@ -32,6 +32,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/replica"
 )
 
 func newObserver(t *testing.T) (*Observer, *prometheus.Registry) {
@@ -349,6 +350,41 @@ mpnbd_server_available_bytes 3.221225472e+10
 mpnbd_server_capacity_bytes 1.073741824e+11
 `), "mpnbd_server_capacity_bytes", "mpnbd_server_available_bytes"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestReplicas: a replicated volume's replicas show as in sync or not,
+// with what each lacks and its rebuild's progress, and go with the
+// export.
+func TestReplicas(t *testing.T) {
+	o, reg := newObserver(t)
+	o.ExportAdded("vr")
+	o.Replicas("vr", []replica.ReplicaState{{Name: "s2", State: "InSync"}, {Name: "s3", State: "Rebuilding", Lacking: 8 << 20, Copied: 2 << 20, Total: 8 << 20}})
+	o.Replicas("vr", []replica.ReplicaState{{Name: "s2", State: "Out", Lacking: 1 << 20}, {Name: "s3", State: "Rebuilding", Lacking: 8 << 20, Copied: 4 << 20, Total: 8 << 20}})
+	for _, tc := range []struct {
+		name, replica string
+		want          float64
+	}{
+		{"mpnbd_server_replica_in_sync", "s2", 0},
+		{"mpnbd_server_replica_in_sync", "s3", 0},
+		{"mpnbd_server_replica_lacking_bytes", "s2", 1 << 20},
+		{"mpnbd_server_replica_lacking_bytes", "s3", 8 << 20},
+		{"mpnbd_server_replica_rebuild_copied_bytes", "s3", 4 << 20},
+		{"mpnbd_server_replica_rebuild_copied_bytes", "s2", 0},
+	} {
+		if v, ok := value(t, reg, tc.name, map[string]string{"export": "vr", "replica": tc.replica}); !ok || v != tc.want {
+			t.Errorf("%s{replica=%s} = %v (present %v), want %v", tc.name, tc.replica, v, ok, tc.want)
+		}
+	}
+	o.Replicas("vr", []replica.ReplicaState{{Name: "s2", State: "InSync"}})
+	if v, ok := value(t, reg, "mpnbd_server_replica_in_sync", map[string]string{"export": "vr", "replica": "s2"}); !ok || v != 1 {
+		t.Errorf("s2 back in sync: %v (present %v)", v, ok)
+	}
+	o.ExportRemoved("vr")
+	for _, name := range []string{"mpnbd_server_replica_in_sync", "mpnbd_server_replica_lacking_bytes", "mpnbd_server_replica_rebuild_copied_bytes"} {
+		if s := series(t, reg, name); len(s) != 0 {
+			t.Errorf("%s after the export went: %v", name, s)
+		}
 	}
 }
 
