@@ -18,19 +18,13 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/pkg/access"
-	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
@@ -50,27 +44,9 @@ func issue(t *testing.T, ca *nodeid.CA, k nodeid.Kind, node string) *tls.Certifi
 // name alone, only for the node the certificate names; a token and a
 // certificate must agree; an encrypted volume is refused in plaintext.
 func TestAgentNodeCertificates(t *testing.T) {
-	cfg, c := apiserver.Start(t)
-	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
-		t.Fatal(err)
-	}
-	ca, err := nodeid.NewCA(time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.Cert)
-	rootsOf := func() *x509.CertPool { return roots }
-	storageCert := issue(t, ca, nodeid.Storage, testNode)
-	l, err := mptcp.Listen(ctx, "tcp", "127.0.0.1:0", true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := startAgentOn(t, cfg, t.TempDir(), l, "127.0.0.1", func(srv *nbd.Server, c *Config) {
-		srv.TLSConfig = nodeid.ServerTLS(func() (*tls.Certificate, error) { return storageCert, nil }, rootsOf)
-		c.NodeRoots = rootsOf
-	})
+	sc := newStorageCluster(t)
+	ctx, c, ca, rootsOf := context.Background(), sc.c, sc.ca, sc.rootsOf
+	r := sc.start(testNode)
 
 	// as dials export presenting cert (nil: plaintext).
 	as := func(cert *tls.Certificate, export string) (*nbd.Client, error) {

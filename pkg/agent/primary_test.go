@@ -43,15 +43,36 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
-// storageCluster is several storage agents of one API server, each with
-// its storage certificate of one CA, serving on loopback.
+// storageCluster is a real API server (with the driver's namespace) and
+// the storage agents of it, each with its storage certificate of one CA,
+// serving on loopback over the storage network's TLS.
 type storageCluster struct {
 	t     *testing.T
 	cfg   *rest.Config
+	c     client.Client
 	ca    *nodeid.CA
 	roots *x509.CertPool
 	dirs  map[string]string
 }
+
+func newStorageCluster(t *testing.T) *storageCluster {
+	t.Helper()
+	cfg, c := apiserver.Start(t)
+	if err := c.Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
+		t.Fatal(err)
+	}
+	ca, err := nodeid.NewCA(time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := &storageCluster{t: t, cfg: cfg, c: c, ca: ca, roots: x509.NewCertPool(), dirs: map[string]string{}}
+	sc.roots.AddCert(ca.Cert)
+	return sc
+}
+
+// rootsOf is the CA's pool, as Config.NodeRoots and the TLS
+// configurations take it.
+func (sc *storageCluster) rootsOf() *x509.CertPool { return sc.roots }
 
 // start runs the agent of storage node name over its data directory (the
 // same one each time it is started).
@@ -63,16 +84,15 @@ func (sc *storageCluster) start(name string) *running {
 	}
 	cert := issue(t, sc.ca, nodeid.Storage, name)
 	certOf := func() (*tls.Certificate, error) { return cert, nil }
-	rootsOf := func() *x509.CertPool { return sc.roots }
 	l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return startAgentOn(t, sc.cfg, sc.dirs[name], l, "127.0.0.1", func(srv *nbd.Server, c *Config) {
 		c.NodeName = name
-		srv.TLSConfig = nodeid.ServerTLS(certOf, rootsOf)
-		c.NodeRoots = rootsOf
-		c.PeerTLS = func(node string) *tls.Config { return nodeid.ClientTLS(node, certOf, rootsOf) }
+		srv.TLSConfig = nodeid.ServerTLS(certOf, sc.rootsOf)
+		c.NodeRoots = sc.rootsOf
+		c.PeerTLS = func(node string) *tls.Config { return nodeid.ClientTLS(node, certOf, sc.rootsOf) }
 	})
 }
 
@@ -87,17 +107,8 @@ func (sc *storageCluster) start(name string) *running {
 // the record has it in sync again, its file the primary's. Deleted, the
 // volume takes its three files with it.
 func TestAgentReplicatedVolume(t *testing.T) {
-	cfg, c := apiserver.Start(t)
-	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
-		t.Fatal(err)
-	}
-	ca, err := nodeid.NewCA(time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	sc := &storageCluster{t: t, cfg: cfg, ca: ca, roots: x509.NewCertPool(), dirs: map[string]string{}}
-	sc.roots.AddCert(ca.Cert)
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
 	agents := map[string]*running{s1: sc.start(s1), s2: sc.start(s2), s3: sc.start(s3)}
 	for _, n := range []string{s2, s3} {
@@ -244,7 +255,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 
 	// Another primary recorded (a promotion): this one stops serving the
 	// node at once, and the replicas refuse what it would forward.
-	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		v := getVolume(t, c, "vr")
 		v.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 4, Primary: s2, PrimaryEpoch: 4, InSync: []string{s2, s3}, InSyncReplicas: 2}
 		return c.Status().Update(ctx, v)

@@ -18,7 +18,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"os"
@@ -27,15 +26,12 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/access"
-	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
@@ -52,28 +48,10 @@ import (
 // deleted or the copy moved to another node, its file never taken for an
 // orphan meanwhile.
 func TestAgentReplica(t *testing.T) {
-	cfg, c := apiserver.Start(t)
-	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
-		t.Fatal(err)
-	}
-	ca, err := nodeid.NewCA(time.Now())
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.Cert)
-	rootsOf := func() *x509.CertPool { return roots }
-	storageCert := issue(t, ca, nodeid.Storage, testNode)
-	l, err := mptcp.Listen(ctx, "tcp", "127.0.0.1:0", true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	r := startAgentOn(t, cfg, dir, l, "127.0.0.1", func(srv *nbd.Server, c *Config) {
-		srv.TLSConfig = nodeid.ServerTLS(func() (*tls.Certificate, error) { return storageCert, nil }, rootsOf)
-		c.NodeRoots = rootsOf
-	})
+	sc := newStorageCluster(t)
+	ctx, c, ca, rootsOf := context.Background(), sc.c, sc.ca, sc.rootsOf
+	r := sc.start(testNode)
+	dir := sc.dirs[testNode]
 
 	const primary, third = "storage-2", "storage-3"
 	certs := map[string]*tls.Certificate{
@@ -248,7 +226,7 @@ func TestAgentReplica(t *testing.T) {
 		return ""
 	})
 	waitOrphans(t, c)
-	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		v := getVolume(t, c, "vol-m")
 		v.Spec.ReplicaNodes = []string{third, "storage-4"}
 		return c.Update(ctx, v)
