@@ -253,6 +253,45 @@ func TestAgentReplicatedVolume(t *testing.T) {
 		t.Errorf("s3's log after its rebuild: %v", err)
 	}
 
+	// Grown: every copy grows, the primary's last; a write past the old
+	// end reaches all three, and nobody is dropped for it.
+	const grown = 2 * size
+	v = editVolume(t, c, "vr", func(v *v1alpha1.NBDVolume) { v.Spec.SizeBytes = grown })
+	if v.Status.CapacityBytes != grown {
+		t.Fatalf("vr after growing: %+v", v.Status)
+	}
+	for n, dir := range sc.dirs {
+		if got := fileSize(t, filepath.Join(dir, "vr"+fileSuffix)); got != grown {
+			t.Errorf("%s's copy is %d bytes after growing, want %d", n, got, grown)
+		}
+	}
+	node.Close()
+	eventually(t, "the node opens vr again, grown", func() string {
+		var err error
+		if node, err = dial(t, agents[s1], access.NodeExport("vr", tok)); err != nil {
+			return err.Error()
+		}
+		if node.Size() != grown {
+			return fmt.Sprintf("size %d", node.Size())
+		}
+		return ""
+	})
+	want = append(want, make([]byte, grown-size)...)
+	tail := bytes.Repeat([]byte("grown"), 4096/5+1)[:4096]
+	if _, err := node.WriteAt(tail, grown-4096); err != nil {
+		t.Fatalf("writing past the old end: %v", err)
+	}
+	if err := node.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	copy(want[grown-4096:], tail)
+	if msg := holds(s1, s2, s3); msg != "" {
+		t.Fatal(msg)
+	}
+	if r := record(); !slices.Equal(r.InSync, []string{s1, s2, s3}) {
+		t.Errorf("the record after growing: %+v", r)
+	}
+
 	// Another primary recorded (a promotion): this one stops serving the
 	// node at once, and the replicas refuse what it would forward.
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
