@@ -408,6 +408,17 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 	case err != nil:
 		return nil, internal("%v", err)
 	}
+	// The Mirror starts from the record as the API server has it now,
+	// not as the cache last saw it: a stale in-sync set would forward to
+	// a replica dropped since as if it had everything, and a stale epoch
+	// would have the first decision refused and fence a sound primary.
+	var fresh v1alpha1.NBDVolume
+	if err := a.reader.Get(ctx, types.NamespacedName{Name: vol.Name}, &fresh); err != nil {
+		return nil, internal("reading the replication record: %v", err)
+	}
+	if fresh.Status.Replication != nil {
+		rec = fresh.Status.Replication
+	}
 	if rec.Primary != a.cfg.NodeName {
 		// A promotion the controller has recorded and not yet moved
 		// the volume for.
