@@ -18,7 +18,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
 	"os"
 	"slices"
@@ -256,12 +255,8 @@ func (a *Agent) removeReplica(ctx context.Context, log *slog.Logger, vol *v1alph
 		if why := a.connected(vol.Name); why != "" {
 			return ctrl.Result{RequeueAfter: connectionsRetry}, nil
 		}
-		switch err := os.Remove(path); {
-		case err == nil:
-			log.Info("replica's file removed", "path", path, "moved_away", moved)
-			a.kickCapacity()
-		case !errors.Is(err, fs.ErrNotExist):
-			return ctrl.Result{}, fmt.Errorf("removing %s: %w", path, err)
+		if err := a.removeFile(log, path, "replica's file removed", "moved_away", moved); err != nil {
+			return ctrl.Result{}, err
 		}
 	} else if _, err := os.Stat(path); err == nil {
 		log.Warn("volume deleted without the annotation "+v1alpha1.DeleteDataAnnotation+"="+v1alpha1.DeleteDataTrue+

@@ -552,12 +552,8 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 		if err := os.RemoveAll(a.logDir(vol.Name)); err != nil {
 			return ctrl.Result{}, fmt.Errorf("removing the replicas' logs: %w", err)
 		}
-		switch err := os.Remove(path); {
-		case err == nil:
-			log.Info("backing file removed", "path", path)
-			a.kickCapacity()
-		case !errors.Is(err, fs.ErrNotExist):
-			return ctrl.Result{}, fmt.Errorf("removing %s: %w", path, err)
+		if err := a.removeFile(log, path, "backing file removed"); err != nil {
+			return ctrl.Result{}, err
 		}
 	} else if _, err := os.Stat(path); err == nil {
 		// The report that lists the orphan comes once the object is
@@ -673,4 +669,17 @@ func parseAddrs(log *slog.Logger, p v1alpha1.Publication) []netip.Addr {
 		addrs = append(addrs, ip.Unmap())
 	}
 	return addrs
+}
+
+// removeFile removes a volume's file (one already gone is no error),
+// logs what, and has the capacity reported again.
+func (a *Agent) removeFile(log *slog.Logger, path, what string, args ...any) error {
+	switch err := os.Remove(path); {
+	case err == nil:
+		log.Info(what, append([]any{"path", path}, args...)...)
+		a.kickCapacity()
+	case !errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("removing %s: %w", path, err)
+	}
+	return nil
 }
