@@ -81,3 +81,9 @@ const (
 func (v *NBDVolume) DeletesData() bool {
 	return v.Annotations[DeleteDataAnnotation] == DeleteDataTrue
 }
+
+// StorageLeaseName is the coordination.k8s.io Lease, in the driver's
+// namespace, that the storage agent of node renews while it runs: the
+// controller fails a replicated volume over from a primary whose lease
+// it has not seen renewed for the lease's duration.
+func StorageLeaseName(node string) string { return "mpnbd-storage-" + node }

@@ -199,6 +199,8 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		go runSigner(ctx, cfg, scheme, o, log)
 	}
 	go backfill(ctx, ctl, log)
+	// Replicated volumes move off a storage node that is gone.
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log}).Run(ctx)
 	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
 }

@@ -89,6 +89,9 @@ func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterA
 		Listeners:         ls,
 		Exports:           d.metrics,
 		OnLostWrites:      d.lostWrites,
+		LeaseNamespace:    co.namespace,
+		LeaseDuration:     co.leaseDuration,
+		RebuildRate:       co.rebuildRate,
 		Logger:            d.log,
 	}
 	mctx, cancel := context.WithCancel(ctx)

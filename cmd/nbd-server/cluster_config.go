@@ -29,6 +29,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -54,10 +55,12 @@ type clusterFlags struct {
 	kubeconfig       string
 	identity         bool
 	reserved         int
+	leaseDuration    time.Duration
+	rebuildRate      float64
 }
 
 // clusterOnly are the flags that mean something only with --cluster.
-var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "mptcp-stale-loss-count", "topology", "heartbeat", "kubeconfig", "identity", "reserved-handshakes"}
+var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-address", "signal-nic", "auto-backup", "mptcp-stale-loss-count", "topology", "heartbeat", "kubeconfig", "identity", "reserved-handshakes", "lease-duration", "rebuild-rate"}
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
@@ -78,6 +81,11 @@ type clusterOptions struct {
 	// reservedHandshakes are the handshake slots kept for the published
 	// nodes (nbd.Limits.ReservedHandshakes; -1: none).
 	reservedHandshakes int
+	// leaseDuration is the storage node's lease's (agent.Config).
+	leaseDuration time.Duration
+	// rebuildRate bounds a replica's rebuild, in bytes per second (0:
+	// none).
+	rebuildRate float64
 }
 
 func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
@@ -94,6 +102,9 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.StringVar(&c.kubeconfig, "kubeconfig", "", "cluster mode: kubeconfig `FILE` (default $KUBECONFIG, else in-cluster)")
 	fs.IntVar(&c.reserved, "reserved-handshakes", nbd.DefaultReservedHandshakes,
 		"cluster mode: keep `N` of the --max-handshakes slots for connections from the storage addresses of the nodes a volume is published to; other sources share the rest; 0: none kept (default: half of --max-handshakes)")
+	fs.DurationVar(&c.leaseDuration, "lease-duration", agent.DefaultLeaseDuration,
+		"cluster mode: the storage node's lease lasts `DURATION` (renewed every third of it): the controller fails a replicated volume over from a primary whose lease it has not seen renewed for that long, and a primary that could not renew it for two thirds of it stops serving its replicated volumes")
+	fs.Float64Var(&c.rebuildRate, "rebuild-rate", 0, "cluster mode: copy at most `MBPS` MiB per second to a replica being rebuilt, so that the nodes' I/O keeps the rest of the storage links (0: no bound)")
 	fs.BoolVar(&c.identity, "identity", true, "cluster mode: get this storage node's certificate from the controller (CertificateSigningRequest) and offer STARTTLS with it; nodes then open volumes with their node certificates")
 }
 
@@ -144,6 +155,9 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		staleLoss:  c.staleLoss,
 		kubeconfig: c.kubeconfig,
 		identity:   c.identity,
+
+		leaseDuration: c.leaseDuration,
+		rebuildRate:   c.rebuildRate * (1 << 20),
 	}
 	if !set["node-name"] {
 		o.nodeName = os.Getenv("NODE_NAME")
@@ -164,6 +178,10 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 		return nil, errors.New("--data-dir is empty")
 	case o.heartbeat <= 0:
 		return nil, fmt.Errorf("invalid --heartbeat %s: must be positive", o.heartbeat)
+	case o.leaseDuration < 3*time.Second:
+		return nil, fmt.Errorf("invalid --lease-duration %s: must be 3s or more (the lease is renewed every third of it)", o.leaseDuration)
+	case c.rebuildRate < 0:
+		return nil, fmt.Errorf("invalid --rebuild-rate %g: want MiB per second, or 0 for no bound", c.rebuildRate)
 	}
 	switch {
 	case c.reserved < 0:

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
@@ -44,6 +45,8 @@ func TestParseArgsCluster(t *testing.T) {
 		staleLoss:  mptcp.DefaultStaleLossCount,
 		identity:   true,
 		port:       10809,
+
+		leaseDuration: agent.DefaultLeaseDuration,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
@@ -55,7 +58,8 @@ func TestParseArgsCluster(t *testing.T) {
 	o, err = parseArgs([]string{"--cluster", "--node-name", "n1", "--namespace", "mpnbd",
 		"--storage-address", "192.168.1.5", "--data-dir", "/srv/vols", "--signal-nic", "eth1,10.7.0.0/16",
 		"--signal-nic", "eth2", "--topology", "topology.kubernetes.io/zone=a,rack=r1", "--heartbeat", "3s",
-		"--auto-backup=false", "--mptcp-stale-loss-count", "0", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp", "--identity=false"})
+		"--auto-backup=false", "--mptcp-stale-loss-count", "0", "--kubeconfig", "/etc/kube.conf", "--listen", ":10810", "--tcp", "--identity=false",
+		"--lease-duration", "10s", "--rebuild-rate", "50"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,6 +73,9 @@ func TestParseArgsCluster(t *testing.T) {
 		heartbeat:  3 * time.Second,
 		kubeconfig: "/etc/kube.conf",
 		port:       10810,
+
+		leaseDuration: 10 * time.Second,
+		rebuildRate:   50 << 20,
 	}
 	if !reflect.DeepEqual(o.cluster, want) {
 		t.Fatalf("cluster options = %+v, want %+v", o.cluster, want)
@@ -115,6 +122,8 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		want string
 	}{
 		{"no node name", []string{"--cluster", "--namespace", "ns", "--storage-address", "10.0.0.1"}, "--node-name"},
+		{"short lease", with("--lease-duration", "2s"), "--lease-duration"},
+		{"negative rebuild rate", with("--rebuild-rate", "-1"), "--rebuild-rate"},
 		{"no namespace", []string{"--cluster", "--node-name", "n1", "--storage-address", "10.0.0.1"}, "--namespace"},
 		{"no storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns"}, "--storage-address"},
 		{"empty storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--storage-address", ","}, "--storage-address"},

@@ -22,12 +22,16 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/driver"
@@ -45,7 +49,7 @@ func TestNodePolicies(t *testing.T) {
 	applied := map[string]int{}
 	for _, o := range parseObjects(t, kustomizeDeploy(t)) {
 		switch o.GetKind() {
-		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
+		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding":
 		default:
 			continue
 		}
@@ -59,9 +63,10 @@ func TestNodePolicies(t *testing.T) {
 		applied[o.GetKind()]++
 	}
 	// Each: a ServiceAccount, a ClusterRole and its binding; the node
-	// plugin two policies, the storage agent one.
-	if applied["ServiceAccount"] != 2 || applied["ClusterRoleBinding"] != 2 || applied["ValidatingAdmissionPolicy"] != 3 ||
-		applied["ValidatingAdmissionPolicyBinding"] != 3 {
+	// plugin two policies, the storage agent two (its node's objects, its
+	// node's lease).
+	if applied["ServiceAccount"] != 2 || applied["ClusterRoleBinding"] != 2 || applied["ValidatingAdmissionPolicy"] != 4 ||
+		applied["ValidatingAdmissionPolicyBinding"] != 4 {
 		t.Fatalf("applied %v of the node plugin's and the storage agent's RBAC and policies", applied)
 	}
 	for _, n := range []string{"node-a", "node-b"} {
@@ -74,6 +79,81 @@ func TestNodePolicies(t *testing.T) {
 	t.Run("NodeAnnotation", func(t *testing.T) { nodePluginMayAnnotateOnlyItsNode(t, cfg, c) })
 	t.Run("VolumeWrites", func(t *testing.T) { volumeWritesOnlyOfOwnNode(t, cfg, c) })
 	t.Run("ReplicaWrites", func(t *testing.T) { replicaWritesOfOwnNode(t, cfg, c) })
+	t.Run("LeaseWrites", func(t *testing.T) { leaseWritesOfOwnNode(t, cfg, c) })
+}
+
+// leaseWritesOfOwnNode acts as node-a's storage agent: it may create and
+// renew its node's lease, held by its node, and no other lease: not
+// node-b's (which would hide node-b's death from the failover), not its
+// own held by another, and it may delete none.
+func leaseWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
+	ctx := context.Background()
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, _ := podTokenClient(t, cfg, c, cs, "mpnbd-storage-agent", "node-a")
+	lease := func(node, holder string) *coordinationv1.Lease {
+		now := metav1.NowMicro()
+		return &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{Namespace: apiserver.DeployNamespace, Name: v1alpha1.StorageLeaseName(node)},
+			Spec:       coordinationv1.LeaseSpec{HolderIdentity: ptr.To(holder), LeaseDurationSeconds: ptr.To[int32](6), RenewTime: &now},
+		}
+	}
+	// node-b's lease, as its own agent made it.
+	if err := c.Create(ctx, lease("node-b", "node-b")); err != nil {
+		t.Fatal(err)
+	}
+	renew := func(node, holder string) func() error {
+		return func() error {
+			var l coordinationv1.Lease
+			if err := c.Get(ctx, client.ObjectKeyFromObject(lease(node, holder)), &l); err != nil {
+				t.Fatal(err)
+			}
+			l.Spec = lease(node, holder).Spec
+			return agent.Update(ctx, &l)
+		}
+	}
+	// The policy takes effect once the API server has loaded it.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := renew("node-b", "node-b")()
+		if err != nil && strings.Contains(err.Error(), agentLeasePolicy) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node-a's agent renewing node-b's lease, 30 s after the policy was made: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	for _, tc := range []struct {
+		what    string
+		do      func() error
+		refused bool
+		policy  bool // refused by the policy (else by RBAC)
+	}{
+		{"creating its node's lease", func() error { return agent.Create(ctx, lease("node-a", "node-a")) }, false, false},
+		{"renewing its node's lease", renew("node-a", "node-a"), false, false},
+		{"renewing node-b's lease", renew("node-b", "node-b"), true, true},
+		{"creating a lease of node-c", func() error { return agent.Create(ctx, lease("node-c", "node-c")) }, true, true},
+		{"creating a lease named for node-c, held by itself", func() error { return agent.Create(ctx, lease("node-c", "node-a")) }, true, true},
+		{"giving its node's lease to node-b", renew("node-a", "node-b"), true, true},
+		{"deleting its node's lease", func() error { return agent.Delete(ctx, lease("node-a", "node-a")) }, true, false},
+	} {
+		err := tc.do()
+		switch {
+		case !tc.refused && err != nil:
+			t.Errorf("node-a's agent %s: %v", tc.what, err)
+		case tc.refused && err == nil:
+			t.Errorf("node-a's agent %s: allowed", tc.what)
+		case tc.refused && tc.policy && !strings.Contains(err.Error(), agentLeasePolicy):
+			t.Errorf("node-a's agent %s: refused, but not by %s: %v", tc.what, agentLeasePolicy, err)
+		case tc.refused && strings.Contains(err.Error(), "resulted in error"):
+			t.Errorf("node-a's agent %s: refused by an expression that failed: %v", tc.what, err)
+		case tc.refused:
+			t.Logf("node-a's agent %s: refused: %v", tc.what, err)
+		}
+	}
 }
 
 // nodePluginMayAnnotateOnlyItsNode acts as the node plugin's

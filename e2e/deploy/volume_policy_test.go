@@ -42,8 +42,9 @@ import (
 // Admission policies that keep each node's ServiceAccounts to their own
 // node's objects (deploy/rbac-node.yaml, deploy/rbac-storage-agent.yaml).
 const (
-	nodePolicy  = "mpnbd-node-own-attachment"
-	agentPolicy = "mpnbd-storage-agent-own-node"
+	nodePolicy       = "mpnbd-node-own-attachment"
+	agentPolicy      = "mpnbd-storage-agent-own-node"
+	agentLeasePolicy = "mpnbd-storage-agent-own-lease"
 )
 
 // podTokenClient runs a pod of the ServiceAccount account on node and

@@ -155,6 +155,13 @@ type Config struct {
 	// RebuildRate bounds a replica's rebuild, in bytes per second (zero:
 	// as fast as the replica takes it).
 	RebuildRate float64
+	// LeaseNamespace, when set, is where the agent keeps the storage
+	// node's Lease (v1alpha1.StorageLeaseName), by which the controller
+	// fails replicated volumes over from a node that is gone (lease.go).
+	LeaseNamespace string
+	// LeaseDuration is the lease's duration; zero means
+	// DefaultLeaseDuration.
+	LeaseDuration time.Duration
 	// Logger receives structured logs; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -183,6 +190,9 @@ type Agent struct {
 	// (replica.go); nil when it holds none.
 	replicas cache.Cache
 	started  atomic.Bool
+	// leaseRenewed is when the lease was last renewed (UnixNano; 0:
+	// never).
+	leaseRenewed atomic.Int64
 }
 
 // volumeWorkers is how many volumes the agent reconciles at once.
@@ -245,6 +255,9 @@ func New(c Config, srv *nbd.Server, k8sClient client.Client, apiReader client.Re
 	}
 	if c.DrainTimeout <= 0 {
 		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.LeaseDuration <= 0 {
+		c.LeaseDuration = DefaultLeaseDuration
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -342,6 +355,10 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 	if v.asReplica {
 		// Opened by the volume's primary alone (replica.go).
 		return a.resolveReplica(c, v, token, epoch)
+	}
+	if why := a.servesAsPrimary(v); why != "" {
+		// Refused for now: the node dials the volume's other replicas.
+		return nbd.Grant{}, fmt.Errorf("volume %q is not served here now: %s", vol, why)
 	}
 	peer, err := a.peerNode(c)
 	if err != nil {

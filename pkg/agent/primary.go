@@ -216,12 +216,20 @@ func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, ref corev1
 	t := time.NewTicker(reportInterval)
 	defer t.Stop()
 	var last []v1alpha1.ReplicaState
-	reported := false
+	reported, fenced := false, false
 	seen := map[string]string{} // each replica's state, as last told
 	for _, st := range r.mirror.Replicas() {
 		seen[st.Name] = st.State
 	}
 	for {
+		if err := r.mirror.Fenced(); err != nil && !fenced {
+			// The nodes' requests wait unanswered on this primary: end
+			// their connections, so that they move to the one that
+			// replaced it now rather than at their deadline (resolve
+			// refuses them here from now on).
+			fenced = true
+			go a.closeNodeConns(ctx, volume, fmt.Sprintf("fenced: %v", err))
+		}
 		r.mu.Lock()
 		changes := r.changes
 		r.changes = nil

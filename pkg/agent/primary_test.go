@@ -76,7 +76,7 @@ func (sc *storageCluster) rootsOf() *x509.CertPool { return sc.roots }
 
 // start runs the agent of storage node name over its data directory (the
 // same one each time it is started).
-func (sc *storageCluster) start(name string) *running {
+func (sc *storageCluster) start(name string, with ...func(*nbd.Server, *Config)) *running {
 	t := sc.t
 	t.Helper()
 	if sc.dirs[name] == "" {
@@ -88,12 +88,12 @@ func (sc *storageCluster) start(name string) *running {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return startAgentOn(t, sc.cfg, sc.dirs[name], l, "127.0.0.1", func(srv *nbd.Server, c *Config) {
+	return startAgentOn(t, sc.cfg, sc.dirs[name], l, "127.0.0.1", append([]func(*nbd.Server, *Config){func(srv *nbd.Server, c *Config) {
 		c.NodeName = name
 		srv.TLSConfig = nodeid.ServerTLS(certOf, sc.rootsOf)
 		c.NodeRoots = sc.rootsOf
 		c.PeerTLS = func(node string) *tls.Config { return nodeid.ClientTLS(node, certOf, sc.rootsOf) }
-	})
+	}}, with...)...)
 }
 
 // TestAgentReplicatedVolume runs a replicated volume on three storage

@@ -120,14 +120,16 @@ func (a *Agent) reconcileReplica(ctx context.Context, req ctrl.Request) (ctrl.Re
 	var vol v1alpha1.NBDVolume
 	if err := a.replicas.Get(ctx, req.NamespacedName, &vol); err != nil {
 		if apierrors.IsNotFound(err) {
-			a.releaseReplica(log, req.Name)
+			a.releaseReplica(log, req.Name, "replica's volume out of this node's watch: its export closed, its file kept")
 			return ctrl.Result{}, nil
 		}
 		return ctrl.Result{}, err
 	}
 	self := a.cfg.NodeName
 	if vol.Spec.StorageNode == self {
-		// This node holds the primary's copy: Reconcile serves it.
+		// This node holds the primary's copy (promoted, if it held a
+		// replica): Reconcile serves it.
+		a.releaseReplica(log, req.Name, "this node is the volume's primary now: its replica's export closed, its file kept for the primary")
 		return ctrl.Result{}, nil
 	}
 	if !vol.DeletionTimestamp.IsZero() || !slices.Contains(vol.Spec.ReplicaNodes, self) {
@@ -273,9 +275,10 @@ func (a *Agent) removeReplica(ctx context.Context, log *slog.Logger, vol *v1alph
 
 // releaseReplica closes the copy of a volume this node held as a replica
 // once its object is out of the replicas' cache (gone, or its label
-// removed); the file stays (removeReplica deletes it while the object,
-// and its finalizer, are still there).
-func (a *Agent) releaseReplica(log *slog.Logger, name string) {
+// removed) or this node is its primary now, and logs why; the file stays
+// (removeReplica deletes it while the object, and its finalizer, are
+// still there).
+func (a *Agent) releaseReplica(log *slog.Logger, name, why string) {
 	a.mu.Lock()
 	v := a.vols[name]
 	if v == nil || !v.asReplica {
@@ -284,7 +287,7 @@ func (a *Agent) releaseReplica(log *slog.Logger, name string) {
 	}
 	delete(a.vols, name)
 	a.mu.Unlock()
-	log.Info("replica's volume out of this node's watch: its export closed, its file kept")
+	log.Info(why)
 	if err := a.closeVolume(v); err != nil {
 		log.Warn("closing the replica's file", "error", err)
 	}

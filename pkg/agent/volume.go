@@ -115,6 +115,11 @@ func (a *Agent) SetupWithManager(mgr ctrl.Manager) error {
 	if err := mgr.Add(runnable(a.runHeartbeat)); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
+	if a.cfg.LeaseNamespace != "" {
+		if err := mgr.Add(runnable(a.runLease)); err != nil {
+			return fmt.Errorf("agent: %w", err)
+		}
+	}
 	if err := mgr.Add(runnable(a.runJoinGuard)); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
@@ -173,6 +178,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 			}
 		}
 	}
+	// A replica this node held until it was promoted is served as the
+	// primary from now on.
+	a.releaseReplica(log, vol.Name, "this node is the volume's primary now: its replica's export closed, its file kept for the primary")
 	// The finalizer of the primary's copy; that of a replica this node
 	// held before it became the primary goes (its copy is this one).
 	if replicaFin := v1alpha1.ReplicaFinalizer(a.cfg.NodeName); !controllerutil.ContainsFinalizer(&vol, v1alpha1.Finalizer) ||
@@ -244,6 +252,15 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 
 	want := vol.Spec.SizeBytes
 	changed := false
+	if v.backend == nil && asReplica {
+		// Logs of what other replicas lacked, kept while this node was
+		// the primary of an earlier reign, say nothing of what they
+		// lack now: were this node promoted again, they would leave
+		// out what changed under other primaries.
+		if err := os.RemoveAll(a.logDir(name)); err != nil {
+			return nil, internal("removing the replicas' logs of an earlier reign: %v", err)
+		}
+	}
 	if v.backend == nil {
 		path := a.path(name)
 		var b *nbd.FileBackend

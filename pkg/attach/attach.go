@@ -147,6 +147,48 @@ type Target struct {
 	// target with ErrUnsupported, or connect in plaintext when the TLS
 	// is Optional.
 	TLS *TargetTLS `json:",omitempty"`
+	// Replicas are the other storage nodes that hold a replicated
+	// volume. One of them takes over when the primary (Addrs) is gone;
+	// until then they refuse the node. The transports whose session
+	// redials (relay, fuse, ublk, and the kernel ones with one
+	// connection) dial every server at once and keep the one that
+	// serves the export; multiconn dials the primary's alone.
+	Replicas []Server `json:",omitempty"`
+}
+
+// ReplicatedMaxBackoff bounds the pause between a replicated volume's
+// dials: a failover is decided within seconds, and the new primary must
+// not wait for a session that backed off as long as an unreplicated
+// volume's may (the replicas refuse a node at once, so that dialing them
+// each second costs little).
+const ReplicatedMaxBackoff = time.Second
+
+// MaxBackoff is the longest pause between the target's dials: for a
+// replicated volume ReplicatedMaxBackoff, else zero (the relay's
+// default).
+func (t Target) MaxBackoff() time.Duration {
+	if len(t.Replicas) > 0 {
+		return ReplicatedMaxBackoff
+	}
+	return 0
+}
+
+// Server is one storage node that may serve a target.
+type Server struct {
+	// StorageNode names it (its certificate names it, over TLS).
+	StorageNode string
+	// Addrs are its addresses (host:port).
+	Addrs []string
+}
+
+// Servers lists the storage nodes that may serve the target: its own
+// (Addrs, named by TLS.StorageNode when set) first, then its Replicas.
+func (t Target) Servers() []Server {
+	own := Server{Addrs: t.Addrs}
+	if t.TLS != nil {
+		own.StorageNode = t.TLS.StorageNode
+	}
+	return append([]Server{own}, t.Replicas...)
 }
 
 // CanEncrypt reports whether transport t can carry a volume's
@@ -175,6 +217,16 @@ type TargetTLS struct {
 // Config is the TLS configuration of the target's connections.
 func (t *TargetTLS) Config() *tls.Config {
 	return nodeid.FileClientTLS(t.IdentityDir, t.StorageNode)
+}
+
+// ConfigFor is the TLS configuration of a connection to server s: its
+// certificate must name s.StorageNode (the target's own node when s does
+// not name one).
+func (t *TargetTLS) ConfigFor(s Server) *tls.Config {
+	if s.StorageNode == "" || s.StorageNode == t.StorageNode {
+		return t.Config()
+	}
+	return nodeid.FileClientTLS(t.IdentityDir, s.StorageNode)
 }
 
 // Options tune an attach. Zero values mean the defaults above.

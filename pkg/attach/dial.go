@@ -174,3 +174,80 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 	}
 	return c, info, nil
 }
+
+// ServerDialer remembers, for each server of a target, the address that
+// answered last (an AddrDialer per server).
+type ServerDialer struct {
+	mu    sync.Mutex
+	addrs map[string]*AddrDialer
+}
+
+func (d *ServerDialer) of(s Server) *AddrDialer {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	key := s.StorageNode
+	if len(s.Addrs) > 0 {
+		key += "/" + s.Addrs[0]
+	}
+	if d.addrs == nil {
+		d.addrs = map[string]*AddrDialer{}
+	}
+	a := d.addrs[key]
+	if a == nil {
+		a = &AddrDialer{}
+		d.addrs[key] = a
+	}
+	return a
+}
+
+// DialServers dials a target's servers (Target.Servers) and returns what
+// the first that serves the export gave, with its address. One server is
+// dialled as Dial does; several are dialled at once, each over its
+// addresses in turn: a replicated volume's replicas refuse the node at
+// once while another is the primary, and a server that is gone must not
+// hold up the one that took over. What another server gave too (two
+// primaries for a moment, while one learns it was replaced) is handed to
+// drop. A refusal as superseded (nbd.ErrSuperseded) by any server is in
+// the error when none served: the node's grant was replaced.
+func DialServers[T any](ctx context.Context, d *ServerDialer, servers []Server, dial func(ctx context.Context, s Server, addr string) (T, error), drop func(T)) (T, string, error) {
+	if len(servers) == 1 {
+		s := servers[0]
+		return Dial(ctx, d.of(s), s.Addrs, func(ctx context.Context, addr string) (T, error) { return dial(ctx, s, addr) })
+	}
+	type result struct {
+		v    T
+		addr string
+		err  error
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ch := make(chan result, len(servers))
+	for _, s := range servers {
+		go func() {
+			v, addr, err := Dial(ctx, d.of(s), s.Addrs, func(ctx context.Context, addr string) (T, error) { return dial(ctx, s, addr) })
+			if err != nil {
+				err = fmt.Errorf("storage node %s: %w", s.StorageNode, err)
+			}
+			ch <- result{v, addr, err}
+		}()
+	}
+	var won *result
+	var errs []error
+	for range servers {
+		r := <-ch
+		switch {
+		case r.err != nil:
+			errs = append(errs, r.err)
+		case won == nil:
+			won = &r
+			cancel()
+		default:
+			drop(r.v)
+		}
+	}
+	if won != nil {
+		return won.v, won.addr, nil
+	}
+	var zero T
+	return zero, "", errors.Join(errs...)
+}

@@ -16,7 +16,10 @@ package attach
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -92,5 +95,102 @@ func TestDialExportRetriesMPTCPFallback(t *testing.T) {
 				t.Fatalf("server accepted %d connections, want %d", n, c.wantConns)
 			}
 		})
+	}
+}
+
+// TestDialServers: a replicated volume's servers are dialled at once and
+// the one that serves the export is kept, whatever comes before it in
+// the list: one that refuses (a replica that is not the primary), one
+// whose host takes the connection and never answers. Two that serve
+// (a primary that has not yet learnt it was replaced): one is kept, the
+// other's dial cancelled or, done already, its connection handed back to
+// be closed. None serving: the error
+// is a refusal, and names a refusal as superseded when one server gave it.
+func TestDialServers(t *testing.T) {
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	serve := func(resolve func(nbd.ConnInfo, string) (nbd.Grant, error)) Server {
+		srv := &nbd.Server{Logger: log, Resolve: resolve}
+		if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+			t.Fatal(err)
+		}
+		l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(l)
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			srv.Shutdown(ctx)
+		})
+		return Server{StorageNode: l.Addr().String(), Addrs: []string{l.Addr().String()}}
+	}
+	serving := func() Server { return serve(nil) }
+	refusing := func(err error) Server {
+		return serve(func(nbd.ConnInfo, string) (nbd.Grant, error) { return nbd.Grant{}, err })
+	}
+	// hung takes connections and never answers.
+	hung := func() Server {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var conns []net.Conn
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				conns = append(conns, c)
+			}
+		}()
+		t.Cleanup(func() { l.Close() })
+		return Server{StorageNode: "hung", Addrs: []string{l.Addr().String()}}
+	}
+	dial := func(servers ...Server) (string, int, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var d ServerDialer
+		dropped := 0
+		c, addr, err := DialServers(ctx, &d, servers, func(ctx context.Context, s Server, addr string) (net.Conn, error) {
+			c, _, err := ExportDialer{Logger: log}.DialExport(ctx, addr, "", "vol", true, nil)
+			return c, err
+		}, func(c net.Conn) { dropped++; c.Close() })
+		if c != nil {
+			c.Close()
+		}
+		return addr, dropped, err
+	}
+
+	primary := serving()
+	for _, tc := range []struct {
+		name    string
+		servers []Server
+	}{
+		{"a replica refusing first", []Server{refusing(errors.New("not the primary")), primary}},
+		{"a hung host first", []Server{hung(), primary}},
+		{"both before it", []Server{hung(), refusing(errors.New("not the primary")), primary}},
+	} {
+		addr, dropped, err := dial(tc.servers...)
+		if err != nil || addr != primary.Addrs[0] || dropped != 0 {
+			t.Errorf("%s: reached %q (dropped %d), %v; want %s", tc.name, addr, dropped, err, primary.Addrs[0])
+		}
+	}
+	other := serving()
+	// The other's dial is cancelled, or handed back if it was done.
+	if addr, dropped, err := dial(primary, other); err != nil || dropped > 1 || (addr != primary.Addrs[0] && addr != other.Addrs[0]) {
+		t.Errorf("two serving: reached %q (dropped %d), %v", addr, dropped, err)
+	}
+	_, _, err := dial(refusing(errors.New("not the primary")), refusing(errors.New("not the primary")))
+	if !errors.Is(err, ErrServerRefused) {
+		t.Errorf("none serving: %v, want a refusal", err)
+	}
+	_, _, err = dial(refusing(errors.New("not the primary")), refusing(fmt.Errorf("replaced: %w", nbd.ErrSuperseded)))
+	if !errors.Is(err, nbd.ErrSuperseded) {
+		t.Errorf("one refusing as superseded: %v, want nbd.ErrSuperseded in it", err)
 	}
 }

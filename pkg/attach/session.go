@@ -50,9 +50,9 @@ type Session struct {
 	// FailAfter is the relay's bound on an outage (zero: a hard mount).
 	FailAfter time.Duration
 
-	addrs AddrDialer
-	stop  context.CancelFunc
-	done  chan struct{}
+	servers ServerDialer
+	stop    context.CancelFunc
+	done    chan struct{}
 }
 
 // SessionConfig configures OpenSession.
@@ -77,20 +77,20 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	if s.ID == (nbd.SessionID{}) {
 		s.ID = nbd.NewSessionID()
 	}
-	x := ExportDialer{Logger: log}
-	if t.TLS != nil {
-		x.TLS = t.TLS.Config()
-	}
 	dial := func(ctx context.Context) (*relay.Remote, error) {
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()
-		rc, _, err := Dial(ctx, &s.addrs, t.Addrs, func(ctx context.Context, addr string) (*relay.Remote, error) {
+		rc, _, err := DialServers(ctx, &s.servers, t.Servers(), func(ctx context.Context, srv Server, addr string) (*relay.Remote, error) {
+			x := ExportDialer{Logger: log}
+			if t.TLS != nil {
+				x.TLS = t.TLS.ConfigFor(srv)
+			}
 			c, info, err := x.DialExport(ctx, addr, "", t.Export, true, &nbd.Session{ID: s.ID, Generation: nbd.NextGeneration()})
 			if err != nil {
 				return nil, err
 			}
 			return &relay.Remote{Conn: c, Info: info}, nil
-		})
+		}, func(rc *relay.Remote) { rc.Close() })
 		return rc, err
 	}
 	first, err := dial(ctx)
@@ -99,7 +99,7 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	}
 	s.Info = first.Info
 	s.Multipath = nbd.IsMultipathTCP(first.Conn)
-	ro := relay.Options{Logger: log, FailAfter: FailAfter(o), DeadPeerTimeout: o.EffectiveDeadPeerTimeout()}
+	ro := relay.Options{Logger: log, FailAfter: FailAfter(o), DeadPeerTimeout: o.EffectiveDeadPeerTimeout(), MaxBackoff: t.MaxBackoff()}
 	s.FailAfter = ro.FailAfter
 	// A Dialer returns a net.Conn: no typed nil on failure.
 	redial := func(ctx context.Context) (net.Conn, error) {
@@ -234,25 +234,26 @@ func (s *Session) Close(timeout time.Duration) {
 // ProbeSize asks the server for the export's size on a connection of its
 // own (no session: it must not supersede the data connection).
 func (s *Session) ProbeSize(ctx context.Context, t Target) (uint64, error) {
-	return ProbeSize(ctx, t, &s.addrs)
+	return ProbeSize(ctx, t, &s.servers)
 }
 
 // ProbeSize asks a target's server for the export's size on a connection
-// of its own, dialing the addresses in turn from the last good one.
-func ProbeSize(ctx context.Context, t Target, addrs *AddrDialer) (uint64, error) {
+// of its own, dialing each server's addresses in turn from the last good
+// one.
+func ProbeSize(ctx context.Context, t Target, servers *ServerDialer) (uint64, error) {
 	ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 	defer cancel()
-	var x ExportDialer
-	if t.TLS != nil {
-		x.TLS = t.TLS.Config()
-	}
-	info, _, err := Dial(ctx, addrs, t.Addrs, func(ctx context.Context, addr string) (nbd.ExportInfo, error) {
+	info, _, err := DialServers(ctx, servers, t.Servers(), func(ctx context.Context, srv Server, addr string) (nbd.ExportInfo, error) {
+		var x ExportDialer
+		if t.TLS != nil {
+			x.TLS = t.TLS.ConfigFor(srv)
+		}
 		c, info, err := x.DialExport(ctx, addr, "", t.Export, true, nil)
 		if err != nil {
 			return nbd.ExportInfo{}, err
 		}
 		nbd.NewClient(info, []net.Conn{c}, nil).Close()
 		return info, nil
-	})
+	}, func(nbd.ExportInfo) {})
 	return info.Size, err
 }

@@ -84,7 +84,7 @@ type ControllerConfig struct {
 //
 // Its RBAC: nbdvolumes get, list, watch, create, update, delete;
 // nbdsnapshots get, list, watch, create, delete; nbdstoragenodes get, list; nodes get; secrets in Namespace get, create, update, delete,
-// deletecollection.
+// deletecollection; for Failover, leases in Namespace list, nbdvolumes/status patch, events create.
 //
 // A wait for the agent that runs out (WaitTimeout or the request's
 // deadline) is DeadlineExceeded: the change stays requested and a retry of

@@ -40,6 +40,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/attach"
 )
 
 // errAgentFailed marks a wait that ended because the volume's phase is
@@ -479,9 +480,18 @@ func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, 
 		return nil, fmt.Errorf("%w: storage node %s reports no storage address or port for volume %s",
 			ErrUnavailable, v.Spec.StorageNode, v.Name)
 	}
-	hostports := make([]string, len(addrs))
-	for i, a := range addrs {
-		hostports[i] = net.JoinHostPort(a, strconv.Itoa(int(port)))
+	hostports := joinPort(addrs, port)
+	// A replicated volume's other replicas, where their nodes say they
+	// serve: the node dials them all, and one of them takes over if the
+	// primary goes. One that reports no address yet is left out.
+	var replicas []attach.Server
+	for _, r := range v.Spec.ReplicaNodes {
+		var n v1alpha1.NBDStorageNode
+		if err := c.c.Get(ctx, client.ObjectKey{Name: r}, &n); err != nil || len(n.Status.Addresses) == 0 || n.Status.Port == 0 {
+			c.log.Warn("a replica's storage node is left out of the publication: no address known", "volume_id", v.Name, "storage_node", r, "error", err)
+			continue
+		}
+		replicas = append(replicas, attach.Server{StorageNode: r, Addrs: joinPort(n.Status.Addresses, n.Status.Port)})
 	}
 	if token != "" {
 		exportName = access.NodeExport(exportName, token)
@@ -496,7 +506,19 @@ func (c *Controller) publishContext(ctx context.Context, v *v1alpha1.NBDVolume, 
 			pc[PublishContextEpoch] = strconv.FormatInt(p.Epoch, 10)
 		}
 	}
+	if len(replicas) > 0 {
+		pc[PublishContextReplicas] = formatReplicas(replicas)
+	}
 	return pc, nil
+}
+
+// joinPort makes host:port of each address.
+func joinPort(addrs []string, port int32) []string {
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = net.JoinHostPort(a, strconv.Itoa(int(port)))
+	}
+	return out
 }
 
 // csiVolume describes a volume for CreateVolume and ListVolumes. topo maps

@@ -16,6 +16,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 )
@@ -102,5 +104,35 @@ func TestPickStorageNodesForReplicas(t *testing.T) {
 				t.Fatalf("placed on %v, want %v", names(got), tc.want)
 			}
 		})
+	}
+}
+
+// TestPublishContextReplicas: a replicated volume's publish context names
+// its other replicas where their nodes serve, so that the node can reach
+// whichever becomes the primary; a replica whose node reports no address
+// yet is left out, and an unreplicated volume's context has no key.
+func TestPublishContextReplicas(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t)
+	putStorageNode(t, c, "r2", gib, nil, nil, time.Now())
+	if err := c.Create(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "r3"}}); err != nil {
+		t.Fatal(err)
+	}
+	v := &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "rv"}, Spec: v1alpha1.NBDVolumeSpec{
+		StorageNode: "big", ReplicaNodes: []string{"r2", "r3"}, Replicas: 3, SizeBytes: gib}}
+	pc, err := ctl.publishContext(ctx, v, "worker-1", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf("r2=198.51.100.1:%d", testPort); pc[PublishContextReplicas] != want {
+		t.Errorf("replicas %q, want %q", pc[PublishContextReplicas], want)
+	}
+	spec, err := parseAttachSpec("rv", pc, nil, "", nodeToken("worker-1"))
+	if err != nil || len(spec.Target.Replicas) != 1 || spec.Target.Replicas[0].StorageNode != "r2" {
+		t.Errorf("node side: %+v, %v", spec.Target, err)
+	}
+	v.Spec.ReplicaNodes = nil
+	if pc, err := ctl.publishContext(ctx, v, "worker-1", ""); err != nil || pc[PublishContextReplicas] != "" {
+		t.Errorf("unreplicated: %v, %v", pc, err)
 	}
 }

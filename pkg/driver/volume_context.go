@@ -42,6 +42,11 @@ const (
 	// PublishContextEpoch is the epoch of the node's publication
 	// (access.ExportName), absent for one made before epochs.
 	PublishContextEpoch = "epoch"
+	// PublishContextReplicas lists the other storage nodes of a
+	// replicated volume, one of which takes over if the primary goes:
+	// "<node>=<host:port>,<host:port>;<node>=..." (absent for an
+	// unreplicated volume).
+	PublishContextReplicas = "replicas"
 )
 
 // nodeParamKeys are the StorageClass parameters (copied into the volume
@@ -97,8 +102,12 @@ func parseAttachSpec(volumeID string, publishCtx, volumeCtx map[string]string, i
 	} else if token == "" {
 		return attachSpec{}, fmt.Errorf("%w: the volume is not encrypted and this node plugin has no node token", ErrPrecondition)
 	}
+	replicas, err := parseReplicas(publishCtx[PublishContextReplicas])
+	if err != nil {
+		return attachSpec{}, err
+	}
 	export = access.ExportName(export, token, epoch)
-	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs}
+	target := attach.Target{VolumeID: volumeID, Export: export, Addrs: addrs, Replicas: replicas}
 	switch {
 	case p.Encryption == v1alpha1.EncryptionRequired && identityDir == "":
 		return attachSpec{}, fmt.Errorf("%w: the volume is encrypted and this node plugin has no node certificate (--identity)", ErrPrecondition)
@@ -136,6 +145,35 @@ func parseAddresses(s string) ([]string, error) {
 			return nil, fmt.Errorf("%w: publish context %q: %q is not host:port", ErrInvalidArgument, PublishContextAddresses, a)
 		}
 		out = append(out, a)
+	}
+	return out, nil
+}
+
+// formatReplicas is the value of PublishContextReplicas for servers.
+func formatReplicas(servers []attach.Server) string {
+	parts := make([]string, len(servers))
+	for i, s := range servers {
+		parts[i] = s.StorageNode + "=" + strings.Join(s.Addrs, ",")
+	}
+	return strings.Join(parts, ";")
+}
+
+// parseReplicas reads PublishContextReplicas (none when empty).
+func parseReplicas(s string) ([]attach.Server, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	var out []attach.Server
+	for _, part := range strings.Split(s, ";") {
+		node, list, ok := strings.Cut(strings.TrimSpace(part), "=")
+		if !ok || strings.TrimSpace(node) == "" {
+			return nil, fmt.Errorf("%w: publish context %q: %q is not <storage node>=<host:port>[,<host:port>]", ErrInvalidArgument, PublishContextReplicas, part)
+		}
+		addrs, err := parseAddresses(list)
+		if err != nil {
+			return nil, fmt.Errorf("%w: publish context %q: storage node %s: %w", ErrInvalidArgument, PublishContextReplicas, node, err)
+		}
+		out = append(out, attach.Server{StorageNode: strings.TrimSpace(node), Addrs: addrs})
 	}
 	return out, nil
 }

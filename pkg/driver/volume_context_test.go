@@ -72,6 +72,15 @@ func TestParseAttachSpec(t *testing.T) {
 				Options: attach.Options{DeadConnTimeout: time.Minute, RequestTimeout: 10 * time.Second, BlockSize: 1024},
 			},
 		},
+		{
+			name: "replicas",
+			pub: map[string]string{PublishContextExport: "pv-1", PublishContextAddresses: "a:1", PublishContextStorageNode: "s1",
+				PublishContextReplicas: formatReplicas([]attach.Server{{StorageNode: "s2", Addrs: []string{"b:1", "[fd00::2]:1"}}, {StorageNode: "s3", Addrs: []string{"c:1"}}})},
+			want: attachSpec{Transport: attach.Auto, FSType: "ext4", Target: attach.Target{VolumeID: "pv-1", Export: "pv-1/" + testNodeToken, Addrs: []string{"a:1"},
+				Replicas: []attach.Server{{StorageNode: "s2", Addrs: []string{"b:1", "[fd00::2]:1"}}, {StorageNode: "s3", Addrs: []string{"c:1"}}}}},
+		},
+		{name: "replica without a node", pub: map[string]string{PublishContextExport: "e", PublishContextAddresses: "a:1", PublishContextReplicas: "b:1"}, wantErr: `"replicas"`},
+		{name: "replica without a port", pub: map[string]string{PublishContextExport: "e", PublishContextAddresses: "a:1", PublishContextReplicas: "s2=b:1;s3=c"}, wantErr: `"replicas": storage node s3`},
 		{name: "no export", pub: map[string]string{PublishContextAddresses: "a:1"}, wantErr: `"export"`},
 		{name: "no addresses", pub: map[string]string{PublishContextExport: "e"}, wantErr: `"addresses"`},
 		{name: "empty address", pub: pub("e", "a:1,"), wantErr: `"addresses"`},
@@ -127,6 +136,9 @@ func TestParseAttachSpec(t *testing.T) {
 			}
 			if got.Transport != tt.want.Transport || got.FSType != tt.want.FSType || got.Options != tt.want.Options ||
 				got.Target.VolumeID != tt.want.Target.VolumeID || got.Target.Export != tt.want.Target.Export || !slices.Equal(got.Target.Addrs, tt.want.Target.Addrs) ||
+				!slices.EqualFunc(got.Target.Replicas, tt.want.Target.Replicas, func(a, b attach.Server) bool {
+					return a.StorageNode == b.StorageNode && slices.Equal(a.Addrs, b.Addrs)
+				}) ||
 				(got.Target.TLS == nil) != (tt.want.Target.TLS == nil) || got.Target.TLS != nil && *got.Target.TLS != *tt.want.Target.TLS {
 				t.Errorf("got %+v, want %+v", got, tt.want)
 			}

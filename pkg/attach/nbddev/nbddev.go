@@ -102,7 +102,7 @@ type volume struct {
 	index   uint32
 	info    nbd.ExportInfo
 	session nbd.SessionID
-	addrs   attach.AddrDialer
+	servers attach.ServerDialer
 	// life ends at detach: reconnects stop then.
 	life context.Context
 	end  context.CancelFunc
@@ -563,15 +563,21 @@ func (a *Attacher) noteIncarnation(v *volume, info nbd.ExportInfo) {
 func (a *Attacher) dialAny(ctx context.Context, v *volume) (*relay.Remote, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
-	c, _, err := attach.Dial(ctx, &v.addrs, v.target.Addrs, func(ctx context.Context, addr string) (*relay.Remote, error) {
-		return a.dial(ctx, v, addr, "", a.usesMPTCP(), 0)
-	})
+	c, _, err := attach.DialServers(ctx, &v.servers, v.target.Servers(), func(ctx context.Context, srv attach.Server, addr string) (*relay.Remote, error) {
+		return a.dialServer(ctx, v, srv, addr, "", a.usesMPTCP(), 0)
+	}, func(rc *relay.Remote) { rc.Close() })
 	return c, err
 }
 
-// dial connects one data connection and runs the handshake on it,
-// announcing the volume's session on lane (none when lane < 0).
+// dial connects one data connection to the target's own server and runs
+// the handshake on it, announcing the volume's session on lane (none
+// when lane < 0).
 func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
+	return a.dialServer(ctx, v, v.target.Servers()[0], addr, local, useMPTCP, lane)
+}
+
+// dialServer is dial to server srv of the target.
+func (a *Attacher) dialServer(ctx context.Context, v *volume, srv attach.Server, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
 	var sess *nbd.Session
@@ -580,7 +586,7 @@ func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useM
 	}
 	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID)}
 	if v.target.TLS != nil && attach.CanEncrypt(a.cfg.Mode) {
-		x.TLS = v.target.TLS.Config()
+		x.TLS = v.target.TLS.ConfigFor(srv)
 	}
 	c, info, err := x.DialExport(ctx, addr, local, v.target.Export, useMPTCP, sess)
 	if err != nil {
@@ -608,7 +614,8 @@ func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remot
 		v.mu.Unlock()
 		return c, nil
 	}
-	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending, DeadPeerTimeout: v.opts.DeadPeerTimeout}
+	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending, DeadPeerTimeout: v.opts.DeadPeerTimeout,
+		MaxBackoff: v.target.MaxBackoff()}
 	if v.bounded() {
 		ro.FailAfter = v.opts.DeadConnTimeout
 	}

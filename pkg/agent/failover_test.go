@@ -1,0 +1,195 @@
+// Copyright 2026 The mpnbd Authors.
+//
+// Licensed under the Apache License, Version 2.0 (the "License");
+// you may not use this file except in compliance with the License.
+// You may obtain a copy of the License at
+//
+//     http://www.apache.org/licenses/LICENSE-2.0
+//
+// Unless required by applicable law or agreed to in writing, software
+// distributed under the License is distributed on an "AS IS" BASIS,
+// WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+// See the License for the specific language governing permissions and
+// limitations under the License.
+
+package agent
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/driver"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
+)
+
+// TestAgentFailover runs a replicated volume on three storage agents that
+// keep their leases, with the controller's Failover watching them, and a
+// node's session (attach.OpenSession, as fuse and ublk run it) given
+// every replica's addresses, as the publish context gives them. The
+// primary's agent stops under the node's writes: the controller records
+// the first replica in sync primary (the epoch raised, the old primary
+// out of the in-sync set) and moves the volume to it; the node's session
+// reaches it and replays what was unanswered, and its writes complete
+// with no error. What the node wrote before and after reads back, and
+// both remaining copies hold it. The old primary's agent comes back as a
+// replica: the new primary rebuilds it whole and it is in sync again,
+// its copy the primary's.
+func TestAgentFailover(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2, s3 = testNode, "storage-2", "storage-3"
+	const leaseDuration = 3 * time.Second
+	withLease := func(_ *nbd.Server, cfg *Config) {
+		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, leaseDuration
+	}
+	agents := map[string]*running{}
+	for _, n := range []string{s1, s2, s3} {
+		agents[n] = sc.start(n, withLease)
+	}
+	for _, n := range []string{s1, s2, s3} {
+		eventually(t, "storage node "+n+" holds its lease", func() string {
+			var l coordinationv1.Lease
+			if err := c.Get(ctx, client.ObjectKey{Namespace: apiserver.DeployNamespace, Name: v1alpha1.StorageLeaseName(n)}, &l); err != nil {
+				return err.Error()
+			}
+			if l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != n || l.Spec.RenewTime == nil {
+				return fmt.Sprintf("lease %+v", l.Spec)
+			}
+			return ""
+		})
+	}
+	fctx, stopFailover := context.WithCancel(ctx)
+	defer stopFailover()
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
+		Interval: 200 * time.Millisecond, Logger: testLogger(t)}).Run(fctx)
+
+	const size = 8 << 20
+	v := newVolume("vf", size)
+	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): "", v1alpha1.ReplicaLabel(s3): ""}
+	v.Spec.Replicas = 3
+	v.Spec.ReplicaNodes = []string{s2, s3}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vf"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vf: %+v", v.Status)
+	}
+	tok := publish(t, c, "vf", "node-1", false)
+	target := attach.Target{VolumeID: "vf", Export: access.NodeExport("vf", tok), Addrs: []string{agents[s1].addr},
+		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}, {StorageNode: s3, Addrs: []string{agents[s3].addr}}}}
+	var sess *attach.Session
+	eventually(t, "the node's session opens vf", func() string {
+		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		var err error
+		if sess, err = attach.OpenSession(octx, attach.SessionConfig{Logger: testLogger(t)}, target, attach.Options{}); err != nil {
+			return err.Error()
+		}
+		return ""
+	})
+	defer sess.Close(5 * time.Second)
+
+	want := make([]byte, size)
+	seq := 0
+	// write writes n blocks through the session, each bounded, then a
+	// FLUSH, and returns the longest a write took.
+	write := func(n int) time.Duration {
+		t.Helper()
+		var longest time.Duration
+		for range n {
+			off := int64((seq*7919)%(size/65536)) * 65536
+			seq++
+			b := make([]byte, 16384)
+			rand.Read(b)
+			start := time.Now()
+			done := make(chan error, 1)
+			go func() { _, err := sess.Client.WriteAt(b, off); done <- err }()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("the node's write at %d: %v", off, err)
+				}
+			case <-time.After(deadline):
+				t.Fatalf("the node's write at %d unanswered after %v", off, deadline)
+			}
+			longest = max(longest, time.Since(start))
+			copy(want[off:], b)
+		}
+		if err := sess.Client.Flush(); err != nil {
+			t.Fatalf("the node's FLUSH: %v", err)
+		}
+		return longest
+	}
+	holds := func(names ...string) string {
+		for _, n := range names {
+			b, err := os.ReadFile(filepath.Join(sc.dirs[n], "vf"+fileSuffix))
+			if err != nil {
+				return err.Error()
+			}
+			if !bytes.Equal(b, want) {
+				return n + "'s file differs from what the node wrote"
+			}
+		}
+		return ""
+	}
+	write(64)
+	if msg := holds(s1, s2, s3); msg != "" {
+		t.Fatal(msg)
+	}
+
+	// The primary's agent goes: the writes wait, then complete on s2.
+	agents[s1].stop()
+	lost := time.Now()
+	pause := write(64)
+	t.Logf("failover: the longest write took %v (lease %v); all done %v after the loss", pause.Round(time.Millisecond), leaseDuration, time.Since(lost).Round(time.Millisecond))
+	v = getVolume(t, c, "vf")
+	if r := v.Status.Replication; r == nil || r.Primary != s2 || r.Epoch != 2 || r.PrimaryEpoch != 2 || !slices.Equal(r.InSync, []string{s2, s3}) {
+		t.Fatalf("the record after the failover: %+v", r)
+	}
+	if v.Spec.StorageNode != s2 || !slices.Equal(v.Spec.ReplicaNodes, []string{s3, s1}) {
+		t.Fatalf("the spec after the failover: storage node %s, replicas %v", v.Spec.StorageNode, v.Spec.ReplicaNodes)
+	}
+	if _, ok := v.Labels[v1alpha1.ReplicaLabel(s1)]; !ok {
+		t.Errorf("the old primary's replica label is missing: %v", v.Labels)
+	}
+	got := make([]byte, size)
+	if _, err := sess.Client.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("after the failover the volume does not read back what the node wrote")
+	}
+	if msg := holds(s2, s3); msg != "" {
+		t.Fatal(msg)
+	}
+
+	// The old primary comes back, as a replica: rebuilt, in sync.
+	agents[s1] = sc.start(s1, withLease)
+	eventually(t, "the old primary back in sync", func() string {
+		if r := getVolume(t, c, "vf").Status.Replication; !slices.Equal(r.InSync, []string{s1, s2, s3}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	write(16)
+	if msg := holds(s1, s2, s3); msg != "" {
+		t.Fatal(msg)
+	}
+	if r := getVolume(t, c, "vf").Status.Replication; r.Primary != s2 || r.PrimaryEpoch != 2 {
+		t.Errorf("the record after the old primary's return: %+v", r)
+	}
+}
