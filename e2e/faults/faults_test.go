@@ -311,6 +311,9 @@ func TestMain(m *testing.M) {
 	if fuse.ServeRequested() {
 		os.Exit(fuse.ServeMain())
 	}
+	if tg := os.Getenv(clientTargetEnv); tg != "" {
+		os.Exit(runClient(tg, os.Getenv(clientStateEnv)))
+	}
 	os.Exit(m.Run())
 }
 

@@ -178,7 +178,7 @@ func (a *Agent) runRebuilds(ctx context.Context, log *slog.Logger, volume string
 			}
 			cl, err := a.dialReplica(ctx, volume, n, primaryEpoch)
 			if err != nil {
-				log.Debug("a replica out of the in-sync set is not reachable yet", "replica", n, "error", err)
+				log.Info("a replica out of the in-sync set is not reachable yet", "replica", n, "error", err)
 				continue
 			}
 			if err := r.mirror.Rebuild(ctx, n, cl, replica.RebuildOptions{Rate: a.cfg.RebuildRate}); err != nil {

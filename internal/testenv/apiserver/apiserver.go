@@ -212,12 +212,15 @@ func WriteKubeconfig(t testing.TB, cfg *rest.Config) string {
 }
 
 // WriteKubeconfigFile stores cfg (a client-certificate or token config, as
-// StartEnv returns) as a kubeconfig file at path.
+// StartEnv returns, impersonating as As makes it) as a kubeconfig file at
+// path.
 func WriteKubeconfigFile(path string, cfg *rest.Config) error {
 	kc := clientcmdapi.NewConfig()
 	kc.Clusters["test"] = &clientcmdapi.Cluster{Server: cfg.Host, CertificateAuthorityData: cfg.CAData}
 	kc.AuthInfos["test"] = &clientcmdapi.AuthInfo{
 		ClientCertificateData: cfg.CertData, ClientKeyData: cfg.KeyData, Token: cfg.BearerToken,
+		// As's impersonation, for a command that acts as a ServiceAccount.
+		Impersonate: cfg.Impersonate.UserName, ImpersonateGroups: cfg.Impersonate.Groups, ImpersonateUserExtra: cfg.Impersonate.Extra,
 	}
 	kc.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: "test"}
 	kc.CurrentContext = "test"

@@ -681,3 +681,72 @@ func TestCallerEndpointBudget(t *testing.T) {
 	}
 	releaseCallerEndpoints(6)
 }
+
+// TestFabric: on a fabric of three hosts and three paths, a connection
+// from any host to another's path-1 address gets one subflow per path,
+// and a host dropped from its peers (DropPeers) reaches none of them
+// until undropped, while the third still does.
+func TestFabric(t *testing.T) {
+	requireMPTCP(t)
+	RequireNft(t)
+	f := NewFabricForTest(t, FabricConfig{Name: UniqueName("fb"), Hosts: []string{"a", "b", "c"}, Paths: 3, RateMbit: 1000})
+	var l net.Listener
+	if err := InNetns(f.NS("b"), func() error {
+		var err error
+		l, err = mptcp.Listen(context.Background(), "tcp", ":7000", true)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(c, c) }()
+		}
+	}()
+	dial := func(from string) (net.Conn, error) {
+		var c net.Conn
+		err := InNetns(f.NS(from), func() error {
+			var err error
+			d := mptcp.Dialer(true)
+			d.Timeout = 2 * time.Second
+			c, err = d.Dial("tcp", net.JoinHostPort(f.Addr("b", 1).String(), "7000"))
+			return err
+		})
+		return c, err
+	}
+	for _, from := range []string{"a", "c"} {
+		c, err := dial(from)
+		if err != nil {
+			t.Fatalf("from %s: %v", from, err)
+		}
+		if info := waitSubflows(t, c, 2, 10*time.Second); info.Subflows != 2 {
+			t.Errorf("from %s: %d additional subflows, want 2", from, info.Subflows)
+		}
+		c.Close()
+	}
+	if err := DropPeers(f.NS("a"), "cut", f.Addrs("b")); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := dial("a"); err == nil {
+		c.Close()
+		t.Error("a reached b through the drop")
+	}
+	if c, err := dial("c"); err != nil {
+		t.Errorf("c, not dropped: %v", err)
+	} else {
+		c.Close()
+	}
+	if err := Undrop(f.NS("a"), "cut"); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := dial("a"); err != nil {
+		t.Errorf("a after the drop was lifted: %v", err)
+	} else {
+		c.Close()
+	}
+}

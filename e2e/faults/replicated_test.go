@@ -1,0 +1,666 @@
+// Copyright 2026 The mpnbd Authors.
+//
+// Licensed under the Apache License, Version 2.0 (the "License");
+// you may not use this file except in compliance with the License.
+// You may obtain a copy of the License at
+//
+//     http://www.apache.org/licenses/LICENSE-2.0
+//
+// Unless required by applicable law or agreed to in writing, software
+// distributed under the License is distributed on an "AS IS" BASIS,
+// WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+// See the License for the specific language governing permissions and
+// limitations under the License.
+
+package faults
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
+	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/access"
+	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+)
+
+// The replicated volume's fault test: a switched storage network
+// (topo.Fabric, 4 paths of 1 Gbit/s per host) of one client host and
+// three storage hosts, each storage host running the storage agent
+// (`nbd-server --cluster`) as a process of its own, which reaches the API
+// server through a port of its namespace's loopback (forwarded to the
+// test's API server), and the controller as a process (it signs the
+// storage certificates and fails volumes over). The client host runs the
+// fuse transport (this test binary, started in its namespace), whose
+// block device fio writes and verifies from the test. Faults: a host's
+// death (its agent SIGKILLed, every packet of its namespace dropped: no
+// reset), its return, a partition of the primary from the API server
+// only, and one from the client only.
+
+// clientTargetEnv, set, makes this test binary the client host's process:
+// it attaches the target (JSON) with the fuse transport, prints "device
+// <path>", and detaches when its standard input closes.
+const (
+	clientTargetEnv = "MPNBD_FAULTS_CLIENT_TARGET"
+	clientStateEnv  = "MPNBD_FAULTS_CLIENT_STATE"
+)
+
+// runClient is the client host's process.
+func runClient(target, state string) int {
+	var tg attach.Target
+	if err := json.Unmarshal([]byte(target), &tg); err != nil {
+		fmt.Fprintln(os.Stderr, "client:", err)
+		return 1
+	}
+	a := fuse.New(fuse.Config{StateDir: state})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	att, err := a.Attach(ctx, tg, attach.Options{})
+	cancel()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "client: attach:", err)
+		return 1
+	}
+	fmt.Println("device", att.Device)
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	if err := a.Detach(context.Background(), tg.VolumeID); err != nil {
+		fmt.Fprintln(os.Stderr, "client: detach:", err)
+		return 1
+	}
+	return 0
+}
+
+// storageHost is a storage node of the fabric and its agent's process.
+type storageHost struct {
+	node, host string
+	f          *topo.Fabric
+	bin        string
+	dir        string
+	kubeconfig string
+	apiPort    int
+	log        string
+
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+// replicatedEnv is the whole setup.
+type replicatedEnv struct {
+	t     *testing.T
+	f     *topo.Fabric
+	c     client.Client
+	hosts map[string]*storageHost
+	bin   string
+	logs  string
+}
+
+const replicatedNamespace = apiserver.DeployNamespace
+
+func newReplicatedEnv(t *testing.T) *replicatedEnv {
+	t.Helper()
+	need(t, "fio", "ip", "tc")
+	topo.RequireNft(t)
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	bin, err := buildOnce()
+	if err != nil {
+		t.Fatalf("build the commands: %v", err)
+	}
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := apiserver.Apply(ctx, c, "deploy/rbac-storage-agent.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	f := topo.NewFabricForTest(t, topo.FabricConfig{Name: topo.UniqueName("rf"), Hosts: []string{"cli", "s1", "s2", "s3"}, Paths: 4, RateMbit: 1000})
+	e := &replicatedEnv{t: t, f: f, c: c, hosts: map[string]*storageHost{}, bin: bin, logs: t.TempDir()}
+	t.Cleanup(func() {
+		if t.Failed() {
+			e.dumpLogs()
+		}
+	})
+
+	// The controller: signs the storage certificates, fails volumes over.
+	ctlLog, err := os.Create(filepath.Join(e.logs, "controller.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctl := exec.Command(filepath.Join(bin, "controller"), "--endpoint", "unix://"+filepath.Join(t.TempDir(), "c.sock"),
+		"--namespace", replicatedNamespace, "--kubeconfig", apiserver.WriteKubeconfig(t, cfg))
+	ctl.Stdout, ctl.Stderr = ctlLog, ctlLog
+	if err := ctl.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ctl.Process.Kill(); ctl.Wait() })
+
+	for i, h := range []string{"s1", "s2", "s3"} {
+		sh := &storageHost{node: "store-" + strconv.Itoa(i+1), host: h, f: f, bin: bin, dir: t.TempDir(),
+			log: filepath.Join(e.logs, h+".log")}
+		sh.apiPort = forwardAPI(t, f.NS(h), strings.TrimSuffix(strings.TrimPrefix(cfg.Host, "https://"), "/"))
+		acfg := apiserver.As(cfg, "mpnbd-storage-agent", sh.node)
+		acfg.Host = "https://127.0.0.1:" + strconv.Itoa(sh.apiPort)
+		sh.kubeconfig = apiserver.WriteKubeconfig(t, acfg)
+		sh.start(t)
+		e.hosts[sh.node] = sh
+	}
+	for n := range e.hosts {
+		e.waitFor("storage node "+n+" reports its addresses", time.Minute, func() string {
+			var sn v1alpha1.NBDStorageNode
+			if err := c.Get(ctx, client.ObjectKey{Name: n}, &sn); err != nil {
+				return err.Error()
+			}
+			if sn.Status.Port == 0 || len(sn.Status.Addresses) != 4 {
+				return fmt.Sprintf("status %+v", sn.Status)
+			}
+			return ""
+		})
+	}
+	return e
+}
+
+// forwardAPI listens on a port of ns's loopback and forwards every
+// connection to the API server at target; it returns the port.
+func forwardAPI(t *testing.T, ns, target string) int {
+	t.Helper()
+	var l net.Listener
+	if err := topo.InNetns(ns, func() error {
+		var err error
+		l, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			in, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer in.Close()
+				out, err := net.Dial("tcp", target)
+				if err != nil {
+					t.Logf("forwarding to the API server at %s: %v", target, err)
+					return
+				}
+				defer out.Close()
+				go func() { _, _ = io.Copy(out, in); _ = out.(*net.TCPConn).CloseWrite() }()
+				_, _ = io.Copy(in, out)
+			}()
+		}
+	}()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func (h *storageHost) start(t *testing.T) {
+	t.Helper()
+	var addrs []string
+	for _, a := range h.f.Addrs(h.host) {
+		addrs = append(addrs, a.String())
+	}
+	logf, err := os.OpenFile(h.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	h.cmd = topo.Exec(h.f.NS(h.host), filepath.Join(h.bin, "nbd-server"), "--cluster", "--node-name", h.node,
+		"--namespace", replicatedNamespace, "--data-dir", h.dir, "--storage-address", strings.Join(addrs, ","),
+		"--listen", ":10809", "--metrics-addr", "", "--heartbeat", "2s", "--kubeconfig", h.kubeconfig)
+	h.cmd.Stdout, h.cmd.Stderr = logf, logf
+	h.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := h.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	h.done = make(chan struct{})
+	go func(cmd *exec.Cmd, done chan struct{}) { cmd.Wait(); close(done) }(h.cmd, h.done)
+	t.Cleanup(func() { h.kill(t) })
+}
+
+// kill SIGKILLs the agent's process group and waits for it.
+func (h *storageHost) kill(t *testing.T) {
+	if h.cmd == nil {
+		return
+	}
+	syscall.Kill(-h.cmd.Process.Pid, syscall.SIGKILL)
+	select {
+	case <-h.done:
+	case <-time.After(10 * time.Second):
+		t.Errorf("the agent of %s survived SIGKILL", h.node)
+	}
+	h.cmd = nil
+}
+
+// die is a storage host's death: every packet of its namespace dropped
+// (no reset, no ICMP), its agent SIGKILLed.
+func (h *storageHost) die(t *testing.T) {
+	t.Helper()
+	if err := topo.Drop(h.f.NS(h.host), "dead", ""); err != nil {
+		t.Fatal(err)
+	}
+	h.kill(t)
+}
+
+// revive brings a dead host back: its network, then its agent over the
+// same data directory.
+func (h *storageHost) revive(t *testing.T) {
+	t.Helper()
+	if err := topo.Undrop(h.f.NS(h.host), "dead"); err != nil {
+		t.Fatal(err)
+	}
+	h.start(t)
+}
+
+func (e *replicatedEnv) dumpLogs() {
+	entries, _ := os.ReadDir(e.logs)
+	for _, en := range entries {
+		b, err := os.ReadFile(filepath.Join(e.logs, en.Name()))
+		if err != nil {
+			continue
+		}
+		if len(b) > 12000 {
+			b = b[len(b)-12000:]
+		}
+		e.t.Logf("--- the end of %s:\n%s", en.Name(), b)
+	}
+}
+
+// waitFor polls cond until it returns "" or timeout passes.
+func (e *replicatedEnv) waitFor(what string, timeout time.Duration, cond func() string) {
+	e.t.Helper()
+	end := time.Now().Add(timeout)
+	for {
+		msg := cond()
+		if msg == "" {
+			return
+		}
+		if time.Now().After(end) {
+			e.t.Fatalf("%s: not after %v: %s", what, timeout, msg)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+func (e *replicatedEnv) volume(name string) *v1alpha1.NBDVolume {
+	e.t.Helper()
+	var v v1alpha1.NBDVolume
+	if err := e.c.Get(context.Background(), client.ObjectKey{Name: name}, &v); err != nil {
+		e.t.Fatal(err)
+	}
+	return &v
+}
+
+// startClient runs the client host's process for target and returns the
+// block device it attached.
+func (e *replicatedEnv) startClient(target attach.Target) string {
+	t := e.t
+	t.Helper()
+	b, err := json.Marshal(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logf, err := os.Create(filepath.Join(e.logs, "client.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := topo.Exec(e.f.NS("cli"), os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), clientTargetEnv+"="+string(b), clientStateEnv+"="+t.TempDir())
+	cmd.Stderr = logf
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	t.Cleanup(func() {
+		stdin.Close()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			t.Error("the client did not detach within 30s")
+			cmd.Process.Kill()
+			<-done
+		}
+	})
+	dev := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			if d, ok := strings.CutPrefix(sc.Text(), "device "); ok {
+				dev <- d
+			}
+		}
+		close(dev)
+	}()
+	select {
+	case d, ok := <-dev:
+		if !ok {
+			t.Fatal("the client exited before it attached")
+		}
+		return d
+	case <-time.After(90 * time.Second):
+		t.Fatal("the client did not attach within 90s")
+	}
+	return ""
+}
+
+// pauseProbe writes one block at off of dev every 100ms, each write
+// O_DIRECT and O_DSYNC, and keeps the longest time between two completed
+// writes, and every error.
+type pauseProbe struct {
+	mu      sync.Mutex
+	last    time.Time
+	longest time.Duration
+	errs    []error
+	stop    chan struct{}
+	done    chan struct{}
+}
+
+func startPauseProbe(t *testing.T, dev string, off int64) *pauseProbe {
+	t.Helper()
+	fd, err := syscall.Open(dev, syscall.O_WRONLY|syscall.O_DIRECT|syscall.O_DSYNC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := make([]byte, 8192)
+	shift := (4096 - int(uintptr(unsafe.Pointer(&raw[0]))&4095)) & 4095
+	buf := raw[shift : shift+4096]
+	p := &pauseProbe{last: time.Now(), stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(p.done)
+		defer syscall.Close(fd)
+		for i := 0; ; i++ {
+			select {
+			case <-p.stop:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			copy(buf, fmt.Sprintf("probe %d", i))
+			_, err := syscall.Pwrite(fd, buf, off)
+			p.mu.Lock()
+			if err != nil {
+				p.errs = append(p.errs, err)
+			}
+			now := time.Now()
+			p.longest = max(p.longest, now.Sub(p.last))
+			p.last = now
+			p.mu.Unlock()
+		}
+	}()
+	t.Cleanup(p.end)
+	return p
+}
+
+// take returns the longest pause since the last take (including the one
+// under way) and starts afresh; and the errors.
+func (p *pauseProbe) take() (time.Duration, []error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	l := max(p.longest, time.Since(p.last))
+	p.longest = 0
+	errs := p.errs
+	p.errs = nil
+	return l, errs
+}
+
+// end stops the probe; a write that hangs (the test failed with the
+// volume unreachable) is left behind after 10s.
+func (p *pauseProbe) end() {
+	select {
+	case <-p.stop:
+	default:
+		close(p.stop)
+	}
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+	}
+}
+
+// TestReplicatedVolumeFaults: fio --verify=crc32c rounds on a 3-replica
+// volume through the fuse transport while, in turn, the primary's host
+// dies (the controller promotes a replica in sync; the client reaches it
+// with no I/O error), the dead host comes back (rebuilt as a replica,
+// back in sync), a secondary's host dies and comes back, the primary is
+// cut off from the API server only (its lease lapses: it stops serving,
+// another is promoted), and the primary is cut off from the client only
+// (nothing moves: the I/O waits, then goes on). No round fails, a probe
+// writer sees no error, and the longest pause of each case is printed.
+// At the end every copy in sync holds the same bytes.
+func TestReplicatedVolumeFaults(t *testing.T) {
+	e := newReplicatedEnv(t)
+	ctx := context.Background()
+	c := e.c
+	const size = 64 << 20
+	const name = "rv"
+	v := &v1alpha1.NBDVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
+			v1alpha1.ReplicaLabel("store-2"): "", v1alpha1.ReplicaLabel("store-3"): ""}},
+		Spec: v1alpha1.NBDVolumeSpec{SizeBytes: size, StorageNode: "store-1", AccessType: v1alpha1.AccessBlock,
+			Replicas: 3, ReplicaNodes: []string{"store-2", "store-3"}},
+	}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	token, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cliAddrs []string
+	for _, a := range e.f.Addrs("cli") {
+		cliAddrs = append(cliAddrs, a.String())
+	}
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := e.volume(name)
+		v.Spec.Publications = []v1alpha1.Publication{{NodeID: "cli", TokenSHA256: access.TokenHash(token), Addresses: cliAddrs, Epoch: 1}}
+		return c.Update(ctx, v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	record := func() *v1alpha1.ReplicationStatus { return e.volume(name).Status.Replication }
+	inSync := func(want ...string) func() string {
+		return func() string {
+			r := record()
+			if r == nil || !slices.Equal(r.InSync, want) {
+				return fmt.Sprintf("record %+v", r)
+			}
+			return ""
+		}
+	}
+	// Served, and its record made with every replica in sync (which the
+	// storage certificates, issued by the controller, make possible).
+	e.waitFor("the volume served with its three replicas in sync", 2*time.Minute, func() string {
+		v := e.volume(name)
+		if v.Status.Phase != v1alpha1.VolumeAvailable || v.Status.ObservedGeneration != v.Generation {
+			return fmt.Sprintf("status %+v", v.Status)
+		}
+		return inSync("store-1", "store-2", "store-3")()
+	})
+	servers := func(h string) []string {
+		var out []string
+		for _, a := range e.f.Addrs(h) {
+			out = append(out, net.JoinHostPort(a.String(), "10809"))
+		}
+		return out
+	}
+	target := attach.Target{VolumeID: name, Export: access.ExportName(name, token, 1), Addrs: servers("s1"),
+		Replicas: []attach.Server{{StorageNode: "store-2", Addrs: servers("s2")}, {StorageNode: "store-3", Addrs: servers("s3")}}}
+	dev := e.startClient(target)
+	probe := startPauseProbe(t, dev, size-4096)
+
+	// fio rounds over the first half, one after another, all along.
+	const fioSize = 24 << 20
+	finish, failed := fioRounds(t, 3*time.Minute, func(ctx context.Context, n int) (string, error) {
+		return fioVerifyCtx(ctx, dev, fioSize, n, "randwrite", "4k")
+	})
+	check := func(what string) {
+		t.Helper()
+		select {
+		case f := <-failed:
+			t.Fatalf("%s: fio: %s", what, f)
+		default:
+		}
+		pause, errs := probe.take()
+		if len(errs) > 0 {
+			t.Fatalf("%s: the probe's writes failed: %v", what, errs)
+		}
+		t.Logf("%s: the longest I/O pause %v", what, pause.Round(time.Millisecond))
+	}
+	settle := func() { time.Sleep(3 * time.Second) }
+	primary := func() *storageHost { return e.hosts[record().Primary] }
+
+	// A replica whose storage certificate was not issued yet when the
+	// first writes came was dropped; it is back within seconds.
+	e.waitFor("every replica in sync under fio", 2*time.Minute, inSync("store-1", "store-2", "store-3"))
+	settle()
+	check("before any fault")
+
+	// The cycle of faults: once in `make test`, five times in `make soak`.
+	cycles := 1
+	if os.Getenv("MPNBD_SOAK") == "1" {
+		cycles = 5
+	}
+	for cycle := 1; cycle <= cycles; cycle++ {
+		t.Logf("cycle %d of %d", cycle, cycles)
+		// 1. The primary's host dies.
+		old := primary()
+		old.die(t)
+		e.waitFor("another replica promoted", time.Minute, func() string {
+			if r := record(); r.Primary == old.node {
+				return fmt.Sprintf("record %+v", r)
+			}
+			return ""
+		})
+		settle()
+		check("the primary's host died")
+
+		// 2. It comes back: a replica now, rebuilt, in sync again.
+		old.revive(t)
+		e.waitFor("the dead host's replica back in sync", 2*time.Minute, inSync("store-1", "store-2", "store-3"))
+		check("the dead host came back")
+
+		// 3. A secondary's host dies, and comes back.
+		var second *storageHost
+		for _, n := range record().InSync {
+			if n != record().Primary {
+				second = e.hosts[n]
+				break
+			}
+		}
+		second.die(t)
+		e.waitFor("the dead secondary out of the in-sync set", time.Minute, func() string {
+			if slices.Contains(record().InSync, second.node) {
+				return fmt.Sprintf("record %+v", record())
+			}
+			return ""
+		})
+		settle()
+		check("a secondary's host died")
+		second.revive(t)
+		e.waitFor("the secondary back in sync", 2*time.Minute, inSync("store-1", "store-2", "store-3"))
+		check("the secondary came back")
+
+		// 4. The primary cut off from the API server only: its lease lapses,
+		// it stops serving, another is promoted.
+		cut := primary()
+		if err := topo.DropPort(cut.f.NS(cut.host), "api", cut.apiPort); err != nil {
+			t.Fatal(err)
+		}
+		e.waitFor("a replica promoted over the primary cut off from the API server", time.Minute, func() string {
+			if r := record(); r.Primary == cut.node {
+				return fmt.Sprintf("record %+v", r)
+			}
+			return ""
+		})
+		settle()
+		check("the primary was cut off from the API server")
+		if err := topo.Undrop(cut.f.NS(cut.host), "api"); err != nil {
+			t.Fatal(err)
+		}
+		e.waitFor("the cut-off primary back in sync, as a replica", 2*time.Minute, inSync("store-1", "store-2", "store-3"))
+		check("the cut-off primary's API server came back")
+
+		// 5. The primary cut off from the client only: nothing moves; the
+		// I/O waits, then goes on.
+		cut = primary()
+		before := record()
+		if err := topo.DropPeers(cut.f.NS(cut.host), "client", e.f.Addrs("cli")); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(8 * time.Second)
+		if err := topo.Undrop(cut.f.NS(cut.host), "client"); err != nil {
+			t.Fatal(err)
+		}
+		settle()
+		check("the primary was cut off from the client for 8s")
+		if r := record(); r.Primary != before.Primary {
+			t.Errorf("a partition between the client and a live primary moved the volume: %+v, then %+v", before, r)
+		}
+
+	}
+
+	rounds := finish()
+	probe.end()
+	t.Logf("%d fio rounds verified through the faults", rounds)
+	if rounds < 2 {
+		t.Errorf("only %d fio rounds completed", rounds)
+	}
+	// Every copy in sync holds what the primary holds.
+	r := record()
+	want, err := os.ReadFile(filepath.Join(e.hosts[r.Primary].dir, name+".img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range r.InSync {
+		got, err := os.ReadFile(filepath.Join(e.hosts[n].dir, name+".img"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("the copy on %s, in sync, differs from the primary's on %s", n, r.Primary)
+		}
+	}
+	var evs corev1.EventList
+	if err := c.List(ctx, &evs, client.InNamespace(metav1.NamespaceDefault)); err == nil {
+		n := 0
+		for _, ev := range evs.Items {
+			if ev.InvolvedObject.Name == name && ev.Reason == "FailedOver" {
+				n++
+			}
+		}
+		if n < 2 {
+			t.Errorf("%d FailedOver Events on the volume, want 2 (a dead primary, one cut off from the API server)", n)
+		}
+	}
+}
