@@ -59,6 +59,9 @@ type options struct {
 	kubeconfig  string
 	waitTimeout time.Duration
 	staleAfter  time.Duration
+	// replicaLostAfter: a replica's storage node gone this long is
+	// replaced.
+	replicaLostAfter time.Duration
 	defaultSize int64
 	logLevel    slog.Level
 	logFormat   string
@@ -76,6 +79,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
 	fs.DurationVar(&o.waitTimeout, "wait-timeout", 60*time.Second, "how long a call waits for a storage agent")
 	fs.DurationVar(&o.staleAfter, "stale-after", 2*time.Minute, "a storage node not heard of for this long gets no new volumes")
+	fs.DurationVar(&o.replicaLostAfter, "replica-lost-after", driver.DefaultReplicaLostAfter, "a replica whose storage node's lease has not been renewed for this long is replaced on another storage node (copied whole from the primary)")
 	fs.Int64Var(&o.defaultSize, "default-size", 1<<30, "size in bytes of a volume whose request names none")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
 		return o.logLevel.UnmarshalText([]byte(s))
@@ -100,8 +104,8 @@ func parseArgs(args []string) (*options, error) {
 		return nil, errors.New("--namespace is required (or set $POD_NAMESPACE)")
 	case o.logFormat != "text" && o.logFormat != "json":
 		return nil, fmt.Errorf("--log-format %q (want text or json)", o.logFormat)
-	case o.waitTimeout <= 0 || o.staleAfter <= 0 || o.defaultSize <= 0:
-		return nil, errors.New("--wait-timeout, --stale-after and --default-size must be positive")
+	case o.waitTimeout <= 0 || o.staleAfter <= 0 || o.defaultSize <= 0 || o.replicaLostAfter <= 0:
+		return nil, errors.New("--wait-timeout, --stale-after, --replica-lost-after and --default-size must be positive")
 	}
 	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
 		return nil, fmt.Errorf("--endpoint: %v", err)
@@ -200,7 +204,8 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	}
 	go backfill(ctx, ctl, log)
 	// Replicated volumes move off a storage node that is gone.
-	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log}).Run(ctx)
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log,
+		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter}).Run(ctx)
 	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
 }

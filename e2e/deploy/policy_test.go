@@ -26,7 +26,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -88,11 +87,7 @@ func TestNodePolicies(t *testing.T) {
 // own held by another, and it may delete none.
 func leaseWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 	ctx := context.Background()
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent, _ := podTokenClient(t, cfg, c, cs, "mpnbd-storage-agent", "node-a")
+	agent, _ := podTokenClient(t, cfg, c, "mpnbd-storage-agent", "node-a")
 	lease := func(node, holder string) *coordinationv1.Lease {
 		now := metav1.NowMicro()
 		return &coordinationv1.Lease{
@@ -140,19 +135,31 @@ func leaseWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 		{"giving its node's lease to node-b", renew("node-a", "node-b"), true, true},
 		{"deleting its node's lease", func() error { return agent.Delete(ctx, lease("node-a", "node-a")) }, true, false},
 	} {
-		err := tc.do()
-		switch {
-		case !tc.refused && err != nil:
-			t.Errorf("node-a's agent %s: %v", tc.what, err)
-		case tc.refused && err == nil:
-			t.Errorf("node-a's agent %s: allowed", tc.what)
-		case tc.refused && tc.policy && !strings.Contains(err.Error(), agentLeasePolicy):
-			t.Errorf("node-a's agent %s: refused, but not by %s: %v", tc.what, agentLeasePolicy, err)
-		case tc.refused && strings.Contains(err.Error(), "resulted in error"):
-			t.Errorf("node-a's agent %s: refused by an expression that failed: %v", tc.what, err)
-		case tc.refused:
-			t.Logf("node-a's agent %s: refused: %v", tc.what, err)
+		policy := ""
+		if tc.policy {
+			policy = agentLeasePolicy
 		}
+		checkWrite(t, "node-a's agent "+tc.what, tc.do(), tc.refused, policy)
+	}
+}
+
+// checkWrite checks the outcome err of a write that what describes: it
+// succeeded, or it was refused, when refused, by policy (any refusal
+// when policy is empty), and not by an expression that failed to
+// evaluate.
+func checkWrite(t *testing.T, what string, err error, refused bool, policy string) {
+	t.Helper()
+	switch {
+	case !refused && err != nil:
+		t.Errorf("%s: %v", what, err)
+	case refused && err == nil:
+		t.Errorf("%s: allowed", what)
+	case refused && policy != "" && !strings.Contains(err.Error(), policy):
+		t.Errorf("%s: refused, but not by %s: %v", what, policy, err)
+	case refused && strings.Contains(err.Error(), "resulted in error"):
+		t.Errorf("%s: refused by an expression that failed: %v", what, err)
+	case refused:
+		t.Logf("%s: refused: %v", what, err)
 	}
 }
 

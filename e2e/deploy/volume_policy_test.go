@@ -51,8 +51,12 @@ const (
 // returns a client holding a token bound to that pod, as the kubelet gives
 // it (the API server adds the pod's node to the token), and the node name
 // the API server sees in it.
-func podTokenClient(t *testing.T, cfg *rest.Config, c client.Client, cs kubernetes.Interface, account, node string) (client.Client, string) {
+func podTokenClient(t *testing.T, cfg *rest.Config, c client.Client, account, node string) (client.Client, string) {
 	t.Helper()
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx := context.Background()
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: account + "-" + node, Namespace: apiserver.DeployNamespace},
@@ -118,8 +122,8 @@ func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	plugin, pluginNode := podTokenClient(t, cfg, c, cs, "mpnbd-node", "node-a")
-	agent, agentNode := podTokenClient(t, cfg, c, cs, "mpnbd-storage-agent", "node-a")
+	plugin, pluginNode := podTokenClient(t, cfg, c, "mpnbd-node", "node-a")
+	agent, agentNode := podTokenClient(t, cfg, c, "mpnbd-storage-agent", "node-a")
 	if pluginNode != "node-a" || agentNode != "node-a" {
 		t.Fatalf("the API server sees the nodes %q and %q in the pods' tokens, want node-a "+
 			"(Kubernetes 1.30 or later puts the node of the pod a token is bound to in it)", pluginNode, agentNode)
@@ -350,11 +354,7 @@ func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) 
 // names another primary.
 func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 	ctx := context.Background()
-	cs, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent, agentNode := podTokenClient(t, cfg, c, cs, "mpnbd-storage-agent", "node-a")
+	agent, agentNode := podTokenClient(t, cfg, c, "mpnbd-storage-agent", "node-a")
 	if agentNode != "node-a" {
 		t.Fatalf("the API server sees node %q in the pod's token, want node-a", agentNode)
 	}
@@ -485,19 +485,7 @@ func replicaWritesOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) {
 
 		{"dropping node-b from vol-m, whose record names node-b primary", replication("vol-m", record{3, a, []string{a}}), true},
 	} {
-		err := tc.do()
-		switch {
-		case !tc.refused && err != nil:
-			t.Errorf("node-a's agent %s: %v", tc.what, err)
-		case tc.refused && err == nil:
-			t.Errorf("node-a's agent %s: allowed", tc.what)
-		case tc.refused && !strings.Contains(err.Error(), agentPolicy):
-			t.Errorf("node-a's agent %s: refused, but not by %s: %v", tc.what, agentPolicy, err)
-		case tc.refused && strings.Contains(err.Error(), "resulted in error"):
-			t.Errorf("node-a's agent %s: refused by an expression that failed: %v", tc.what, err)
-		case tc.refused:
-			t.Logf("node-a's agent %s: refused: %v", tc.what, err)
-		}
+		checkWrite(t, "node-a's agent "+tc.what, tc.do(), tc.refused, agentPolicy)
 	}
 	var p v1alpha1.NBDVolume
 	if err := c.Get(ctx, client.ObjectKey{Name: "vol-p"}, &p); err != nil {

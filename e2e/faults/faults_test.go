@@ -253,16 +253,23 @@ func (s *ourServer) start(t *testing.T) {
 
 func (s *ourServer) kill(t *testing.T) {
 	t.Helper()
-	if s.cmd == nil {
+	killGroup(t, s.cmd, s.done, "our nbd-server")
+	s.cmd = nil
+}
+
+// killGroup SIGKILLs the process group of cmd (nil: nothing runs) and
+// waits, bounded, for done (closed once cmd was waited for).
+func killGroup(t *testing.T, cmd *exec.Cmd, done <-chan struct{}, what string) {
+	t.Helper()
+	if cmd == nil {
 		return
 	}
-	syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+	syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 	select {
-	case <-s.done:
+	case <-done:
 	case <-time.After(10 * time.Second):
-		t.Fatal("our nbd-server survived SIGKILL")
+		t.Fatalf("%s survived SIGKILL", what)
 	}
-	s.cmd = nil
 }
 
 var buildOnce = sync.OnceValues(func() (string, error) {

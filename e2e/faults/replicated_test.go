@@ -242,15 +242,8 @@ func (h *storageHost) start(t *testing.T) {
 
 // kill SIGKILLs the agent's process group and waits for it.
 func (h *storageHost) kill(t *testing.T) {
-	if h.cmd == nil {
-		return
-	}
-	syscall.Kill(-h.cmd.Process.Pid, syscall.SIGKILL)
-	select {
-	case <-h.done:
-	case <-time.After(10 * time.Second):
-		t.Errorf("the agent of %s survived SIGKILL", h.node)
-	}
+	t.Helper()
+	killGroup(t, h.cmd, h.done, "the agent of "+h.node)
 	h.cmd = nil
 }
 

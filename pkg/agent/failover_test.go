@@ -17,7 +17,7 @@ package agent
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -26,6 +26,7 @@ import (
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -103,49 +104,9 @@ func TestAgentFailover(t *testing.T) {
 	})
 	defer sess.Close(5 * time.Second)
 
-	want := make([]byte, size)
-	seq := 0
-	// write writes n blocks through the session, each bounded, then a
-	// FLUSH, and returns the longest a write took.
-	write := func(n int) time.Duration {
-		t.Helper()
-		var longest time.Duration
-		for range n {
-			off := int64((seq*7919)%(size/65536)) * 65536
-			seq++
-			b := make([]byte, 16384)
-			rand.Read(b)
-			start := time.Now()
-			done := make(chan error, 1)
-			go func() { _, err := sess.Client.WriteAt(b, off); done <- err }()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatalf("the node's write at %d: %v", off, err)
-				}
-			case <-time.After(deadline):
-				t.Fatalf("the node's write at %d unanswered after %v", off, deadline)
-			}
-			longest = max(longest, time.Since(start))
-			copy(want[off:], b)
-		}
-		if err := sess.Client.Flush(); err != nil {
-			t.Fatalf("the node's FLUSH: %v", err)
-		}
-		return longest
-	}
-	holds := func(names ...string) string {
-		for _, n := range names {
-			b, err := os.ReadFile(filepath.Join(sc.dirs[n], "vf"+fileSuffix))
-			if err != nil {
-				return err.Error()
-			}
-			if !bytes.Equal(b, want) {
-				return n + "'s file differs from what the node wrote"
-			}
-		}
-		return ""
-	}
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	write := func(n int) time.Duration { return w.write(sess.Client, n) }
+	holds := func(names ...string) string { return sc.holds("vf", w.want, names...) }
 	write(64)
 	if msg := holds(s1, s2, s3); msg != "" {
 		t.Fatal(msg)
@@ -170,7 +131,7 @@ func TestAgentFailover(t *testing.T) {
 	if _, err := sess.Client.ReadAt(got, 0); err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(got, want) {
+	if !bytes.Equal(got, w.want) {
 		t.Fatal("after the failover the volume does not read back what the node wrote")
 	}
 	if msg := holds(s2, s3); msg != "" {
@@ -192,4 +153,136 @@ func TestAgentFailover(t *testing.T) {
 	if r := getVolume(t, c, "vf").Status.Replication; r.Primary != s2 || r.PrimaryEpoch != 2 {
 		t.Errorf("the record after the old primary's return: %+v", r)
 	}
+}
+
+// TestAgentReplicaReplaced: the agent of a 2-replica volume's replica
+// stops for good; once its lease has lapsed for ReplicaLostAfter the
+// controller puts the spare storage node in its place, the primary's
+// agent drops the lost node from the in-sync set and serves through a
+// Mirror of the new set, which copies the whole volume to the spare; the
+// node's writes go on all along, and the spare's copy ends in sync and
+// equal to the primary's. The volume's deletion then waits for no lost
+// node.
+func TestAgentReplicaReplaced(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2, s3 = testNode, "storage-2", "storage-3"
+	withLease := func(_ *nbd.Server, cfg *Config) {
+		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
+	}
+	agents := map[string]*running{}
+	for _, n := range []string{s1, s2, s3} {
+		agents[n] = sc.start(n, withLease)
+	}
+	for _, n := range []string{s2, s3} {
+		eventually(t, "storage node "+n+" reports its address", func() string {
+			var sn v1alpha1.NBDStorageNode
+			if err := c.Get(ctx, client.ObjectKey{Name: n}, &sn); err != nil {
+				return err.Error()
+			}
+			if sn.Status.Port == 0 {
+				return "no port yet"
+			}
+			return ""
+		})
+	}
+	fctx, stopFailover := context.WithCancel(ctx)
+	defer stopFailover()
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
+		Interval: 200 * time.Millisecond, ReplicaLostAfter: time.Second, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+
+	const size = 8 << 20
+	v := newVolume("vl", size)
+	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): ""}
+	v.Spec.Replicas = 2
+	v.Spec.ReplicaNodes = []string{s2}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vl"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vl: %+v", v.Status)
+	}
+	tok := publish(t, c, "vl", "node-1", false)
+	target := attach.Target{VolumeID: "vl", Export: access.NodeExport("vl", tok), Addrs: []string{agents[s1].addr},
+		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}}}
+	var sess *attach.Session
+	eventually(t, "the node's session opens vl", func() string {
+		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		var err error
+		if sess, err = attach.OpenSession(octx, attach.SessionConfig{Logger: testLogger(t)}, target, attach.Options{}); err != nil {
+			return err.Error()
+		}
+		return ""
+	})
+	defer sess.Close(5 * time.Second)
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	w.write(sess.Client, 32)
+	if msg := sc.holds("vl", w.want, s1, s2); msg != "" {
+		t.Fatal(msg)
+	}
+
+	// s2's agent goes for good (no write meanwhile: it is still in sync
+	// by the record when it is replaced).
+	agents[s2].stop()
+	eventually(t, "s2's replica replaced by s3", func() string {
+		v := getVolume(t, c, "vl")
+		if !slices.Equal(v.Spec.ReplicaNodes, []string{s3}) {
+			return fmt.Sprintf("replicas %v", v.Spec.ReplicaNodes)
+		}
+		return ""
+	})
+	w.write(sess.Client, 32)
+	eventually(t, "s3 in sync, s2 out of the record", func() string {
+		if r := getVolume(t, c, "vl").Status.Replication; !slices.Equal(r.InSync, []string{s1, s3}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	w.write(sess.Client, 8)
+	if msg := sc.holds("vl", w.want, s1, s3); msg != "" {
+		t.Fatal(msg)
+	}
+	v = getVolume(t, c, "vl")
+	if slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s2)) {
+		t.Errorf("the lost node's finalizer is still on the volume: %v", v.Finalizers)
+	}
+	// s2 back, and the replica moved from s3 (alive and in sync) to it,
+	// as an administrator's move does: the primary drops s3 from the
+	// in-sync set before it serves again, and copies the whole volume
+	// over s2's stale copy (s2's log went with its replacement); s3's
+	// agent removes its copy.
+	agents[s2] = sc.start(s2, withLease)
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := getVolume(t, c, "vl")
+		v.Spec.ReplicaNodes = []string{s2}
+		v.Labels[v1alpha1.ReplicaLabel(s2)] = ""
+		return c.Update(ctx, v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.write(sess.Client, 8)
+	eventually(t, "s2 in sync in s3's place", func() string {
+		if r := getVolume(t, c, "vl").Status.Replication; !slices.Equal(r.InSync, []string{s1, s2}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	w.write(sess.Client, 8)
+	if msg := sc.holds("vl", w.want, s1, s2); msg != "" {
+		t.Fatal(msg)
+	}
+	eventually(t, "s3's copy removed", func() string {
+		if _, err := os.Stat(filepath.Join(sc.dirs[s3], "vl"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("s3's copy: %v", err)
+		}
+		return ""
+	})
+
+	// Deleted: it goes without a lost node.
+	sess.Close(5 * time.Second)
+	unpublish(t, c, "vl", "node-1")
+	deleteWithData(t, c, "vl")
+	waitGone(t, c, "vl")
 }

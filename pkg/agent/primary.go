@@ -25,6 +25,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -66,6 +67,9 @@ const (
 // replicated is what the primary holds for a replicated volume.
 type replicated struct {
 	mirror *replica.Mirror
+	// nodes are the volume's replicas (spec.replicaNodes, sorted) the
+	// Mirror was made for: another set makes another Mirror.
+	nodes []string
 	// changed is signalled when the Mirror's replicas change; changes
 	// are those changes, in order, for the Events.
 	changed chan struct{}
@@ -115,6 +119,20 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 	if err := os.MkdirAll(a.logDir(vol.Name), 0o700); err != nil {
 		return internal("the replicas' log directory: %v", err)
 	}
+	// The log of a node that is no longer a replica (replaced) says
+	// nothing of what it would lack were it a replica again.
+	entries, err := os.ReadDir(a.logDir(vol.Name))
+	if err != nil {
+		return internal("the replicas' log directory: %v", err)
+	}
+	for _, e := range entries {
+		if n, ok := strings.CutSuffix(e.Name(), ".dirty"); ok && !slices.Contains(vol.Spec.ReplicaNodes, n) {
+			if err := os.Remove(filepath.Join(a.logDir(vol.Name), e.Name())); err != nil {
+				return internal("removing the log of %s, no longer a replica: %v", n, err)
+			}
+			log.Info("the log of a node no longer a replica removed", "replica", n)
+		}
+	}
 	peers := map[string]replica.Peer{}
 	var out []string
 	for _, n := range vol.Spec.ReplicaNodes {
@@ -124,7 +142,7 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 			out = append(out, n)
 		}
 	}
-	r := &replicated{changed: make(chan struct{}, 1)}
+	r := &replicated{changed: make(chan struct{}, 1), nodes: slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))}
 	m, err := replica.New(replica.Config{
 		Local:   v.backend,
 		Peers:   peers,
@@ -433,6 +451,26 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
 			retry: time.Second, passing: true}
 	}
+	// A node in sync that is no longer one of the volume's replicas (the
+	// controller replaced it: it was lost) leaves the in-sync set before
+	// anything is served: it will not have what comes next.
+	arbiter := &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName}
+	for _, n := range rec.InSync {
+		if n == a.cfg.NodeName || slices.Contains(vol.Spec.ReplicaNodes, n) {
+			continue
+		}
+		epoch, err := arbiter.Drop(ctx, rec.Epoch, n, errors.New("no longer one of the volume's replicas"))
+		if err != nil {
+			return nil, &failure{code: "Unavailable", message: fmt.Sprintf("dropping %s, no longer a replica, from the in-sync set: %v", n, err),
+				retry: time.Second, passing: true}
+		}
+		log.Warn("a node no longer among the volume's replicas left the in-sync set", "replica", n, "epoch", epoch)
+		next := rec.DeepCopy()
+		next.Epoch = epoch
+		next.InSync = slices.DeleteFunc(next.InSync, func(x string) bool { return x == n })
+		next.InSyncReplicas = int32(len(next.InSync))
+		rec = next
+	}
 	if f := a.startMirror(log, vol, v, rec); f != nil {
 		return nil, f
 	}
@@ -496,4 +534,25 @@ func (a *Agent) replicaEvent(ctx context.Context, log *slog.Logger, ref corev1.O
 	if err := a.client.Create(ctx, ev); err != nil {
 		log.Warn("recording an event failed", "reason", reason, "message", msg, "error", err)
 	}
+}
+
+// replicasChanged closes the Mirror of vol when its replicas
+// (spec.replicaNodes) are no longer those it forwards to (the controller
+// replaced one): the next reconcile serves the volume through a Mirror of
+// the new set. The nodes' connections end with it; they dial again.
+func (a *Agent) replicasChanged(log *slog.Logger, vol *v1alpha1.NBDVolume) bool {
+	a.mu.Lock()
+	v := a.vols[vol.Name]
+	if v == nil || v.asReplica || v.replicated == nil || slices.Equal(v.replicated.nodes, slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))) {
+		a.mu.Unlock()
+		return false
+	}
+	was := v.replicated.nodes
+	delete(a.vols, vol.Name)
+	a.mu.Unlock()
+	log.Warn("the volume's replicas changed: serving it again through a Mirror of the new set", "was", was, "now", vol.Spec.ReplicaNodes)
+	if err := a.closeVolume(v); err != nil {
+		log.Warn("closing the volume", "error", err)
+	}
+	return true
 }

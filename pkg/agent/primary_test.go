@@ -150,34 +150,9 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	})
 
 	// What the node wrote: random blocks here and there, then a FLUSH.
-	want := make([]byte, size)
-	write := func(n int) {
-		t.Helper()
-		for i := range n {
-			off := int64((i*7919)%(size/65536)) * 65536
-			b := make([]byte, 16384)
-			rand.Read(b)
-			if _, err := node.WriteAt(b, off); err != nil {
-				t.Fatalf("the node's write at %d: %v", off, err)
-			}
-			copy(want[off:], b)
-		}
-		if err := node.Flush(); err != nil {
-			t.Fatalf("the node's FLUSH: %v", err)
-		}
-	}
-	holds := func(names ...string) string {
-		for _, n := range names {
-			b, err := os.ReadFile(filepath.Join(sc.dirs[n], "vr"+fileSuffix))
-			if err != nil {
-				return err.Error()
-			}
-			if !bytes.Equal(b, want) {
-				return n + "'s file differs from what the node wrote"
-			}
-		}
-		return ""
-	}
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	write := func(n int) { w.write(node, n) }
+	holds := func(names ...string) string { return sc.holds("vr", w.want, names...) }
 	write(64)
 	if msg := holds(s1, s2, s3); msg != "" {
 		t.Fatal(msg)
@@ -276,7 +251,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 		}
 		return ""
 	})
-	want = append(want, make([]byte, grown-size)...)
+	w.want = append(w.want, make([]byte, grown-size)...)
 	tail := bytes.Repeat([]byte("grown"), 4096/5+1)[:4096]
 	if _, err := node.WriteAt(tail, grown-4096); err != nil {
 		t.Fatalf("writing past the old end: %v", err)
@@ -284,7 +259,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	if err := node.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	copy(want[grown-4096:], tail)
+	copy(w.want[grown-4096:], tail)
 	if msg := holds(s1, s2, s3); msg != "" {
 		t.Fatal(msg)
 	}
@@ -332,4 +307,58 @@ func TestAgentReplicatedVolume(t *testing.T) {
 			t.Errorf("%s's copy after the deletion: %v", n, err)
 		}
 	}
+}
+
+// nodeWriter writes random 16 KiB blocks, at 64 KiB steps over the
+// volume, as a node does, and keeps what the volume must hold.
+type nodeWriter struct {
+	t    *testing.T
+	want []byte
+	seq  int
+}
+
+// write writes n blocks through cl, each bounded by the deadline, then a
+// FLUSH, and returns the longest a write took.
+func (w *nodeWriter) write(cl *nbd.Client, n int) time.Duration {
+	t := w.t
+	t.Helper()
+	var longest time.Duration
+	for range n {
+		off := int64((w.seq*7919)%(len(w.want)/65536)) * 65536
+		w.seq++
+		b := make([]byte, 16384)
+		rand.Read(b)
+		start := time.Now()
+		done := make(chan error, 1)
+		go func() { _, err := cl.WriteAt(b, off); done <- err }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("the node's write at %d: %v", off, err)
+			}
+		case <-time.After(deadline):
+			t.Fatalf("the node's write at %d unanswered after %v", off, deadline)
+		}
+		longest = max(longest, time.Since(start))
+		copy(w.want[off:], b)
+	}
+	if err := cl.Flush(); err != nil {
+		t.Fatalf("the node's FLUSH: %v", err)
+	}
+	return longest
+}
+
+// holds says which of the storage nodes' copies of volume differs from
+// want ("" when none does).
+func (sc *storageCluster) holds(volume string, want []byte, names ...string) string {
+	for _, n := range names {
+		b, err := os.ReadFile(filepath.Join(sc.dirs[n], volume+fileSuffix))
+		if err != nil {
+			return err.Error()
+		}
+		if !bytes.Equal(b, want) {
+			return n + "'s file differs from what the node wrote"
+		}
+	}
+	return ""
 }

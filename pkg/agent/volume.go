@@ -160,6 +160,9 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if !vol.DeletionTimestamp.IsZero() {
 		return a.remove(ctx, log, &vol)
 	}
+	if a.replicasChanged(log, &vol) {
+		return ctrl.Result{RequeueAfter: 100 * time.Millisecond}, nil
+	}
 	if r := vol.Status.Replication; r != nil && r.Primary != a.cfg.NodeName && replicatedVolume(&vol) {
 		// Another primary is recorded: this one serves nothing more
 		// (its forwards are refused from now on anyway).

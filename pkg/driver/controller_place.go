@@ -410,16 +410,20 @@ func (c *Controller) pickStorageNodes(ctx context.Context, p Params, tr *csi.Top
 	return placeReplicas(first, cands, p.Replicas, size)
 }
 
+// nodeZone is the zone of a storage node (ZoneLabel in its topology, or
+// its label), "" when it has none.
+func nodeZone(x *v1alpha1.NBDStorageNode) string {
+	if z, ok := x.Status.Topology[ZoneLabel]; ok {
+		return z
+	}
+	return x.Labels[ZoneLabel]
+}
+
 // placeReplicas completes first with n-1 of cands, each on its own node
 // and, among nodes that carry ZoneLabel, each in its own zone; the nodes
 // with the most available bytes first. Too few is ResourceExhausted.
 func placeReplicas(first *v1alpha1.NBDStorageNode, cands []*v1alpha1.NBDStorageNode, n int, size int64) ([]*v1alpha1.NBDStorageNode, error) {
-	zone := func(x *v1alpha1.NBDStorageNode) string {
-		if z, ok := x.Status.Topology[ZoneLabel]; ok {
-			return z
-		}
-		return x.Labels[ZoneLabel]
-	}
+	zone := nodeZone
 	out := []*v1alpha1.NBDStorageNode{first}
 	used := map[string]bool{}
 	if z := zone(first); z != "" {

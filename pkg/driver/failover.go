@@ -27,6 +27,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 )
@@ -51,9 +52,24 @@ import (
 // the new primary's agent serves the volume. A controller that stops
 // between the two leaves a recorded primary that spec.storageNode does not
 // name; the next Check moves the spec.
+//
+// A replica (not the primary) whose storage node is lost for good, its
+// lease unrenewed for ReplicaLostAfter or its NBDStorageNode deleted, is
+// replaced: another storage node, fresh, with room, matching the
+// volume's StorageClass parameters and in a zone of its own (as placement
+// chooses), takes its place in spec.replicaNodes; the lost node's label
+// and replica finalizer go with it (its copy is abandoned: its agent, if
+// it ever comes back, reports the file as an orphan). The primary's agent
+// then drops the lost node from the in-sync set, if it is still there,
+// and fills the new replica by a full copy while it serves. A volume being
+// deleted loses the lost nodes' replica finalizers, so that its deletion
+// does not wait for a node that will not come back.
 type Failover struct {
 	cfg  FailoverConfig
 	seen map[string]leaseSeen
+	// told is when each volume's unplaceable replacement was last
+	// logged.
+	told map[string]time.Time
 }
 
 // FailoverConfig configures a Failover.
@@ -68,7 +84,17 @@ type FailoverConfig struct {
 	Interval time.Duration
 	// Now is the clock (tests); nil means time.Now.
 	Now func() time.Time
+	// ReplicaLostAfter is how long a replica's storage node may stay gone
+	// before the replica is replaced on another node (default
+	// DefaultReplicaLostAfter).
+	ReplicaLostAfter time.Duration
+	// StaleAfter: a storage node whose heartbeat is older takes no new
+	// replica (default DefaultStaleAfter).
+	StaleAfter time.Duration
 }
+
+// DefaultReplicaLostAfter is FailoverConfig.ReplicaLostAfter's default.
+const DefaultReplicaLostAfter = 10 * time.Minute
 
 // leaseSeen is a storage node's lease as the controller last saw it
 // change.
@@ -89,7 +115,13 @@ func NewFailover(cfg FailoverConfig) *Failover {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Failover{cfg: cfg, seen: map[string]leaseSeen{}}
+	if cfg.ReplicaLostAfter <= 0 {
+		cfg.ReplicaLostAfter = DefaultReplicaLostAfter
+	}
+	if cfg.StaleAfter <= 0 {
+		cfg.StaleAfter = DefaultStaleAfter
+	}
+	return &Failover{cfg: cfg, seen: map[string]leaseSeen{}, told: map[string]time.Time{}}
 }
 
 // Run checks every Interval until ctx ends.
@@ -142,11 +174,29 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 	if err := f.cfg.Client.List(ctx, &vols); err != nil {
 		return nil, fmt.Errorf("listing volumes: %w", err)
 	}
+	var storage v1alpha1.NBDStorageNodeList
+	if err := f.cfg.Client.List(ctx, &storage); err != nil {
+		return nil, fmt.Errorf("listing storage nodes: %w", err)
+	}
+	nodes := map[string]*v1alpha1.NBDStorageNode{}
+	for i := range storage.Items {
+		nodes[storage.Items[i].Name] = &storage.Items[i]
+	}
+	// lost: gone for good (ReplicaLostAfter), or no NBDStorageNode.
+	lost := func(n string) bool {
+		_, ok := nodes[n]
+		return !ok || gone[n] >= f.cfg.ReplicaLostAfter
+	}
 	var moved []string
 	var errs []error
 	for i := range vols.Items {
 		v := &vols.Items[i]
 		rec := v.Status.Replication
+		if len(v.Spec.ReplicaNodes) > 0 && slices.ContainsFunc(v.Spec.ReplicaNodes, lost) {
+			if err := f.replaceLost(ctx, v.Name, lost, nodes); err != nil {
+				errs = append(errs, err)
+			}
+		}
 		if rec == nil || len(v.Spec.ReplicaNodes) == 0 || !v.DeletionTimestamp.IsZero() {
 			continue
 		}
@@ -249,6 +299,110 @@ func (f *Failover) moveSpec(ctx context.Context, name string) error {
 		f.cfg.Logger.Info("volume moved to its recorded primary", "volume_id", name, "storage_node", rec.Primary, "replica_nodes", nodes)
 		return nil
 	}
+}
+
+// replaceLost replaces, in volume name, each replica (not the primary)
+// on a lost node by one on another storage node; for a volume being
+// deleted it only releases the lost nodes' replica finalizers.
+func (f *Failover) replaceLost(ctx context.Context, name string, lost func(string) bool, nodes map[string]*v1alpha1.NBDStorageNode) error {
+	for attempt := 0; ; attempt++ {
+		var v v1alpha1.NBDVolume
+		if err := f.cfg.Client.Get(ctx, client.ObjectKey{Name: name}, &v); err != nil {
+			return client.IgnoreNotFound(err)
+		}
+		if rec := v.Status.Replication; rec != nil && rec.Primary != v.Spec.StorageNode {
+			return nil // a promotion half made: moveSpec first
+		}
+		deleting := !v.DeletionTimestamp.IsZero()
+		var replaced [][2]string
+		var unplaced []string
+		for i, n := range v.Spec.ReplicaNodes {
+			if !lost(n) {
+				continue
+			}
+			if !deleting {
+				next := f.replacement(&v, n, nodes)
+				if next == "" {
+					unplaced = append(unplaced, n)
+					continue
+				}
+				v.Spec.ReplicaNodes[i] = next
+				if v.Labels == nil {
+					v.Labels = map[string]string{}
+				}
+				v.Labels[v1alpha1.ReplicaLabel(next)] = ""
+				delete(v.Labels, v1alpha1.ReplicaLabel(n))
+			}
+			controllerutil.RemoveFinalizer(&v, v1alpha1.ReplicaFinalizer(n))
+			replaced = append(replaced, [2]string{n, v.Spec.ReplicaNodes[i]})
+		}
+		if len(unplaced) > 0 && f.cfg.Now().Sub(f.told[name]) >= time.Minute {
+			f.told[name] = f.cfg.Now()
+			f.cfg.Logger.Error("a replica's storage node is lost for good and no other storage node can take its replica (fresh, with room, matching the StorageClass, in a zone of its own): the volume stays with fewer replicas",
+				"volume_id", name, "lost", unplaced)
+		}
+		if len(replaced) == 0 {
+			return nil
+		}
+		err := f.cfg.Client.Update(ctx, &v)
+		if apierrors.IsConflict(err) && attempt < 5 {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("volume %s: replacing the replicas of lost storage nodes: %w", name, err)
+		}
+		for _, r := range replaced {
+			if deleting {
+				f.cfg.Logger.Warn("a deleted volume's replica on a storage node lost for good is released", "volume_id", name, "lost", r[0])
+				continue
+			}
+			f.cfg.Logger.Warn("a replica on a storage node lost for good is replaced", "volume_id", name, "lost", r[0], "replica", r[1])
+			f.event(ctx, &v, corev1.EventTypeWarning, "ReplicaReplaced", fmt.Sprintf(
+				"the storage node %s of a replica is lost for good (gone for %v or deleted): the replica moves to %s, copied whole from the primary",
+				r[0], f.cfg.ReplicaLostAfter, r[1]))
+		}
+		return nil
+	}
+}
+
+// replacement picks the storage node to take v's replica on lost: fresh,
+// with room, its lease not gone, matching v's StorageClass parameters,
+// neither the primary nor a replica of v, in a zone none of the others
+// is in (when it carries one); the most room first. "" when none fits.
+func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[string]*v1alpha1.NBDStorageNode) string {
+	p, err := ParseParams(v.Spec.Parameters)
+	if err != nil {
+		p = Params{}
+	}
+	p.StorageNode = ""
+	keep := append([]string{v.Spec.StorageNode}, v.Spec.ReplicaNodes...)
+	zones := map[string]bool{}
+	for _, n := range keep {
+		if sn := nodes[n]; sn != nil && n != lost {
+			if z := nodeZone(sn); z != "" {
+				zones[z] = true
+			}
+		}
+	}
+	now := f.cfg.Now()
+	var best *v1alpha1.NBDStorageNode
+	for _, sn := range nodes {
+		s, seen := f.seen[sn.Name]
+		switch {
+		case slices.Contains(keep, sn.Name), v1alpha1.ValidReplicaNode(sn.Name) != nil, !paramsMatch(sn, p),
+			sn.Status.AvailableBytes < v.Spec.SizeBytes, sn.Status.Heartbeat.IsZero(), now.Sub(sn.Status.Heartbeat.Time) > f.cfg.StaleAfter,
+			seen && now.Sub(s.at) >= s.duration, zones[nodeZone(sn)] && nodeZone(sn) != "":
+			continue
+		}
+		if best == nil || sn.Status.AvailableBytes > best.Status.AvailableBytes ||
+			sn.Status.AvailableBytes == best.Status.AvailableBytes && sn.Name < best.Name {
+			best = sn
+		}
+	}
+	if best == nil {
+		return ""
+	}
+	return best.Name
 }
 
 // event records an Event on v; a failure is logged.

@@ -170,3 +170,153 @@ func TestFailoverCheck(t *testing.T) {
 		t.Error("no FailedOver Event on va")
 	}
 }
+
+// TestFailoverReplacesLost: a replica whose storage node's lease stays
+// unrenewed for ReplicaLostAfter is replaced by a fresh storage node with
+// room, in a zone of its own, not already holding the volume; its label
+// and replica finalizer go. A node gone for less is not replaced; a
+// volume being deleted only loses the lost node's finalizer; a replica
+// whose NBDStorageNode was deleted is lost at once; with no node to take
+// it, the replica stays.
+func TestFailoverReplacesLost(t *testing.T) {
+	_, c := apiserver.Start(t)
+	ctx := context.Background()
+	const ns = "mpnbd-replace"
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	renew := func(node string) {
+		t.Helper()
+		name := v1alpha1.StorageLeaseName(node)
+		rt := metav1.NewMicroTime(now)
+		var l coordinationv1.Lease
+		err := c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &l)
+		l.Spec = coordinationv1.LeaseSpec{HolderIdentity: ptr.To(node), LeaseDurationSeconds: ptr.To(int32(6)), RenewTime: &rt}
+		if err != nil {
+			l.ObjectMeta = metav1.ObjectMeta{Namespace: ns, Name: name}
+			err = c.Create(ctx, &l)
+		} else {
+			err = c.Update(ctx, &l)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	storageNode := func(name, zone string, avail int64) {
+		t.Helper()
+		n := &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if err := c.Create(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+		n.Status = v1alpha1.NBDStorageNodeStatus{AvailableBytes: avail, CapacityBytes: 2 * avail, Addresses: []string{"192.0.2.1"}, Port: 10809,
+			Topology: map[string]string{ZoneLabel: zone}, Heartbeat: metav1.NewTime(now)}
+		if err := c.Status().Update(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const gi = int64(1) << 30
+	storageNode("s1", "a", 100*gi)
+	storageNode("s2", "b", 100*gi)
+	storageNode("s3", "c", 100*gi)
+	storageNode("s4", "a", 500*gi) // the most room, but s1's zone
+	storageNode("s5", "d", 50*gi)
+	storageNode("s6", "e", 10*gi)
+	storageNode("tiny", "f", 1)
+	for _, n := range []string{"s1", "s2", "s3", "s4", "s5", "s6", "tiny"} {
+		renew(n)
+	}
+	volume := func(name string, replicas []string, finalizers ...string) {
+		t.Helper()
+		labels := map[string]string{}
+		for _, r := range replicas {
+			labels[v1alpha1.ReplicaLabel(r)] = ""
+		}
+		v := &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels, Finalizers: finalizers},
+			Spec: v1alpha1.NBDVolumeSpec{StorageNode: "s1", SizeBytes: gi, AccessType: v1alpha1.AccessBlock, Replicas: int32(len(replicas) + 1), ReplicaNodes: replicas}}
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		in := append([]string{"s1"}, replicas...)
+		v.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 1, Primary: "s1", PrimaryEpoch: 1, InSync: in, InSyncReplicas: int32(len(in))}
+		if err := c.Status().Update(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	volume("va", []string{"s2", "s3"}, v1alpha1.ReplicaFinalizer("s2"), v1alpha1.ReplicaFinalizer("s3"))
+	volume("vdel", []string{"s3"}, v1alpha1.ReplicaFinalizer("s3"), "test.mpnbd.io/hold")
+	if err := c.Delete(ctx, &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "vdel"}}); err != nil {
+		t.Fatal(err)
+	}
+	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: func() time.Time { return now }, ReplicaLostAfter: time.Minute, StaleAfter: time.Hour})
+	get := func(name string) *v1alpha1.NBDVolume {
+		t.Helper()
+		var v v1alpha1.NBDVolume
+		if err := c.Get(ctx, client.ObjectKey{Name: name}, &v); err != nil {
+			t.Fatal(err)
+		}
+		return &v
+	}
+	step := func(d time.Duration) {
+		t.Helper()
+		now = now.Add(d)
+		for _, n := range []string{"s1", "s2", "s4", "s5", "s6", "tiny"} {
+			renew(n)
+		}
+		if _, err := f.Check(ctx, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	step(0)
+	// s3 gone 30s: not lost yet.
+	step(30 * time.Second)
+	if v := get("va"); !slices.Equal(v.Spec.ReplicaNodes, []string{"s2", "s3"}) {
+		t.Fatalf("s3 gone 30s: replicas %v", v.Spec.ReplicaNodes)
+	}
+	// Gone 61s: lost. s4 has the most room but sits in s1's zone; s5
+	// is next.
+	step(31 * time.Second)
+	va := get("va")
+	if !slices.Equal(va.Spec.ReplicaNodes, []string{"s2", "s5"}) {
+		t.Fatalf("s3 lost: replicas %v, want s2 and s5", va.Spec.ReplicaNodes)
+	}
+	if _, ok := va.Labels[v1alpha1.ReplicaLabel("s5")]; !ok {
+		t.Errorf("va's labels %v: no s5", va.Labels)
+	}
+	if _, ok := va.Labels[v1alpha1.ReplicaLabel("s3")]; ok {
+		t.Errorf("va's labels %v: s3's kept", va.Labels)
+	}
+	if slices.Contains(va.Finalizers, v1alpha1.ReplicaFinalizer("s3")) || !slices.Contains(va.Finalizers, v1alpha1.ReplicaFinalizer("s2")) {
+		t.Errorf("va's finalizers %v", va.Finalizers)
+	}
+	if va.Status.Replication.Epoch != 1 {
+		t.Errorf("the controller changed va's record: %+v (the primary's agent drops the lost node)", va.Status.Replication)
+	}
+	vdel := get("vdel")
+	if slices.Contains(vdel.Finalizers, v1alpha1.ReplicaFinalizer("s3")) || !slices.Equal(vdel.Spec.ReplicaNodes, []string{"s3"}) {
+		t.Errorf("the deleted volume: finalizers %v, replicas %v (want s3's finalizer gone, nothing placed)", vdel.Finalizers, vdel.Spec.ReplicaNodes)
+	}
+	// s2's NBDStorageNode deleted: lost at once. Left: s6 (zone e,
+	// room), not s4 (zone a), not tiny (no room).
+	if err := c.Delete(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "s2"}}); err != nil {
+		t.Fatal(err)
+	}
+	step(time.Second)
+	if va := get("va"); !slices.Equal(va.Spec.ReplicaNodes, []string{"s6", "s5"}) {
+		t.Fatalf("s2 deleted: replicas %v, want s6 and s5", va.Spec.ReplicaNodes)
+	}
+	// s6 deleted too: nobody left to take it; the replica stays.
+	if err := c.Delete(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "s6"}}); err != nil {
+		t.Fatal(err)
+	}
+	step(time.Second)
+	if va := get("va"); !slices.Equal(va.Spec.ReplicaNodes, []string{"s6", "s5"}) {
+		t.Fatalf("no node to take s6's replica: replicas %v", va.Spec.ReplicaNodes)
+	}
+	// Release the test's hold on vdel.
+	vdel = get("vdel")
+	vdel.Finalizers = nil
+	if err := c.Update(ctx, vdel); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -51,6 +51,11 @@ func Drop(ns, table, ifname string) error {
 	chain out { type filter hook output priority -300; policy accept; %s; }
 }
 `, table, in, out)
+	return applyNft(ns, script)
+}
+
+// applyNft loads an nftables script into namespace ns.
+func applyNft(ns, script string) error {
 	cmd := Exec(ns, "nft", "-f", "-")
 	cmd.Stdin = strings.NewReader(script)
 	if b, err := cmd.CombinedOutput(); err != nil {

@@ -224,12 +224,7 @@ func DropPeers(ns, table string, addrs []netip.Addr) error {
 	chain out { type filter hook output priority -300; policy accept; ip daddr %s drop; }
 }
 `, table, list, list)
-	cmd := Exec(ns, "nft", "-f", "-")
-	cmd.Stdin = strings.NewReader(script)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("topo: nft in %s: %w: %s", ns, err, b)
-	}
-	return nil
+	return applyNft(ns, script)
 }
 
 // DropPort makes namespace ns drop, silently, every TCP packet to or from
@@ -241,10 +236,5 @@ func DropPort(ns, table string, port int) error {
 	chain out { type filter hook output priority -300; policy accept; tcp dport %d drop; tcp sport %d drop; }
 }
 `, table, port, port, port, port)
-	cmd := Exec(ns, "nft", "-f", "-")
-	cmd.Stdin = strings.NewReader(script)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("topo: nft in %s: %w: %s", ns, err, b)
-	}
-	return nil
+	return applyNft(ns, script)
 }
