@@ -273,9 +273,13 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	if msg := sc.holds("vl", w.want, s1, s2); msg != "" {
 		t.Fatal(msg)
 	}
-	eventually(t, "s3's copy removed", func() string {
+	eventually(t, "s3's copy removed, and its label with its finalizer", func() string {
 		if _, err := os.Stat(filepath.Join(sc.dirs[s3], "vl"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
 			return fmt.Sprintf("s3's copy: %v", err)
+		}
+		v := getVolume(t, c, "vl")
+		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s3)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s3)) {
+			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
 		}
 		return ""
 	})

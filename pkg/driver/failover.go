@@ -197,6 +197,9 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 				errs = append(errs, err)
 			}
 		}
+		if err := f.dropStaleLabels(ctx, v); err != nil {
+			errs = append(errs, err)
+		}
 		if rec == nil || len(v.Spec.ReplicaNodes) == 0 || !v.DeletionTimestamp.IsZero() {
 			continue
 		}
@@ -403,6 +406,34 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 		return ""
 	}
 	return best.Name
+}
+
+// dropStaleLabels takes off v the replica labels of nodes that hold no
+// replica of it any more (not in spec.replicaNodes, not its primary) and
+// whose agents have released it (their replica finalizer is gone): a
+// label is how an agent finds the volumes it holds a replica of, so it
+// stays as long as the agent's finalizer does.
+func (f *Failover) dropStaleLabels(ctx context.Context, v *v1alpha1.NBDVolume) error {
+	var stale []string
+	for k := range v.Labels {
+		n, ok := strings.CutPrefix(k, v1alpha1.ReplicaLabel(""))
+		if !ok || n == v.Spec.StorageNode || slices.Contains(v.Spec.ReplicaNodes, n) || controllerutil.ContainsFinalizer(v, v1alpha1.ReplicaFinalizer(n)) {
+			continue
+		}
+		stale = append(stale, k)
+	}
+	if len(stale) == 0 {
+		return nil
+	}
+	for _, k := range stale {
+		delete(v.Labels, k)
+	}
+	// Conditional on the object listed; a conflict waits for the next
+	// check.
+	if err := f.cfg.Client.Update(ctx, v); err != nil && !apierrors.IsConflict(err) {
+		return fmt.Errorf("volume %s: taking off the labels %v of nodes that no longer hold a replica: %w", v.Name, stale, err)
+	}
+	return nil
 }
 
 // event records an Event on v; a failure is logged.

@@ -16,6 +16,7 @@ package driver
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -23,6 +24,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -267,7 +269,22 @@ func TestFailoverReplacesLost(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Labels of nodes that hold no replica: taken off once their
+	// agent's finalizer is gone.
+	volume("vlab", []string{"s2"}, v1alpha1.ReplicaFinalizer("s2"), v1alpha1.ReplicaFinalizer("held"))
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := get("vlab")
+		v.Labels[v1alpha1.ReplicaLabel("released")] = ""
+		v.Labels[v1alpha1.ReplicaLabel("held")] = ""
+		return c.Update(ctx, v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	step(0)
+	if l := get("vlab").Labels; !maps.Equal(l, map[string]string{v1alpha1.ReplicaLabel("s2"): "", v1alpha1.ReplicaLabel("held"): ""}) {
+		t.Errorf("vlab's labels: %v, want the released node's taken off", l)
+	}
 	// s3 gone 30s: not lost yet.
 	step(30 * time.Second)
 	if v := get("va"); !slices.Equal(v.Spec.ReplicaNodes, []string{"s2", "s3"}) {
@@ -312,6 +329,11 @@ func TestFailoverReplacesLost(t *testing.T) {
 	step(time.Second)
 	if va := get("va"); !slices.Equal(va.Spec.ReplicaNodes, []string{"s6", "s5"}) {
 		t.Fatalf("no node to take s6's replica: replicas %v", va.Spec.ReplicaNodes)
+	}
+	vlab := get("vlab")
+	vlab.Finalizers = nil
+	if err := c.Update(ctx, vlab); err != nil {
+		t.Fatal(err)
 	}
 	// Release the test's hold on vdel.
 	vdel = get("vdel")
