@@ -70,6 +70,10 @@ type Failover struct {
 	// told is when each volume's unplaceable replacement was last
 	// logged.
 	told map[string]time.Time
+	// lastState is the nodes' states (gone, lost) at the last listing
+	// of the volumes, at lastList.
+	lastState string
+	lastList  time.Time
 }
 
 // FailoverConfig configures a Failover.
@@ -167,9 +171,24 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 			gone[node] = d
 		}
 	}
-	if len(gone) == 0 && !always {
+	// The volumes are listed when a node's state changed (gone, or lost
+	// for good), and at most every 10 s while nothing changes: a node
+	// that stays dead for days must not have every volume listed each
+	// second.
+	var state []string
+	for n, d := range gone {
+		st := n + "=gone"
+		if d >= f.cfg.ReplicaLostAfter {
+			st = n + "=lost"
+		}
+		state = append(state, st)
+	}
+	slices.Sort(state)
+	key := strings.Join(state, ",")
+	if !always && (len(gone) == 0 || key == f.lastState && now.Sub(f.lastList) < 10*time.Second) {
 		return nil, nil
 	}
+	f.lastState, f.lastList = key, now
 	var vols v1alpha1.NBDVolumeList
 	if err := f.cfg.Client.List(ctx, &vols); err != nil {
 		return nil, fmt.Errorf("listing volumes: %w", err)
@@ -230,6 +249,7 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		moved = append(moved, v.Name)
 	}
 	if len(errs) > 0 {
+		f.lastState = "" // the next check lists again
 		return moved, fmt.Errorf("%d failover(s) failed, the first: %w", len(errs), errs[0])
 	}
 	return moved, nil
