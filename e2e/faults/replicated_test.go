@@ -193,7 +193,28 @@ func forwardAPI(t *testing.T, ns, target string) int {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { l.Close() })
+	// Every connection is closed at the end, before the API server
+	// stops: one whose agent died while its host's packets were dropped
+	// never hears of it, and would hold the API server's shutdown.
+	var mu sync.Mutex
+	conns := map[net.Conn]bool{}
+	track := func(c net.Conn, add bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if add {
+			conns[c] = true
+		} else {
+			delete(conns, c)
+		}
+	}
+	t.Cleanup(func() {
+		l.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for c := range conns {
+			c.Close()
+		}
+	})
 	go func() {
 		for {
 			in, err := l.Accept()
@@ -201,13 +222,15 @@ func forwardAPI(t *testing.T, ns, target string) int {
 				return
 			}
 			go func() {
-				defer in.Close()
+				track(in, true)
+				defer func() { in.Close(); track(in, false) }()
 				out, err := net.Dial("tcp", target)
 				if err != nil {
-					t.Logf("forwarding to the API server at %s: %v", target, err)
+					fmt.Fprintf(os.Stderr, "forwarding to the API server at %s: %v\n", target, err)
 					return
 				}
-				defer out.Close()
+				track(out, true)
+				defer func() { out.Close(); track(out, false) }()
 				go func() { _, _ = io.Copy(out, in); _ = out.(*net.TCPConn).CloseWrite() }()
 				_, _ = io.Copy(in, out)
 			}()
