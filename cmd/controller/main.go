@@ -62,9 +62,9 @@ type options struct {
 	// replicaLostAfter: a replica's storage node gone this long is
 	// replaced.
 	replicaLostAfter time.Duration
-	defaultSize int64
-	logLevel    slog.Level
-	logFormat   string
+	defaultSize      int64
+	logLevel         slog.Level
+	logFormat        string
 	// sign runs the signer of node and storage certificates, approving
 	// requests of these ServiceAccounts (NAMESPACE:NAME).
 	sign                        bool

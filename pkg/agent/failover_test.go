@@ -92,16 +92,7 @@ func TestAgentFailover(t *testing.T) {
 	tok := publish(t, c, "vf", "node-1", false)
 	target := attach.Target{VolumeID: "vf", Export: access.NodeExport("vf", tok), Addrs: []string{agents[s1].addr},
 		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}, {StorageNode: s3, Addrs: []string{agents[s3].addr}}}}
-	var sess *attach.Session
-	eventually(t, "the node's session opens vf", func() string {
-		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		var err error
-		if sess, err = attach.OpenSession(octx, attach.SessionConfig{Logger: testLogger(t)}, target, attach.Options{}); err != nil {
-			return err.Error()
-		}
-		return ""
-	})
+	sess := openSession(t, target)
 	defer sess.Close(5 * time.Second)
 
 	w := &nodeWriter{t: t, want: make([]byte, size)}
@@ -175,16 +166,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 		agents[n] = sc.start(n, withLease)
 	}
 	for _, n := range []string{s2, s3} {
-		eventually(t, "storage node "+n+" reports its address", func() string {
-			var sn v1alpha1.NBDStorageNode
-			if err := c.Get(ctx, client.ObjectKey{Name: n}, &sn); err != nil {
-				return err.Error()
-			}
-			if sn.Status.Port == 0 {
-				return "no port yet"
-			}
-			return ""
-		})
+		sc.waitAddress(n)
 	}
 	fctx, stopFailover := context.WithCancel(ctx)
 	defer stopFailover()
@@ -205,16 +187,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	tok := publish(t, c, "vl", "node-1", false)
 	target := attach.Target{VolumeID: "vl", Export: access.NodeExport("vl", tok), Addrs: []string{agents[s1].addr},
 		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}}}
-	var sess *attach.Session
-	eventually(t, "the node's session opens vl", func() string {
-		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		var err error
-		if sess, err = attach.OpenSession(octx, attach.SessionConfig{Logger: testLogger(t)}, target, attach.Options{}); err != nil {
-			return err.Error()
-		}
-		return ""
-	})
+	sess := openSession(t, target)
 	defer sess.Close(5 * time.Second)
 	w := &nodeWriter{t: t, want: make([]byte, size)}
 	w.write(sess.Client, 32)
@@ -289,4 +262,21 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	unpublish(t, c, "vl", "node-1")
 	deleteWithData(t, c, "vl")
 	waitGone(t, c, "vl")
+}
+
+// openSession opens the node's session of target (as fuse and ublk run
+// it), dialling again until it serves (bounded).
+func openSession(t *testing.T, target attach.Target) *attach.Session {
+	t.Helper()
+	var sess *attach.Session
+	eventually(t, "the node's session opens "+target.VolumeID, func() string {
+		octx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var err error
+		if sess, err = attach.OpenSession(octx, attach.SessionConfig{Logger: testLogger(t)}, target, attach.Options{}); err != nil {
+			return err.Error()
+		}
+		return ""
+	})
+	return sess
 }

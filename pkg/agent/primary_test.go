@@ -112,16 +112,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
 	agents := map[string]*running{s1: sc.start(s1), s2: sc.start(s2), s3: sc.start(s3)}
 	for _, n := range []string{s2, s3} {
-		eventually(t, "storage node "+n+" reports its address", func() string {
-			var sn v1alpha1.NBDStorageNode
-			if err := c.Get(ctx, client.ObjectKey{Name: n}, &sn); err != nil {
-				return err.Error()
-			}
-			if sn.Status.Port == 0 {
-				return "no port yet"
-			}
-			return ""
-		})
+		sc.waitAddress(n)
 	}
 
 	const size = 8 << 20
@@ -361,4 +352,19 @@ func (sc *storageCluster) holds(volume string, want []byte, names ...string) str
 		}
 	}
 	return ""
+}
+
+// waitAddress waits until storage node n reports where it serves.
+func (sc *storageCluster) waitAddress(n string) {
+	sc.t.Helper()
+	eventually(sc.t, "storage node "+n+" reports its address", func() string {
+		var sn v1alpha1.NBDStorageNode
+		if err := sc.c.Get(context.Background(), client.ObjectKey{Name: n}, &sn); err != nil {
+			return err.Error()
+		}
+		if sn.Status.Port == 0 {
+			return "no port yet"
+		}
+		return ""
+	})
 }

@@ -49,23 +49,7 @@ func TestFailoverCheck(t *testing.T) {
 	}
 	now := time.Now()
 	clock := func() time.Time { return now }
-	renew := func(node string) {
-		t.Helper()
-		name := v1alpha1.StorageLeaseName(node)
-		rt := metav1.NewMicroTime(now)
-		var l coordinationv1.Lease
-		err := c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &l)
-		l.Spec = coordinationv1.LeaseSpec{HolderIdentity: ptr.To(node), LeaseDurationSeconds: ptr.To(int32(6)), RenewTime: &rt}
-		if err != nil {
-			l.ObjectMeta = metav1.ObjectMeta{Namespace: ns, Name: name}
-			err = c.Create(ctx, &l)
-		} else {
-			err = c.Update(ctx, &l)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
+	renew := func(node string) { renewLease(t, c, ns, node, now) }
 	volume := func(name, primary string, replicas, inSync []string, recorded string) {
 		t.Helper()
 		v := &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: name},
@@ -188,23 +172,7 @@ func TestFailoverReplacesLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	now := time.Now()
-	renew := func(node string) {
-		t.Helper()
-		name := v1alpha1.StorageLeaseName(node)
-		rt := metav1.NewMicroTime(now)
-		var l coordinationv1.Lease
-		err := c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &l)
-		l.Spec = coordinationv1.LeaseSpec{HolderIdentity: ptr.To(node), LeaseDurationSeconds: ptr.To(int32(6)), RenewTime: &rt}
-		if err != nil {
-			l.ObjectMeta = metav1.ObjectMeta{Namespace: ns, Name: name}
-			err = c.Create(ctx, &l)
-		} else {
-			err = c.Update(ctx, &l)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
+	renew := func(node string) { renewLease(t, c, ns, node, now) }
 	storageNode := func(name, zone string, avail int64) {
 		t.Helper()
 		n := &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}}
@@ -339,6 +307,27 @@ func TestFailoverReplacesLost(t *testing.T) {
 	vdel = get("vdel")
 	vdel.Finalizers = nil
 	if err := c.Update(ctx, vdel); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// renewLease renews (or makes) storage node's lease in ns at now, for 6s,
+// as its agent does.
+func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
+	t.Helper()
+	ctx := context.Background()
+	name := v1alpha1.StorageLeaseName(node)
+	rt := metav1.NewMicroTime(now)
+	var l coordinationv1.Lease
+	err := c.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &l)
+	l.Spec = coordinationv1.LeaseSpec{HolderIdentity: ptr.To(node), LeaseDurationSeconds: ptr.To(int32(6)), RenewTime: &rt}
+	if err != nil {
+		l.ObjectMeta = metav1.ObjectMeta{Namespace: ns, Name: name}
+		err = c.Create(ctx, &l)
+	} else {
+		err = c.Update(ctx, &l)
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
 }
