@@ -166,7 +166,10 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r.mirror, r.stop = m, cancel
+	// resolve reads it (the nodes' handshakes) under a.mu.
+	a.mu.Lock()
 	v.replicated = r
+	a.mu.Unlock()
 	r.wg.Add(2)
 	go a.runRebuilds(ctx, log, vol.Name, vol.Spec.ReplicaNodes, rec.PrimaryEpoch, r)
 	ref := corev1.ObjectReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "NBDVolume", Name: vol.Name, UID: vol.UID}

@@ -119,7 +119,11 @@ const (
 
 // peer is one replica as the Mirror tracks it.
 type peer struct {
-	name  string
+	name string
+	// p is the connection to the replica, replaced by a rebuild: read
+	// and written through client and setClient (pmu, a leaf lock), as
+	// the forwards in flight read it while a rebuild sets it.
+	pmu   sync.Mutex
 	p     Peer
 	state replicaState
 	// decided is closed once the replica is out, or the Mirror fenced.
@@ -441,6 +445,20 @@ func (m *Mirror) markLacking(p *peer, off, n int64) error {
 	return nil
 }
 
+// client is p's connection as it is now.
+func (p *peer) client() Peer {
+	p.pmu.Lock()
+	defer p.pmu.Unlock()
+	return p.p
+}
+
+// setClient makes c p's connection.
+func (p *peer) setClient(c Peer) {
+	p.pmu.Lock()
+	p.p = c
+	p.pmu.Unlock()
+}
+
 // forward runs fwd on every target at once, each bounded by the
 // deadline, and returns a channel closed once all have answered. A target
 // that fails (or is past the deadline: closed, which ends its call) has
@@ -456,7 +474,8 @@ func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan struct{} 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := m.call(p, func() error { return fwd(p.p) }); err != nil {
+			c := p.client()
+			if err := m.call(c, func() error { return fwd(c) }); err != nil {
 				m.failed(p, err)
 			}
 		}()
@@ -468,10 +487,11 @@ func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan struct{} 
 // errDeadline: a forward left unanswered past the deadline.
 var errDeadline = errors.New("replica: no answer within the deadline")
 
-// call runs f against p, bounded by the deadline: past it p is closed (its
-// calls in flight then return) and the call counts as failed.
-func (m *Mirror) call(p *peer, f func() error) error {
-	late := time.AfterFunc(m.deadline, func() { p.p.Close() })
+// call runs f against a replica's connection c, bounded by the deadline:
+// past it c is closed (its calls in flight then return) and the call
+// counts as failed.
+func (m *Mirror) call(c Peer, f func() error) error {
+	late := time.AfterFunc(m.deadline, func() { c.Close() })
 	err := f()
 	if !late.Stop() {
 		return fmt.Errorf("%w (%v)", errDeadline, m.deadline)
@@ -531,7 +551,7 @@ func (m *Mirror) startDrop(p *peer, cause error) chan struct{} {
 // trying again while the arbiter is unreachable. A refusal (superseded)
 // fences the Mirror.
 func (m *Mirror) drop(p *peer) {
-	p.p.Close()
+	p.client().Close()
 	m.mu.Lock()
 	l := p.log
 	m.mu.Unlock()
@@ -645,7 +665,7 @@ func (m *Mirror) fence(why error) {
 		case rebuilding:
 			p.state = out
 		}
-		p.p.Close()
+		p.client().Close()
 	}
 }
 
@@ -697,7 +717,8 @@ func (m *Mirror) flushPeer(p *peer, seq uint64) {
 	if state != inSync && state != rebuilding {
 		return
 	}
-	if err := m.call(p, p.p.Flush); err != nil {
+	c := p.client()
+	if err := m.call(c, c.Flush); err != nil {
 		m.failed(p, err)
 		return
 	}
@@ -723,7 +744,7 @@ func (m *Mirror) Close() error {
 	m.mu.Unlock()
 	m.cancel()
 	for _, p := range m.peers {
-		p.p.Close()
+		p.client().Close()
 	}
 	m.decide.Lock() // no decision in flight uses a log being closed
 	m.mu.Lock()

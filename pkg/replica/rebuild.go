@@ -54,7 +54,7 @@ func (m *Mirror) failed(p *peer, err error) {
 		p.state = out
 		p.cause = err
 		m.mu.Unlock()
-		p.p.Close()
+		p.client().Close()
 		m.log.Warn("the replica being rebuilt failed: it stays out", "replica", p.name, "error", err)
 		m.changed(p)
 		return
@@ -99,7 +99,7 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 		conn.Close()
 		return fmt.Errorf("replica: rebuilding %s: it is not out of the in-sync set", name)
 	}
-	p.p = conn
+	p.setClient(conn)
 	p.unflushed, p.flushing = &chunks{}, nil
 	p.state = rebuilding
 	p.copied, p.total = 0, 0
@@ -170,7 +170,7 @@ func (m *Mirror) rebuilding(ctx context.Context, p *peer) error {
 		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, p.cause)
 	case ctx.Err() != nil || m.ctx.Err() != nil:
 		p.state = out
-		p.p.Close()
+		p.client().Close()
 		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, p.name, cmp.Or(ctx.Err(), m.ctx.Err()))
 	}
 	return nil
@@ -188,8 +188,9 @@ func (m *Mirror) copyChunk(p *peer, off int64, buf []byte) error {
 	if _, err := m.local.ReadAt(buf[:n], off); err != nil && !errors.Is(err, io.EOF) {
 		return fmt.Errorf("reading the primary's copy: %w", err)
 	}
-	return m.call(p, func() error {
-		_, err := p.p.WriteAt(buf[:n], off)
+	c := p.client()
+	return m.call(c, func() error {
+		_, err := c.WriteAt(buf[:n], off)
 		return err
 	})
 }
@@ -240,7 +241,7 @@ func (m *Mirror) rejoin(ctx context.Context, p *peer, took time.Duration, copied
 	m.mu.Lock()
 	if p.state == inSync {
 		p.state = out
-		p.p.Close()
+		p.client().Close()
 	}
 	m.mu.Unlock()
 	return fmt.Errorf("%w: replica %s: the arbiter was not reached", ErrRebuildAborted, p.name)
