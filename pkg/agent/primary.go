@@ -544,16 +544,25 @@ func (a *Agent) replicaEvent(ctx context.Context, log *slog.Logger, ref corev1.O
 // replaced one): the next reconcile serves the volume through a Mirror of
 // the new set. The nodes' connections end with it; they dial again.
 func (a *Agent) replicasChanged(log *slog.Logger, vol *v1alpha1.NBDVolume) bool {
+	nodes := slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))
+	return a.closeMirror(log, vol.Name, func(r *replicated) bool { return !slices.Equal(r.nodes, nodes) },
+		"the volume's replicas changed: serving it again through a Mirror of the new set", "now", nodes)
+}
+
+// closeMirror stops serving volume name through its Mirror when it has
+// one and stale says it must go: the volume leaves the agent's set and is
+// closed (its nodes' connections end), and why is logged. It reports
+// whether it closed it.
+func (a *Agent) closeMirror(log *slog.Logger, name string, stale func(*replicated) bool, why string, args ...any) bool {
 	a.mu.Lock()
-	v := a.vols[vol.Name]
-	if v == nil || v.asReplica || v.replicated == nil || slices.Equal(v.replicated.nodes, slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))) {
+	v := a.vols[name]
+	if v == nil || v.asReplica || v.replicated == nil || !stale(v.replicated) {
 		a.mu.Unlock()
 		return false
 	}
-	was := v.replicated.nodes
-	delete(a.vols, vol.Name)
+	delete(a.vols, name)
 	a.mu.Unlock()
-	log.Warn("the volume's replicas changed: serving it again through a Mirror of the new set", "was", was, "now", vol.Spec.ReplicaNodes)
+	log.Warn(why, append(args, "was", v.replicated.nodes)...)
 	if err := a.closeVolume(v); err != nil {
 		log.Warn("closing the volume", "error", err)
 	}

@@ -166,20 +166,8 @@ func (a *Agent) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, e
 	if r := vol.Status.Replication; r != nil && r.Primary != a.cfg.NodeName && replicatedVolume(&vol) {
 		// Another primary is recorded: this one serves nothing more
 		// (its forwards are refused from now on anyway).
-		a.mu.Lock()
-		v := a.vols[vol.Name]
-		if v != nil && v.replicated != nil {
-			delete(a.vols, vol.Name)
-		} else {
-			v = nil
-		}
-		a.mu.Unlock()
-		if v != nil {
-			log.Warn("another primary is recorded: this one stops serving", "primary", r.Primary, "epoch", r.Epoch)
-			if err := a.closeVolume(v); err != nil {
-				log.Warn("closing the volume", "error", err)
-			}
-		}
+		a.closeMirror(log, vol.Name, func(*replicated) bool { return true },
+			"another primary is recorded: this one stops serving", "primary", r.Primary, "epoch", r.Epoch)
 	}
 	// A replica this node held until it was promoted is served as the
 	// primary from now on.
