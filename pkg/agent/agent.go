@@ -390,7 +390,11 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 			return nbd.Grant{}, fmt.Errorf("node %s: the connection is of publication epoch %d, newer than the one applied here (%d)",
 				g.nodeID, epoch, g.epoch)
 		}
-		return nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.tokenHash == ""}, nil
+		grant := nbd.Grant{Export: vol, ReadOnly: g.readOnly, Tag: g.nodeID, RequireTLS: g.tokenHash == ""}
+		if v.replicated != nil {
+			grant.Servers = v.replicated.servers
+		}
+		return grant, nil
 	}
 	if !withToken {
 		return nbd.Grant{}, fmt.Errorf("volume %q is not published to node %s", vol, peer)

@@ -152,8 +152,11 @@ func TestAgentFailover(t *testing.T) {
 // agent drops the lost node from the in-sync set and serves through a
 // Mirror of the new set, which copies the whole volume to the spare; the
 // node's writes go on all along, and the spare's copy ends in sync and
-// equal to the primary's. The volume's deletion then waits for no lost
-// node.
+// equal to the primary's. The node's session learns of the spare from
+// the primary; the primary then stops for good, the spare is promoted
+// and the session reaches it, never given it. The node that came back
+// replaces the lost primary; a move made by hand follows. The volume's
+// deletion then waits for no lost node.
 func TestAgentReplicaReplaced(t *testing.T) {
 	sc := newStorageCluster(t)
 	ctx, c := context.Background(), sc.c
@@ -165,7 +168,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	for _, n := range []string{s1, s2, s3} {
 		agents[n] = sc.start(n, withLease)
 	}
-	for _, n := range []string{s2, s3} {
+	for _, n := range []string{s1, s2, s3} {
 		sc.waitAddress(n)
 	}
 	fctx, stopFailover := context.WithCancel(ctx)
@@ -220,38 +223,69 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	if slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s2)) {
 		t.Errorf("the lost node's finalizer is still on the volume: %v", v.Finalizers)
 	}
-	// s2 back, and the replica moved from s3 (alive and in sync) to it,
-	// as an administrator's move does: the primary drops s3 from the
-	// in-sync set before it serves again, and copies the whole volume
-	// over s2's stale copy (s2's log went with its replacement); s3's
-	// agent removes its copy.
+	// The node was given s1 and s2; s1 told it of s3 at the handshake
+	// after the replacement (its Mirror closed the nodes' connections).
+	if !slices.ContainsFunc(sess.Servers(), func(srv attach.Server) bool {
+		return srv.StorageNode == s3 && slices.Contains(srv.Addrs, agents[s3].addr)
+	}) {
+		t.Fatalf("the node's session was not told of s3: it dials %+v", sess.Servers())
+	}
+	// s1, the primary, goes for good: s3, in sync, is promoted, and the
+	// node's session reaches it (it was never given s3) with no error.
+	agents[s1].stop()
+	w.write(sess.Client, 32)
+	eventually(t, "s3 primary, s1 among the replicas", func() string {
+		v := getVolume(t, c, "vl")
+		if v.Spec.StorageNode != s3 || v.Status.Replication.Primary != s3 {
+			return fmt.Sprintf("storage node %s, record %+v", v.Spec.StorageNode, v.Status.Replication)
+		}
+		return ""
+	})
+	// s2 back: it replaces s1 (lost), and the whole volume is copied to it.
 	agents[s2] = sc.start(s2, withLease)
+	eventually(t, "s1's replica replaced by s2, in sync", func() string {
+		v := getVolume(t, c, "vl")
+		if r := v.Status.Replication; !slices.Equal(v.Spec.ReplicaNodes, []string{s2}) || !slices.Equal(r.InSync, []string{s2, s3}) {
+			return fmt.Sprintf("replicas %v, record %+v", v.Spec.ReplicaNodes, r)
+		}
+		return ""
+	})
+	w.write(sess.Client, 8)
+	if msg := sc.holds("vl", w.want, s3, s2); msg != "" {
+		t.Fatal(msg)
+	}
+	// s1 back, and the replica moved from s2 (alive and in sync) to it,
+	// as an administrator's move does: the primary drops s2 from the
+	// in-sync set before it serves again, and copies the whole volume
+	// over s1's stale copy (its log went with its replacement); s2's
+	// agent removes its copy.
+	agents[s1] = sc.start(s1, withLease)
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		v := getVolume(t, c, "vl")
-		v.Spec.ReplicaNodes = []string{s2}
-		v.Labels[v1alpha1.ReplicaLabel(s2)] = ""
+		v.Spec.ReplicaNodes = []string{s1}
+		v.Labels[v1alpha1.ReplicaLabel(s1)] = ""
 		return c.Update(ctx, v)
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	w.write(sess.Client, 8)
-	eventually(t, "s2 in sync in s3's place", func() string {
-		if r := getVolume(t, c, "vl").Status.Replication; !slices.Equal(r.InSync, []string{s1, s2}) {
+	eventually(t, "s1 in sync in s2's place", func() string {
+		if r := getVolume(t, c, "vl").Status.Replication; !slices.Equal(r.InSync, []string{s1, s3}) {
 			return fmt.Sprintf("record %+v", r)
 		}
 		return ""
 	})
 	w.write(sess.Client, 8)
-	if msg := sc.holds("vl", w.want, s1, s2); msg != "" {
+	if msg := sc.holds("vl", w.want, s3, s1); msg != "" {
 		t.Fatal(msg)
 	}
-	eventually(t, "s3's copy removed, and its label with its finalizer", func() string {
-		if _, err := os.Stat(filepath.Join(sc.dirs[s3], "vl"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
-			return fmt.Sprintf("s3's copy: %v", err)
+	eventually(t, "s2's copy removed, and its label with its finalizer", func() string {
+		if _, err := os.Stat(filepath.Join(sc.dirs[s2], "vl"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("s2's copy: %v", err)
 		}
 		v := getVolume(t, c, "vl")
-		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s3)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s3)) {
+		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s2)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s2)) {
 			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
 		}
 		return ""

@@ -70,6 +70,11 @@ type replicated struct {
 	// nodes are the volume's replicas (spec.replicaNodes, sorted) the
 	// Mirror was made for: another set makes another Mirror.
 	nodes []string
+	// servers are where the volume's replicas serve nodes, this node
+	// first: told to the nodes at their handshakes (nbd.InfoServers), so
+	// that a node reaches a replica it was not given when that replica
+	// takes over.
+	servers []nbd.ServerAddrs
 	// changed is signalled when the Mirror's replicas change; changes
 	// are those changes, in order, for the Events.
 	changed chan struct{}
@@ -142,7 +147,8 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 			out = append(out, n)
 		}
 	}
-	r := &replicated{changed: make(chan struct{}, 1), nodes: slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))}
+	r := &replicated{changed: make(chan struct{}, 1), nodes: slices.Sorted(slices.Values(vol.Spec.ReplicaNodes)),
+		servers: a.servers(log, vol)}
 	m, err := replica.New(replica.Config{
 		Local:   v.backend,
 		Peers:   peers,
@@ -176,6 +182,29 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 	go a.reportReplicas(ctx, log, ref, r)
 	log.Info("serving as the primary", "epoch", rec.Epoch, "primary_epoch", rec.PrimaryEpoch, "in_sync", rec.InSync, "out", out)
 	return nil
+}
+
+// servers lists where vol's replicas (this node first) serve, as their
+// NBDStorageNodes report it. One that reports no address yet is left
+// out: the nodes keep the replicas they were given at publication.
+func (a *Agent) servers(log *slog.Logger, vol *v1alpha1.NBDVolume) []nbd.ServerAddrs {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var out []nbd.ServerAddrs
+	for _, n := range append([]string{a.cfg.NodeName}, vol.Spec.ReplicaNodes...) {
+		var sn v1alpha1.NBDStorageNode
+		err := a.reader.Get(ctx, types.NamespacedName{Name: n}, &sn)
+		if err != nil || len(sn.Status.Addresses) == 0 || sn.Status.Port == 0 {
+			log.Info("a replica's addresses are not known: the nodes are not told of it", "replica", n, "error", err)
+			continue
+		}
+		s := nbd.ServerAddrs{Node: n}
+		for _, addr := range sn.Status.Addresses {
+			s.Addrs = append(s.Addrs, net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))))
+		}
+		out = append(out, s)
+	}
+	return out
 }
 
 // logDir is where the logs of what volume's replicas lack are kept.

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -91,6 +92,10 @@ type ExportDialer struct {
 	// TLS, when set, upgrades each connection (NBD_OPT_STARTTLS) before
 	// the export is chosen; the connection returned is the TLS one.
 	TLS *tls.Config
+	// Servers, when set, asks the server which storage nodes hold the
+	// export now (a replicated volume's replicas) and records its answer
+	// there, for the next dials (ServerDialer.For).
+	Servers *ServerDialer
 }
 
 // mptcpAttempts bounds the connections DialExport opens to get one that
@@ -155,7 +160,7 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 	if err != nil {
 		return nil, nbd.ExportInfo{}, err
 	}
-	no := nbd.NegotiateOptions{Session: sess}
+	no := nbd.NegotiateOptions{Session: sess, AskServers: x.Servers != nil}
 	var info nbd.ExportInfo
 	if x.TLS != nil {
 		var tc net.Conn
@@ -172,6 +177,9 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 		}
 		return nil, nbd.ExportInfo{}, fmt.Errorf("handshake with %s: %w", addr, err)
 	}
+	if x.Servers != nil && len(info.Servers) > 0 {
+		x.Servers.learn(info.Servers)
+	}
 	return c, info, nil
 }
 
@@ -180,6 +188,51 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 type ServerDialer struct {
 	mu    sync.Mutex
 	addrs map[string]*AddrDialer
+	// learned are the servers that the last server to serve said hold
+	// the export now (ExportDialer.Servers).
+	learned []Server
+}
+
+// learn records the servers a serving server listed.
+func (d *ServerDialer) learn(list []nbd.ServerAddrs) {
+	servers := make([]Server, len(list))
+	for i, s := range list {
+		servers[i] = Server{StorageNode: s.Node, Addrs: slices.Clone(s.Addrs)}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.learned = servers
+}
+
+// For lists the servers to dial for t: those the last serving server
+// listed (a replica added since the node was given t is among them), then
+// those of t's own that it did not list (by name or address): a server
+// that served before its list was updated may have left out a replica
+// that has just joined, so the list given at publication is never
+// dropped.
+func (d *ServerDialer) For(t Target) []Server {
+	d.mu.Lock()
+	out := slices.Clone(d.learned)
+	d.mu.Unlock()
+	known := func(s Server) bool {
+		for _, l := range out {
+			if s.StorageNode != "" && s.StorageNode == l.StorageNode {
+				return true
+			}
+			for _, a := range s.Addrs {
+				if slices.Contains(l.Addrs, a) {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	for _, s := range t.Servers() {
+		if !known(s) {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 func (d *ServerDialer) of(s Server) *AddrDialer {

@@ -20,6 +20,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -192,5 +195,96 @@ func TestDialServers(t *testing.T) {
 	_, _, err = dial(refusing(errors.New("not the primary")), refusing(fmt.Errorf("replaced: %w", nbd.ErrSuperseded)))
 	if !errors.Is(err, nbd.ErrSuperseded) {
 		t.Errorf("one refusing as superseded: %v, want nbd.ErrSuperseded in it", err)
+	}
+}
+
+// TestDialServersLearns: a replicated volume's session learns from the
+// server that serves which storage nodes hold the export now, and dials
+// them next time: a replica added after the node was given its target
+// (a replacement, a drain) is reached when it takes over. The target's
+// own servers stay in the list, by name or, without one (no TLS), by
+// address.
+func TestDialServersLearns(t *testing.T) {
+	if err := mptcp.Available(); err != nil {
+		t.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	var listed atomic.Pointer[[]nbd.ServerAddrs]
+	listed.Store(&[]nbd.ServerAddrs{})
+	var serving sync.Map // address -> true while it serves
+	serve := func() (string, *nbd.Server) {
+		l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr := l.Addr().String()
+		srv := &nbd.Server{Logger: log, Resolve: func(nbd.ConnInfo, string) (nbd.Grant, error) {
+			if _, ok := serving.Load(addr); !ok {
+				return nbd.Grant{}, errors.New("not the primary")
+			}
+			return nbd.Grant{Export: "vol", Servers: *listed.Load()}, nil
+		}}
+		if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(l)
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			srv.Shutdown(ctx)
+		})
+		return addr, srv
+	}
+	a, _ := serve()
+	b, _ := serve()
+	c, _ := serve()
+	// The node was given A (no name: a token, no TLS) and replica B.
+	target := Target{Addrs: []string{a}, Replicas: []Server{{StorageNode: "b", Addrs: []string{b}}}}
+	var d ServerDialer
+	dial := func() (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		conn, addr, err := DialServers(ctx, &d, d.For(target), func(ctx context.Context, s Server, addr string) (net.Conn, error) {
+			c, _, err := ExportDialer{Logger: log, Servers: &d}.DialExport(ctx, addr, "", "vol", true, nil)
+			return c, err
+		}, func(c net.Conn) { c.Close() })
+		if conn != nil {
+			conn.Close()
+		}
+		return addr, err
+	}
+	names := func() []string {
+		var out []string
+		for _, s := range d.For(target) {
+			out = append(out, s.StorageNode+"="+strings.Join(s.Addrs, ","))
+		}
+		return out
+	}
+	if got, want := names(), []string{"=" + a, "b=" + b}; !slices.Equal(got, want) {
+		t.Fatalf("before any dial: %v, want %v", got, want)
+	}
+	// A serves and lists itself and C, a replica that replaced B.
+	serving.Store(a, true)
+	listed.Store(&[]nbd.ServerAddrs{{Node: "a", Addrs: []string{a}}, {Node: "c", Addrs: []string{c}}})
+	if addr, err := dial(); err != nil || addr != a {
+		t.Fatalf("first dial reached %q, %v; want %s", addr, err, a)
+	}
+	if got, want := names(), []string{"a=" + a, "c=" + c, "b=" + b}; !slices.Equal(got, want) {
+		t.Fatalf("after A listed A and C: %v, want %v", got, want)
+	}
+	// A is gone and C took over: the session reaches C, which it was
+	// never given.
+	serving.Delete(a)
+	serving.Store(c, true)
+	if addr, err := dial(); err != nil || addr != c {
+		t.Fatalf("after the failover reached %q, %v; want %s", addr, err, c)
+	}
+	// A server that lists nothing leaves what was learned.
+	listed.Store(&[]nbd.ServerAddrs{})
+	if addr, err := dial(); err != nil || addr != c {
+		t.Fatalf("dial reached %q, %v; want %s", addr, err, c)
+	}
+	if got, want := names(), []string{"a=" + a, "c=" + c, "b=" + b}; !slices.Equal(got, want) {
+		t.Fatalf("after a server listed nothing: %v, want %v", got, want)
 	}
 }

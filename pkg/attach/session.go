@@ -50,6 +50,7 @@ type Session struct {
 	// FailAfter is the relay's bound on an outage (zero: a hard mount).
 	FailAfter time.Duration
 
+	target  Target
 	servers ServerDialer
 	stop    context.CancelFunc
 	done    chan struct{}
@@ -73,15 +74,18 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Session{ID: cfg.ID, done: make(chan struct{})}
+	s := &Session{ID: cfg.ID, target: t, done: make(chan struct{})}
 	if s.ID == (nbd.SessionID{}) {
 		s.ID = nbd.NewSessionID()
 	}
 	dial := func(ctx context.Context) (*relay.Remote, error) {
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()
-		rc, _, err := DialServers(ctx, &s.servers, t.Servers(), func(ctx context.Context, srv Server, addr string) (*relay.Remote, error) {
+		rc, _, err := DialServers(ctx, &s.servers, s.servers.For(t), func(ctx context.Context, srv Server, addr string) (*relay.Remote, error) {
 			x := ExportDialer{Logger: log}
+			if len(t.Replicas) > 0 {
+				x.Servers = &s.servers
+			}
 			if t.TLS != nil {
 				x.TLS = t.TLS.ConfigFor(srv)
 			}
@@ -129,6 +133,11 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	s.Client = nbd.NewClientOn(s.Info, s.Relay, log)
 	return s, nil
 }
+
+// Servers lists the storage nodes the session dials when it dials again:
+// for a replicated volume, those the last serving one listed, and the
+// target's own.
+func (s *Session) Servers() []Server { return s.servers.For(s.target) }
 
 // Flush sends a FLUSH of the session's own, before a handoff, and waits
 // up to timeout for its answer. It never takes from the device a failed

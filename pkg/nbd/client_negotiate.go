@@ -37,6 +37,9 @@ type NegotiateOptions struct {
 	// Session, when set, is announced with OptSession before GO (in the
 	// same write); ExportInfo.Fenced then says whether the server took it.
 	Session *Session
+	// AskServers asks for the storage nodes that hold the export now
+	// (InfoServers); ExportInfo.Servers has them when the server knows.
+	AskServers bool
 }
 
 // NegotiateWith is Negotiate with options.
@@ -79,6 +82,9 @@ func startTLS(c net.Conn, cfg *tls.Config) (*tls.Conn, error) {
 // after the greeting.
 func negotiateGo(rw io.ReadWriter, export string, no NegotiateOptions, noZeroes bool) (ExportInfo, error) {
 	q := InfoRequest{Name: export, Infos: []uint16{InfoBlockSize, InfoName, InfoDescription}}
+	if no.AskServers {
+		q.Infos = append(q.Infos, InfoServers)
+	}
 	o := option{Code: OptGo, Data: q.encode()}
 	msg := o.encode()
 	if no.Session != nil {

@@ -133,6 +133,9 @@ type Grant struct {
 	// RequireTLS refuses the export (ERR_TLS_REQD) unless the connection
 	// upgraded with STARTTLS.
 	RequireTLS bool
+	// Servers, when set, are the storage nodes that hold the export now,
+	// sent to a client that asks (InfoServers).
+	Servers []ServerAddrs
 }
 
 // Observer receives events for metrics. Calls are made from the serving

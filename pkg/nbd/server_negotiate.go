@@ -248,6 +248,13 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 					}
 				case InfoBlockSize:
 					data = encodeInfoBlockSize(minBlock, prefBlock, MaxRequestSize)
+				case InfoServers:
+					if len(g.Servers) > 0 {
+						var eerr error
+						if data, eerr = encodeInfoServers(g.Servers); eerr != nil {
+							s.log().Warn("the export's servers are not sent", "export", g.Export, "error", eerr)
+						}
+					}
 				}
 				if data != nil {
 					if err := reply(o.Code, RepInfo, data); err != nil {

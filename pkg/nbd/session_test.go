@@ -87,7 +87,11 @@ func TestSessionFencesSupersededConnection(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			const blk = 4096
 			be := &stallBackend{MemBackend: NewMemBackend(1 << 20), gate: make(chan struct{}), started: make(chan struct{}, 1)}
-			s := &Server{Logger: quietLogger(), Workers: 1}
+			// Without a session, requests go to the worker: a write run
+			// by the reader itself (inline) holds it, and the request
+			// behind it is not read, nor the connection's end, until
+			// that write ends; only a session fences that one.
+			s := &Server{Logger: quietLogger(), Workers: 1, NoInline: !fenced}
 			if err := s.AddExport(&Export{Name: "d", Backend: be}); err != nil {
 				t.Fatal(err)
 			}
@@ -127,6 +131,13 @@ func TestSessionFencesSupersededConnection(t *testing.T) {
 			// worker). Give the reader a moment to take it off the wire.
 			time.Sleep(50 * time.Millisecond)
 			c1.Close()
+			if !fenced {
+				// Nothing tells the server that connection 2 follows
+				// connection 1 but connection 1's end, which it must
+				// have read (a loaded machine can delay its reader past
+				// connection 2's write).
+				waitReadEnded(t, s)
+			}
 
 			c2 := dial()
 			sendReq(t, c2, Request{Type: CmdWrite, Handle: 3, Offset: blk, Length: blk}, newer)
@@ -358,5 +369,29 @@ func TestBootIncarnation(t *testing.T) {
 	b, _ := BootIncarnation()
 	if a != b || a == (Incarnation{}) || a == processIncarnation() {
 		t.Fatalf("boot incarnations %v, %v (process %v)", a, b, processIncarnation())
+	}
+}
+
+// waitReadEnded waits (bounded) until one of s's connections has read its
+// end.
+func waitReadEnded(t *testing.T, s *Server) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		ended := false
+		s.mu.Lock()
+		for _, e := range s.exports {
+			e.mu.Lock()
+			for c := range e.conns {
+				ended = ended || c.gone.Load()
+			}
+			e.mu.Unlock()
+		}
+		s.mu.Unlock()
+		if ended {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the server did not read the end of connection 1 within 5 s")
+		}
 	}
 }

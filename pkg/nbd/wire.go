@@ -230,6 +230,9 @@ type ExportInfo struct {
 	// incarnation. Both are zero with servers that do not know the option.
 	Fenced      bool
 	Incarnation Incarnation
+	// Servers are the storage nodes that hold the export now, when the
+	// client asked (NegotiateOptions.AskServers) and the server knows.
+	Servers []ServerAddrs
 }
 
 func encodeInfoExport(size uint64, flags uint16) []byte {
@@ -278,6 +281,12 @@ func (e *ExportInfo) applyInfo(b []byte) error {
 		e.Name = string(b[2:])
 	case InfoDescription:
 		e.Description = string(b[2:])
+	case InfoServers:
+		servers, err := decodeInfoServers(b[2:])
+		if err != nil {
+			return err
+		}
+		e.Servers = servers
 	}
 	return nil
 }

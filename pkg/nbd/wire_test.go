@@ -130,7 +130,7 @@ func TestApplyInfo(t *testing.T) {
 		}
 	}
 	want := ExportInfo{Name: "n", Description: "d", Size: 1 << 30, Flags: FlagHasFlags | FlagSendFlush, MinBlock: 1, PrefBlock: 4096, MaxBlock: MaxRequestSize}
-	if e != want {
+	if !reflect.DeepEqual(e, want) {
 		t.Fatalf("got %+v want %+v", e, want)
 	}
 	for _, b := range [][]byte{{0}, {0, 0, 1}, {0, 3, 1, 2}} {

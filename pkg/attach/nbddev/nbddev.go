@@ -563,7 +563,7 @@ func (a *Attacher) noteIncarnation(v *volume, info nbd.ExportInfo) {
 func (a *Attacher) dialAny(ctx context.Context, v *volume) (*relay.Remote, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
-	c, _, err := attach.DialServers(ctx, &v.servers, v.target.Servers(), func(ctx context.Context, srv attach.Server, addr string) (*relay.Remote, error) {
+	c, _, err := attach.DialServers(ctx, &v.servers, v.servers.For(v.target), func(ctx context.Context, srv attach.Server, addr string) (*relay.Remote, error) {
 		return a.dialServer(ctx, v, srv, addr, "", a.usesMPTCP(), 0)
 	}, func(rc *relay.Remote) { rc.Close() })
 	return c, err
@@ -585,6 +585,9 @@ func (a *Attacher) dialServer(ctx context.Context, v *volume, srv attach.Server,
 		sess = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
 	}
 	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID)}
+	if len(v.target.Replicas) > 0 {
+		x.Servers = &v.servers
+	}
 	if v.target.TLS != nil && attach.CanEncrypt(a.cfg.Mode) {
 		x.TLS = v.target.TLS.ConfigFor(srv)
 	}
