@@ -354,12 +354,37 @@ type NBDStorageNodeStatus struct {
 // +kubebuilder:printcolumn:name="Capacity",type=integer,JSONPath=`.status.capacityBytes`
 // +kubebuilder:printcolumn:name="Snapshots",type=integer,JSONPath=`.status.snapshots`
 // +kubebuilder:printcolumn:name="Heartbeat",type=date,JSONPath=`.status.heartbeat`
+// +kubebuilder:printcolumn:name="Cordoned",type=boolean,JSONPath=`.spec.unschedulable`
+// +kubebuilder:printcolumn:name="Draining",type=boolean,JSONPath=`.spec.drain`
 type NBDStorageNode struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata,omitempty"`
 
+	// Spec is what an administrator asks of the node (mpnbdctl cordon,
+	// drain); its agent never changes it.
+	// +optional
+	Spec   NBDStorageNodeSpec   `json:"spec,omitempty"`
 	Status NBDStorageNodeStatus `json:"status,omitempty"`
 }
+
+// NBDStorageNodeSpec is the maintenance asked of a storage node
+// (docs/replication.md, "Storage-node maintenance").
+type NBDStorageNodeSpec struct {
+	// Unschedulable (cordoned): no new volume, and no new replica, is
+	// placed on the node; what it holds stays and is served.
+	// +optional
+	Unschedulable bool `json:"unschedulable,omitempty"`
+	// Drain moves every replica of a replicated volume off the node, a
+	// new copy made in sync elsewhere before the node's is dropped, the
+	// primary handed to an in-sync replica first; the node then holds no
+	// replicated volume. It implies Unschedulable.
+	// +optional
+	Drain bool `json:"drain,omitempty"`
+}
+
+// Schedulable reports whether new volumes and replicas may be placed on
+// the node (neither cordoned nor draining).
+func (n *NBDStorageNode) Schedulable() bool { return !n.Spec.Unschedulable && !n.Spec.Drain }
 
 // NBDStorageNodeList is a list of NBDStorageNode.
 // +kubebuilder:object:root=true

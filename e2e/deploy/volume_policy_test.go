@@ -297,6 +297,22 @@ func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) 
 		{"node-a's agent creating an NBDStorageNode of node-c", func() error {
 			return agent.Create(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "node-c"}})
 		}, agentPolicy},
+		{"the administrator cordoning and draining node-a", func() error {
+			return c.Patch(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}},
+				client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true,"drain":true}}`)))
+		}, ""},
+		{"node-a's agent uncordoning its NBDStorageNode", func() error {
+			return agent.Patch(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}},
+				client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":false}}`)))
+		}, agentPolicy},
+		{"node-a's agent stopping its NBDStorageNode's drain", func() error {
+			return agent.Patch(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}},
+				client.RawPatch(types.MergePatchType, []byte(`{"spec":{"drain":null}}`)))
+		}, agentPolicy},
+		{"node-a's agent labelling its NBDStorageNode (its spec unchanged)", func() error {
+			return agent.Patch(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}},
+				client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"labels":{"x":"y"}}}`)))
+		}, ""},
 	} {
 		err := tc.do()
 		switch {
@@ -309,6 +325,12 @@ func volumeWritesOnlyOfOwnNode(t *testing.T, cfg *rest.Config, c client.Client) 
 				t.Logf("%s: refused: %v", tc.what, err)
 			}
 		}
+	}
+
+	// What was refused left node-a cordoned and draining.
+	var na v1alpha1.NBDStorageNode
+	if err := c.Get(ctx, client.ObjectKey{Name: "node-a"}, &na); err != nil || !na.Spec.Unschedulable || !na.Spec.Drain {
+		t.Errorf("node-a after its agent's refused writes: spec %+v, %v", na.Spec, err)
 	}
 
 	// What was refused left node-b's volume as it was.

@@ -772,7 +772,7 @@ func (c *Controller) getCapacity(ctx context.Context, req *csi.GetCapacityReques
 	var total, largest int64
 	for i := range nodes {
 		n := &nodes[i]
-		if !paramsMatch(n, p) || !c.fresh(n) {
+		if !paramsMatch(n, p) || !c.fresh(n) || !n.Schedulable() {
 			continue
 		}
 		if t := req.GetAccessibleTopology(); t != nil && !topologyMatches(n.Status.Topology, t.GetSegments()) {

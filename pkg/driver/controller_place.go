@@ -316,7 +316,7 @@ func (c *Controller) pickStorageNode(ctx context.Context, p Params, tr *csi.Topo
 	if err != nil {
 		return nil, err
 	}
-	var named, matching, fresh int
+	var named, matching, fresh, open int
 	var largest int64
 	var roomy []*v1alpha1.NBDStorageNode
 	for i := range nodes {
@@ -338,6 +338,10 @@ func (c *Controller) pickStorageNode(ctx context.Context, p Params, tr *csi.Topo
 			continue
 		}
 		fresh++
+		if !n.Schedulable() {
+			continue
+		}
+		open++
 		largest = max(largest, n.Status.AvailableBytes)
 		if n.Status.AvailableBytes >= size {
 			roomy = append(roomy, n)
@@ -354,6 +358,8 @@ func (c *Controller) pickStorageNode(ctx context.Context, p Params, tr *csi.Topo
 			ErrExhausted)
 	case fresh == 0:
 		return nil, fmt.Errorf("%w: no matching storage node reported within %s", ErrUnavailable, c.cfg.StaleAfter)
+	case open == 0:
+		return nil, fmt.Errorf("%w: every matching storage node is cordoned or draining (spec.unschedulable, spec.drain)", ErrExhausted)
 	case len(roomy) == 0:
 		return nil, fmt.Errorf("%w: no matching storage node has %d bytes available (the most is %d)",
 			ErrExhausted, size, largest)
@@ -397,7 +403,7 @@ func (c *Controller) pickStorageNodes(ctx context.Context, p Params, tr *csi.Top
 	var cands []*v1alpha1.NBDStorageNode
 	for i := range nodes {
 		n := &nodes[i]
-		if n.Name == first.Name || !paramsMatch(n, rest) || !c.fresh(n) || n.Status.AvailableBytes < size {
+		if n.Name == first.Name || !paramsMatch(n, rest) || !c.fresh(n) || !n.Schedulable() || n.Status.AvailableBytes < size {
 			continue
 		}
 		if req := tr.GetRequisite(); len(req) > 0 && !slices.ContainsFunc(req, func(t *csi.Topology) bool {

@@ -185,21 +185,25 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 	}
 	slices.Sort(state)
 	key := strings.Join(state, ",")
-	if !always && (len(gone) == 0 || key == f.lastState && now.Sub(f.lastList) < 10*time.Second) {
+	var storage v1alpha1.NBDStorageNodeList
+	if err := f.cfg.Client.List(ctx, &storage); err != nil {
+		return nil, fmt.Errorf("listing storage nodes: %w", err)
+	}
+	nodes := map[string]*v1alpha1.NBDStorageNode{}
+	draining := false
+	for i := range storage.Items {
+		nodes[storage.Items[i].Name] = &storage.Items[i]
+		draining = draining || storage.Items[i].Spec.Drain
+	}
+	// A drain is step by step (a copy in sync, then a switch): the
+	// volumes are looked at every check while one goes on.
+	if !always && !draining && (len(gone) == 0 || key == f.lastState && now.Sub(f.lastList) < 10*time.Second) {
 		return nil, nil
 	}
 	f.lastState, f.lastList = key, now
 	var vols v1alpha1.NBDVolumeList
 	if err := f.cfg.Client.List(ctx, &vols); err != nil {
 		return nil, fmt.Errorf("listing volumes: %w", err)
-	}
-	var storage v1alpha1.NBDStorageNodeList
-	if err := f.cfg.Client.List(ctx, &storage); err != nil {
-		return nil, fmt.Errorf("listing storage nodes: %w", err)
-	}
-	nodes := map[string]*v1alpha1.NBDStorageNode{}
-	for i := range storage.Items {
-		nodes[storage.Items[i].Name] = &storage.Items[i]
 	}
 	// lost: gone for good (ReplicaLostAfter), or no NBDStorageNode.
 	lost := func(n string) bool {
@@ -219,7 +223,17 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		if err := f.dropStaleLabels(ctx, v); err != nil {
 			errs = append(errs, err)
 		}
-		if rec == nil || len(v.Spec.ReplicaNodes) == 0 || !v.DeletionTimestamp.IsZero() {
+		if !v.DeletionTimestamp.IsZero() {
+			continue
+		}
+		if len(v.Spec.ReplicaNodes) == 0 {
+			if sn := nodes[v.Spec.StorageNode]; sn != nil && sn.Spec.Drain {
+				f.tell("drain/"+v.Name, "a volume on a draining storage node has no replica: a drain does not move it (delete it, or wait for the node)",
+					"volume_id", v.Name, "storage_node", v.Spec.StorageNode)
+			}
+			continue
+		}
+		if rec == nil {
 			continue
 		}
 		if rec.Primary != v.Spec.StorageNode {
@@ -234,15 +248,24 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		}
 		away, ok := gone[rec.Primary]
 		if !ok {
+			step, err := f.drainStep(ctx, v, nodes, gone)
+			if err != nil {
+				errs = append(errs, err)
+			} else if step {
+				moved = append(moved, v.Name)
+			}
 			continue
 		}
-		next := f.candidate(v, gone)
+		next := f.candidate(v, gone, rec.Primary)
 		if next == "" {
 			f.cfg.Logger.Error("a replicated volume's primary is gone and no replica in sync is alive to take over: the volume waits",
 				"volume_id", v.Name, "primary", rec.Primary, "in_sync", rec.InSync, "gone_for", away.Round(time.Second))
 			continue
 		}
-		if err := f.promote(ctx, v, next, away); err != nil {
+		err := f.promote(ctx, v, next, "a replicated volume's primary is gone: another replica promoted", "FailedOver", fmt.Sprintf(
+			"the storage node %s of the primary is gone (its agent's lease not renewed for %v): the replica on %s is the primary from replica epoch %d",
+			rec.Primary, away.Round(time.Second), next, rec.Epoch+1), "gone_for", away.Round(time.Millisecond))
+		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -258,9 +281,9 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 // candidate is the replica of v to promote: in the in-sync set, one of
 // spec.replicaNodes, with its lease seen alive; the first by name; "" when
 // there is none.
-func (f *Failover) candidate(v *v1alpha1.NBDVolume, gone map[string]time.Duration) string {
+func (f *Failover) candidate(v *v1alpha1.NBDVolume, gone map[string]time.Duration, skip ...string) string {
 	for _, n := range slices.Sorted(slices.Values(v.Status.Replication.InSync)) {
-		if _, dead := gone[n]; dead || n == v.Status.Replication.Primary || !slices.Contains(v.Spec.ReplicaNodes, n) {
+		if _, dead := gone[n]; dead || slices.Contains(skip, n) || !slices.Contains(v.Spec.ReplicaNodes, n) {
 			continue
 		}
 		if _, alive := f.seen[n]; alive {
@@ -270,8 +293,9 @@ func (f *Failover) candidate(v *v1alpha1.NBDVolume, gone map[string]time.Duratio
 	return ""
 }
 
-// promote records next as v's primary, then moves the spec to it.
-func (f *Failover) promote(ctx context.Context, v *v1alpha1.NBDVolume, next string, away time.Duration) error {
+// promote records next as v's primary, then moves the spec to it; it
+// logs logMsg (with args) and records an Event of reason and eventMsg.
+func (f *Failover) promote(ctx context.Context, v *v1alpha1.NBDVolume, next, logMsg, reason, eventMsg string, args ...any) error {
 	rec := v.Status.Replication
 	old := rec.Primary
 	inSync := slices.DeleteFunc(slices.Clone(rec.InSync), func(n string) bool { return n == old })
@@ -281,11 +305,8 @@ func (f *Failover) promote(ctx context.Context, v *v1alpha1.NBDVolume, next stri
 	if err := f.cfg.Client.Status().Patch(ctx, v, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
 		return fmt.Errorf("volume %s: recording %s its primary: %w", v.Name, next, err)
 	}
-	f.cfg.Logger.Warn("a replicated volume's primary is gone: another replica promoted", "volume_id", v.Name,
-		"gone", old, "gone_for", away.Round(time.Millisecond), "primary", next, "epoch", v.Status.Replication.Epoch, "in_sync", inSync)
-	f.event(ctx, v, corev1.EventTypeWarning, "FailedOver", fmt.Sprintf(
-		"the storage node %s of the primary is gone (its agent's lease not renewed for %v): the replica on %s is the primary from replica epoch %d",
-		old, away.Round(time.Second), next, v.Status.Replication.Epoch))
+	f.cfg.Logger.Warn(logMsg, append([]any{"volume_id", v.Name, "was", old, "primary", next, "epoch", v.Status.Replication.Epoch, "in_sync", inSync}, args...)...)
+	f.event(ctx, v, corev1.EventTypeWarning, reason, eventMsg)
 	return f.moveSpec(ctx, v.Name)
 }
 
@@ -359,9 +380,8 @@ func (f *Failover) replaceLost(ctx context.Context, name string, lost func(strin
 			controllerutil.RemoveFinalizer(&v, v1alpha1.ReplicaFinalizer(n))
 			replaced = append(replaced, [2]string{n, v.Spec.ReplicaNodes[i]})
 		}
-		if len(unplaced) > 0 && f.cfg.Now().Sub(f.told[name]) >= time.Minute {
-			f.told[name] = f.cfg.Now()
-			f.cfg.Logger.Error("a replica's storage node is lost for good and no other storage node can take its replica (fresh, with room, matching the StorageClass, in a zone of its own): the volume stays with fewer replicas",
+		if len(unplaced) > 0 {
+			f.tell(name, "a replica's storage node is lost for good and no other storage node can take its replica (fresh, with room, schedulable, matching the StorageClass, in a zone of its own): the volume stays with fewer replicas",
 				"volume_id", name, "lost", unplaced)
 		}
 		if len(replaced) == 0 {
@@ -412,7 +432,7 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 	for _, sn := range nodes {
 		s, seen := f.seen[sn.Name]
 		switch {
-		case slices.Contains(keep, sn.Name), v1alpha1.ValidReplicaNode(sn.Name) != nil, !paramsMatch(sn, p),
+		case slices.Contains(keep, sn.Name), v1alpha1.ValidReplicaNode(sn.Name) != nil, !paramsMatch(sn, p), !sn.Schedulable(),
 			sn.Status.AvailableBytes < v.Spec.SizeBytes, sn.Status.Heartbeat.IsZero(), now.Sub(sn.Status.Heartbeat.Time) > f.cfg.StaleAfter,
 			seen && now.Sub(s.at) >= s.duration, zones[nodeZone(sn)] && nodeZone(sn) != "":
 			continue
@@ -426,6 +446,99 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 		return ""
 	}
 	return best.Name
+}
+
+// drainStep takes replicated volume v one step off the first draining
+// storage node that holds it, make before break, and reports whether it
+// changed v:
+//
+//  1. fewer copies off the draining node than the volume keeps: a
+//     replica is added on another node (chosen as a replacement is), and
+//     the primary copies the volume to it whole while it serves;
+//  2. a copy off the draining node is not in sync yet: wait;
+//  3. the draining node holds the primary: an in-sync replica whose
+//     agent is alive is promoted (a switchover: the nodes' sessions
+//     replay what the old primary had not acknowledged, as after a
+//     failover), and the old primary becomes a replica;
+//  4. the draining node holds a replica: it leaves spec.replicaNodes (its
+//     agent deletes its copy and releases the volume).
+//
+// The volume keeps as many copies in sync as it had all along, and one
+// more while the new one is made.
+func (f *Failover) drainStep(ctx context.Context, v *v1alpha1.NBDVolume, nodes map[string]*v1alpha1.NBDStorageNode, gone map[string]time.Duration) (bool, error) {
+	draining := func(n string) bool { sn := nodes[n]; return sn != nil && sn.Spec.Drain }
+	holders := append([]string{v.Spec.StorageNode}, v.Spec.ReplicaNodes...)
+	i := slices.IndexFunc(holders, draining)
+	if i < 0 {
+		return false, nil
+	}
+	node, rec := holders[i], v.Status.Replication
+	others := slices.DeleteFunc(slices.Clone(holders), draining)
+	want := int(v.Spec.Replicas)
+	if want < 2 {
+		want = len(holders)
+	}
+	switch {
+	case len(others) < want:
+		next := f.replacement(v, node, nodes)
+		if next == "" {
+			f.tell("drain/"+v.Name, "no storage node can take a replica off a draining node (fresh, with room, schedulable, matching the StorageClass, in a zone of its own): the drain waits",
+				"volume_id", v.Name, "draining", node)
+			return false, nil
+		}
+		orig := v.DeepCopy()
+		v.Spec.ReplicaNodes = append(v.Spec.ReplicaNodes, next)
+		if v.Labels == nil {
+			v.Labels = map[string]string{}
+		}
+		v.Labels[v1alpha1.ReplicaLabel(next)] = ""
+		if err := f.cfg.Client.Patch(ctx, v, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+			return false, ignoreConflict(fmt.Errorf("volume %s: adding a replica on %s for the drain of %s: %w", v.Name, next, node, err))
+		}
+		f.cfg.Logger.Info("a replica added for a drain", "volume_id", v.Name, "draining", node, "replica", next)
+		f.event(ctx, v, corev1.EventTypeNormal, "DrainCopying", fmt.Sprintf(
+			"the storage node %s is draining: a replica is added on %s, copied whole from the primary; %s lets its copy go once it is in sync", node, next, node))
+		return true, nil
+	case slices.ContainsFunc(others, func(n string) bool { return !slices.Contains(rec.InSync, n) }):
+		return false, nil // a copy is being made
+	case node == v.Spec.StorageNode:
+		next := f.candidate(v, gone, append([]string{rec.Primary}, slices.DeleteFunc(slices.Clone(holders), func(n string) bool { return !draining(n) })...)...)
+		if next == "" {
+			f.tell("drain/"+v.Name, "the primary of a volume is on a draining node and no replica in sync is alive to take over: the drain waits",
+				"volume_id", v.Name, "draining", node, "in_sync", rec.InSync)
+			return false, nil
+		}
+		err := f.promote(ctx, v, next, "a replicated volume's primary handed over for a drain", "SwitchedOver", fmt.Sprintf(
+			"the storage node %s of the primary is draining: the replica on %s is the primary from replica epoch %d", node, next, rec.Epoch+1))
+		return err == nil, ignoreConflict(err)
+	}
+	orig := v.DeepCopy()
+	v.Spec.ReplicaNodes = slices.DeleteFunc(v.Spec.ReplicaNodes, func(n string) bool { return n == node })
+	if err := f.cfg.Client.Patch(ctx, v, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		return false, ignoreConflict(fmt.Errorf("volume %s: taking the replica off draining %s: %w", v.Name, node, err))
+	}
+	f.cfg.Logger.Info("a replica taken off a draining node", "volume_id", v.Name, "draining", node, "replicas", v.Spec.ReplicaNodes)
+	f.event(ctx, v, corev1.EventTypeNormal, "Drained", fmt.Sprintf(
+		"the storage node %s is draining: its replica goes, the volume's copies in sync on %s", node, strings.Join(others, ", ")))
+	return true, nil
+}
+
+// ignoreConflict drops an error of a write that lost to another: a drain
+// step is taken again at the next check, from the object as it is then.
+func ignoreConflict(err error) error {
+	if apierrors.IsConflict(err) {
+		return nil
+	}
+	return err
+}
+
+// tell logs msg about key at most once a minute.
+func (f *Failover) tell(key, msg string, args ...any) {
+	if f.cfg.Now().Sub(f.told[key]) < time.Minute {
+		return
+	}
+	f.told[key] = f.cfg.Now()
+	f.cfg.Logger.Warn(msg, args...)
 }
 
 // dropStaleLabels takes off v the replica labels of nodes that hold no

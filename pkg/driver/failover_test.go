@@ -16,8 +16,10 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -329,5 +331,181 @@ func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 	}
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestFailoverDrain: a draining storage node's replicas move off it make
+// before break, one check at a time: a copy is added elsewhere (never on
+// a cordoned node, whatever its room), the drain waits for it to be in
+// sync, then a primary on the draining node is handed to an in-sync
+// replica and a replica on it leaves the volume; an unreplicated volume
+// stays. A cordoned node takes no new volume.
+func TestFailoverDrain(t *testing.T) {
+	_, c := apiserver.Start(t)
+	ctx := context.Background()
+	const ns = "mpnbd-drain"
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	const gi = int64(1) << 30
+	storageNode := func(name, zone string, avail int64, spec v1alpha1.NBDStorageNodeSpec) {
+		t.Helper()
+		n := &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: spec}
+		if err := c.Create(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+		n.Status = v1alpha1.NBDStorageNodeStatus{AvailableBytes: avail, CapacityBytes: 2 * avail, Addresses: []string{"192.0.2.1"}, Port: 10809,
+			Topology: map[string]string{ZoneLabel: zone}, Heartbeat: metav1.NewTime(now)}
+		if err := c.Status().Update(ctx, n); err != nil {
+			t.Fatal(err)
+		}
+		renewLease(t, c, ns, name, now)
+	}
+	storageNode("s1", "a", 100*gi, v1alpha1.NBDStorageNodeSpec{})
+	storageNode("s2", "b", 100*gi, v1alpha1.NBDStorageNodeSpec{})
+	storageNode("s3", "c", 200*gi, v1alpha1.NBDStorageNodeSpec{})
+	storageNode("s4", "d", 100*gi, v1alpha1.NBDStorageNodeSpec{})
+	storageNode("s5", "e", 900*gi, v1alpha1.NBDStorageNodeSpec{Unschedulable: true})
+	volume := func(name, primary string, replicas ...string) {
+		t.Helper()
+		labels := map[string]string{}
+		for _, r := range replicas {
+			labels[v1alpha1.ReplicaLabel(r)] = ""
+		}
+		v := &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels},
+			Spec: v1alpha1.NBDVolumeSpec{StorageNode: primary, SizeBytes: gi, AccessType: v1alpha1.AccessBlock, Replicas: int32(len(replicas) + 1), ReplicaNodes: replicas}}
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		in := slices.Sorted(slices.Values(append([]string{primary}, replicas...)))
+		v.Status.Replication = &v1alpha1.ReplicationStatus{Epoch: 1, Primary: primary, PrimaryEpoch: 1, InSync: in, InSyncReplicas: int32(len(in))}
+		if err := c.Status().Update(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	volume("vp", "s1", "s2") // its primary on the draining node
+	volume("vr", "s2", "s1") // a replica on it
+	volume("vu", "s1")       // unreplicated
+	get := func(name string) *v1alpha1.NBDVolume {
+		t.Helper()
+		var v v1alpha1.NBDVolume
+		if err := c.Get(ctx, client.ObjectKey{Name: name}, &v); err != nil {
+			t.Fatal(err)
+		}
+		return &v
+	}
+	// The agents' part: a replica's copy in sync (recorded by the
+	// primary's agent).
+	inSync := func(name string, nodes ...string) {
+		t.Helper()
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := get(name)
+			v.Status.Replication.Epoch++
+			v.Status.Replication.InSync = slices.Sorted(slices.Values(nodes))
+			v.Status.Replication.InSyncReplicas = int32(len(nodes))
+			return c.Status().Update(ctx, v)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := func(name, primary string, replicas ...string) {
+		t.Helper()
+		v := get(name)
+		if v.Spec.StorageNode != primary || !slices.Equal(v.Spec.ReplicaNodes, replicas) {
+			t.Fatalf("%s: on %s with replicas %v; want %s with %v", name, v.Spec.StorageNode, v.Spec.ReplicaNodes, primary, replicas)
+		}
+		for _, r := range replicas {
+			if _, ok := v.Labels[v1alpha1.ReplicaLabel(r)]; !ok {
+				t.Fatalf("%s: no label for replica %s: %v", name, r, v.Labels)
+			}
+		}
+	}
+	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: func() time.Time { return now }, StaleAfter: time.Hour})
+	check := func() []string {
+		t.Helper()
+		now = now.Add(time.Second)
+		for _, n := range []string{"s1", "s2", "s3", "s4", "s5"} {
+			renewLease(t, c, ns, n, now)
+		}
+		moved, err := f.Check(ctx, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slices.Sort(moved)
+		return moved
+	}
+	if moved := check(); len(moved) != 0 {
+		t.Fatalf("nothing draining: moved %v", moved)
+	}
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var n v1alpha1.NBDStorageNode
+		if err := c.Get(ctx, client.ObjectKey{Name: "s1"}, &n); err != nil {
+			return err
+		}
+		n.Spec.Drain = true
+		return c.Update(ctx, &n)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 1: a copy each on s3 (the most room of the schedulable nodes in a
+	// zone of their own; s5, cordoned, has more).
+	if moved := check(); !slices.Equal(moved, []string{"vp", "vr"}) {
+		t.Fatalf("drain, first check: moved %v", moved)
+	}
+	want("vp", "s1", "s2", "s3")
+	want("vr", "s2", "s1", "s3")
+	want("vu", "s1")
+	// 2: s3 not in sync yet: nothing moves.
+	if moved := check(); len(moved) != 0 {
+		t.Fatalf("copies not in sync yet: moved %v", moved)
+	}
+	// 3: in sync; vp's primary is handed to s2 (in sync, alive, first),
+	// vr lets s1's replica go.
+	inSync("vp", "s1", "s2", "s3")
+	inSync("vr", "s1", "s2", "s3")
+	if moved := check(); !slices.Equal(moved, []string{"vp", "vr"}) {
+		t.Fatalf("copies in sync: moved %v", moved)
+	}
+	vp := get("vp")
+	if r := vp.Status.Replication; r.Primary != "s2" || r.PrimaryEpoch != r.Epoch || slices.Contains(r.InSync, "s1") {
+		t.Fatalf("vp's record after the switchover: %+v", r)
+	}
+	want("vp", "s2", "s3", "s1")
+	want("vr", "s2", "s3")
+	// 4: s1, now vp's replica out of sync, goes.
+	if moved := check(); !slices.Equal(moved, []string{"vp"}) {
+		t.Fatalf("after the switchover: moved %v", moved)
+	}
+	want("vp", "s2", "s3")
+	if moved := check(); len(moved) != 0 {
+		t.Fatalf("drained: moved %v", moved)
+	}
+	want("vu", "s1")
+	var evs corev1.EventList
+	if err := c.List(ctx, &evs); err != nil {
+		t.Fatal(err)
+	}
+	reasons := map[string][]string{}
+	for _, e := range evs.Items {
+		reasons[e.InvolvedObject.Name] = append(reasons[e.InvolvedObject.Name], e.Reason)
+	}
+	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
+		if got := slices.Sorted(slices.Values(reasons[name])); !slices.Equal(got, want) {
+			t.Errorf("%s's events: %v, want %v", name, got, want)
+		}
+	}
+
+	// A cordoned or draining node takes no new volume.
+	ctl, err := NewController(ControllerConfig{Client: c, Namespace: ns, StaleAfter: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"s5", "s1"} {
+		if _, err := ctl.pickStorageNode(ctx, Params{StorageNode: name}, nil, gi); !errors.Is(err, ErrExhausted) || !strings.Contains(err.Error(), "cordoned or draining") {
+			t.Errorf("a volume pinned to %s: %v, want ResourceExhausted naming the cordon", name, err)
+		}
 	}
 }
