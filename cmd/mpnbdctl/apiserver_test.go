@@ -24,6 +24,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -205,5 +206,97 @@ func TestUninstallCheckAgainstAPIServer(t *testing.T) {
 	}
 	if code, out := check(); code != 0 {
 		t.Errorf("after the volume and the snapshot went: exit %d:\n%s", code, out)
+	}
+}
+
+// TestMaintenanceAgainstAPIServer: cordon, uncordon and drain set the
+// storage node's fields; drain follows what the node holds until nothing
+// is left, and fails naming the unreplicated volumes a drain leaves.
+func TestMaintenanceAgainstAPIServer(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	kc := apiserver.WriteKubeconfig(t, cfg)
+	cmd := func(args ...string) (int, string) {
+		var out, errb bytes.Buffer
+		code := run(ctx, append([]string{"--kubeconfig", kc}, args...), &out, &errb)
+		return code, out.String() + errb.String()
+	}
+	for _, n := range []string{"s1", "s2"} {
+		if err := c.Create(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: n}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	spec := func(n string) v1alpha1.NBDStorageNodeSpec {
+		t.Helper()
+		var sn v1alpha1.NBDStorageNode
+		if err := c.Get(ctx, client.ObjectKey{Name: n}, &sn); err != nil {
+			t.Fatal(err)
+		}
+		return sn.Spec
+	}
+	if code, out := cmd("cordon", "s1"); code != 0 || !strings.Contains(out, "cordoned") || spec("s1") != (v1alpha1.NBDStorageNodeSpec{Unschedulable: true}) {
+		t.Fatalf("cordon: exit %d, spec %+v:\n%s", code, spec("s1"), out)
+	}
+	if code, out := cmd("drain", "s1", "--wait", "0"); code != 0 || spec("s1") != (v1alpha1.NBDStorageNodeSpec{Unschedulable: true, Drain: true}) {
+		t.Fatalf("drain --wait 0: exit %d, spec %+v:\n%s", code, spec("s1"), out)
+	}
+	if code, out := cmd("uncordon", "s1"); code != 0 || spec("s1") != (v1alpha1.NBDStorageNodeSpec{}) {
+		t.Fatalf("uncordon: exit %d, spec %+v:\n%s", code, spec("s1"), out)
+	}
+	if code, out := cmd("cordon", "nosuch"); code != 1 || !strings.Contains(out, "storage node nosuch") || !strings.Contains(out, "not found") {
+		t.Errorf("cordon of an unknown node: exit %d:\n%s", code, out)
+	}
+	if code, _ := cmd("drain"); code != 2 {
+		t.Errorf("drain without NODE: exit %d, want 2", code)
+	}
+
+	// s1 holds a replica of vr (in sync) and unreplicated vu.
+	vr := newVolume("vr", v1alpha1.VolumeAvailable)
+	vr.Spec.StorageNode, vr.Spec.ReplicaNodes, vr.Spec.Replicas = "s2", []string{"s1"}, 2
+	vu := newVolume("vu", v1alpha1.VolumeAvailable)
+	vu.Spec.StorageNode = "s1"
+	for _, v := range []*v1alpha1.NBDVolume{vr, vu} {
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type result struct {
+		code int
+		out  string
+	}
+	done := make(chan result, 1)
+	go func() {
+		code, out := cmd("drain", "s1", "--wait", "1m")
+		done <- result{code, out}
+	}()
+	// The controller's part: vr's replica moves to s3 (taken as in sync).
+	time.Sleep(3 * time.Second)
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var v v1alpha1.NBDVolume
+		if err := c.Get(ctx, client.ObjectKey{Name: "vr"}, &v); err != nil {
+			return err
+		}
+		v.Spec.ReplicaNodes = []string{"s3"}
+		return c.Update(ctx, &v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("drain did not return within a minute of holding only an unreplicated volume")
+	}
+	if r.code != 1 || !strings.Contains(r.out, "s1 holds 2 volume(s): vr (replica), vu (unreplicated)") ||
+		!strings.Contains(r.out, "unreplicated volumes, which a drain does not move: vu (unreplicated)") {
+		t.Errorf("drain with an unreplicated volume left: exit %d, want 1 naming vu:\n%s", r.code, r.out)
+	}
+	if err := c.Delete(ctx, vu); err != nil {
+		t.Fatal(err)
+	}
+	if code, out := cmd("drain", "s1", "--wait", "1m"); code != 0 || !strings.Contains(out, "storage node s1 drained: it holds no volume") {
+		t.Errorf("drain of a node that holds nothing: exit %d:\n%s", code, out)
 	}
 }

@@ -20,6 +20,9 @@
 //	mpnbdctl [flags] [volumes]      every volume, one row per node it is published to
 //	mpnbdctl [flags] volume NAME    one volume (its ID, or NAMESPACE/CLAIM) in detail
 //	mpnbdctl [flags] uninstall-check  fails, listing them, while volumes exist
+//	mpnbdctl [flags] cordon NODE    no new volume or replica on storage node NODE
+//	mpnbdctl [flags] uncordon NODE  undoes cordon and drain
+//	mpnbdctl [flags] drain NODE     moves every replica off NODE, waiting up to --wait
 //
 // Per volume: its PV and claim, storage node, size, phase and publications;
 // per published node: the transport, connected, MPTCP, subflows of each
@@ -41,8 +44,14 @@
 // uninstall-check is the chart's pre-delete hook: helm uninstall refuses
 // while volumes exist.
 //
-// Exit codes: 0 shown, 1 failed (no API server, no such volume, volumes
-// exist for uninstall-check), 2 usage.
+// cordon, uncordon and drain set the NBDStorageNode's spec.unschedulable
+// and spec.drain; the controller does the moving (docs/replication.md,
+// "Storage-node maintenance"). drain then prints what the node still holds
+// as it changes, until it holds nothing or --wait ends (0: do not wait).
+//
+// Exit codes: 0 shown or done, 1 failed (no API server, no such volume or
+// storage node, volumes exist for uninstall-check, volumes left on a
+// drained node), 2 usage.
 package main
 
 import (
@@ -84,6 +93,9 @@ const (
 	cmdVolumes        = "volumes"
 	cmdVolume         = "volume"
 	cmdUninstallCheck = "uninstall-check"
+	cmdCordon         = "cordon"
+	cmdUncordon       = "uncordon"
+	cmdDrain          = "drain"
 )
 
 // Output formats.
@@ -101,8 +113,12 @@ type options struct {
 	metricsURLs map[string]string
 	timeout     time.Duration
 
+	// wait bounds how long drain follows the moves.
+	wait time.Duration
+
 	command string
 	volume  string // NAME of cmdVolume
+	node    string // NODE of cordon, uncordon, drain
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -128,6 +144,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return nil
 	})
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
+	fs.DurationVar(&o.wait, "wait", time.Hour, "drain: how long to follow the moves until the node holds nothing (0: mark it draining and return)")
 	return fs
 }
 
@@ -179,8 +196,13 @@ func parseArgs(args []string) (*options, error) {
 			return nil, errors.New("volume: want one NAME (a volume ID, or NAMESPACE/CLAIM)")
 		}
 		o.volume = words[0]
+	case cmdCordon, cmdUncordon, cmdDrain:
+		if len(words) != 1 {
+			return nil, fmt.Errorf("%s: want one NODE (a storage node's name)", o.command)
+		}
+		o.node = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME or uninstall-check)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE or drain NODE)", o.command)
 	}
 	switch {
 	case o.output != outputTable && o.output != outputJSON:
@@ -189,6 +211,8 @@ func parseArgs(args []string) (*options, error) {
 		return nil, fmt.Errorf("--metrics-port %d (want 1-65535, or 0: off)", o.metricsPort)
 	case o.timeout <= 0:
 		return nil, errors.New("--timeout must be positive")
+	case o.wait < 0:
+		return nil, errors.New("--wait must not be negative")
 	}
 	return o, nil
 }
@@ -202,6 +226,12 @@ func usage() string {
   mpnbdctl [flags] uninstall-check
                                   fails, listing them, while volumes exist (the chart's
                                   pre-delete hook: helm uninstall refuses meanwhile)
+  mpnbdctl [flags] cordon NODE    no new volume or replica goes to storage node NODE
+  mpnbdctl [flags] uncordon NODE  NODE takes new volumes again (a drain stops)
+  mpnbdctl [flags] drain NODE     cordons NODE and moves every replica off it (a copy
+                                  made in sync elsewhere first, a primary handed to
+                                  an in-sync replica); waits up to --wait for NODE
+                                  to hold nothing. Unreplicated volumes stay.
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name
@@ -225,13 +255,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "mpnbdctl: %v\nRun 'mpnbdctl --help' for usage.\n", err)
 		return 2
 	}
-	c, err := newAPIReader(o.kubeconfig)
-	if err == nil && o.command == cmdUninstallCheck {
-		if err = uninstallCheck(ctx, o, c, stdout); errors.Is(err, errVolumesExist) {
-			return 1
-		}
-	} else if err == nil {
-		err = show(ctx, o, c, &http.Client{}, stdout)
+	c, err := newAPIClient(o.kubeconfig)
+	if err == nil {
+		err = runCommand(ctx, o, c, stdout)
+	}
+	if errors.Is(err, errVolumesExist) {
+		return 1
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "mpnbdctl: %v\n", err)
@@ -240,9 +269,32 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// newAPIReader returns a client of the API server for the resources
-// mpnbdctl reads.
-func newAPIReader(path string) (client.Reader, error) {
+// runCommand runs o's command against the API server c.
+func runCommand(ctx context.Context, o *options, c client.Client, stdout io.Writer) error {
+	switch o.command {
+	case cmdUninstallCheck:
+		return uninstallCheck(ctx, o, c, stdout)
+	case cmdCordon:
+		if err := setMaintenance(ctx, c, o.node, true, false); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "storage node %s cordoned: no new volume or replica goes there; what it holds stays\n", o.node)
+		return nil
+	case cmdUncordon:
+		if err := setMaintenance(ctx, c, o.node, false, false); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "storage node %s uncordoned: it takes new volumes and replicas again (a drain stops)\n", o.node)
+		return nil
+	case cmdDrain:
+		return drain(ctx, c, o.node, o.wait, 2*time.Second, stdout)
+	}
+	return show(ctx, o, c, &http.Client{}, stdout)
+}
+
+// newAPIClient returns a client of the API server for the resources
+// mpnbdctl reads, and the storage nodes' spec it writes.
+func newAPIClient(path string) (client.Client, error) {
 	cfg, err := kubeconfig.Load(path)
 	if err != nil && path == "" {
 		return nil, fmt.Errorf("no API server configuration (--kubeconfig, $KUBECONFIG, in-cluster, ~/.kube/config): %w", err)

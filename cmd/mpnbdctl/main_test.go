@@ -30,14 +30,18 @@ func TestParseArgs(t *testing.T) {
 		want    options // compared when wantErr is ""
 		wantErr string
 	}{
-		{nil, options{output: "table", timeout: 5 * time.Second, command: "volumes"}, ""},
-		{[]string{"volumes", "-o", "json"}, options{output: "json", timeout: 5 * time.Second, command: "volumes"}, ""},
+		{nil, options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "volumes"}, ""},
+		{[]string{"volumes", "-o", "json"}, options{output: "json", timeout: 5 * time.Second, wait: time.Hour, command: "volumes"}, ""},
 		// Flags before, between and after the command and its NAME.
 		{[]string{"--kubeconfig", "/k", "volume", "--timeout", "2s", "pvc-1", "--output", "json", "--metrics-port", "9811"},
-			options{kubeconfig: "/k", output: "json", metricsPort: 9811, timeout: 2 * time.Second, command: "volume", volume: "pvc-1"}, ""},
+			options{kubeconfig: "/k", output: "json", metricsPort: 9811, timeout: 2 * time.Second, wait: time.Hour, command: "volume", volume: "pvc-1"}, ""},
 		{[]string{"volume", "default/data", "--metrics-url", "n1=http://10.0.0.1:9811", "--metrics-url", "n2=https://h/x/metrics"},
-			options{output: "table", timeout: 5 * time.Second, command: "volume", volume: "default/data",
+			options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "volume", volume: "default/data",
 				metricsURLs: map[string]string{"n1": "http://10.0.0.1:9811/metrics", "n2": "https://h/x/metrics"}}, ""},
+		{[]string{"drain", "s1", "--wait", "10m"}, options{output: "table", timeout: 5 * time.Second, wait: 10 * time.Minute, command: "drain", node: "s1"}, ""},
+		{[]string{"cordon", "s1"}, options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "cordon", node: "s1"}, ""},
+		{[]string{"uncordon"}, options{}, "uncordon: want one NODE"},
+		{[]string{"drain", "s1", "--wait", "-1s"}, options{}, "--wait must not be negative"},
 		{[]string{"volume"}, options{}, "want one NAME"},
 		{[]string{"volume", "a", "b"}, options{}, "want one NAME"},
 		{[]string{"volumes", "a"}, options{}, `unexpected argument "a"`},
