@@ -314,3 +314,105 @@ func openSession(t *testing.T, target attach.Target) *attach.Session {
 	})
 	return sess
 }
+
+// TestAgentDrain: the storage node that holds a 2-replica volume's
+// primary is drained while a node writes: the controller adds a replica
+// on the spare node, the primary's agent copies the volume to it, the
+// primary is handed to the in-sync replica (a switchover the node's
+// session rides through), and the drained node's replica goes, its agent
+// deleting its copy. The node's writes complete with no error all along,
+// and the two copies left are equal to what it wrote.
+func TestAgentDrain(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2, s3 = testNode, "storage-2", "storage-3"
+	withLease := func(_ *nbd.Server, cfg *Config) {
+		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
+	}
+	agents := map[string]*running{}
+	for _, n := range []string{s1, s2, s3} {
+		agents[n] = sc.start(n, withLease)
+	}
+	for _, n := range []string{s1, s2, s3} {
+		sc.waitAddress(n)
+	}
+	fctx, stopFailover := context.WithCancel(ctx)
+	defer stopFailover()
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
+		Interval: 200 * time.Millisecond, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+
+	const size = 8 << 20
+	v := newVolume("vd", size)
+	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): ""}
+	v.Spec.Replicas = 2
+	v.Spec.ReplicaNodes = []string{s2}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vd"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vd: %+v", v.Status)
+	}
+	tok := publish(t, c, "vd", "node-1", false)
+	target := attach.Target{VolumeID: "vd", Export: access.NodeExport("vd", tok), Addrs: []string{agents[s1].addr},
+		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}}}
+	sess := openSession(t, target)
+	defer sess.Close(5 * time.Second)
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	w.write(sess.Client, 32)
+
+	// Writes go on while s1 drains.
+	stop := make(chan struct{})
+	wrote := make(chan time.Duration)
+	go func() {
+		var longest time.Duration
+		for {
+			select {
+			case <-stop:
+				wrote <- longest
+				return
+			default:
+			}
+			longest = max(longest, w.write(sess.Client, 4))
+		}
+	}()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var n v1alpha1.NBDStorageNode
+		if err := c.Get(ctx, client.ObjectKey{Name: s1}, &n); err != nil {
+			return err
+		}
+		n.Spec.Drain = true
+		return c.Update(ctx, &n)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "s1 drained: vd on s2 and s3, both in sync", func() string {
+		v := getVolume(t, c, "vd")
+		r := v.Status.Replication
+		if v.Spec.StorageNode != s2 || !slices.Equal(v.Spec.ReplicaNodes, []string{s3}) || r == nil || r.Primary != s2 || !slices.Equal(r.InSync, []string{s2, s3}) {
+			return fmt.Sprintf("on %s, replicas %v, record %+v", v.Spec.StorageNode, v.Spec.ReplicaNodes, r)
+		}
+		return ""
+	})
+	eventually(t, "s1's copy removed, and its label with its finalizer", func() string {
+		if _, err := os.Stat(filepath.Join(sc.dirs[s1], "vd"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("s1's copy: %v", err)
+		}
+		v := getVolume(t, c, "vd")
+		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s1)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s1)) {
+			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
+		}
+		return ""
+	})
+	close(stop)
+	longest := <-wrote
+	t.Logf("longest write while s1 drained: %v", longest)
+	w.write(sess.Client, 8)
+	if msg := sc.holds("vd", w.want, s2, s3); msg != "" {
+		t.Fatal(msg)
+	}
+	sess.Close(5 * time.Second)
+	unpublish(t, c, "vd", "node-1")
+	deleteWithData(t, c, "vd")
+	waitGone(t, c, "vd")
+}
