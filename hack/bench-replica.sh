@@ -4,7 +4,7 @@
 # replica, against the same client on an unreplicated volume of the same
 # primary (pkg/replica BenchmarkMirror; needs root for the namespaces).
 # Prints MB/s of each, their ratio, each against the client paths' line
-# rate, and the ratio of CPU per byte.
+# rate, and the ratio of CPU per byte; then the rebuilds (BenchmarkRebuild).
 #   hack/bench-replica.sh            # 3 runs of each case
 #   COUNT=5 BENCHTIME=3s hack/bench-replica.sh
 set -euo pipefail
@@ -35,4 +35,30 @@ go test -run '^$' -bench '^BenchmarkMirror$' -benchtime "$BENCHTIME" -count "$CO
         printf "%-18s %9.0f %11.0f %12.2f %12.2f %12.2f %14.2f\n", key, s, r, (s ? r / s : 0), (line ? s / line : 0), (line ? r / line : 0), (cs ? cr / cs : 0)
       }
       printf "(means of %d runs; line: the client paths, %.0f MB/s; cpu: process CPU per byte moved)\n", '"$COUNT"', line
+    }'
+
+# Rebuilds on the storage-to-storage paths (pkg/replica BenchmarkRebuild):
+# a full copy of a volume full of data and of one a tenth written (the
+# rest goes as WRITE_ZEROES), and the catch-up of a replica that missed
+# writes to a tenth of the chunks; each against the paths' line rate.
+go test -run '^$' -bench '^BenchmarkRebuild$' -benchtime 1x -count "$COUNT" -timeout 30m ./pkg/replica |
+  awk '
+    /^BenchmarkRebuild\// {
+      split($1, p, "/"); key = p[2]; if (p[3] != "") key = key "/" p[3]; sub(/-[0-9]+$/, "", key)
+      for (i = 2; i <= NF; i++) {
+        if ($(i+1) == "ns/op") ns[key] += $i
+        if ($(i+1) == "vol-MB/s") vol[key] += $i
+        if ($(i+1) == "data-MB/s") data[key] += $i
+        if ($(i+1) == "line-MB/s") line = $i
+      }
+      n[key]++
+      if (!(key in seen)) { seen[key] = 1; order[++k] = key }
+    }
+    END {
+      printf "\n%-16s %10s %10s %11s %13s\n", "rebuild (256 MiB)", "seconds", "vol-MB/s", "data-MB/s", "data/line"
+      for (j = 1; j <= k; j++) {
+        key = order[j]
+        printf "%-16s %10.2f %10.0f %11.0f %13.2f\n", key, ns[key] / n[key] / 1e9, vol[key] / n[key], data[key] / n[key], (line ? data[key] / n[key] / line : 0)
+      }
+      printf "(means of %d runs; line: the storage-to-storage paths, %.0f MB/s)\n", '"$COUNT"', line
     }'

@@ -194,3 +194,127 @@ func cpuTime() time.Duration {
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru) // fails only for a bad pointer
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// BenchmarkRebuild times rebuilds over the storage-to-storage paths (4
+// paths of benchPathMbit): a full copy of a volume whose every chunk
+// holds data ("full/dense"), a full copy of one with a tenth of its
+// chunks written and the rest never written ("full/sparse10": the chunks
+// of zeroes go as WRITE_ZEROES), and the catch-up of a replica that missed
+// writes to a tenth of the chunks while it was away ("catchup10"). It
+// reports the volume's bytes per second of rebuild (vol-MB/s), the data
+// bytes per second sent (data-MB/s) and the paths' line rate; the time
+// of one rebuild is ns/op. hack/bench-replica.sh prints them against the
+// line rate.
+func BenchmarkRebuild(b *testing.B) {
+	topo.RequireRoot(b)
+	if err := mptcp.Available(); err != nil {
+		b.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	const size = 256 << 20
+	back := topo.NewForTest(b, topo.Uniform(topo.UniqueName("br"), 4, benchPathMbit))
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	replicaSrv := &nbd.Server{Logger: quiet}
+	if err := replicaSrv.AddExport(&nbd.Export{Name: "r", Backend: nbd.NewMemBackend(size)}); err != nil {
+		b.Fatal(err)
+	}
+	addr := net.JoinHostPort(back.ServerAddr(1).String(), "10809")
+	serveIn(b, back.InServer, addr, replicaSrv)
+	dial := func() *nbd.Client {
+		b.Helper()
+		var cl *nbd.Client
+		if err := back.InClient(func() error {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			var err error
+			cl, err = nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: "r", MPTCP: true, Logger: quiet})
+			return err
+		}); err != nil {
+			b.Fatal(err)
+		}
+		return cl
+	}
+	// fill writes random data to every chunk, or to one in ten.
+	fill := func(be nbd.Backend, every int) int64 {
+		buf := make([]byte, Chunk)
+		var n int64
+		for off := int64(0); off < size; off += Chunk {
+			if (off/Chunk)%int64(every) != 0 {
+				continue
+			}
+			for i := range buf {
+				buf[i] = byte(rand.Uint32())
+			}
+			if _, err := be.WriteAt(buf, off); err != nil {
+				b.Fatal(err)
+			}
+			n += Chunk
+		}
+		return n
+	}
+	report := func(b *testing.B, data int64) {
+		s := b.Elapsed().Seconds() / float64(b.N)
+		b.ReportMetric(float64(size)/1e6/s, "vol-MB/s")
+		b.ReportMetric(float64(data)/1e6/s, "data-MB/s")
+		b.ReportMetric(back.LineRateMBps(), "line-MB/s")
+	}
+	for _, every := range []int{1, 10} {
+		name := "full/dense"
+		if every > 1 {
+			name = "full/sparse10"
+		}
+		b.Run(name, func(b *testing.B) {
+			local := nbd.NewMemBackend(size)
+			data := fill(local, every)
+			b.ResetTimer()
+			for range b.N {
+				b.StopTimer()
+				m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+				if err != nil {
+					b.Fatal(err)
+				}
+				cl := dial()
+				b.StartTimer()
+				if err := m.Rebuild(context.Background(), "r", cl, RebuildOptions{}); err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				m.Close()
+				b.StartTimer()
+			}
+			report(b, data)
+		})
+	}
+	b.Run("catchup10", func(b *testing.B) {
+		local := nbd.NewMemBackend(size)
+		fill(local, 1)
+		var data int64
+		b.ResetTimer()
+		for range b.N {
+			b.StopTimer()
+			// In sync, then away (its connection gone) while a tenth of
+			// the chunks change.
+			away := dial()
+			m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := m.Rebuild(context.Background(), "r", away, RebuildOptions{}); err != nil {
+				b.Fatal(err)
+			}
+			away.Close()
+			data = fill(m, 10)
+			if got := m.Lacking("r").Bytes(); got != data {
+				b.Fatalf("the replica lacks %d bytes, want the %d written while it was away", got, data)
+			}
+			cl := dial()
+			b.StartTimer()
+			if err := m.Rebuild(context.Background(), "r", cl, RebuildOptions{}); err != nil {
+				b.Fatal(err)
+			}
+			b.StopTimer()
+			m.Close()
+			b.StartTimer()
+		}
+		report(b, data)
+	})
+}

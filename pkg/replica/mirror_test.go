@@ -43,6 +43,7 @@ type memPeer struct {
 	closed  chan struct{}
 	once    sync.Once
 	writes  atomic.Int64
+	zeroes  atomic.Int64
 	flushes atomic.Int64
 }
 
@@ -93,6 +94,7 @@ func (p *memPeer) WriteZeroes(off, n int64, noHole bool) error {
 	if err := p.enter(); err != nil {
 		return err
 	}
+	p.zeroes.Add(1)
 	return p.b.Zero(off, n, noHole)
 }
 

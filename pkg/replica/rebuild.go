@@ -17,6 +17,7 @@ package replica
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -116,26 +117,30 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	}
 	m.log.Info("rebuilding a replica", "replica", name, "bytes", total)
 	start := time.Now()
-	var copied int64
+	var copied, sent int64
 	buf := make([]byte, Chunk)
 	for _, r := range todo {
 		for off := r.Off; off < r.Off+r.Len; off += Chunk {
 			if err := m.rebuilding(ctx, p); err != nil {
 				return err
 			}
-			if err := m.copyChunk(p, off, buf); err != nil {
+			n, err := m.copyChunk(p, off, buf)
+			if err != nil {
 				m.failed(p, err)
 				return fmt.Errorf("%w: replica %s: copying at %d: %v", ErrRebuildAborted, name, off, err)
 			}
 			copied += Chunk
+			sent += n
 			m.mu.Lock()
 			p.copied, p.total = copied, total
 			m.mu.Unlock()
 			if o.Progress != nil {
 				o.Progress(copied, total)
 			}
+			// The rate bounds the data sent: a chunk of zeroes costs the
+			// line a request header.
 			if o.Rate > 0 {
-				ahead := time.Duration(float64(copied)/o.Rate*float64(time.Second)) - time.Since(start)
+				ahead := time.Duration(float64(sent)/o.Rate*float64(time.Second)) - time.Since(start)
 				if ahead > 0 {
 					select {
 					case <-ctx.Done():
@@ -178,21 +183,46 @@ func (m *Mirror) rebuilding(ctx context.Context, p *peer) error {
 
 // copyChunk copies the chunk at off from the primary's copy to p, under a
 // claim of the chunk: no change to it lands between the read and the
-// write.
-func (m *Mirror) copyChunk(p *peer, off int64, buf []byte) error {
+// write. A chunk of zeroes (a hole of a sparse copy, most of a new
+// volume's) goes as a WRITE_ZEROES, which carries no data and lets the
+// replica keep its file sparse. It returns the data bytes it sent.
+func (m *Mirror) copyChunk(p *peer, off int64, buf []byte) (int64, error) {
 	defer m.claim(off, Chunk)()
 	n := min(int64(len(buf)), m.local.Size()-off)
 	if n <= 0 {
-		return nil
+		return 0, nil
 	}
 	if _, err := m.local.ReadAt(buf[:n], off); err != nil && !errors.Is(err, io.EOF) {
-		return fmt.Errorf("reading the primary's copy: %w", err)
+		return 0, fmt.Errorf("reading the primary's copy: %w", err)
 	}
 	c := p.client()
-	return m.call(c, func() error {
+	if n%zeroesAlign == 0 && allZero(buf[:n]) {
+		return 0, m.call(c, func() error { return c.WriteZeroes(off, n, false) })
+	}
+	return n, m.call(c, func() error {
 		_, err := c.WriteAt(buf[:n], off)
 		return err
 	})
+}
+
+// zeroesAlign: a chunk is sent as WRITE_ZEROES only when its length is a
+// multiple of this (every block size an export announces divides it).
+const zeroesAlign = 4096
+
+// allZero reports whether b holds only zero bytes.
+func allZero(b []byte) bool {
+	for len(b) >= 8 {
+		if binary.NativeEndian.Uint64(b) != 0 {
+			return false
+		}
+		b = b[8:]
+	}
+	for _, x := range b {
+		if x != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // rejoin has the arbiter record p in sync again. From the moment p counts

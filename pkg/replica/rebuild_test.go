@@ -272,12 +272,18 @@ func TestMirrorOutAtStart(t *testing.T) {
 	arb.mu.Lock()
 	arb.drops = append(arb.drops, "d") // as the record has it
 	arb.mu.Unlock()
+	// d holds stale data everywhere (a node that held the volume long
+	// ago): the chunks of zeroes go as WRITE_ZEROES, and zero it.
 	d := newMemPeer(testSize)
+	if _, err := d.b.WriteAt(bytes.Repeat([]byte{0xee}, testSize), 0); err != nil {
+		t.Fatal(err)
+	}
 	if err := m2.Rebuild(context.Background(), "d", d, RebuildOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if got := d.writes.Load(); got != testSize/Chunk {
-		t.Errorf("d's rebuild wrote %d chunks, want all %d", got, testSize/Chunk)
+	const data = 6 // the chunks written: 0-3, 10 and 20
+	if w, z := d.writes.Load(), d.zeroes.Load(); w != data || z != testSize/Chunk-data {
+		t.Errorf("d's rebuild wrote %d chunks and zeroed %d, want %d and %d", w, z, data, testSize/Chunk-data)
 	}
 	whole := readBack(t, local, 0, testSize)
 	for name, b := range map[string]*nbd.MemBackend{"b": back.b, "c": c.b, "d": d.b} {
