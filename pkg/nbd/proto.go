@@ -222,6 +222,8 @@ func CmdName(c uint16) string {
 		return "write_zeroes"
 	case CmdBlockStatus:
 		return "block_status"
+	case CmdSettle:
+		return "settle"
 	}
 	return fmt.Sprintf("cmd(%d)", c)
 }

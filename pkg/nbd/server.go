@@ -36,6 +36,9 @@ type Export struct {
 	// RequireTLS refuses the export (ERR_TLS_REQD) to connections that
 	// did not upgrade with STARTTLS.
 	RequireTLS bool
+	// Ledger, when set, hears each connection's changes and settle marks
+	// (CmdSettle, which the export then answers).
+	Ledger Ledger
 
 	mu       sync.Mutex
 	conns    map[*serverConn]struct{}
@@ -502,6 +505,10 @@ func (s *Server) serveConn(c net.Conn, a *admission) {
 	}
 	sc.export = exp
 	sc.log = log.With("export", exp.Name)
+	if exp.Ledger != nil {
+		sc.ledger = exp.Ledger.Open(sc.info)
+		defer sc.ledger.Close()
+	}
 	if sc.session != nil {
 		if !exp.join(sc) {
 			sc.log.Info("refusing a connection older than its session's current one", "session", sc.session.ID.String(), "lane", sc.session.Lane)

@@ -62,6 +62,9 @@ type serverConn struct {
 	// active: this connection sent a request and superseded the older
 	// ones of its session lane (reader goroutine only).
 	active bool
+	// ledger is the export's Ledger's view of this connection (nil
+	// without one).
+	ledger LedgerConn
 	// errCursor is the export's sync failure count this connection's
 	// FLUSHes have reported up to (guarded by export.syncs.mu).
 	errCursor uint64
@@ -180,10 +183,24 @@ func (c *serverConn) transmit() {
 				return
 			}
 		}
+		if c.ledger != nil && (req.Type == CmdWrite || req.Type == CmdTrim || req.Type == CmdWriteZeroes) {
+			c.ledger.Changed(req.Offset, uint64(req.Length))
+		}
 		switch {
 		case req.Type == CmdDisc:
 			c.log.Debug("client disconnected")
 			return
+		case req.Type == CmdSettle:
+			// Answered here, in the connection's order.
+			errno := EINVAL
+			if c.ledger != nil && uint64(req.Length) < req.Offset {
+				c.ledger.Settled(req.Offset, uint64(req.Length))
+				errno = 0
+			}
+			c.lim.acquire(0)
+			c.inflight.Add(1)
+			c.reply(queuedReply{handle: req.Handle, errno: errno})
+			continue
 		case req.Length > MaxRequestSize && (req.Type == CmdWrite || req.Type == CmdRead):
 			c.log.Warn("request too big", "cmd", CmdName(req.Type), "length", req.Length)
 			c.lim.acquire(0)
