@@ -416,3 +416,71 @@ func TestAgentDrain(t *testing.T) {
 	deleteWithData(t, c, "vd")
 	waitGone(t, c, "vd")
 }
+
+// TestForwardConnectionsFenced: a primary's forward connections to one
+// replica belong to one session, so that a newer connection fences the
+// older ones: a forward still on its way on an older connection (a path
+// whose packets vanished, retransmitted later, or a Mirror made again)
+// never lands after the newer connection's writes.
+func TestForwardConnectionsFenced(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2 = testNode, "storage-2"
+	agents := map[string]*running{s1: sc.start(s1), s2: sc.start(s2)}
+	sc.waitAddress(s2)
+	const size = 4 << 20
+	v := newVolume("vf", size)
+	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): ""}
+	v.Spec.Replicas = 2
+	v.Spec.ReplicaNodes = []string{s2}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vf"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vf: %+v", v.Status)
+	}
+	rec := getVolume(t, c, "vf").Status.Replication
+	dial := func() *nbd.Client {
+		t.Helper()
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		cl, err := agents[s1].agent.dialReplica(dctx, "vf", s2, rec.PrimaryEpoch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cl.Close() })
+		return cl
+	}
+	older, newer := dial(), dial()
+	fresh, stale := bytes.Repeat([]byte{0xf1}, 4096), bytes.Repeat([]byte{0x5a}, 4096)
+	if _, err := newer.WriteAt(fresh, 0); err != nil {
+		t.Fatal(err)
+	}
+	// The older connection's write comes after the newer's: refused or
+	// dropped, never applied.
+	done := make(chan error, 1)
+	go func() { _, err := older.WriteAt(stale, 0); done <- err }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("a write on the older forward connection succeeded after the newer connection wrote")
+		}
+	case <-time.After(5 * time.Second):
+		older.Close()
+	}
+	if _, err := newer.ReadAt(make([]byte, 4096), 0); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4096)
+	f, err := os.Open(filepath.Join(sc.dirs[s2], "vf"+fileSuffix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, fresh) {
+		t.Fatalf("the replica holds %x... at 0, want the newer connection's %x...", got[:4], fresh[:4])
+	}
+}

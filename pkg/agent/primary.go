@@ -16,6 +16,7 @@ package agent
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -334,17 +335,19 @@ func (a *Agent) dialReplica(ctx context.Context, volume, node string, primaryEpo
 		return nil, fmt.Errorf("storage node %s reports no storage address", node)
 	}
 	export := access.ExportName(volume, "", primaryEpoch)
+	sess := forwardSession(volume, a.cfg.NodeName, node, primaryEpoch)
 	end := time.Now().Add(refusedForNow)
 	for {
 		var errs []error
 		for _, addr := range sn.Status.Addresses {
 			dctx, cancel := context.WithTimeout(ctx, replica.DefaultDeadline)
 			cl, err := nbd.Dial(dctx, nbd.DialOptions{
-				Addr:   net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))),
-				Export: export,
-				MPTCP:  true,
-				TLS:    a.cfg.PeerTLS(node),
-				Logger: a.log,
+				Addr:    net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))),
+				Export:  export,
+				MPTCP:   true,
+				TLS:     a.cfg.PeerTLS(node),
+				Logger:  a.log,
+				Session: &sess,
 			})
 			cancel()
 			if err == nil {
@@ -378,6 +381,20 @@ func (a *Agent) forwardPeer(volume, node string, primaryEpoch int64) *lazyPeer {
 	return &lazyPeer{ctx: ctx, cancel: cancel, dial: func(ctx context.Context) (*nbd.Client, error) {
 		return a.dialReplica(ctx, volume, node, primaryEpoch)
 	}}
+}
+
+// forwardSession names the session of primary's forward connections to
+// replica for volume in primaryEpoch: the same for every connection of
+// that primary's reign, in this process and the next, so that a newer
+// connection fences the older ones (their forwards still on the way, on
+// a path whose packets vanished or from a Mirror made again, never land
+// after the newer connection's). Another reign's connections are refused
+// by the replica anyway (rule 5).
+func forwardSession(volume, primary, replica string, primaryEpoch int64) nbd.SessionID {
+	h := sha256.Sum256([]byte(fmt.Sprintf("mpnbd forward\x00%s\x00%s\x00%s\x00%d", volume, primary, replica, primaryEpoch)))
+	var id nbd.SessionID
+	copy(id[:], h[:])
+	return id
 }
 
 // lazyPeer is a replica.Peer that dials on its first call.
