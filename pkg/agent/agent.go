@@ -178,6 +178,9 @@ type Agent struct {
 
 	mu   sync.RWMutex
 	vols map[string]*volume
+	// ledgers: what each volume held as a replica knows of its
+	// primary's unsettled forwards (ledgerFor), under mu.
+	ledgers map[string]*replica.Ledger
 	// roomMu makes a check of free space and the allocation it admits
 	// one step among the concurrent reconciles.
 	roomMu sync.Mutex
@@ -193,6 +196,25 @@ type Agent struct {
 	// leaseRenewed is when the lease was last renewed (UnixNano; 0:
 	// never).
 	leaseRenewed atomic.Int64
+}
+
+// ledgerFor returns the settle-mark ledger of volume name, held as a
+// replica of size bytes: made on first use and kept while the process
+// lives (a replica promoted keeps what its ledger knows of the reign
+// before).
+func (a *Agent) ledgerFor(name string, size int64) *replica.Ledger {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	l := a.ledgers[name]
+	if l == nil {
+		if a.ledgers == nil {
+			a.ledgers = map[string]*replica.Ledger{}
+		}
+		l = replica.NewLedger(size)
+		a.ledgers[name] = l
+	}
+	l.SetSize(size)
+	return l
 }
 
 // volumeWorkers is how many volumes the agent reconciles at once.

@@ -424,6 +424,15 @@ func (p *lazyPeer) conn() (*nbd.Client, error) {
 	return p.cl, p.err
 }
 
+// Settle sends a settle mark (replica.Settler).
+func (p *lazyPeer) Settle(mark uint64, settled uint32) error {
+	cl, err := p.conn()
+	if err != nil {
+		return err
+	}
+	return cl.Settle(mark, settled)
+}
+
 func (p *lazyPeer) WriteAt(b []byte, off int64) (int, error) {
 	cl, err := p.conn()
 	if err != nil {

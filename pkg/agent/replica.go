@@ -242,6 +242,7 @@ func (a *Agent) removeReplica(ctx context.Context, log *slog.Logger, vol *v1alph
 		return ctrl.Result{RequeueAfter: errOtherRole.retry}, nil
 	}
 	delete(a.vols, vol.Name)
+	delete(a.ledgers, vol.Name)
 	a.mu.Unlock()
 	if v != nil {
 		if err := a.closeVolume(v); err != nil {

@@ -322,8 +322,14 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 			}
 			backend = m
 		}
-		err := a.srv.AddExport(&nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: backend,
-			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired || asReplica})
+		exp := &nbd.Export{Name: name, Description: "mpnbd volume " + name, Backend: backend,
+			RequireTLS: vol.Spec.Encryption == v1alpha1.EncryptionRequired || asReplica}
+		if asReplica {
+			// The primary's settle marks (docs/replication.md,
+			// "Unsettled writes").
+			exp.Ledger = a.ledgerFor(name, v.backend.Size())
+		}
+		err := a.srv.AddExport(exp)
 		if err != nil {
 			return nil, internal("exporting: %v", err)
 		}
@@ -545,6 +551,7 @@ func (a *Agent) remove(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDV
 	a.mu.Lock()
 	v := a.vols[vol.Name]
 	delete(a.vols, vol.Name)
+	delete(a.ledgers, vol.Name)
 	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
 	if v != nil {

@@ -16,6 +16,7 @@ package replica
 
 import (
 	"sync"
+	"sync/atomic"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -35,7 +36,7 @@ import (
 // restarted): Unsettled says so until a connection has spoken for its
 // first mark.
 type Ledger struct {
-	size  int64
+	size  atomic.Int64
 	mu    sync.Mutex
 	opens uint64
 	conns map[*ledgerConn]struct{}
@@ -62,8 +63,13 @@ const maxSealed = 16
 
 // NewLedger returns the Ledger of a replica of size bytes.
 func NewLedger(size int64) *Ledger {
-	return &Ledger{size: size, conns: map[*ledgerConn]struct{}{}}
+	l := &Ledger{conns: map[*ledgerConn]struct{}{}}
+	l.size.Store(size)
+	return l
 }
+
+// SetSize tells the Ledger the replica's size now (it grew).
+func (l *Ledger) SetSize(size int64) { l.size.Store(size) }
 
 // Open starts a connection's part (nbd.Ledger).
 func (l *Ledger) Open(nbd.ConnInfo) nbd.LedgerConn {
@@ -97,7 +103,7 @@ func (l *Ledger) Unsettled() ([]nbd.Range, bool) {
 // Changed records a change, cut to the volume (a range beyond it changes
 // nothing).
 func (c *ledgerConn) Changed(off, n uint64) {
-	size := uint64(c.l.size)
+	size := uint64(max(c.l.size.Load(), 0))
 	if off >= size || n == 0 {
 		return
 	}

@@ -99,6 +99,9 @@ type Config struct {
 	// LogDir keeps the dirty logs of the replicas that leave, one file
 	// each (<name>.dirty); empty keeps them in memory only.
 	LogDir string
+	// MarkInterval is how often settle marks go to each replica
+	// (DefaultMarkInterval when zero; negative: none).
+	MarkInterval time.Duration
 	// OnChange, when set, is called (never under the Mirror's locks)
 	// with a replica's new state when it changes: its leaving or return
 	// recorded, its rebuild begun or failed. Calls for one replica come
@@ -142,6 +145,8 @@ type peer struct {
 	flushMu sync.Mutex
 	// copied and total: the rebuild under way's progress, in bytes.
 	copied, total int64
+	// marks: the settle marks on its connection (marks.go).
+	marks marks
 }
 
 type flushSnap struct {
@@ -210,7 +215,48 @@ func New(cfg Config) (*Mirror, error) {
 			cause: errors.New("out of the in-sync set when the primary started")})
 	}
 	slices.SortFunc(m.peers, func(a, b *peer) int { return strings.Compare(a.name, b.name) })
+	if every := cmp.Or(cfg.MarkInterval, DefaultMarkInterval); every > 0 {
+		go m.sendMarks(every)
+	}
 	return m, nil
+}
+
+// sendMarks sends each replica in sync or being rebuilt a settle mark
+// every interval, until the Mirror closes. A replica that refuses marks
+// (EINVAL: an agent of an older release) gets none on that connection;
+// any other failure is the forwards' to find.
+func (m *Mirror) sendMarks(every time.Duration) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.ctx.Done():
+			return
+		case <-t.C:
+		}
+		m.mu.Lock()
+		var live []*peer
+		for _, p := range m.peers {
+			if p.state == inSync || p.state == rebuilding {
+				live = append(live, p)
+			}
+		}
+		m.mu.Unlock()
+		for _, p := range live {
+			c := p.client()
+			s, ok := c.(Settler)
+			if !ok {
+				continue
+			}
+			err := p.marks.mark(c, func(mark, settled uint64) error {
+				return m.call(c, func() error { return s.Settle(mark, uint32(settled)) })
+			})
+			var ne *nbd.Error
+			if errors.As(err, &ne) && ne.Errno == nbd.EINVAL {
+				m.log.Info("a replica takes no settle marks (an agent of an older release)", "replica", p.name)
+			}
+		}
+	}
 }
 
 // outLog is the log of a replica out of the in-sync set at the start: the
@@ -417,10 +463,16 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 			return err
 		}
 	}
-	done := m.forward(targets, fwd)
+	toks := make([]markToken, len(targets))
+	done := m.forward(targets, toks, fwd)
 	lerr := local()
 	<-done
-	return m.settle(lerr)
+	err := m.settle(lerr)
+	// Settled: in sync everywhere, or recorded out where it is not.
+	for i, p := range targets {
+		p.marks.end(toks[i])
+	}
+	return err
 }
 
 // markLacking records that p lacks [off, off+n). A log that cannot be
@@ -462,20 +514,24 @@ func (p *peer) setClient(c Peer) {
 // forward runs fwd on every target at once, each bounded by the
 // deadline, and returns a channel closed once all have answered. A target
 // that fails (or is past the deadline: closed, which ends its call) has
-// its drop started before the channel closes.
-func (m *Mirror) forward(targets []*peer, fwd func(Peer) error) <-chan struct{} {
+// its drop started before the channel closes. Each forward is counted for
+// the target's settle marks (toks[i], to end once the change settles).
+func (m *Mirror) forward(targets []*peer, toks []markToken, fwd func(Peer) error) <-chan struct{} {
 	done := make(chan struct{})
 	if len(targets) == 0 {
 		close(done)
 		return done
 	}
 	var wg sync.WaitGroup
-	for _, p := range targets {
+	for i, p := range targets {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			c := p.client()
-			if err := m.call(c, func() error { return fwd(c) }); err != nil {
+			toks[i] = p.marks.begin(c)
+			err := m.call(c, func() error { return fwd(c) })
+			p.marks.answered()
+			if err != nil {
 				m.failed(p, err)
 			}
 		}()
