@@ -17,6 +17,7 @@ package agent
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"os"
@@ -35,6 +36,8 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
+	"github.com/mpnbd/mpnbd/pkg/replica"
 )
 
 // TestAgentFailover runs a replicated volume on three storage agents that
@@ -72,6 +75,9 @@ func TestAgentFailover(t *testing.T) {
 			}
 			return ""
 		})
+		// The primary dials the replicas where their NBDStorageNodes
+		// say they serve.
+		sc.waitAddress(n)
 	}
 	fctx, stopFailover := context.WithCancel(ctx)
 	defer stopFailover()
@@ -440,6 +446,9 @@ func TestForwardConnectionsFenced(t *testing.T) {
 		t.Fatalf("vf: %+v", v.Status)
 	}
 	rec := getVolume(t, c, "vf").Status.Replication
+	// The primary's own Mirror stops (its connections, of the same
+	// session, would fence the test's); its agent's dialer stays.
+	agents[s1].stop()
 	dial := func() *nbd.Client {
 		t.Helper()
 		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -483,4 +492,119 @@ func TestForwardConnectionsFenced(t *testing.T) {
 	if !bytes.Equal(got, fresh) {
 		t.Fatalf("the replica holds %x... at 0, want the newer connection's %x...", got[:4], fresh[:4])
 	}
+}
+
+// TestAgentUnsettledReconciled: the primary's storage node goes with a
+// forward that reached one replica only and was never acknowledged (its
+// node went too: nobody replays it). The replica promoted first makes
+// the other replica in sync agree with its copy on that chunk before it
+// serves, so that no later failover can show the chunk changing back.
+func TestAgentUnsettledReconciled(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2, s3 = testNode, "storage-2", "storage-3"
+	withLease := func(_ *nbd.Server, cfg *Config) {
+		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
+	}
+	agents := map[string]*running{}
+	for _, n := range []string{s1, s2, s3} {
+		agents[n] = sc.start(n, withLease)
+	}
+	for _, n := range []string{s1, s2, s3} {
+		sc.waitAddress(n)
+	}
+	fctx, stopFailover := context.WithCancel(ctx)
+	defer stopFailover()
+	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
+		Interval: 200 * time.Millisecond, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+
+	const size = 8 << 20
+	v := newVolume("vu", size)
+	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): "", v1alpha1.ReplicaLabel(s3): ""}
+	v.Spec.Replicas = 3
+	v.Spec.ReplicaNodes = []string{s2, s3}
+	if err := c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vu"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vu: %+v", v.Status)
+	}
+	tok := publish(t, c, "vu", "node-1", false)
+	target := attach.Target{VolumeID: "vu", Export: access.NodeExport("vu", tok), Addrs: []string{agents[s1].addr},
+		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}, {StorageNode: s3, Addrs: []string{agents[s3].addr}}}}
+	sess := openSession(t, target)
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	w.write(sess.Client, 32)
+	sess.Close(5 * time.Second) // the node goes: nothing is replayed
+	eventually(t, "every copy in sync and equal to what the node wrote", func() string {
+		if r := getVolume(t, c, "vu").Status.Replication; !slices.Equal(r.InSync, []string{s1, s2, s3}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return sc.holds("vu", w.want, s1, s2, s3)
+	})
+	// The replicas' ledgers know (their connections' first marks spoken
+	// for), and hold nothing.
+	for _, n := range []string{s2, s3} {
+		eventually(t, n+"'s ledger knows", func() string {
+			agents[n].agent.mu.RLock()
+			l := agents[n].agent.ledgers["vu"]
+			agents[n].agent.mu.RUnlock()
+			if l == nil {
+				return "no ledger"
+			}
+			if got, known := l.Unsettled(); !known || len(got) > 0 {
+				return fmt.Sprintf("unsettled %v (known %v)", got, known)
+			}
+			return ""
+		})
+	}
+	rec := getVolume(t, c, "vu").Status.Replication
+
+	// A forward of s1's reign, to s2 alone, never settled.
+	cert := issue(t, sc.ca, nodeid.Storage, s1)
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	fwd, err := nbd.Dial(dctx, nbd.DialOptions{Addr: agents[s2].addr, Export: access.ExportName("vu", "", rec.PrimaryEpoch), MPTCP: true,
+		Logger: testLogger(t), TLS: nodeid.ClientTLS(s2, func() (*tls.Certificate, error) { return cert, nil }, sc.rootsOf)})
+	cancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const at = 5 * replica.Chunk
+	if _, err := fwd.WriteAt(bytes.Repeat([]byte{0xd7}, 4096), at); err != nil {
+		t.Fatal(err)
+	}
+	fwd.Close()
+
+	// s1 goes: s2 is promoted, and reconciles s3 before it serves.
+	agents[s1].stop()
+	eventually(t, "s2 primary, s3 in sync", func() string {
+		v := getVolume(t, c, "vu")
+		r := v.Status.Replication
+		if v.Spec.StorageNode != s2 || r.Primary != s2 || !slices.Equal(r.InSync, []string{s2, s3}) {
+			return fmt.Sprintf("on %s, record %+v", v.Spec.StorageNode, r)
+		}
+		if _, ok := agents[s2].srv.Export("vu"); !ok {
+			return "not exported on s2 yet"
+		}
+		return ""
+	})
+	// s3 never left the in-sync set (it was not copied whole): the only
+	// decision since is the promotion.
+	if r := getVolume(t, c, "vu").Status.Replication; r.Epoch != rec.Epoch+1 {
+		t.Fatalf("the record after the promotion: %+v, want epoch %d (the promotion alone)", r, rec.Epoch+1)
+	}
+	eventually(t, "s2 and s3 equal", func() string {
+		a, err := os.ReadFile(filepath.Join(sc.dirs[s2], "vu"+fileSuffix))
+		if err != nil {
+			return err.Error()
+		}
+		b, err := os.ReadFile(filepath.Join(sc.dirs[s3], "vu"+fileSuffix))
+		if err != nil {
+			return err.Error()
+		}
+		if !bytes.Equal(a, b) {
+			return fmt.Sprintf("s2 holds %x at the unsettled chunk, s3 %x", a[at:at+4], b[at:at+4])
+		}
+		return ""
+	})
 }

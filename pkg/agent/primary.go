@@ -139,6 +139,14 @@ func (a *Agent) startMirror(log *slog.Logger, vol *v1alpha1.NBDVolume, v *volume
 			log.Info("the log of a node no longer a replica removed", "replica", n)
 		}
 	}
+	// The replicas in sync agree with this copy on what forwards may
+	// have left unsettled before anything is served.
+	rctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	rec, err = a.reconcileUnsettled(rctx, log, vol, rec)
+	cancel()
+	if err != nil {
+		return &failure{code: "Unavailable", message: fmt.Sprintf("reconciling the replicas' unsettled chunks: %v", err), retry: time.Second}
+	}
 	peers := map[string]replica.Peer{}
 	var out []string
 	for _, n := range vol.Spec.ReplicaNodes {
@@ -326,7 +334,7 @@ func (a *Agent) reportReplicas(ctx context.Context, log *slog.Logger, ref corev1
 // with primaryEpoch, on the addresses the node's NBDStorageNode reports.
 // A refusal for now (the replica has not seen the record yet) is tried
 // again for up to refusedForNow.
-func (a *Agent) dialReplica(ctx context.Context, volume, node string, primaryEpoch int64) (*nbd.Client, error) {
+func (a *Agent) dialReplica(ctx context.Context, volume, node string, primaryEpoch int64, askInfos ...uint16) (*nbd.Client, error) {
 	var sn v1alpha1.NBDStorageNode
 	if err := a.reader.Get(ctx, types.NamespacedName{Name: node}, &sn); err != nil {
 		return nil, fmt.Errorf("storage node %s: %w", node, err)
@@ -342,12 +350,13 @@ func (a *Agent) dialReplica(ctx context.Context, volume, node string, primaryEpo
 		for _, addr := range sn.Status.Addresses {
 			dctx, cancel := context.WithTimeout(ctx, replica.DefaultDeadline)
 			cl, err := nbd.Dial(dctx, nbd.DialOptions{
-				Addr:    net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))),
-				Export:  export,
-				MPTCP:   true,
-				TLS:     a.cfg.PeerTLS(node),
-				Logger:  a.log,
-				Session: &sess,
+				Addr:     net.JoinHostPort(addr, strconv.Itoa(int(sn.Status.Port))),
+				Export:   export,
+				MPTCP:    true,
+				TLS:      a.cfg.PeerTLS(node),
+				Logger:   a.log,
+				Session:  &sess,
+				AskInfos: askInfos,
 			})
 			cancel()
 			if err == nil {
@@ -424,11 +433,21 @@ func (p *lazyPeer) conn() (*nbd.Client, error) {
 	return p.cl, p.err
 }
 
-// Settle sends a settle mark (replica.Settler).
+// errNotDialed: a settle mark does not dial (a replica's address may not
+// be known yet at the Mirror's start); the first forward does.
+var errNotDialed = errors.New("the replica is not dialled yet")
+
+// Settle sends a settle mark (replica.Settler) once the connection is
+// up.
 func (p *lazyPeer) Settle(mark uint64, settled uint32) error {
-	cl, err := p.conn()
-	if err != nil {
+	p.mu.Lock()
+	cl, err := p.cl, p.err
+	p.mu.Unlock()
+	switch {
+	case err != nil:
 		return err
+	case cl == nil:
+		return errNotDialed
 	}
 	return cl.Settle(mark, settled)
 }

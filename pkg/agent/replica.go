@@ -38,6 +38,7 @@ import (
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
+	"github.com/mpnbd/mpnbd/pkg/replica"
 )
 
 // A replicated volume (docs/replication.md) is served to nodes by its
@@ -226,7 +227,18 @@ func (a *Agent) resolveReplica(c nbd.ConnInfo, v *volume, token string, epoch in
 	case epoch > rec.epoch:
 		return nbd.Grant{}, fmt.Errorf("volume %q: a forward of replica epoch %d, newer than the record applied here (%d)", v.name, epoch, rec.epoch)
 	}
-	return nbd.Grant{Export: v.name, Tag: replicaTagPrefix + peer, RequireTLS: true}, nil
+	g := nbd.Grant{Export: v.name, Tag: replicaTagPrefix + peer, RequireTLS: true}
+	if l := a.ledgers[v.name]; l != nil {
+		// What the primary's forwards may have left unsettled, for a
+		// primary about to serve (docs/replication.md).
+		g.Info = func(t uint16) []byte {
+			if t == replica.InfoUnsettled {
+				return l.Info()
+			}
+			return nil
+		}
+	}
+	return g, nil
 }
 
 // removeReplica closes this node's copy of vol (deleted, or no longer on

@@ -42,6 +42,9 @@ type DialOptions struct {
 	// Dialer is copied and used for every connection; nil means a default.
 	Dialer *net.Dialer
 	Logger *slog.Logger
+	// AskInfos asks for information types of ours (ExportInfo.Infos of
+	// Client.Info has the answers of the first connection).
+	AskInfos []uint16
 	// Session, when set, is announced on every connection (connection i
 	// as lane i, each with a new generation), so that a server that knows
 	// sessions fences the connections of an earlier dial of the same ID.
@@ -100,7 +103,7 @@ func Dial(ctx context.Context, o DialOptions) (*Client, error) {
 		if o.MPTCP && !IsMultipathTCP(c) {
 			log.Warn("MPTCP requested but the connection fell back to TCP", "remote", o.Addr, "conn", i)
 		}
-		var no NegotiateOptions
+		no := NegotiateOptions{AskInfos: o.AskInfos}
 		if o.Session != nil {
 			no.Session = &Session{ID: *o.Session, Lane: uint32(i), Generation: NextGeneration()}
 		}

@@ -40,6 +40,9 @@ type NegotiateOptions struct {
 	// AskServers asks for the storage nodes that hold the export now
 	// (InfoServers); ExportInfo.Servers has them when the server knows.
 	AskServers bool
+	// AskInfos asks for information types of ours that this package
+	// does not know (ExportInfo.Infos has the answers).
+	AskInfos []uint16
 }
 
 // NegotiateWith is Negotiate with options.
@@ -85,6 +88,7 @@ func negotiateGo(rw io.ReadWriter, export string, no NegotiateOptions, noZeroes 
 	if no.AskServers {
 		q.Infos = append(q.Infos, InfoServers)
 	}
+	q.Infos = append(q.Infos, no.AskInfos...)
 	o := option{Code: OptGo, Data: q.encode()}
 	msg := o.encode()
 	if no.Session != nil {

@@ -139,6 +139,10 @@ type Grant struct {
 	// Servers, when set, are the storage nodes that hold the export now,
 	// sent to a client that asks (InfoServers).
 	Servers []ServerAddrs
+	// Info, when set, answers the information types of ours that a
+	// client asks for and the server does not know itself (nil: none of
+	// that type). The answer goes out as an NBD_REP_INFO after the type.
+	Info func(typ uint16) []byte
 }
 
 // Observer receives events for metrics. Calls are made from the serving

@@ -248,6 +248,13 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 					}
 				case InfoBlockSize:
 					data = encodeInfoBlockSize(minBlock, prefBlock, MaxRequestSize)
+				case InfoExport:
+				default:
+					if g.Info != nil {
+						if b := g.Info(t); b != nil {
+							data = append(be.AppendUint16(nil, t), b...)
+						}
+					}
 				case InfoServers:
 					if len(g.Servers) > 0 {
 						var eerr error

@@ -88,3 +88,34 @@ func TestDecodeInfoServers(t *testing.T) {
 		t.Fatalf("encoded %q, %v", b, err)
 	}
 }
+
+// TestPrivateInfo: an information type of ours that the package does not
+// know is answered by the grant's Info when a client asks, and kept by
+// the client in ExportInfo.Infos; nothing when Info has no answer or the
+// client did not ask.
+func TestPrivateInfo(t *testing.T) {
+	const typ = 0x4d7f
+	s := newTestServer(t, &Export{Name: "vol", Backend: NewMemBackend(4096)})
+	s.Resolve = func(ConnInfo, string) (Grant, error) {
+		return Grant{Export: "vol", Info: func(t uint16) []byte {
+			if t == typ {
+				return []byte("answer")
+			}
+			return nil
+		}}, nil
+	}
+	ask := func(types ...uint16) map[uint16][]byte {
+		t.Helper()
+		info, err := NegotiateConnWith(context.Background(), pipeConn(t, s), "vol/t", NegotiateOptions{AskInfos: types})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.Infos
+	}
+	if got := ask(typ, typ+1); !reflect.DeepEqual(got, map[uint16][]byte{typ: []byte("answer")}) {
+		t.Errorf("asked: %v", got)
+	}
+	if got := ask(); got != nil {
+		t.Errorf("not asked: %v", got)
+	}
+}

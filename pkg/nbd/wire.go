@@ -18,6 +18,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
+	"slices"
 )
 
 var be = binary.BigEndian
@@ -233,6 +234,9 @@ type ExportInfo struct {
 	// Servers are the storage nodes that hold the export now, when the
 	// client asked (NegotiateOptions.AskServers) and the server knows.
 	Servers []ServerAddrs
+	// Infos are the answers to the information types this package does
+	// not know, by type (NegotiateOptions.AskInfos).
+	Infos map[uint16][]byte
 }
 
 func encodeInfoExport(size uint64, flags uint16) []byte {
@@ -287,6 +291,11 @@ func (e *ExportInfo) applyInfo(b []byte) error {
 			return err
 		}
 		e.Servers = servers
+	default:
+		if e.Infos == nil {
+			e.Infos = map[uint16][]byte{}
+		}
+		e.Infos[t] = slices.Clone(b[2:])
 	}
 	return nil
 }

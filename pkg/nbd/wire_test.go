@@ -123,13 +123,14 @@ func TestApplyInfo(t *testing.T) {
 		encodeInfoBlockSize(1, 4096, MaxRequestSize),
 		encodeInfoString(InfoName, "n"),
 		encodeInfoString(InfoDescription, "d"),
-		{0, 99, 1, 2, 3}, // unknown info types are ignored
+		{0, 99, 1, 2, 3}, // unknown info types are kept aside
 	} {
 		if err := e.applyInfo(b); err != nil {
 			t.Fatal(err)
 		}
 	}
-	want := ExportInfo{Name: "n", Description: "d", Size: 1 << 30, Flags: FlagHasFlags | FlagSendFlush, MinBlock: 1, PrefBlock: 4096, MaxBlock: MaxRequestSize}
+	want := ExportInfo{Name: "n", Description: "d", Size: 1 << 30, Flags: FlagHasFlags | FlagSendFlush, MinBlock: 1, PrefBlock: 4096, MaxBlock: MaxRequestSize,
+		Infos: map[uint16][]byte{99: {1, 2, 3}}}
 	if !reflect.DeepEqual(e, want) {
 		t.Fatalf("got %+v want %+v", e, want)
 	}

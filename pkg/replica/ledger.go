@@ -15,6 +15,8 @@
 package replica
 
 import (
+	"encoding/binary"
+	"fmt"
 	"sync"
 	"sync/atomic"
 
@@ -149,3 +151,52 @@ func (c *ledgerConn) Settled(mark, settled uint64) {
 // Close keeps what the connection left: it is dropped when a later
 // connection speaks for its own first mark.
 func (c *ledgerConn) Close() {}
+
+// InfoUnsettled is the information type of ours by which a replica's
+// agent tells its primary, at the handshake, the chunks its Ledger holds:
+// a byte (1: the Ledger knows, 0: it cannot tell), then each range as
+// its offset and length (8 bytes each, big-endian). A new primary reads
+// it before it serves (docs/replication.md, "Unsettled writes").
+const InfoUnsettled uint16 = 0x4d51
+
+// maxUnsettledRanges bounds the answer; a Ledger with more ranges says it
+// cannot tell (its replica is then copied whole).
+const maxUnsettledRanges = 4096
+
+// Info is the Ledger's answer to InfoUnsettled.
+func (l *Ledger) Info() []byte {
+	ranges, known := l.Unsettled()
+	if !known || len(ranges) > maxUnsettledRanges {
+		return []byte{0}
+	}
+	b := make([]byte, 1, 1+16*len(ranges))
+	b[0] = 1
+	for _, r := range ranges {
+		b = binary.BigEndian.AppendUint64(b, uint64(r.Off))
+		b = binary.BigEndian.AppendUint64(b, uint64(r.Len))
+	}
+	return b
+}
+
+// DecodeUnsettled reads an answer to InfoUnsettled: the ranges, and
+// whether the replica knows them. Anything malformed is an error.
+func DecodeUnsettled(b []byte) ([]nbd.Range, bool, error) {
+	switch {
+	case len(b) == 0 || b[0] > 1 || (len(b)-1)%16 != 0 || (len(b)-1)/16 > maxUnsettledRanges:
+		return nil, false, fmt.Errorf("replica: a malformed answer of %d bytes about the unsettled chunks", len(b))
+	case b[0] == 0:
+		if len(b) != 1 {
+			return nil, false, fmt.Errorf("replica: an unknowing answer about the unsettled chunks with ranges")
+		}
+		return nil, false, nil
+	}
+	var out []nbd.Range
+	for p := b[1:]; len(p) > 0; p = p[16:] {
+		r := nbd.Range{Off: int64(binary.BigEndian.Uint64(p)), Len: int64(binary.BigEndian.Uint64(p[8:]))}
+		if r.Off < 0 || r.Len <= 0 || r.Off+r.Len < r.Off {
+			return nil, false, fmt.Errorf("replica: an unsettled range %d+%d", r.Off, r.Len)
+		}
+		out = append(out, r)
+	}
+	return out, true, nil
+}

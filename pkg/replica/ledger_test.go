@@ -72,3 +72,26 @@ func TestLedger(t *testing.T) {
 	}
 	want("marks that speak for nothing new", true, nbd.Range{Off: 4 * Chunk, Len: 8 * Chunk})
 }
+
+// TestUnsettledInfo: the answer a replica gives reads back as it was; an
+// unknowing ledger says so; malformed answers are errors.
+func TestUnsettledInfo(t *testing.T) {
+	l := NewLedger(16 * Chunk)
+	if r, known, err := DecodeUnsettled(l.Info()); err != nil || known || r != nil {
+		t.Fatalf("a new ledger: %v %v %v", r, known, err)
+	}
+	c := l.Open(nbd.ConnInfo{})
+	c.Settled(1, 0)
+	c.Changed(3*Chunk, 1)
+	c.Changed(7*Chunk, 2*Chunk)
+	c.Settled(2, 1)
+	want, _ := l.Unsettled()
+	if r, known, err := DecodeUnsettled(l.Info()); err != nil || !known || !slices.Equal(r, want) || len(r) != 2 {
+		t.Fatalf("decoded %v %v %v, want %v", r, known, err, want)
+	}
+	for _, bad := range [][]byte{nil, {2}, {0, 1}, {1, 0, 0}, append([]byte{1}, make([]byte, 16)...)} {
+		if _, _, err := DecodeUnsettled(bad); err == nil {
+			t.Errorf("%x decoded", bad)
+		}
+	}
+}

@@ -52,6 +52,17 @@ type marks struct {
 	pending map[uint64]int64
 	// off: the replica took no mark (an agent of an older release).
 	off bool
+	// last is when the last mark was sent.
+	last time.Time
+}
+
+// due reports whether a mark should go on c now: the first two of a
+// connection at once (the second speaks for the first, and the replica's
+// ledger knows from then on), then one every interval.
+func (k *marks) due(c Peer, now time.Time, every time.Duration) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.conn != c || k.sent < 2 || now.Sub(k.last) >= every
 }
 
 // markToken is one counted forward.
@@ -119,7 +130,7 @@ func (k *marks) mark(c Peer, send func(mark, settled uint64) error) error {
 	case errors.As(err, &ne) && ne.Errno == nbd.EINVAL:
 		k.off = true
 	case err == nil:
-		k.sent = n
+		k.sent, k.last = n, time.Now()
 	}
 	return err
 }

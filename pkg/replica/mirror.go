@@ -221,12 +221,17 @@ func New(cfg Config) (*Mirror, error) {
 	return m, nil
 }
 
+// markTick is how often the Mirror looks for marks due: the first two of
+// a connection go within a tick or two.
+const markTick = 100 * time.Millisecond
+
 // sendMarks sends each replica in sync or being rebuilt a settle mark
-// every interval, until the Mirror closes. A replica that refuses marks
+// every interval (the first two of a connection at once), until the
+// Mirror closes. A replica that refuses marks
 // (EINVAL: an agent of an older release) gets none on that connection;
 // any other failure is the forwards' to find.
 func (m *Mirror) sendMarks(every time.Duration) {
-	t := time.NewTicker(every)
+	t := time.NewTicker(min(every, markTick))
 	defer t.Stop()
 	for {
 		select {
@@ -242,10 +247,11 @@ func (m *Mirror) sendMarks(every time.Duration) {
 			}
 		}
 		m.mu.Unlock()
+		now := time.Now()
 		for _, p := range live {
 			c := p.client()
 			s, ok := c.(Settler)
-			if !ok {
+			if !ok || !p.marks.due(c, now, every) {
 				continue
 			}
 			err := p.marks.mark(c, func(mark, settled uint64) error {
