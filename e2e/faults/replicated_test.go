@@ -343,7 +343,8 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 		t.Fatal(err)
 	}
 	cmd := topo.Exec(e.f.NS("cli"), os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), clientTargetEnv+"="+string(b), clientStateEnv+"="+t.TempDir())
+	state := t.TempDir()
+	cmd.Env = append(os.Environ(), clientTargetEnv+"="+string(b), clientStateEnv+"="+state)
 	cmd.Stderr = logf
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -366,6 +367,15 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 			t.Error("the client did not detach within 30s")
 			cmd.Process.Kill()
 			<-done
+		}
+		if code := cmd.ProcessState.ExitCode(); code != 0 {
+			b, _ := os.ReadFile(logf.Name())
+			t.Logf("the client exited %d; its log ends:\n%s", code, tail(string(b), 2000))
+		}
+		// The volume's own process (fuse's server, detached from the
+		// client by design) must not outlive the test.
+		if n := killByEnv(clientStateEnv + "=" + state); n > 0 {
+			t.Logf("%d process(es) of the client's volume outlived its detach: killed", n)
 		}
 	})
 	dev := make(chan string, 1)
@@ -679,4 +689,30 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 			t.Errorf("%d FailedOver Events on the volume, want 2 (a dead primary, one cut off from the API server)", n)
 		}
 	}
+}
+
+// killByEnv SIGKILLs every process whose environment holds entry, and
+// returns how many.
+func killByEnv(entry string) int {
+	procs, _ := filepath.Glob("/proc/[0-9]*/environ")
+	n := 0
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil || !slices.Contains(strings.Split(string(b), "\x00"), entry) {
+			continue
+		}
+		pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+		if err == nil && pid != os.Getpid() && syscall.Kill(pid, syscall.SIGKILL) == nil {
+			n++
+		}
+	}
+	return n
+}
+
+// tail is the end of s, at most n bytes.
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
 }
