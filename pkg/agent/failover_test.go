@@ -16,6 +16,7 @@ package agent
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -167,20 +168,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	sc := newStorageCluster(t)
 	ctx, c := context.Background(), sc.c
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
-	withLease := func(_ *nbd.Server, cfg *Config) {
-		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
-	}
-	agents := map[string]*running{}
-	for _, n := range []string{s1, s2, s3} {
-		agents[n] = sc.start(n, withLease)
-	}
-	for _, n := range []string{s1, s2, s3} {
-		sc.waitAddress(n)
-	}
-	fctx, stopFailover := context.WithCancel(ctx)
-	defer stopFailover()
-	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
-		Interval: 200 * time.Millisecond, ReplicaLostAfter: time.Second, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+	agents := sc.startLeased(driver.FailoverConfig{ReplicaLostAfter: time.Second}, s1, s2, s3)
 
 	const size = 8 << 20
 	v := newVolume("vl", size)
@@ -332,20 +320,7 @@ func TestAgentDrain(t *testing.T) {
 	sc := newStorageCluster(t)
 	ctx, c := context.Background(), sc.c
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
-	withLease := func(_ *nbd.Server, cfg *Config) {
-		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
-	}
-	agents := map[string]*running{}
-	for _, n := range []string{s1, s2, s3} {
-		agents[n] = sc.start(n, withLease)
-	}
-	for _, n := range []string{s1, s2, s3} {
-		sc.waitAddress(n)
-	}
-	fctx, stopFailover := context.WithCancel(ctx)
-	defer stopFailover()
-	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
-		Interval: 200 * time.Millisecond, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+	agents := sc.startLeased(driver.FailoverConfig{}, s1, s2, s3)
 
 	const size = 8 << 20
 	v := newVolume("vd", size)
@@ -503,20 +478,7 @@ func TestAgentUnsettledReconciled(t *testing.T) {
 	sc := newStorageCluster(t)
 	ctx, c := context.Background(), sc.c
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
-	withLease := func(_ *nbd.Server, cfg *Config) {
-		cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
-	}
-	agents := map[string]*running{}
-	for _, n := range []string{s1, s2, s3} {
-		agents[n] = sc.start(n, withLease)
-	}
-	for _, n := range []string{s1, s2, s3} {
-		sc.waitAddress(n)
-	}
-	fctx, stopFailover := context.WithCancel(ctx)
-	defer stopFailover()
-	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: apiserver.DeployNamespace,
-		Interval: 200 * time.Millisecond, StaleAfter: time.Minute, Logger: testLogger(t)}).Run(fctx)
+	agents := sc.startLeased(driver.FailoverConfig{}, s1, s2, s3)
 
 	const size = 8 << 20
 	v := newVolume("vu", size)
@@ -545,18 +507,7 @@ func TestAgentUnsettledReconciled(t *testing.T) {
 	// The replicas' ledgers know (their connections' first marks spoken
 	// for), and hold nothing.
 	for _, n := range []string{s2, s3} {
-		eventually(t, n+"'s ledger knows", func() string {
-			agents[n].agent.mu.RLock()
-			l := agents[n].agent.ledgers["vu"]
-			agents[n].agent.mu.RUnlock()
-			if l == nil {
-				return "no ledger"
-			}
-			if got, known := l.Unsettled(); !known || len(got) > 0 {
-				return fmt.Sprintf("unsettled %v (known %v)", got, known)
-			}
-			return ""
-		})
+		waitLedgerSettled(t, agents[n], "vu")
 	}
 	rec := getVolume(t, c, "vu").Status.Replication
 
@@ -604,6 +555,51 @@ func TestAgentUnsettledReconciled(t *testing.T) {
 		}
 		if !bytes.Equal(a, b) {
 			return fmt.Sprintf("s2 holds %x at the unsettled chunk, s3 %x", a[at:at+4], b[at:at+4])
+		}
+		return ""
+	})
+}
+
+// withLease gives an agent a lease of 3 s in the driver's namespace.
+func withLease(_ *nbd.Server, cfg *Config) {
+	cfg.LeaseNamespace, cfg.LeaseDuration = apiserver.DeployNamespace, 3*time.Second
+}
+
+// startLeased starts the agents of nodes with leases, waits until each
+// reports its address, and runs the controller's Failover (fc, with the
+// cluster's client and namespace, checking every 200ms) until the test
+// ends.
+func (sc *storageCluster) startLeased(fc driver.FailoverConfig, nodes ...string) map[string]*running {
+	t := sc.t
+	t.Helper()
+	agents := map[string]*running{}
+	for _, n := range nodes {
+		agents[n] = sc.start(n, withLease)
+	}
+	for _, n := range nodes {
+		sc.waitAddress(n)
+	}
+	fc.Client, fc.Namespace, fc.Interval, fc.Logger = sc.c, apiserver.DeployNamespace, 200*time.Millisecond, testLogger(t)
+	fc.StaleAfter = cmp.Or(fc.StaleAfter, time.Minute)
+	ctx, stop := context.WithCancel(context.Background())
+	t.Cleanup(stop)
+	go driver.NewFailover(fc).Run(ctx)
+	return agents
+}
+
+// waitLedgerSettled waits (bounded) until r's ledger of volume knows
+// and holds nothing: every forward its primary sent settled.
+func waitLedgerSettled(t *testing.T, r *running, volume string) {
+	t.Helper()
+	eventually(t, "the replica's ledger knows every forward settled", func() string {
+		r.agent.mu.RLock()
+		l := r.agent.ledgers[volume]
+		r.agent.mu.RUnlock()
+		if l == nil {
+			return "no ledger"
+		}
+		if got, known := l.Unsettled(); !known || len(got) > 0 {
+			return fmt.Sprintf("unsettled %v (known %v)", got, known)
 		}
 		return ""
 	})

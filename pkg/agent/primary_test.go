@@ -151,18 +151,7 @@ func TestAgentReplicatedVolume(t *testing.T) {
 	// The primary's settle marks reach the replicas' ledgers: every
 	// write settled, they hold nothing.
 	for _, n := range []string{s2, s3} {
-		eventually(t, n+"'s ledger knows every forward settled", func() string {
-			agents[n].agent.mu.RLock()
-			l := agents[n].agent.ledgers["vr"]
-			agents[n].agent.mu.RUnlock()
-			if l == nil {
-				return "no ledger"
-			}
-			if got, known := l.Unsettled(); !known || len(got) > 0 {
-				return fmt.Sprintf("unsettled %v (known %v)", got, known)
-			}
-			return ""
-		})
+		waitLedgerSettled(t, agents[n], "vr")
 	}
 
 	// s3's agent stops: the next writes drop it, by the record.
