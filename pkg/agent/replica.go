@@ -36,6 +36,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 	"github.com/mpnbd/mpnbd/pkg/replica"
@@ -172,19 +173,39 @@ func (a *Agent) applyRecord(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	if r := vol.Status.Replication; r != nil && r.Primary != a.cfg.NodeName {
 		rec = &replicaRecord{primary: r.Primary, primaryEpoch: r.PrimaryEpoch, epoch: r.Epoch}
 	}
-	a.mu.Lock()
+	a.mu.RLock()
 	prev := v.record
-	v.record = rec
-	a.mu.Unlock()
+	a.mu.RUnlock()
 	if prev == nil && rec == nil || prev != nil && rec != nil && *prev == *rec {
 		return nil
 	}
 	dctx, cancel := context.WithTimeout(ctx, a.cfg.DrainTimeout)
 	defer cancel()
-	n, err := a.srv.CloseConns(dctx, v.name, func(c nbd.ConnInfo) bool {
-		_, err := a.resolve(c, c.Requested)
-		return err != nil
-	})
+	// The connections the new record refuses (an earlier primary's) are
+	// drained before it is applied, so that none of their forwards runs
+	// once a new primary's are let in; then once more, for any that came
+	// in meanwhile.
+	refused := func(rec *replicaRecord) func(c nbd.ConnInfo) bool {
+		return func(c nbd.ConnInfo) bool {
+			_, token, epoch, ok := access.ParseExport(c.Requested)
+			if !ok {
+				return true
+			}
+			a.mu.RLock()
+			defer a.mu.RUnlock()
+			_, err := a.resolveReplicaBy(c, v, rec, token, epoch)
+			return err != nil
+		}
+	}
+	n, err := a.srv.CloseConns(dctx, v.name, refused(rec))
+	a.mu.Lock()
+	v.record = rec
+	a.mu.Unlock()
+	if err == nil {
+		var m int
+		m, err = a.srv.CloseConns(dctx, v.name, refused(rec))
+		n += m
+	}
 	if err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Errorf("closing the forwards the record no longer allows: %w", err)
 	}
@@ -202,7 +223,11 @@ func (a *Agent) applyRecord(ctx context.Context, log *slog.Logger, vol *v1alpha1
 // epoch from the record's primaryEpoch to its epoch, over TLS with its
 // storage certificate.
 func (a *Agent) resolveReplica(c nbd.ConnInfo, v *volume, token string, epoch int64) (nbd.Grant, error) {
-	rec := v.record
+	return a.resolveReplicaBy(c, v, v.record, token, epoch)
+}
+
+// resolveReplicaBy is resolveReplica by record rec.
+func (a *Agent) resolveReplicaBy(c nbd.ConnInfo, v *volume, rec *replicaRecord, token string, epoch int64) (nbd.Grant, error) {
 	switch {
 	case token != "":
 		return nbd.Grant{}, fmt.Errorf("volume %q is a replica here: opened with a storage node's certificate, not a token", v.name)
