@@ -268,7 +268,7 @@ func BenchmarkRebuild(b *testing.B) {
 			b.ResetTimer()
 			for range b.N {
 				b.StopTimer()
-				m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+				m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1, drops: []string{"r"}}, Logger: quiet})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -294,7 +294,7 @@ func BenchmarkRebuild(b *testing.B) {
 			// In sync, then away (its connection gone) while a tenth of
 			// the chunks change.
 			away := dial()
-			m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+			m, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1, Arbiter: &fakeArbiter{epoch: 1, drops: []string{"r"}}, Logger: quiet})
 			if err != nil {
 				b.Fatal(err)
 			}
