@@ -249,17 +249,18 @@ func (s *Server) negotiate(sc *serverConn) (*Export, error) {
 				case InfoBlockSize:
 					data = encodeInfoBlockSize(minBlock, prefBlock, MaxRequestSize)
 				case InfoExport:
-				default:
-					if g.Info != nil {
-						if b := g.Info(t); b != nil {
-							data = append(be.AppendUint16(nil, t), b...)
-						}
-					}
+					// Sent first, whatever the list.
 				case InfoServers:
 					if len(g.Servers) > 0 {
 						var eerr error
 						if data, eerr = encodeInfoServers(g.Servers); eerr != nil {
 							s.log().Warn("the export's servers are not sent", "export", g.Export, "error", eerr)
+						}
+					}
+				default:
+					if g.Info != nil {
+						if b := g.Info(t); b != nil {
+							data = append(be.AppendUint16(nil, t), b...)
 						}
 					}
 				}
