@@ -167,6 +167,11 @@ type Mirror struct {
 	// decide serialises the arbiter calls: each names the epoch the
 	// previous one made.
 	decide sync.Mutex
+	// lackMu: a change holds it (read) from choosing its targets until
+	// the replicas out of the set have it in their logs; a rebuild takes
+	// it to turn its replica to rebuilding and read the log, so that a
+	// change that found the replica out is in what the rebuild copies.
+	lackMu sync.RWMutex
 
 	// claims are the byte ranges of the changes (and rebuild copies)
 	// under way: one that overlaps another waits for it (claim.go).
@@ -440,9 +445,13 @@ func (m *Mirror) Zero(off, n int64, noHole bool) error {
 // that.
 func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) error {
 	defer m.claim(off, n)()
+	// Held until the replicas out of the set have this change in their
+	// logs: a rebuild starting meanwhile must find it there.
+	m.lackMu.RLock()
 	m.mu.Lock()
 	if m.fenced != nil {
 		m.mu.Unlock()
+		m.lackMu.RUnlock()
 		return nbd.ErrWithheld
 	}
 	var targets, lacking []*peer
@@ -466,9 +475,11 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 	// it is acknowledged.
 	for _, p := range lacking {
 		if err := m.markLacking(p, off, n); err != nil {
+			m.lackMu.RUnlock()
 			return err
 		}
 	}
+	m.lackMu.RUnlock()
 	toks := make([]markToken, len(targets))
 	done := m.forward(targets, toks, fwd)
 	lerr := local()
@@ -481,10 +492,17 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 	return err
 }
 
+// testHookMarkLacking, set by tests, runs as a change starts marking a
+// replica's log.
+var testHookMarkLacking func()
+
 // markLacking records that p lacks [off, off+n). A log that cannot be
 // written fences the Mirror: acknowledging the change would lose track of
 // it.
 func (m *Mirror) markLacking(p *peer, off, n int64) error {
+	if h := testHookMarkLacking; h != nil {
+		h()
+	}
 	m.mu.Lock()
 	l := p.log
 	if l == nil {

@@ -79,6 +79,13 @@ type RebuildOptions struct {
 // the arbiter record it in sync, and returns then. On failure the replica
 // stays out and its log whole; a fenced Mirror rebuilds nothing.
 func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildOptions) error {
+	m.lackMu.Lock()
+	locked := true
+	defer func() {
+		if locked {
+			m.lackMu.Unlock()
+		}
+	}()
 	m.mu.Lock()
 	var p *peer
 	for _, q := range m.peers {
@@ -108,9 +115,12 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	m.changed(p)
 
 	// A change that chose its targets before p was being rebuilt marked
-	// p's log before it began, so it is in what is copied below (and
-	// the copy of its chunk waits for it).
+	// p's log before lackMu was ours, so it is in what is copied below
+	// (and the copy of its chunk waits for it); one that chooses them
+	// after forwards to p.
 	todo := p.log.Ranges()
+	m.lackMu.Unlock()
+	locked = false
 	var total int64
 	for _, r := range todo {
 		total += r.Len

@@ -306,3 +306,39 @@ func TestMirrorOutAtStart(t *testing.T) {
 		t.Errorf("OnChange called %d times: %v", n, states)
 	}
 }
+
+// TestMirrorRebuildRacesAChange: a change that found the replica out of
+// the set, and has not marked its log yet when a rebuild of it starts,
+// is in what the rebuild copies: the replica rejoins holding it.
+func TestMirrorRebuildRacesAChange(t *testing.T) {
+	arb := &fakeArbiter{epoch: 1}
+	m, local, peers := newTestMirror(t, arb, time.Second, "", "b")
+	back := dropReplica(t, m, peers, "b")
+	// The next change stops as it starts marking b's log.
+	marking, release := make(chan struct{}), make(chan struct{})
+	testHookMarkLacking = func() {
+		testHookMarkLacking = nil
+		close(marking)
+		<-release
+	}
+	t.Cleanup(func() { testHookMarkLacking = nil })
+	wrote := make(chan error, 1)
+	go func() { _, err := m.WriteAt(pattern(77, 4096), 9*Chunk); wrote <- err }()
+	<-marking
+	rebuilt := make(chan error, 1)
+	go func() { rebuilt <- m.Rebuild(context.Background(), "b", back, RebuildOptions{}) }()
+	time.Sleep(50 * time.Millisecond) // the rebuild starts, or waits for the change
+	close(release)
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-rebuilt; err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(m.InSync(), []string{"b"}) {
+		t.Fatalf("in sync: %v", m.InSync())
+	}
+	if !bytes.Equal(readBack(t, back.b, 9*Chunk, Chunk), readBack(t, local, 9*Chunk, Chunk)) {
+		t.Fatal("b rejoined without the change that found it out as its rebuild began")
+	}
+}
