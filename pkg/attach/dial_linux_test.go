@@ -115,21 +115,8 @@ func TestDialServers(t *testing.T) {
 	}
 	log := slog.New(slog.DiscardHandler)
 	serve := func(resolve func(nbd.ConnInfo, string) (nbd.Grant, error)) Server {
-		srv := &nbd.Server{Logger: log, Resolve: resolve}
-		if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
-			t.Fatal(err)
-		}
-		l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		go srv.Serve(l)
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			srv.Shutdown(ctx)
-		})
-		return Server{StorageNode: l.Addr().String(), Addrs: []string{l.Addr().String()}}
+		addr := serveVol(t, func(string) func(nbd.ConnInfo, string) (nbd.Grant, error) { return resolve })
+		return Server{StorageNode: addr, Addrs: []string{addr}}
 	}
 	serving := func() Server { return serve(nil) }
 	refusing := func(err error) Server {
@@ -212,32 +199,17 @@ func TestDialServersLearns(t *testing.T) {
 	var listed atomic.Pointer[[]nbd.ServerAddrs]
 	listed.Store(&[]nbd.ServerAddrs{})
 	var serving sync.Map // address -> true while it serves
-	serve := func() (string, *nbd.Server) {
-		l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := l.Addr().String()
-		srv := &nbd.Server{Logger: log, Resolve: func(nbd.ConnInfo, string) (nbd.Grant, error) {
-			if _, ok := serving.Load(addr); !ok {
-				return nbd.Grant{}, errors.New("not the primary")
+	serve := func() string {
+		return serveVol(t, func(addr string) func(nbd.ConnInfo, string) (nbd.Grant, error) {
+			return func(nbd.ConnInfo, string) (nbd.Grant, error) {
+				if _, ok := serving.Load(addr); !ok {
+					return nbd.Grant{}, errors.New("not the primary")
+				}
+				return nbd.Grant{Export: "vol", Servers: *listed.Load()}, nil
 			}
-			return nbd.Grant{Export: "vol", Servers: *listed.Load()}, nil
-		}}
-		if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
-			t.Fatal(err)
-		}
-		go srv.Serve(l)
-		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			srv.Shutdown(ctx)
 		})
-		return addr, srv
 	}
-	a, _ := serve()
-	b, _ := serve()
-	c, _ := serve()
+	a, b, c := serve(), serve(), serve()
 	// The node was given A (no name: a token, no TLS) and replica B.
 	target := Target{Addrs: []string{a}, Replicas: []Server{{StorageNode: "b", Addrs: []string{b}}}}
 	var d ServerDialer
@@ -287,4 +259,27 @@ func TestDialServersLearns(t *testing.T) {
 	if got, want := names(), []string{"a=" + a, "c=" + c, "b=" + b}; !slices.Equal(got, want) {
 		t.Fatalf("after a server listed nothing: %v, want %v", got, want)
 	}
+}
+
+// serveVol serves a 1 MiB export "vol" on a loopback MPTCP port until the
+// test ends, its grants from the resolver made for its address (nil: every
+// name allowed), and returns the address.
+func serveVol(t *testing.T, resolver func(addr string) func(nbd.ConnInfo, string) (nbd.Grant, error)) string {
+	t.Helper()
+	l, err := mptcp.Listen(context.Background(), "tcp", "127.0.0.1:0", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	srv := &nbd.Server{Logger: slog.New(slog.DiscardHandler), Resolve: resolver(addr)}
+	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(l)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		srv.Shutdown(ctx)
+	})
+	return addr
 }
