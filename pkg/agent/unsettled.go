@@ -121,7 +121,7 @@ func (a *Agent) reconcileUnsettled(ctx context.Context, log *slog.Logger, vol *v
 		cl.Close()
 		delete(conns, n)
 	}
-	copied, err := a.copyChunks(vol.Name, v1Size(a, vol.Name), chunks, conns, drop)
+	copied, err := a.copyChunks(vol.Name, chunks, conns, drop)
 	if err != nil {
 		return nil, err
 	}
@@ -148,26 +148,17 @@ func (a *Agent) reconcileUnsettled(ctx context.Context, log *slog.Logger, vol *v
 	return &out, nil
 }
 
-// v1Size is the size of volume's open backing file (0 when not open).
-func v1Size(a *Agent, volume string) int64 {
-	a.mu.RLock()
-	defer a.mu.RUnlock()
-	if v := a.vols[volume]; v != nil && v.backend != nil {
-		return v.backend.Size()
-	}
-	return 0
-}
-
 // copyChunks writes this node's copy of every chunk of ranges (cut to
-// size) to each replica of conns and flushes them; a replica that fails
+// the volume's size) to each replica of conns and flushes them; a replica that fails
 // leaves conns for drop. It returns how many chunks it copied.
-func (a *Agent) copyChunks(volume string, size int64, ranges []nbd.Range, conns map[string]*nbd.Client, drop map[string]error) (int, error) {
+func (a *Agent) copyChunks(volume string, ranges []nbd.Range, conns map[string]*nbd.Client, drop map[string]error) (int, error) {
 	a.mu.RLock()
 	v := a.vols[volume]
 	a.mu.RUnlock()
 	if v == nil || v.backend == nil {
 		return 0, fmt.Errorf("volume %s is not open", volume)
 	}
+	size := v.backend.Size()
 	seen := map[int64]bool{}
 	buf := make([]byte, replica.Chunk)
 	n := 0
