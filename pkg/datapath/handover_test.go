@@ -285,8 +285,18 @@ func TestHandoverSuccessorRefuses(t *testing.T) {
 	if _, ok := pred.Volumes()["v1"]; !ok {
 		t.Fatal("the volume left the predecessor")
 	}
-	if _, _, err := (&Client{Path: path}).Health("v1"); err != nil {
-		t.Fatalf("the predecessor does not serve calls for the volume it kept: %v", err)
+	// The last round may still be closing on the predecessor's side when
+	// TakeOver returns: it serves again once it has seen the end.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, _, err := (&Client{Path: path}).Health("v1")
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the predecessor does not serve calls for the volume it kept: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
