@@ -121,8 +121,10 @@ type NBDVolumeSpec struct {
 	// +optional
 	Replicas int32 `json:"replicas,omitempty"`
 	// ReplicaNodes are the storage nodes of the other replicas, each
-	// distinct from StorageNode and from the others.
-	// +kubebuilder:validation:MaxItems=2
+	// distinct from StorageNode and from the others: Replicas-1 of them,
+	// one more while a replica moves (a drain makes the new copy before
+	// the old one goes).
+	// +kubebuilder:validation:MaxItems=3
 	// +listType=set
 	// +optional
 	ReplicaNodes []string `json:"replicaNodes,omitempty"`

@@ -384,9 +384,10 @@ func TestFailoverDrain(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	volume("vp", "s1", "s2") // its primary on the draining node
-	volume("vr", "s2", "s1") // a replica on it
-	volume("vu", "s1")       // unreplicated
+	volume("vp", "s1", "s2")       // its primary on the draining node
+	volume("vr", "s2", "s1")       // a replica on it
+	volume("vu", "s1")             // unreplicated
+	volume("v3", "s1", "s2", "s4") // three replicas: four holders while one moves
 	get := func(name string) *v1alpha1.NBDVolume {
 		t.Helper()
 		var v v1alpha1.NBDVolume
@@ -452,9 +453,10 @@ func TestFailoverDrain(t *testing.T) {
 	}
 	// 1: a copy each on s3 (the most room of the schedulable nodes in a
 	// zone of their own; s5, cordoned, has more).
-	if moved := check(); !slices.Equal(moved, []string{"vp", "vr"}) {
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr"}) {
 		t.Fatalf("drain, first check: moved %v", moved)
 	}
+	want("v3", "s1", "s2", "s4", "s3")
 	want("vp", "s1", "s2", "s3")
 	want("vr", "s2", "s1", "s3")
 	want("vu", "s1")
@@ -466,9 +468,11 @@ func TestFailoverDrain(t *testing.T) {
 	// vr lets s1's replica go.
 	inSync("vp", "s1", "s2", "s3")
 	inSync("vr", "s1", "s2", "s3")
-	if moved := check(); !slices.Equal(moved, []string{"vp", "vr"}) {
+	inSync("v3", "s1", "s2", "s3", "s4")
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr"}) {
 		t.Fatalf("copies in sync: moved %v", moved)
 	}
+	want("v3", "s2", "s4", "s3", "s1")
 	vp := get("vp")
 	if r := vp.Status.Replication; r.Primary != "s2" || r.PrimaryEpoch != r.Epoch || slices.Contains(r.InSync, "s1") {
 		t.Fatalf("vp's record after the switchover: %+v", r)
@@ -476,10 +480,11 @@ func TestFailoverDrain(t *testing.T) {
 	want("vp", "s2", "s3", "s1")
 	want("vr", "s2", "s3")
 	// 4: s1, now vp's replica out of sync, goes.
-	if moved := check(); !slices.Equal(moved, []string{"vp"}) {
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp"}) {
 		t.Fatalf("after the switchover: moved %v", moved)
 	}
 	want("vp", "s2", "s3")
+	want("v3", "s2", "s4", "s3")
 	if moved := check(); len(moved) != 0 {
 		t.Fatalf("drained: moved %v", moved)
 	}
@@ -492,7 +497,7 @@ func TestFailoverDrain(t *testing.T) {
 	for _, e := range evs.Items {
 		reasons[e.InvolvedObject.Name] = append(reasons[e.InvolvedObject.Name], e.Reason)
 	}
-	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
+	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "v3": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
 		if got := slices.Sorted(slices.Values(reasons[name])); !slices.Equal(got, want) {
 			t.Errorf("%s's events: %v, want %v", name, got, want)
 		}
