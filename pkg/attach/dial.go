@@ -23,6 +23,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -253,12 +254,18 @@ func (d *ServerDialer) of(s Server) *AddrDialer {
 	return a
 }
 
+// refusedRetryPause is the first pause before a server that refused is
+// asked again within one DialServers round (doubling, to a second).
+const refusedRetryPause = 200 * time.Millisecond
+
 // DialServers dials a target's servers (Target.Servers) and returns what
 // the first that serves the export gave, with its address. One server is
 // dialled as Dial does; several are dialled at once, each over its
 // addresses in turn: a replicated volume's replicas refuse the node at
 // once while another is the primary, and a server that is gone must not
-// hold up the one that took over. What another server gave too (two
+// hold up the one that took over; while a server is still dialled, one
+// that refused is asked again (it may be promoted in the meantime). What
+// another server gave too (two
 // primaries for a moment, while one learns it was replaced) is handed to
 // drop. A refusal as superseded (nbd.ErrSuperseded) by any server is in
 // the error when none served: the node's grant was replaced.
@@ -275,13 +282,38 @@ func DialServers[T any](ctx context.Context, d *ServerDialer, servers []Server, 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	ch := make(chan result, len(servers))
+	// pending counts the servers still in their first dial, neither
+	// answered nor failed: while one is (a host gone silent holds the
+	// round until its timeout), a server that refused is asked again, as a
+	// replica may be promoted meanwhile.
+	var pending atomic.Int32
+	pending.Store(int32(len(servers)))
 	for _, s := range servers {
 		go func() {
-			v, addr, err := Dial(ctx, d.of(s), s.Addrs, func(ctx context.Context, addr string) (T, error) { return dial(ctx, s, addr) })
-			if err != nil {
-				err = fmt.Errorf("storage node %s: %w", s.StorageNode, err)
+			first, wait := true, refusedRetryPause
+			for {
+				v, addr, err := Dial(ctx, d.of(s), s.Addrs, func(ctx context.Context, addr string) (T, error) { return dial(ctx, s, addr) })
+				if first {
+					pending.Add(-1)
+					first = false
+				}
+				again := err != nil && errors.Is(err, ErrServerRefused) && !errors.Is(err, nbd.ErrSuperseded) && pending.Load() > 0
+				if again {
+					select {
+					case <-ctx.Done():
+						again = false
+					case <-time.After(wait):
+						wait = min(2*wait, time.Second)
+					}
+				}
+				if !again {
+					if err != nil {
+						err = fmt.Errorf("storage node %s: %w", s.StorageNode, err)
+					}
+					ch <- result{v, addr, err}
+					return
+				}
 			}
-			ch <- result{v, addr, err}
 		}()
 	}
 	var won *result

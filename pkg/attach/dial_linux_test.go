@@ -170,6 +170,19 @@ func TestDialServers(t *testing.T) {
 			t.Errorf("%s: reached %q (dropped %d), %v; want %s", tc.name, addr, dropped, err, primary.Addrs[0])
 		}
 	}
+	// A replica that refuses, then serves (promoted while the node
+	// dials), is asked again while a hung host holds the round: the node
+	// reaches it without waiting for the hung one to time out.
+	var asked atomic.Int32
+	becoming := serve(func(nbd.ConnInfo, string) (nbd.Grant, error) {
+		if asked.Add(1) < 3 {
+			return nbd.Grant{}, errors.New("not the primary yet")
+		}
+		return nbd.Grant{Export: "vol"}, nil
+	})
+	if addr, _, err := dial(hung(), becoming); err != nil || addr != becoming.Addrs[0] {
+		t.Errorf("a replica promoted during the round: reached %q, %v; want %s (asked %d times)", addr, err, becoming.Addrs[0], asked.Load())
+	}
 	other := serving()
 	// The other's dial is cancelled, or handed back if it was done.
 	if addr, dropped, err := dial(primary, other); err != nil || dropped > 1 || (addr != primary.Addrs[0] && addr != other.Addrs[0]) {
