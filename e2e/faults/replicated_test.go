@@ -19,6 +19,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -115,6 +116,8 @@ type replicatedEnv struct {
 	hosts map[string]*storageHost
 	bin   string
 	logs  string
+	// admin is a kubeconfig of the cluster's administrator (mpnbdctl's).
+	admin string
 }
 
 const replicatedNamespace = apiserver.DeployNamespace
@@ -135,8 +138,9 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 	if err := apiserver.Apply(ctx, c, "deploy/rbac-storage-agent.yaml"); err != nil {
 		t.Fatal(err)
 	}
-	f := topo.NewFabricForTest(t, topo.FabricConfig{Name: topo.UniqueName("rf"), Hosts: []string{"cli", "s1", "s2", "s3"}, Paths: 4, RateMbit: 1000})
-	e := &replicatedEnv{t: t, f: f, c: c, hosts: map[string]*storageHost{}, bin: bin, logs: t.TempDir()}
+	f := topo.NewFabricForTest(t, topo.FabricConfig{Name: topo.UniqueName("rf"), Hosts: []string{"cli", "s1", "s2", "s3", "s4"}, Paths: 4, RateMbit: 1000})
+	e := &replicatedEnv{t: t, f: f, c: c, hosts: map[string]*storageHost{}, bin: bin, logs: t.TempDir(),
+		admin: apiserver.WriteKubeconfig(t, cfg)}
 	t.Cleanup(func() {
 		if t.Failed() {
 			e.dumpLogs()
@@ -149,14 +153,14 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 		t.Fatal(err)
 	}
 	ctl := exec.Command(filepath.Join(bin, "controller"), "--endpoint", "unix://"+filepath.Join(t.TempDir(), "c.sock"),
-		"--namespace", replicatedNamespace, "--kubeconfig", apiserver.WriteKubeconfig(t, cfg))
+		"--namespace", replicatedNamespace, "--kubeconfig", e.admin)
 	ctl.Stdout, ctl.Stderr = ctlLog, ctlLog
 	if err := ctl.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ctl.Process.Kill(); ctl.Wait() })
 
-	for i, h := range []string{"s1", "s2", "s3"} {
+	for i, h := range []string{"s1", "s2", "s3", "s4"} {
 		sh := &storageHost{node: "store-" + strconv.Itoa(i+1), host: h, f: f, bin: bin, dir: t.TempDir(),
 			log: filepath.Join(e.logs, h+".log")}
 		sh.apiPort = forwardAPI(t, f.NS(h), strings.TrimSuffix(strings.TrimPrefix(cfg.Host, "https://"), "/"))
@@ -278,6 +282,14 @@ func (h *storageHost) die(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.kill(t)
+}
+
+// restart SIGKILLs the agent of a host that stays up and starts it again
+// over the same data directory.
+func (h *storageHost) restart(t *testing.T) {
+	t.Helper()
+	h.kill(t)
+	h.start(t)
 }
 
 // revive brings a dead host back: its network, then its agent over the
@@ -447,6 +459,25 @@ func startPauseProbe(t *testing.T, dev string, off int64) *pauseProbe {
 	return p
 }
 
+// resumed waits, up to timeout, for a write completed after the call:
+// the pause under way, if any, is then whole in the next take.
+func (p *pauseProbe) resumed(timeout time.Duration) error {
+	since := time.Now()
+	end := since.Add(timeout)
+	for {
+		p.mu.Lock()
+		last := p.last
+		p.mu.Unlock()
+		if last.After(since) {
+			return nil
+		}
+		if time.Now().After(end) {
+			return fmt.Errorf("no write completed for %v", time.Since(last).Round(time.Millisecond))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // take returns the longest pause since the last take (including the one
 // under way) and starts afresh; and the errors.
 func (p *pauseProbe) take() (time.Duration, []error) {
@@ -480,7 +511,9 @@ func (p *pauseProbe) end() {
 // back in sync), a secondary's host dies and comes back, the primary is
 // cut off from the API server only (its lease lapses: it stops serving,
 // another is promoted), and the primary is cut off from the client only
-// (nothing moves: the I/O waits, then goes on). No round fails, a probe
+// (nothing moves: the I/O waits, then goes on); last, the primary's
+// storage node is drained onto a fourth with mpnbdctl, agents SIGKILLed
+// mid-drain (drainPrimary). No round fails, a probe
 // writer sees no error, and the longest pause of each case is printed.
 // At the end every copy in sync holds the same bytes.
 func TestReplicatedVolumeFaults(t *testing.T) {
@@ -556,6 +589,9 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 		case f := <-failed:
 			t.Fatalf("%s: fio: %s", what, f)
 		default:
+		}
+		if err := probe.resumed(time.Minute); err != nil {
+			t.Fatalf("%s: the probe's writes did not resume: %v", what, err)
 		}
 		pause, errs := probe.take()
 		if len(errs) > 0 {
@@ -653,8 +689,16 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 		if r := record(); r.Primary != before.Primary {
 			t.Errorf("a partition between the client and a live primary moved the volume: %+v, then %+v", before, r)
 		}
-
 	}
+
+	// 6. The primary's storage node drained with mpnbdctl under fio: a
+	// replica added on the spare node (its agent SIGKILLed while it is
+	// copied, and started again), the primary handed to a replica in sync
+	// (the drained node's agent SIGKILLed then, and started again), the
+	// drained node's replica gone and its copy deleted. The volume keeps
+	// three copies in sync.
+	e.drainPrimary(name, "store-4")
+	check("the primary's storage node was drained")
 
 	rounds := finish()
 	probe.end()
@@ -688,6 +732,80 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 		if n < 2 {
 			t.Errorf("%d FailedOver Events on the volume, want 2 (a dead primary, one cut off from the API server)", n)
 		}
+	}
+}
+
+// drainPrimary drains the storage node of volume name's primary onto
+// spare with mpnbdctl, SIGKILLing the spare's agent while it is copied and
+// the drained node's agent once it has handed the primary over, and checks
+// that the drained node ends holding nothing.
+func (e *replicatedEnv) drainPrimary(name, spare string) {
+	t := e.t
+	t.Helper()
+	drained := e.hosts[e.volume(name).Status.Replication.Primary]
+	logf, err := os.Create(filepath.Join(e.logs, "mpnbdctl-drain.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer logf.Close()
+	ctl := exec.Command(filepath.Join(e.bin, "mpnbdctl"), "--kubeconfig", e.admin, "drain", drained.node, "--wait", "3m")
+	ctl.Stdout, ctl.Stderr = logf, logf
+	if err := ctl.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- ctl.Wait() }()
+	t.Cleanup(func() { ctl.Process.Kill() })
+
+	e.waitFor("a replica added on "+spare+" for the drain", time.Minute, func() string {
+		if v := e.volume(name); !slices.Contains(v.Spec.ReplicaNodes, spare) {
+			return fmt.Sprintf("replicas %v", v.Spec.ReplicaNodes)
+		}
+		return ""
+	})
+	copying := !slices.Contains(e.volume(name).Status.Replication.InSync, spare)
+	e.hosts[spare].restart(t)
+	t.Logf("the spare's agent SIGKILLed and started again (its copy under way: %v)", copying)
+	e.waitFor("the primary handed over by the drain", 2*time.Minute, func() string {
+		if r := e.volume(name).Status.Replication; r.Primary == drained.node {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	drained.restart(t)
+	select {
+	case err := <-exited:
+		if err != nil {
+			b, _ := os.ReadFile(logf.Name())
+			t.Fatalf("mpnbdctl drain %s: %v:\n%s", drained.node, err, b)
+		}
+	case <-time.After(4 * time.Minute):
+		t.Fatalf("mpnbdctl drain %s did not end within 4m", drained.node)
+	}
+	v := e.volume(name)
+	holders := append([]string{v.Spec.StorageNode}, v.Spec.ReplicaNodes...)
+	if slices.Contains(holders, drained.node) || !slices.Contains(holders, spare) || len(holders) != 3 {
+		t.Fatalf("after the drain of %s the volume is on %v", drained.node, holders)
+	}
+	e.waitFor("three copies in sync without the drained node", 2*time.Minute, func() string {
+		r := e.volume(name).Status.Replication
+		if len(r.InSync) != 3 || slices.Contains(r.InSync, drained.node) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	e.waitFor("the drained node's copy deleted", time.Minute, func() string {
+		if _, err := os.Stat(filepath.Join(drained.dir, name+".img")); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("stat: %v", err)
+		}
+		return ""
+	})
+	var sn v1alpha1.NBDStorageNode
+	if err := e.c.Get(context.Background(), client.ObjectKey{Name: drained.node}, &sn); err != nil {
+		t.Fatal(err)
+	}
+	if !sn.Spec.Unschedulable || !sn.Spec.Drain {
+		t.Errorf("the drained node's spec %+v: want cordoned and draining", sn.Spec)
 	}
 }
 

@@ -35,6 +35,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
@@ -156,6 +157,10 @@ func StartEnv() (cfg *rest.Config, c client.Client, stop func() error, err error
 		ErrorIfCRDPathMissing: true,
 		Scheme:                scheme,
 	}
+	// A graceful stop takes seconds after a suite whose clients were
+	// killed mid-request, more on a loaded machine; the default 20 s
+	// fails a test that passed.
+	env.ControlPlane.GetAPIServer().StopTimeout = time.Minute
 	cfg, err = env.Start()
 	if err != nil {
 		// The binaries are there; a failure to start is a real failure.

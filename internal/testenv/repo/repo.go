@@ -63,8 +63,9 @@ func declares(gomod []byte, path string) bool {
 	return false
 }
 
-// Commands are the driver's commands, as the manifests run them.
-var Commands = []string{"controller", "node", "nbd-server"}
+// Commands are the driver's commands, as the manifests run them, and the
+// operator's tool.
+var Commands = []string{"controller", "node", "nbd-server", "mpnbdctl"}
 
 // BuildCommands builds Commands as static binaries into dir, in the
 // driver's module.
