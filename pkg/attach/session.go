@@ -82,10 +82,10 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()
 		rc, _, err := DialServers(ctx, &s.servers, s.servers.For(t), func(ctx context.Context, srv Server, addr string) (*relay.Remote, error) {
-			x := ExportDialer{Logger: log}
-			if len(t.Replicas) > 0 {
-				x.Servers = &s.servers
-			}
+			// Asked of every server, replicated or not: a drain moves
+			// an unreplicated volume to a storage node the node was not
+			// given.
+			x := ExportDialer{Logger: log, Servers: &s.servers}
 			if t.TLS != nil {
 				x.TLS = t.TLS.ConfigFor(srv)
 			}

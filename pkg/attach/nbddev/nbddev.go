@@ -584,10 +584,9 @@ func (a *Attacher) dialServer(ctx context.Context, v *volume, srv attach.Server,
 	if lane >= 0 {
 		sess = &nbd.Session{ID: v.session, Lane: uint32(lane), Generation: nbd.NextGeneration()}
 	}
-	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID)}
-	if len(v.target.Replicas) > 0 {
-		x.Servers = &v.servers
-	}
+	// Asked of every server, replicated or not: a drain moves an
+	// unreplicated volume to a storage node the node was not given.
+	x := attach.ExportDialer{Logger: a.log.With("volume_id", v.target.VolumeID), Servers: &v.servers}
 	if v.target.TLS != nil && attach.CanEncrypt(a.cfg.Mode) {
 		x.TLS = v.target.TLS.ConfigFor(srv)
 	}
