@@ -309,93 +309,130 @@ func openSession(t *testing.T, target attach.Target) *attach.Session {
 	return sess
 }
 
-// TestAgentDrain: the storage node that holds a 2-replica volume's
-// primary is drained while a node writes: the controller adds a replica
-// on the spare node, the primary's agent copies the volume to it, the
-// primary is handed to the in-sync replica (a switchover the node's
-// session rides through), and the drained node's replica goes, its agent
-// deleting its copy. The node's writes complete with no error all along,
-// and the two copies left are equal to what it wrote.
+// TestAgentDrain: the storage node that holds a volume's primary is
+// drained while a node writes, for a 2-replica volume and an unreplicated
+// one: the controller adds a replica on a spare node, the primary's agent
+// copies the volume to it (an unreplicated volume is served through a
+// Mirror for the move, the node's session told of the spare), the primary
+// is handed to the in-sync copy (a switchover the node's session rides
+// through), and the drained node's copy goes, its agent deleting it. The
+// node's writes complete with no error all along, and the copies left are
+// equal to what it wrote.
 func TestAgentDrain(t *testing.T) {
-	sc := newStorageCluster(t)
-	ctx, c := context.Background(), sc.c
 	const s1, s2, s3 = testNode, "storage-2", "storage-3"
-	agents := sc.startLeased(driver.FailoverConfig{}, s1, s2, s3)
-
-	const size = 8 << 20
-	v := newVolume("vd", size)
-	v.Labels = map[string]string{v1alpha1.ReplicaLabel(s2): ""}
-	v.Spec.Replicas = 2
-	v.Spec.ReplicaNodes = []string{s2}
-	if err := c.Create(ctx, v); err != nil {
-		t.Fatal(err)
-	}
-	if v := waitObserved(t, c, "vd"); v.Status.Phase != v1alpha1.VolumeAvailable {
-		t.Fatalf("vd: %+v", v.Status)
-	}
-	tok := publish(t, c, "vd", "node-1", false)
-	target := attach.Target{VolumeID: "vd", Export: access.NodeExport("vd", tok), Addrs: []string{agents[s1].addr},
-		Replicas: []attach.Server{{StorageNode: s2, Addrs: []string{agents[s2].addr}}}}
-	sess := openSession(t, target)
-	defer sess.Close(5 * time.Second)
-	w := &nodeWriter{t: t, want: make([]byte, size)}
-	w.write(sess.Client, 32)
-
-	// Writes go on while s1 drains.
-	stop := make(chan struct{})
-	wrote := make(chan time.Duration)
-	go func() {
-		var longest time.Duration
-		for {
-			select {
-			case <-stop:
-				wrote <- longest
-				return
-			default:
+	for _, tc := range []struct {
+		name     string
+		replicas []string
+		// after: where the volume ends, its primary first.
+		after []string
+	}{
+		{"replicated", []string{s2}, []string{s2, s3}},
+		{"unreplicated", nil, []string{s2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sc := newStorageCluster(t)
+			ctx, c := context.Background(), sc.c
+			agents := sc.startLeased(driver.FailoverConfig{}, s1, s2, s3)
+			if tc.replicas == nil {
+				// s3 cordoned: the unreplicated volume's one copy goes
+				// to s2.
+				setNodeSpec(t, c, s3, func(sp *v1alpha1.NBDStorageNodeSpec) { sp.Unschedulable = true })
 			}
-			longest = max(longest, w.write(sess.Client, 4))
-		}
-	}()
+
+			const size = 8 << 20
+			v := newVolume("vd", size)
+			target := attach.Target{VolumeID: "vd", Addrs: []string{agents[s1].addr}}
+			if len(tc.replicas) > 0 {
+				v.Labels = map[string]string{}
+				for _, n := range tc.replicas {
+					v.Labels[v1alpha1.ReplicaLabel(n)] = ""
+					target.Replicas = append(target.Replicas, attach.Server{StorageNode: n, Addrs: []string{agents[n].addr}})
+				}
+				v.Spec.Replicas = int32(len(tc.replicas) + 1)
+				v.Spec.ReplicaNodes = tc.replicas
+			}
+			if err := c.Create(ctx, v); err != nil {
+				t.Fatal(err)
+			}
+			if v := waitObserved(t, c, "vd"); v.Status.Phase != v1alpha1.VolumeAvailable {
+				t.Fatalf("vd: %+v", v.Status)
+			}
+			target.Export = access.NodeExport("vd", publish(t, c, "vd", "node-1", false))
+			sess := openSession(t, target)
+			defer sess.Close(5 * time.Second)
+			w := &nodeWriter{t: t, want: make([]byte, size)}
+			w.write(sess.Client, 32)
+
+			// Writes go on while s1 drains.
+			stop := make(chan struct{})
+			wrote := make(chan time.Duration)
+			go func() {
+				var longest time.Duration
+				for {
+					select {
+					case <-stop:
+						wrote <- longest
+						return
+					default:
+					}
+					longest = max(longest, w.write(sess.Client, 4))
+				}
+			}()
+			setNodeSpec(t, c, s1, func(sp *v1alpha1.NBDStorageNodeSpec) { sp.Drain = true })
+			eventually(t, fmt.Sprintf("s1 drained: vd on %v, in sync", tc.after), func() string {
+				v := getVolume(t, c, "vd")
+				r := v.Status.Replication
+				if v.Spec.StorageNode != tc.after[0] || !slices.Equal(v.Spec.ReplicaNodes, tc.after[1:]) || r == nil || r.Primary != tc.after[0] ||
+					!slices.Equal(r.InSync, slices.Sorted(slices.Values(tc.after))) {
+					return fmt.Sprintf("on %s, replicas %v, record %+v", v.Spec.StorageNode, v.Spec.ReplicaNodes, r)
+				}
+				return ""
+			})
+			eventually(t, "s1's copy removed, and its label with its finalizer", func() string {
+				if _, err := os.Stat(filepath.Join(sc.dirs[s1], "vd"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
+					return fmt.Sprintf("s1's copy: %v", err)
+				}
+				v := getVolume(t, c, "vd")
+				if _, ok := v.Labels[v1alpha1.ReplicaLabel(s1)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s1)) {
+					return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
+				}
+				return ""
+			})
+			close(stop)
+			var longest time.Duration
+			select {
+			case longest = <-wrote:
+			case <-time.After(time.Minute):
+				t.Fatal("the node's write under way has not completed for a minute")
+			}
+			t.Logf("longest write while s1 drained: %v", longest)
+			w.write(sess.Client, 8)
+			if msg := sc.holds("vd", w.want, tc.after...); msg != "" {
+				t.Fatal(msg)
+			}
+			sess.Close(5 * time.Second)
+			unpublish(t, c, "vd", "node-1")
+			deleteWithData(t, c, "vd")
+			waitGone(t, c, "vd")
+		})
+	}
+}
+
+// setNodeSpec changes storage node name's spec (an administrator's
+// cordon or drain).
+func setNodeSpec(t *testing.T, c client.Client, name string, change func(*v1alpha1.NBDStorageNodeSpec)) {
+	t.Helper()
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		var n v1alpha1.NBDStorageNode
-		if err := c.Get(ctx, client.ObjectKey{Name: s1}, &n); err != nil {
+		if err := c.Get(context.Background(), client.ObjectKey{Name: name}, &n); err != nil {
 			return err
 		}
-		n.Spec.Drain = true
-		return c.Update(ctx, &n)
+		change(&n.Spec)
+		return c.Update(context.Background(), &n)
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "s1 drained: vd on s2 and s3, both in sync", func() string {
-		v := getVolume(t, c, "vd")
-		r := v.Status.Replication
-		if v.Spec.StorageNode != s2 || !slices.Equal(v.Spec.ReplicaNodes, []string{s3}) || r == nil || r.Primary != s2 || !slices.Equal(r.InSync, []string{s2, s3}) {
-			return fmt.Sprintf("on %s, replicas %v, record %+v", v.Spec.StorageNode, v.Spec.ReplicaNodes, r)
-		}
-		return ""
-	})
-	eventually(t, "s1's copy removed, and its label with its finalizer", func() string {
-		if _, err := os.Stat(filepath.Join(sc.dirs[s1], "vd"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
-			return fmt.Sprintf("s1's copy: %v", err)
-		}
-		v := getVolume(t, c, "vd")
-		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s1)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s1)) {
-			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
-		}
-		return ""
-	})
-	close(stop)
-	longest := <-wrote
-	t.Logf("longest write while s1 drained: %v", longest)
-	w.write(sess.Client, 8)
-	if msg := sc.holds("vd", w.want, s2, s3); msg != "" {
-		t.Fatal(msg)
-	}
-	sess.Close(5 * time.Second)
-	unpublish(t, c, "vd", "node-1")
-	deleteWithData(t, c, "vd")
-	waitGone(t, c, "vd")
 }
 
 // TestForwardConnectionsFenced: a primary's forward connections to one
@@ -603,4 +640,95 @@ func waitLedgerSettled(t *testing.T, r *running, volume string) {
 		}
 		return ""
 	})
+}
+
+// TestAgentReplicaGivenToAServedVolume: an unreplicated volume served and
+// written is given a replica (spec.replicaNodes edited by hand, or a move
+// of the volume): its first record has only the primary in sync, as the
+// new replica's copy lacks what was written, and the replica joins the
+// set only once the volume is copied to it.
+func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
+	sc := newStorageCluster(t)
+	ctx, c := context.Background(), sc.c
+	const s1, s2 = testNode, "storage-2"
+	agents := sc.startLeased(driver.FailoverConfig{}, s1, s2)
+	const size = 8 << 20
+	if err := c.Create(ctx, newVolume("vg", size)); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitObserved(t, c, "vg"); v.Status.Phase != v1alpha1.VolumeAvailable {
+		t.Fatalf("vg: %+v", v.Status)
+	}
+	tok := publish(t, c, "vg", "node-1", false)
+	sess := openSession(t, attach.Target{VolumeID: "vg", Export: access.NodeExport("vg", tok), Addrs: []string{agents[s1].addr}})
+	defer sess.Close(5 * time.Second)
+	w := &nodeWriter{t: t, want: make([]byte, size)}
+	w.write(sess.Client, 32)
+	if err := sess.Client.Flush(); err != nil {
+		t.Fatal(err)
+	}
+
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := getVolume(t, c, "vg")
+		if v.Labels == nil {
+			v.Labels = map[string]string{}
+		}
+		v.Labels[v1alpha1.ReplicaLabel(s2)] = ""
+		v.Spec.Replicas = 2
+		v.Spec.ReplicaNodes = []string{s2}
+		return c.Update(ctx, v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "vg's replica on s2 in sync", func() string {
+		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1, s2}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
+		t.Fatalf("s2 counted in sync: %s", msg)
+	}
+	w.write(sess.Client, 8)
+	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
+		t.Fatal(msg)
+	}
+
+	// Its replica taken away: served alone, s2 leaves the in-sync set
+	// before the first write s2 will not have; given back, s2 is copied
+	// again before it counts.
+	setReplicas := func(nodes ...string) {
+		t.Helper()
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			v := getVolume(t, c, "vg")
+			v.Spec.Replicas = int32(len(nodes) + 1)
+			v.Spec.ReplicaNodes = nodes
+			for _, n := range nodes {
+				v.Labels[v1alpha1.ReplicaLabel(n)] = ""
+			}
+			return c.Update(ctx, v)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	setReplicas()
+	eventually(t, "vg served alone, s2 out of the in-sync set", func() string {
+		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	w.write(sess.Client, 16)
+	setReplicas(s2)
+	eventually(t, "vg's replica on s2 in sync again", func() string {
+		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1, s2}) {
+			return fmt.Sprintf("record %+v", r)
+		}
+		return ""
+	})
+	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
+		t.Fatalf("s2 counted in sync again: %s", msg)
+	}
 }

@@ -92,15 +92,16 @@ func replicatedVolume(vol *v1alpha1.NBDVolume) bool { return len(vol.Spec.Replic
 // ensureRecord returns vol's replication record, making it when there is
 // none: this node primary since epoch 1, and in sync with it the replicas
 // that hold what it holds: all of them for a volume made empty (every
-// copy is zeroes), none for one filled from a content source (they are
-// rebuilt whole). Made before the volume is first served, so that no
-// change precedes it.
+// copy is zeroes) and never served, none for one filled from a content
+// source or served before it had replicas (an unreplicated volume given
+// some: they are rebuilt whole). Made before the volume is first served
+// through a Mirror, so that no change precedes it.
 func (a *Agent) ensureRecord(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) (*v1alpha1.ReplicationStatus, error) {
 	if r := vol.Status.Replication; r != nil {
 		return r, nil
 	}
 	inSync := []string{a.cfg.NodeName}
-	if vol.Spec.ContentSource == nil {
+	if vol.Spec.ContentSource == nil && !servedBefore(vol) {
 		inSync = append(inSync, vol.Spec.ReplicaNodes...)
 	}
 	slices.Sort(inSync)
@@ -113,6 +114,12 @@ func (a *Agent) ensureRecord(ctx context.Context, log *slog.Logger, vol *v1alpha
 	}
 	log.Info("replication record made", "in_sync", inSync)
 	return vol.Status.Replication, nil
+}
+
+// servedBefore reports whether vol has been served (its status says so
+// from the first serve on): its copy may hold data.
+func servedBefore(vol *v1alpha1.NBDVolume) bool {
+	return vol.Status.Export != nil || vol.Status.CapacityBytes > 0
 }
 
 // startMirror makes the Mirror that serves vol from v's file, its
@@ -511,10 +518,31 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 	case err != nil:
 		return nil, internal("%v", err)
 	}
-	// The Mirror starts from the record as the API server has it now,
-	// not as the cache last saw it: a stale in-sync set would forward to
-	// a replica dropped since as if it had everything, and a stale epoch
-	// would have the first decision refused and fence a sound primary.
+	rec, f := a.recordToServe(ctx, log, vol, rec)
+	if f != nil {
+		return nil, f
+	}
+	if rec.Primary != a.cfg.NodeName {
+		// A promotion the controller has recorded and not yet moved
+		// the volume for.
+		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
+			retry: time.Second, passing: true}
+	}
+	if f := a.startMirror(log, vol, v, rec); f != nil {
+		return nil, f
+	}
+	return v.replicated.mirror, nil
+}
+
+// recordToServe reads vol's record as the API server has it now, not as
+// the cache last saw it (a stale in-sync set would forward to a replica
+// dropped since as if it had everything, and a stale epoch would have the
+// first decision refused and fence a sound primary), rec if it has none;
+// and, when it names this node the primary, has every node in sync that
+// is no longer one of the volume's replicas (the controller replaced it,
+// a drain moved it, or the volume has no replicas left) leave the in-sync
+// set before anything is served: it will not have what comes next.
+func (a *Agent) recordToServe(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, rec *v1alpha1.ReplicationStatus) (*v1alpha1.ReplicationStatus, *failure) {
 	var fresh v1alpha1.NBDVolume
 	if err := a.reader.Get(ctx, types.NamespacedName{Name: vol.Name}, &fresh); err != nil {
 		return nil, internal("reading the replication record: %v", err)
@@ -523,14 +551,8 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 		rec = fresh.Status.Replication
 	}
 	if rec.Primary != a.cfg.NodeName {
-		// A promotion the controller has recorded and not yet moved
-		// the volume for.
-		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
-			retry: time.Second, passing: true}
+		return rec, nil
 	}
-	// A node in sync that is no longer one of the volume's replicas (the
-	// controller replaced it: it was lost) leaves the in-sync set before
-	// anything is served: it will not have what comes next.
 	arbiter := &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName}
 	for _, n := range rec.InSync {
 		if n == a.cfg.NodeName || slices.Contains(vol.Spec.ReplicaNodes, n) {
@@ -548,10 +570,7 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 		next.InSyncReplicas = int32(len(next.InSync))
 		rec = next
 	}
-	if f := a.startMirror(log, vol, v, rec); f != nil {
-		return nil, f
-	}
-	return v.replicated.mirror, nil
+	return rec, nil
 }
 
 // replicasGrown fails until every replica in sync serves want bytes at
@@ -619,8 +638,35 @@ func (a *Agent) replicaEvent(ctx context.Context, log *slog.Logger, ref corev1.O
 // the new set. The nodes' connections end with it; they dial again.
 func (a *Agent) replicasChanged(log *slog.Logger, vol *v1alpha1.NBDVolume) bool {
 	nodes := slices.Sorted(slices.Values(vol.Spec.ReplicaNodes))
+	// Without the storage network's TLS no Mirror can serve it: served
+	// alone it stays (startMirror says why when it is next opened).
+	if len(nodes) > 0 && a.cfg.PeerTLS != nil && a.closeServedAlone(log, vol.Name, nodes) {
+		return true
+	}
 	return a.closeMirror(log, vol.Name, func(r *replicated) bool { return !slices.Equal(r.nodes, nodes) },
 		"the volume's replicas changed: serving it again through a Mirror of the new set", "now", nodes)
+}
+
+// closeServedAlone stops serving volume name when it is served without
+// a Mirror (it had no replicas) and now has replicas: the volume leaves
+// the agent's set and is closed (its nodes' connections end), and the
+// next reconcile serves it through a Mirror that copies it to them. It
+// reports whether it closed it.
+func (a *Agent) closeServedAlone(log *slog.Logger, name string, nodes []string) bool {
+	a.mu.Lock()
+	v := a.vols[name]
+	_, exported := a.srv.Export(name)
+	if v == nil || v.asReplica || v.replicated != nil || !exported {
+		a.mu.Unlock()
+		return false
+	}
+	delete(a.vols, name)
+	a.mu.Unlock()
+	log.Warn("the volume was given replicas: serving it again through a Mirror that copies it to them", "replicas", nodes)
+	if err := a.closeVolume(v); err != nil {
+		log.Warn("closing the volume", "error", err)
+	}
+	return true
 }
 
 // closeMirror stops serving volume name through its Mirror when it has
