@@ -270,33 +270,42 @@ func TestMaintenanceAgainstAPIServer(t *testing.T) {
 		code, out := cmd("drain", "s1", "--wait", "1m")
 		done <- result{code, out}
 	}()
-	// The controller's part: vr's replica moves to s3 (taken as in sync).
-	time.Sleep(3 * time.Second)
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		var v v1alpha1.NBDVolume
-		if err := c.Get(ctx, client.ObjectKey{Name: "vr"}, &v); err != nil {
-			return err
+	// The controller's part: vr's replica moves to s3 (taken as in sync),
+	// then vu, unreplicated, moves to s2.
+	update := func(name string, change func(*v1alpha1.NBDVolume)) {
+		t.Helper()
+		time.Sleep(3 * time.Second)
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			var v v1alpha1.NBDVolume
+			if err := c.Get(ctx, client.ObjectKey{Name: name}, &v); err != nil {
+				return err
+			}
+			change(&v)
+			return c.Update(ctx, &v)
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
-		v.Spec.ReplicaNodes = []string{"s3"}
-		return c.Update(ctx, &v)
-	})
-	if err != nil {
-		t.Fatal(err)
 	}
+	update("vr", func(v *v1alpha1.NBDVolume) { v.Spec.ReplicaNodes = []string{"s3"} })
+	update("vu", func(v *v1alpha1.NBDVolume) { v.Spec.StorageNode = "s2" })
 	var r result
 	select {
 	case r = <-done:
 	case <-time.After(time.Minute):
-		t.Fatal("drain did not return within a minute of holding only an unreplicated volume")
+		t.Fatal("drain did not return within a minute of the node holding nothing")
 	}
-	if r.code != 1 || !strings.Contains(r.out, "s1 holds 2 volume(s): vr (replica), vu (unreplicated)") ||
-		!strings.Contains(r.out, "unreplicated volumes, which a drain does not move: vu (unreplicated)") {
-		t.Errorf("drain with an unreplicated volume left: exit %d, want 1 naming vu:\n%s", r.code, r.out)
+	if r.code != 0 || !strings.Contains(r.out, "s1 holds 2 volume(s): vr (replica), vu (unreplicated)") ||
+		!strings.Contains(r.out, "s1 holds 1 volume(s): vu (unreplicated)") || !strings.Contains(r.out, "storage node s1 drained: it holds no volume") {
+		t.Errorf("drain: exit %d, want 0 after vr and vu moved:\n%s", r.code, r.out)
 	}
 	if err := c.Delete(ctx, vu); err != nil {
 		t.Fatal(err)
 	}
 	if code, out := cmd("drain", "s1", "--wait", "1m"); code != 0 || !strings.Contains(out, "storage node s1 drained: it holds no volume") {
 		t.Errorf("drain of a node that holds nothing: exit %d:\n%s", code, out)
+	}
+	if code, out := cmd("drain", "s2", "--wait", "2s"); code != 1 || !strings.Contains(out, "still holds") {
+		t.Errorf("drain of a node whose volumes do not move: exit %d, want 1 when the wait ends:\n%s", code, out)
 	}
 }

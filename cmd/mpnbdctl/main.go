@@ -22,7 +22,7 @@
 //	mpnbdctl [flags] uninstall-check  fails, listing them, while volumes exist
 //	mpnbdctl [flags] cordon NODE    no new volume or replica on storage node NODE
 //	mpnbdctl [flags] uncordon NODE  undoes cordon and drain
-//	mpnbdctl [flags] drain NODE     moves every replica off NODE, waiting up to --wait
+//	mpnbdctl [flags] drain NODE     moves every volume and replica off NODE, waiting up to --wait
 //
 // Per volume: its PV and claim, storage node, size, phase and publications;
 // per published node: the transport, connected, MPTCP, subflows of each
@@ -228,10 +228,10 @@ func usage() string {
                                   pre-delete hook: helm uninstall refuses meanwhile)
   mpnbdctl [flags] cordon NODE    no new volume or replica goes to storage node NODE
   mpnbdctl [flags] uncordon NODE  NODE takes new volumes again (a drain stops)
-  mpnbdctl [flags] drain NODE     cordons NODE and moves every replica off it (a copy
-                                  made in sync elsewhere first, a primary handed to
-                                  an in-sync replica); waits up to --wait for NODE
-                                  to hold nothing. Unreplicated volumes stay.
+  mpnbdctl [flags] drain NODE     cordons NODE and moves every volume and replica off
+                                  it (a copy made in sync elsewhere first, a primary
+                                  handed to an in-sync copy); waits up to --wait for
+                                  NODE to hold nothing.
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name

@@ -53,8 +53,7 @@ func setMaintenance(ctx context.Context, api client.Client, node string, unsched
 // heldVolume is one volume a storage node holds, and how.
 type heldVolume struct {
 	name string
-	// role: primary, replica, or unreplicated (which a drain does not
-	// move).
+	// role: primary, replica, or unreplicated.
 	role string
 	// copying: nodes of the volume whose copy is not in sync yet.
 	copying []string
@@ -102,15 +101,14 @@ func describeHeld(held []heldVolume) string {
 }
 
 // drain marks node draining and, for up to wait, follows the controller
-// moving its replicas away, printing what the node still holds each time
-// that changes. It fails (errNotDrained) if the node still holds volumes
-// when the wait ends, or holds only unreplicated ones (which a drain does
-// not move).
+// moving its volumes and replicas away, printing what the node still
+// holds each time that changes. It fails (errNotDrained) if the node
+// still holds volumes when the wait ends.
 func drain(ctx context.Context, api client.Client, node string, wait, poll time.Duration, w io.Writer) error {
 	if err := setMaintenance(ctx, api, node, true, true); err != nil {
 		return err
 	}
-	fmt.Fprintf(w, "storage node %s draining: cordoned, its replicas move to other storage nodes (a copy made in sync first)\n", node)
+	fmt.Fprintf(w, "storage node %s draining: cordoned, its volumes and replicas move to other storage nodes (a copy made in sync first)\n", node)
 	if wait <= 0 {
 		return nil
 	}
@@ -132,9 +130,6 @@ func drain(ctx context.Context, api client.Client, node string, wait, poll time.
 				return nil
 			}
 			fmt.Fprintf(w, "%s holds %d volume(s): %s\n", node, len(held), now)
-		}
-		if !slices.ContainsFunc(held, func(h heldVolume) bool { return h.role != "unreplicated" }) {
-			return fmt.Errorf("%w: %s holds unreplicated volumes, which a drain does not move: %s", errNotDrained, node, describeHeld(held))
 		}
 		if time.Now().After(end) {
 			return fmt.Errorf("%w: after %v %s still holds %s (the drain goes on)", errNotDrained, wait, node, describeHeld(held))

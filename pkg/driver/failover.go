@@ -227,9 +227,18 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 			continue
 		}
 		if len(v.Spec.ReplicaNodes) == 0 {
+			// An unreplicated volume on a draining node moves as a
+			// replicated one does: a copy first (a replica, while it is
+			// made), then the switch.
 			if sn := nodes[v.Spec.StorageNode]; sn != nil && sn.Spec.Drain {
-				f.tell("drain/"+v.Name, "a volume on a draining storage node has no replica: a drain does not move it (delete it, or wait for the node)",
-					"volume_id", v.Name, "storage_node", v.Spec.StorageNode)
+				if _, away := gone[v.Spec.StorageNode]; !away {
+					step, err := f.drainStep(ctx, v, nodes, gone)
+					if err != nil {
+						errs = append(errs, err)
+					} else if step {
+						moved = append(moved, v.Name)
+					}
+				}
 			}
 			continue
 		}
@@ -427,6 +436,20 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 			}
 		}
 	}
+	// An unreplicated volume that moves (a drain) stays in its zone when
+	// a node there can take it: its PersistentVolume's topology names
+	// that zone.
+	home := ""
+	if sn := nodes[v.Spec.StorageNode]; sn != nil && len(v.Spec.ReplicaNodes) == 0 {
+		home = nodeZone(sn)
+	}
+	better := func(a, b *v1alpha1.NBDStorageNode) bool {
+		if ah, bh := home != "" && nodeZone(a) == home, home != "" && nodeZone(b) == home; ah != bh {
+			return ah
+		}
+		return a.Status.AvailableBytes > b.Status.AvailableBytes ||
+			a.Status.AvailableBytes == b.Status.AvailableBytes && a.Name < b.Name
+	}
 	now := f.cfg.Now()
 	var best *v1alpha1.NBDStorageNode
 	for _, sn := range nodes {
@@ -437,8 +460,7 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 			seen && now.Sub(s.at) >= s.duration, zones[nodeZone(sn)] && nodeZone(sn) != "":
 			continue
 		}
-		if best == nil || sn.Status.AvailableBytes > best.Status.AvailableBytes ||
-			sn.Status.AvailableBytes == best.Status.AvailableBytes && sn.Name < best.Name {
+		if best == nil || better(sn, best) {
 			best = sn
 		}
 	}
@@ -448,13 +470,14 @@ func (f *Failover) replacement(v *v1alpha1.NBDVolume, lost string, nodes map[str
 	return best.Name
 }
 
-// drainStep takes replicated volume v one step off the first draining
+// drainStep takes volume v one step off the first draining
 // storage node that holds it, make before break, and reports whether it
 // changed v:
 //
 //  1. fewer copies off the draining node than the volume keeps: a
-//     replica is added on another node (chosen as a replacement is), and
-//     the primary copies the volume to it whole while it serves;
+//     replica is added on another node (chosen as a replacement is; an
+//     unreplicated volume gets one too, for the move), and the primary
+//     copies the volume to it whole while it serves;
 //  2. a copy off the draining node is not in sync yet: wait;
 //  3. the draining node holds the primary: an in-sync replica whose
 //     agent is alive is promoted (a switchover: the nodes' sessions
@@ -474,9 +497,11 @@ func (f *Failover) drainStep(ctx context.Context, v *v1alpha1.NBDVolume, nodes m
 	}
 	node, rec := holders[i], v.Status.Replication
 	others := slices.DeleteFunc(slices.Clone(holders), draining)
-	want := int(v.Spec.Replicas)
-	if want < 2 {
-		want = len(holders)
+	// The copies the volume keeps: spec.replicas, one when unset (an
+	// unreplicated volume, given a replica while it moves).
+	want := max(int(v.Spec.Replicas), 1)
+	if len(others) >= want && rec == nil {
+		return false, nil // the primary's agent has not made the record yet
 	}
 	switch {
 	case len(others) < want:

@@ -367,6 +367,7 @@ func TestFailoverDrain(t *testing.T) {
 	storageNode("s3", "c", 200*gi, v1alpha1.NBDStorageNodeSpec{})
 	storageNode("s4", "d", 100*gi, v1alpha1.NBDStorageNodeSpec{})
 	storageNode("s5", "e", 900*gi, v1alpha1.NBDStorageNodeSpec{Unschedulable: true})
+	storageNode("s6", "a", 50*gi, v1alpha1.NBDStorageNodeSpec{}) // s1's zone
 	volume := func(name, primary string, replicas ...string) {
 		t.Helper()
 		labels := map[string]string{}
@@ -386,7 +387,7 @@ func TestFailoverDrain(t *testing.T) {
 	}
 	volume("vp", "s1", "s2")       // its primary on the draining node
 	volume("vr", "s2", "s1")       // a replica on it
-	volume("vu", "s1")             // unreplicated
+	volume("vu", "s1")             // unreplicated: moved as well
 	volume("v3", "s1", "s2", "s4") // three replicas: four holders while one moves
 	get := func(name string) *v1alpha1.NBDVolume {
 		t.Helper()
@@ -427,7 +428,7 @@ func TestFailoverDrain(t *testing.T) {
 	check := func() []string {
 		t.Helper()
 		now = now.Add(time.Second)
-		for _, n := range []string{"s1", "s2", "s3", "s4", "s5"} {
+		for _, n := range []string{"s1", "s2", "s3", "s4", "s5", "s6"} {
 			renewLease(t, c, ns, n, now)
 		}
 		moved, err := f.Check(ctx, false)
@@ -453,13 +454,13 @@ func TestFailoverDrain(t *testing.T) {
 	}
 	// 1: a copy each on s3 (the most room of the schedulable nodes in a
 	// zone of their own; s5, cordoned, has more).
-	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr"}) {
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr", "vu"}) {
 		t.Fatalf("drain, first check: moved %v", moved)
 	}
+	want("vu", "s1", "s6") // its zone kept
 	want("v3", "s1", "s2", "s4", "s3")
 	want("vp", "s1", "s2", "s3")
 	want("vr", "s2", "s1", "s3")
-	want("vu", "s1")
 	// 2: s3 not in sync yet: nothing moves.
 	if moved := check(); len(moved) != 0 {
 		t.Fatalf("copies not in sync yet: moved %v", moved)
@@ -469,10 +470,12 @@ func TestFailoverDrain(t *testing.T) {
 	inSync("vp", "s1", "s2", "s3")
 	inSync("vr", "s1", "s2", "s3")
 	inSync("v3", "s1", "s2", "s3", "s4")
-	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr"}) {
+	inSync("vu", "s1", "s6")
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vr", "vu"}) {
 		t.Fatalf("copies in sync: moved %v", moved)
 	}
 	want("v3", "s2", "s4", "s3", "s1")
+	want("vu", "s6", "s1")
 	vp := get("vp")
 	if r := vp.Status.Replication; r.Primary != "s2" || r.PrimaryEpoch != r.Epoch || slices.Contains(r.InSync, "s1") {
 		t.Fatalf("vp's record after the switchover: %+v", r)
@@ -480,15 +483,15 @@ func TestFailoverDrain(t *testing.T) {
 	want("vp", "s2", "s3", "s1")
 	want("vr", "s2", "s3")
 	// 4: s1, now vp's replica out of sync, goes.
-	if moved := check(); !slices.Equal(moved, []string{"v3", "vp"}) {
+	if moved := check(); !slices.Equal(moved, []string{"v3", "vp", "vu"}) {
 		t.Fatalf("after the switchover: moved %v", moved)
 	}
+	want("vu", "s6")
 	want("vp", "s2", "s3")
 	want("v3", "s2", "s4", "s3")
 	if moved := check(); len(moved) != 0 {
 		t.Fatalf("drained: moved %v", moved)
 	}
-	want("vu", "s1")
 	var evs corev1.EventList
 	if err := c.List(ctx, &evs); err != nil {
 		t.Fatal(err)
@@ -497,7 +500,7 @@ func TestFailoverDrain(t *testing.T) {
 	for _, e := range evs.Items {
 		reasons[e.InvolvedObject.Name] = append(reasons[e.InvolvedObject.Name], e.Reason)
 	}
-	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "v3": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
+	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "v3": {"DrainCopying", "Drained", "SwitchedOver"}, "vu": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
 		if got := slices.Sorted(slices.Values(reasons[name])); !slices.Equal(got, want) {
 			t.Errorf("%s's events: %v, want %v", name, got, want)
 		}
