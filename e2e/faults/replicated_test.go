@@ -18,6 +18,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -160,6 +161,13 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 	}
 	t.Cleanup(func() { ctl.Process.Kill(); ctl.Wait() })
 
+	// The agents end after the clients (whose cleanups come later and run
+	// first) have detached, whenever an agent was last started.
+	t.Cleanup(func() {
+		for _, h := range e.hosts {
+			h.kill(t)
+		}
+	})
 	for i, h := range []string{"s1", "s2", "s3", "s4"} {
 		sh := &storageHost{node: "store-" + strconv.Itoa(i+1), host: h, f: f, bin: bin, dir: t.TempDir(),
 			log: filepath.Join(e.logs, h+".log")}
@@ -167,8 +175,8 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 		acfg := apiserver.As(cfg, "mpnbd-storage-agent", sh.node)
 		acfg.Host = "https://127.0.0.1:" + strconv.Itoa(sh.apiPort)
 		sh.kubeconfig = apiserver.WriteKubeconfig(t, acfg)
-		sh.start(t)
 		e.hosts[sh.node] = sh
+		sh.start(t)
 	}
 	for n := range e.hosts {
 		e.waitFor("storage node "+n+" reports its addresses", time.Minute, func() string {
@@ -264,7 +272,6 @@ func (h *storageHost) start(t *testing.T) {
 	}
 	h.done = make(chan struct{})
 	go func(cmd *exec.Cmd, done chan struct{}) { cmd.Wait(); close(done) }(h.cmd, h.done)
-	t.Cleanup(func() { h.kill(t) })
 }
 
 // kill SIGKILLs the agent's process group and waits for it.
@@ -350,7 +357,7 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logf, err := os.Create(filepath.Join(e.logs, "client.log"))
+	logf, err := os.Create(filepath.Join(e.logs, "client-"+target.VolumeID+".log"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -426,7 +433,9 @@ type pauseProbe struct {
 
 func startPauseProbe(t *testing.T, dev string, off int64) *pauseProbe {
 	t.Helper()
-	fd, err := syscall.Open(dev, syscall.O_WRONLY|syscall.O_DIRECT|syscall.O_DSYNC, 0)
+	// Close-on-exec: an agent started while the probe runs must not
+	// inherit the device (it would keep the client from detaching).
+	fd, err := syscall.Open(dev, syscall.O_WRONLY|syscall.O_DIRECT|syscall.O_DSYNC|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -522,31 +531,7 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 	c := e.c
 	const size = 64 << 20
 	const name = "rv"
-	v := &v1alpha1.NBDVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
-			v1alpha1.ReplicaLabel("store-2"): "", v1alpha1.ReplicaLabel("store-3"): ""}},
-		Spec: v1alpha1.NBDVolumeSpec{SizeBytes: size, StorageNode: "store-1", AccessType: v1alpha1.AccessBlock,
-			Replicas: 3, ReplicaNodes: []string{"store-2", "store-3"}},
-	}
-	if err := c.Create(ctx, v); err != nil {
-		t.Fatal(err)
-	}
-	token, err := access.NewToken()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cliAddrs []string
-	for _, a := range e.f.Addrs("cli") {
-		cliAddrs = append(cliAddrs, a.String())
-	}
-	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		v := e.volume(name)
-		v.Spec.Publications = []v1alpha1.Publication{{NodeID: "cli", TokenSHA256: access.TokenHash(token), Addresses: cliAddrs, Epoch: 1}}
-		return c.Update(ctx, v)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	token := e.createPublished(name, size, "store-1", "store-2", "store-3")
 	record := func() *v1alpha1.ReplicationStatus { return e.volume(name).Status.Replication }
 	inSync := func(want ...string) func() string {
 		return func() string {
@@ -566,13 +551,7 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 		}
 		return inSync("store-1", "store-2", "store-3")()
 	})
-	servers := func(h string) []string {
-		var out []string
-		for _, a := range e.f.Addrs(h) {
-			out = append(out, net.JoinHostPort(a.String(), "10809"))
-		}
-		return out
-	}
+	servers := e.servers
 	target := attach.Target{VolumeID: name, Export: access.ExportName(name, token, 1), Addrs: servers("s1"),
 		Replicas: []attach.Server{{StorageNode: "store-2", Addrs: servers("s2")}, {StorageNode: "store-3", Addrs: servers("s3")}}}
 	dev := e.startClient(target)
@@ -735,14 +714,83 @@ func TestReplicatedVolumeFaults(t *testing.T) {
 	}
 }
 
+// createPublished creates block volume name of size bytes on primary,
+// with replicas on the others, published to the client host; it returns
+// the client's token.
+func (e *replicatedEnv) createPublished(name string, size int64, primary string, replicas ...string) string {
+	t := e.t
+	t.Helper()
+	ctx := context.Background()
+	v := &v1alpha1.NBDVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}},
+		Spec:       v1alpha1.NBDVolumeSpec{SizeBytes: size, StorageNode: primary, AccessType: v1alpha1.AccessBlock},
+	}
+	if len(replicas) > 0 {
+		v.Spec.Replicas, v.Spec.ReplicaNodes = int32(len(replicas)+1), replicas
+		for _, r := range replicas {
+			v.Labels[v1alpha1.ReplicaLabel(r)] = ""
+		}
+	}
+	if err := e.c.Create(ctx, v); err != nil {
+		t.Fatal(err)
+	}
+	token, err := access.NewToken()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cliAddrs []string
+	for _, a := range e.f.Addrs("cli") {
+		cliAddrs = append(cliAddrs, a.String())
+	}
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		v := e.volume(name)
+		v.Spec.Publications = []v1alpha1.Publication{{NodeID: "cli", TokenSHA256: access.TokenHash(token), Addresses: cliAddrs, Epoch: 1}}
+		return e.c.Update(ctx, v)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return token
+}
+
+// servers are host's storage addresses with the NBD port.
+func (e *replicatedEnv) servers(host string) []string {
+	var out []string
+	for _, a := range e.f.Addrs(host) {
+		out = append(out, net.JoinHostPort(a.String(), "10809"))
+	}
+	return out
+}
+
 // drainPrimary drains the storage node of volume name's primary onto
 // spare with mpnbdctl, SIGKILLing the spare's agent while it is copied and
 // the drained node's agent once it has handed the primary over, and checks
-// that the drained node ends holding nothing.
+// that the drained node ends holding nothing: an unreplicated volume on it,
+// attached and written, moves too.
 func (e *replicatedEnv) drainPrimary(name, spare string) {
 	t := e.t
 	t.Helper()
 	drained := e.hosts[e.volume(name).Status.Replication.Primary]
+	// An unreplicated volume on the drained node, attached and written
+	// (a known pattern, then a probe writer): it moves too.
+	const uv, uvSize = "uv", 16 << 20
+	token := e.createPublished(uv, uvSize, drained.node)
+	e.waitFor("the unreplicated volume served", time.Minute, func() string {
+		if v := e.volume(uv); v.Status.Phase != v1alpha1.VolumeAvailable {
+			return fmt.Sprintf("status %+v", v.Status)
+		}
+		return ""
+	})
+	uvDev := e.startClient(attach.Target{VolumeID: uv, Export: access.ExportName(uv, token, 1), Addrs: e.servers(drained.host)})
+	pattern := make([]byte, 8<<20)
+	if _, err := rand.Read(pattern); err != nil {
+		t.Fatal(err)
+	}
+	if err := directIO(uvDev, pattern, 0, true); err != nil {
+		t.Fatalf("writing the unreplicated volume: %v", err)
+	}
+	uvProbe := startPauseProbe(t, uvDev, uvSize-4096)
+
 	logf, err := os.Create(filepath.Join(e.logs, "mpnbdctl-drain.log"))
 	if err != nil {
 		t.Fatal(err)
@@ -800,6 +848,41 @@ func (e *replicatedEnv) drainPrimary(name, spare string) {
 		}
 		return ""
 	})
+	// The unreplicated volume: on another node, alone again, its data
+	// read back through the client and in the new node's copy, its probe
+	// with no error; its copy on the drained node deleted.
+	u := e.volume(uv)
+	if u.Spec.StorageNode == drained.node || len(u.Spec.ReplicaNodes) != 0 {
+		t.Fatalf("the unreplicated volume after the drain: on %s, replicas %v", u.Spec.StorageNode, u.Spec.ReplicaNodes)
+	}
+	if err := uvProbe.resumed(time.Minute); err != nil {
+		t.Fatalf("the unreplicated volume's probe did not resume: %v", err)
+	}
+	pause, errs := uvProbe.take()
+	uvProbe.end()
+	if len(errs) > 0 {
+		t.Fatalf("the unreplicated volume's probe writes failed: %v", errs)
+	}
+	t.Logf("the unreplicated volume moved off the drained node to %s: the longest I/O pause %v", u.Spec.StorageNode, pause.Round(time.Millisecond))
+	got := make([]byte, len(pattern))
+	if err := directIO(uvDev, got, 0, false); err != nil || !bytes.Equal(got, pattern) {
+		t.Fatalf("the unreplicated volume reads back other data after the move (%v)", err)
+	}
+	f, err := os.Open(filepath.Join(e.hosts[u.Spec.StorageNode].dir, uv+".img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := io.ReadFull(f, got); err != nil || !bytes.Equal(got, pattern) {
+		t.Fatalf("the unreplicated volume's copy on %s differs from what was written (%v)", u.Spec.StorageNode, err)
+	}
+	e.waitFor("the drained node's copy of the unreplicated volume deleted", time.Minute, func() string {
+		if _, err := os.Stat(filepath.Join(drained.dir, uv+".img")); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("stat: %v", err)
+		}
+		return ""
+	})
+
 	var sn v1alpha1.NBDStorageNode
 	if err := e.c.Get(context.Background(), client.ObjectKey{Name: drained.node}, &sn); err != nil {
 		t.Fatal(err)
@@ -807,6 +890,35 @@ func (e *replicatedEnv) drainPrimary(name, spare string) {
 	if !sn.Spec.Unschedulable || !sn.Spec.Drain {
 		t.Errorf("the drained node's spec %+v: want cordoned and draining", sn.Spec)
 	}
+}
+
+// directIO writes buf to dev at off (read when !write), O_DIRECT and,
+// for a write, O_DSYNC.
+func directIO(dev string, buf []byte, off int64, write bool) error {
+	flags := syscall.O_RDONLY | syscall.O_DIRECT
+	if write {
+		flags = syscall.O_WRONLY | syscall.O_DIRECT | syscall.O_DSYNC
+	}
+	fd, err := syscall.Open(dev, flags, 0)
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(fd)
+	raw := make([]byte, len(buf)+4096)
+	shift := (4096 - int(uintptr(unsafe.Pointer(&raw[0]))&4095)) & 4095
+	aligned := raw[shift : shift+len(buf)]
+	var n int
+	if write {
+		copy(aligned, buf)
+		n, err = syscall.Pwrite(fd, aligned, off)
+	} else {
+		n, err = syscall.Pread(fd, aligned, off)
+		copy(buf, aligned)
+	}
+	if err == nil && n != len(buf) {
+		err = fmt.Errorf("%d of %d bytes", n, len(buf))
+	}
+	return err
 }
 
 // killByEnv SIGKILLs every process whose environment holds entry, and

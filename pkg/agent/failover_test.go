@@ -274,16 +274,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	if msg := sc.holds("vl", w.want, s3, s1); msg != "" {
 		t.Fatal(msg)
 	}
-	eventually(t, "s2's copy removed, and its label with its finalizer", func() string {
-		if _, err := os.Stat(filepath.Join(sc.dirs[s2], "vl"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
-			return fmt.Sprintf("s2's copy: %v", err)
-		}
-		v := getVolume(t, c, "vl")
-		if _, ok := v.Labels[v1alpha1.ReplicaLabel(s2)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s2)) {
-			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
-		}
-		return ""
-	})
+	sc.waitReleased("vl", s2)
 
 	// Deleted: it goes without a lost node.
 	sess.Close(5 * time.Second)
@@ -388,16 +379,7 @@ func TestAgentDrain(t *testing.T) {
 				}
 				return ""
 			})
-			eventually(t, "s1's copy removed, and its label with its finalizer", func() string {
-				if _, err := os.Stat(filepath.Join(sc.dirs[s1], "vd"+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
-					return fmt.Sprintf("s1's copy: %v", err)
-				}
-				v := getVolume(t, c, "vd")
-				if _, ok := v.Labels[v1alpha1.ReplicaLabel(s1)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(s1)) {
-					return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
-				}
-				return ""
-			})
+			sc.waitReleased("vd", s1)
 			close(stop)
 			var longest time.Duration
 			select {
@@ -416,6 +398,23 @@ func TestAgentDrain(t *testing.T) {
 			waitGone(t, c, "vd")
 		})
 	}
+}
+
+// waitReleased waits until node no longer holds volume name: its copy
+// removed, its replica label and finalizer gone.
+func (sc *storageCluster) waitReleased(name, node string) {
+	t := sc.t
+	t.Helper()
+	eventually(t, node+"'s copy of "+name+" removed, and its label with its finalizer", func() string {
+		if _, err := os.Stat(filepath.Join(sc.dirs[node], name+fileSuffix)); !errors.Is(err, os.ErrNotExist) {
+			return fmt.Sprintf("%s's copy: %v", node, err)
+		}
+		v := getVolume(t, sc.c, name)
+		if _, ok := v.Labels[v1alpha1.ReplicaLabel(node)]; ok || slices.Contains(v.Finalizers, v1alpha1.ReplicaFinalizer(node)) {
+			return fmt.Sprintf("labels %v, finalizers %v", v.Labels, v.Finalizers)
+		}
+		return ""
+	})
 }
 
 // setNodeSpec changes storage node name's spec (an administrator's
