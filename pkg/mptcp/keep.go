@@ -75,7 +75,7 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 			defer diag.Close()
 			policy := *slow
 			if policy.Measure == nil {
-				policy.Measure = ProbePath
+				policy.Measure, policy.MeasureMax = ProbePath, ProbeMaxRate
 			}
 			auto = newSlowPathWatch(NewSlowPaths(policy), diag, log)
 			opt.Backup, opt.Kick = auto.flagged, auto.kick
@@ -212,7 +212,7 @@ func FlagInPlace(ctx context.Context, addrs []netip.Addr, policy SlowPathPolicy,
 	}
 	defer diag.Close()
 	if policy.Measure == nil {
-		policy.Measure = ProbePath
+		policy.Measure, policy.MeasureMax = ProbePath, ProbeMaxRate
 	}
 	w := newSlowPathWatch(NewSlowPaths(policy), diag, log)
 	w.setManaged(addrs)

@@ -67,11 +67,14 @@ const (
 	probeBurst  = 3 * time.Millisecond
 	// probeMaxRate bounds the rate of a probe (about 10,000 requests a
 	// second): faster paths cannot be measured this way.
-	probeMaxRate = 320e6
+	probeMaxRate = ProbeMaxRate
 	// probeReachWait bounds the wait for the reply to the first request,
 	// which tells an unreachable peer from a slow path.
 	probeReachWait = time.Second
 )
+
+// ProbeMaxRate is the highest rate, in bytes per second, ProbePath sends.
+const ProbeMaxRate = 320e6
 
 // ErrProbeRate: the rate asked of ProbePath is beyond what it can send.
 var ErrProbeRate = errors.New("mptcp: path probe rate too high to measure by ICMP")

@@ -17,6 +17,7 @@ package mptcp
 import (
 	"cmp"
 	"errors"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -93,6 +94,12 @@ type SlowPathPolicy struct {
 	// cleared once it carries RecoverRatio of it; a measure that fails
 	// falls back to a probe that clears the flag.
 	Measure func(local, remote netip.Addr, rate float64) (float64, error)
+	// MeasureMax, when set, is the highest rate Measure can send
+	// (ProbeMaxRate for ProbePath). A measure that needs more is sent at
+	// MeasureMax: a path that carries clearly less is still slow, one that
+	// carries it all cannot be told aside and is probed as when a
+	// measure fails.
+	MeasureMax float64
 }
 
 func (p SlowPathPolicy) withDefaults() SlowPathPolicy {
@@ -356,7 +363,15 @@ func (s *SlowPaths) Observe(now time.Time, socks []TCPSocket, managed []netip.Ad
 				// Asked a quarter over what recovery needs: a
 				// path that carries it returns it whole.
 				need := s.p.RecoverRatio * best
-				r, err := s.p.Measure(a, peer, 1.25*need)
+				ask := 1.25 * need
+				capped := s.p.MeasureMax > 0 && ask > s.p.MeasureMax
+				if capped {
+					ask = s.p.MeasureMax
+				}
+				r, err := s.p.Measure(a, peer, ask)
+				if err == nil && capped && r >= 0.9*ask && r < need {
+					err = fmt.Errorf("mptcp: the path carried the whole measure (%.0f of %.0f bytes/s), under what recovery needs (%.0f): no verdict aside", r, ask, need)
+				}
 				if err == nil {
 					if r >= need {
 						events = append(events, PathEvent{Addr: a, Kind: PathRecovered, Rate: r, Best: best, Measured: true})

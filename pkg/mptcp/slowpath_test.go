@@ -456,3 +456,52 @@ func TestSlowPathWatchKicks(t *testing.T) {
 	default:
 	}
 }
+
+// TestSlowPathsMeasureAsideCapped: when the rate a measure needs is over
+// what Measure can send (MeasureMax; the other paths' rate sampled high),
+// the path is measured at MeasureMax: one that carries clearly less stays
+// flagged with no probe by data, and only one that carries it all (no
+// verdict aside) is probed by clearing its flag.
+func TestSlowPathsMeasureAsideCapped(t *testing.T) {
+	f := newFakePaths(4)
+	var rates []float64
+	carried := 0.1 // of what is sent
+	sp := NewSlowPaths(SlowPathPolicy{ProbeAfter: 3 * time.Second, ProbeMax: 10 * time.Second, MeasureMax: 40e6,
+		Measure: func(_, _ netip.Addr, rate float64) (float64, error) {
+			rates = append(rates, rate)
+			return carried * rate, nil
+		}})
+	fast, slow := busy(950), busy(95)
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	for range 4 {
+		step(fast, fast, fast, slow)
+	}
+	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
+		t.Fatalf("flagged %v", got)
+	}
+	for range 6 {
+		for _, e := range step(fast, fast, fast, idle) {
+			if e.Kind != PathStillSlow || !e.Measured {
+				t.Fatalf("a path carrying a tenth of the capped measure: %+v, want still slow, measured aside", e)
+			}
+		}
+	}
+	if len(rates) == 0 || slices.ContainsFunc(rates, func(r float64) bool { return r != 40e6 }) {
+		t.Fatalf("measured at %v, want each at MeasureMax", rates)
+	}
+	if !slices.Equal(sp.Flagged(), f.addrs[3:]) {
+		t.Fatal("the flag of a path measured slow was cleared")
+	}
+	// Carrying all of the capped measure tells nothing aside: probed.
+	carried = 1
+	var ev []PathEvent
+	for range 4 {
+		ev = append(ev, step(fast, fast, fast, idle)...)
+	}
+	if !slices.ContainsFunc(ev, func(e PathEvent) bool { return e.Kind == PathProbe && e.MeasureErr != nil }) {
+		t.Fatalf("a path carrying all of the capped measure: %+v, want a probe by data", ev)
+	}
+}
