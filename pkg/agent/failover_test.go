@@ -680,12 +680,16 @@ func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "vg's replica on s2 in sync", func() string {
-		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1, s2}) {
-			return fmt.Sprintf("record %+v", r)
-		}
-		return ""
-	})
+	inSync := func(what string, nodes ...string) {
+		t.Helper()
+		eventually(t, what, func() string {
+			if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, nodes) {
+				return fmt.Sprintf("record %+v", r)
+			}
+			return ""
+		})
+	}
+	inSync("vg's replica on s2 in sync", s1, s2)
 	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
 		t.Fatalf("s2 counted in sync: %s", msg)
 	}
@@ -713,20 +717,10 @@ func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
 		}
 	}
 	setReplicas()
-	eventually(t, "vg served alone, s2 out of the in-sync set", func() string {
-		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1}) {
-			return fmt.Sprintf("record %+v", r)
-		}
-		return ""
-	})
+	inSync("vg served alone, s2 out of the in-sync set", s1)
 	w.write(sess.Client, 16)
 	setReplicas(s2)
-	eventually(t, "vg's replica on s2 in sync again", func() string {
-		if r := getVolume(t, c, "vg").Status.Replication; r == nil || !slices.Equal(r.InSync, []string{s1, s2}) {
-			return fmt.Sprintf("record %+v", r)
-		}
-		return ""
-	})
+	inSync("vg's replica on s2 in sync again", s1, s2)
 	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
 		t.Fatalf("s2 counted in sync again: %s", msg)
 	}

@@ -172,16 +172,7 @@ func TestSlowPathsMeasureAside(t *testing.T) {
 			return measured, measureErr
 		}})
 	fast, slow := busy(950), busy(95)
-	step := func(r ...rate) []PathEvent {
-		t.Helper()
-		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
-	}
-	for range 4 {
-		step(fast, fast, fast, slow)
-	}
-	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
-		t.Fatalf("flagged %v", got)
-	}
+	step := flagFourth(t, sp, f)
 	var seen []PathEventKind
 	for range 12 {
 		ev := step(fast, fast, fast, idle)
@@ -471,17 +462,8 @@ func TestSlowPathsMeasureAsideCapped(t *testing.T) {
 			rates = append(rates, rate)
 			return carried * rate, nil
 		}})
-	fast, slow := busy(950), busy(95)
-	step := func(r ...rate) []PathEvent {
-		t.Helper()
-		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
-	}
-	for range 4 {
-		step(fast, fast, fast, slow)
-	}
-	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
-		t.Fatalf("flagged %v", got)
-	}
+	fast := busy(950)
+	step := flagFourth(t, sp, f)
 	for range 6 {
 		for _, e := range step(fast, fast, fast, idle) {
 			if e.Kind != PathStillSlow || !e.Measured {
@@ -504,4 +486,22 @@ func TestSlowPathsMeasureAsideCapped(t *testing.T) {
 	if !slices.ContainsFunc(ev, func(e PathEvent) bool { return e.Kind == PathProbe && e.MeasureErr != nil }) {
 		t.Fatalf("a path carrying all of the capped measure: %+v, want a probe by data", ev)
 	}
+}
+
+// flagFourth observes four paths of f, the fourth slow, until sp flags
+// it, and returns the step that observes the next second's rates.
+func flagFourth(t *testing.T, sp *SlowPaths, f *fakePaths) func(r ...rate) []PathEvent {
+	t.Helper()
+	step := func(r ...rate) []PathEvent {
+		t.Helper()
+		return sp.Observe(f.now.Add(time.Second), f.sample(r...), f.addrs)
+	}
+	fast, slow := busy(950), busy(95)
+	for range 4 {
+		step(fast, fast, fast, slow)
+	}
+	if got := sp.Flagged(); !slices.Equal(got, f.addrs[3:]) {
+		t.Fatalf("flagged %v", got)
+	}
+	return step
 }
