@@ -522,12 +522,6 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 	if f != nil {
 		return nil, f
 	}
-	if rec.Primary != a.cfg.NodeName {
-		// A promotion the controller has recorded and not yet moved
-		// the volume for.
-		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
-			retry: time.Second, passing: true}
-	}
 	if f := a.startMirror(log, vol, v, rec); f != nil {
 		return nil, f
 	}
@@ -537,11 +531,13 @@ func (a *Agent) primaryBackend(ctx context.Context, log *slog.Logger, vol *v1alp
 // recordToServe reads vol's record as the API server has it now, not as
 // the cache last saw it (a stale in-sync set would forward to a replica
 // dropped since as if it had everything, and a stale epoch would have the
-// first decision refused and fence a sound primary), rec if it has none;
-// and, when it names this node the primary, has every node in sync that
-// is no longer one of the volume's replicas (the controller replaced it,
-// a drain moved it, or the volume has no replicas left) leave the in-sync
-// set before anything is served: it will not have what comes next.
+// first decision refused and fence a sound primary), rec if it has none.
+// It fails (passing) when the record names another node the primary (a
+// promotion the controller has recorded and not yet moved the volume
+// for); otherwise every node in sync that is no longer one of the
+// volume's replicas (the controller replaced it, a drain moved it, or the
+// volume has no replicas left) leaves the in-sync set before anything is
+// served: it will not have what comes next.
 func (a *Agent) recordToServe(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume, rec *v1alpha1.ReplicationStatus) (*v1alpha1.ReplicationStatus, *failure) {
 	var fresh v1alpha1.NBDVolume
 	if err := a.reader.Get(ctx, types.NamespacedName{Name: vol.Name}, &fresh); err != nil {
@@ -551,7 +547,8 @@ func (a *Agent) recordToServe(ctx context.Context, log *slog.Logger, vol *v1alph
 		rec = fresh.Status.Replication
 	}
 	if rec.Primary != a.cfg.NodeName {
-		return rec, nil
+		return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
+			retry: time.Second, passing: true}
 	}
 	arbiter := &VolumeArbiter{Client: a.client, Reader: a.reader, Volume: vol.Name, Self: a.cfg.NodeName}
 	for _, n := range rec.InSync {
@@ -571,6 +568,21 @@ func (a *Agent) recordToServe(ctx context.Context, log *slog.Logger, vol *v1alph
 		rec = next
 	}
 	return rec, nil
+}
+
+// leaveReplicated readies a volume that had replicas and has none now
+// (replicaNodes emptied: a drain's last step, or by hand) to be served
+// alone: its former replicas leave the in-sync set before the first write
+// here, which they will not have, and their logs go: nothing records what
+// changes from now on, so were they replicas again they are copied whole.
+func (a *Agent) leaveReplicated(ctx context.Context, log *slog.Logger, vol *v1alpha1.NBDVolume) *failure {
+	if _, f := a.recordToServe(ctx, log, vol, vol.Status.Replication); f != nil {
+		return f
+	}
+	if err := os.RemoveAll(a.logDir(vol.Name)); err != nil {
+		return internal("removing the replicas' logs: %v", err)
+	}
+	return nil
 }
 
 // replicasGrown fails until every replica in sync serves want bytes at

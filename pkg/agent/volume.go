@@ -316,22 +316,8 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	if _, ok := a.srv.Export(name); !ok {
 		var backend nbd.Backend = v.backend
 		if !asReplica && !replicatedVolume(vol) && vol.Status.Replication != nil {
-			// Replicated once, served alone now: its former replicas
-			// leave the in-sync set before the first write here, which
-			// they will not have.
-			rec, f := a.recordToServe(ctx, log, vol, vol.Status.Replication)
-			if f != nil {
+			if f := a.leaveReplicated(ctx, log, vol); f != nil {
 				return nil, f
-			}
-			if rec.Primary != a.cfg.NodeName {
-				return nil, &failure{code: "Unavailable", message: fmt.Sprintf("the replication record names %s the primary", rec.Primary),
-					retry: time.Second, passing: true}
-			}
-			// Nothing records what changes from now on: the logs of
-			// what the replicas lacked would say too little were they
-			// replicas again (they are copied whole then).
-			if err := os.RemoveAll(a.logDir(vol.Name)); err != nil {
-				return nil, internal("removing the replicas' logs: %v", err)
 			}
 		}
 		if !asReplica && replicatedVolume(vol) {

@@ -297,7 +297,7 @@ func DialServers[T any](ctx context.Context, d *ServerDialer, servers []Server, 
 					pending.Add(-1)
 					first = false
 				}
-				again := err != nil && errors.Is(err, ErrServerRefused) && !errors.Is(err, nbd.ErrSuperseded) && pending.Load() > 0
+				again := errors.Is(err, ErrServerRefused) && !errors.Is(err, nbd.ErrSuperseded) && pending.Load() > 0
 				if again {
 					select {
 					case <-ctx.Done():

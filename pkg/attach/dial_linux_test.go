@@ -284,8 +284,15 @@ func serveVol(t *testing.T, resolver func(addr string) func(nbd.ConnInfo, string
 		t.Fatal(err)
 	}
 	addr := l.Addr().String()
-	srv := &nbd.Server{Logger: slog.New(slog.DiscardHandler), Resolve: resolver(addr)}
-	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+	serveExport(t, l, &nbd.Server{Logger: slog.New(slog.DiscardHandler), Resolve: resolver(addr)}, 1<<20)
+	return addr
+}
+
+// serveExport serves, on l, srv with an export "vol" of size bytes in
+// memory, until t's cleanup shuts it down.
+func serveExport(t *testing.T, l net.Listener, srv *nbd.Server, size int64) {
+	t.Helper()
+	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(size)}); err != nil {
 		t.Fatal(err)
 	}
 	go srv.Serve(l)
@@ -294,5 +301,4 @@ func serveVol(t *testing.T, resolver func(addr string) func(nbd.ConnInfo, string
 		defer cancel()
 		srv.Shutdown(ctx)
 	})
-	return addr
 }

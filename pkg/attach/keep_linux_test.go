@@ -59,16 +59,7 @@ func TestSessionRestoresSubflows(t *testing.T) {
 		t.Fatal(err)
 	}
 	const size = 64 << 20
-	srv := &nbd.Server{}
-	if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(size)}); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(l)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx)
-	})
+	serveExport(t, l, &nbd.Server{}, size)
 	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
 	var addrs []string
 	for i := range tp.Paths {
