@@ -484,12 +484,38 @@ func (m *Mirror) change(off, n int64, local func() error, fwd func(Peer) error) 
 	done := m.forward(targets, toks, fwd)
 	lerr := local()
 	<-done
+	m.markAgain(targets, off, n)
 	err := m.settle(lerr)
 	// Settled: in sync everywhere, or recorded out where it is not.
 	for i, p := range targets {
 		p.marks.end(toks[i])
 	}
 	return err
+}
+
+// markAgain marks a change as unflushed again on the targets that have it
+// now, and as lacking on those that failed it. The mark made as the change
+// started may have been taken by a FLUSH that reached the replica ahead of
+// the change, which does not make the change durable there; marked again,
+// the next FLUSH covers it, and a replica that fails before then (or that
+// failed the change) has it in what it lacks. Held under lackMu (read), as
+// the marks made at the start: a rebuild then finds it in the log it copies
+// from. A log that cannot be written fences the Mirror (markLacking), and
+// settle then withholds the answer.
+func (m *Mirror) markAgain(targets []*peer, off, n int64) {
+	m.lackMu.RLock()
+	defer m.lackMu.RUnlock()
+	for _, p := range targets {
+		m.mu.Lock()
+		has := p.state == inSync || p.state == rebuilding
+		if has {
+			p.unflushed.mark(off, n)
+		}
+		m.mu.Unlock()
+		if !has && m.markLacking(p, off, n) != nil {
+			return
+		}
+	}
 }
 
 // testHookMarkLacking, set by tests, runs as a change starts marking a

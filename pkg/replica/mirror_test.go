@@ -39,12 +39,16 @@ type memPeer struct {
 	b       *nbd.MemBackend
 	failing atomic.Bool   // every call fails
 	hang    chan struct{} // non-nil: calls wait for it or for Close
-	jitter  bool          // calls take a random few hundred microseconds
-	closed  chan struct{}
-	once    sync.Once
-	writes  atomic.Int64
-	zeroes  atomic.Int64
-	flushes atomic.Int64
+	// holdWrites, when set, holds each write until it is closed; a write
+	// held says so on heldWrite first.
+	holdWrites chan struct{}
+	heldWrite  chan struct{}
+	jitter     bool // calls take a random few hundred microseconds
+	closed     chan struct{}
+	once       sync.Once
+	writes     atomic.Int64
+	zeroes     atomic.Int64
+	flushes    atomic.Int64
 }
 
 func newMemPeer(size int64) *memPeer {
@@ -76,6 +80,10 @@ func (p *memPeer) enter() error {
 }
 
 func (p *memPeer) WriteAt(b []byte, off int64) (int, error) {
+	if h := p.holdWrites; h != nil {
+		p.heldWrite <- struct{}{}
+		<-h
+	}
 	if err := p.enter(); err != nil {
 		return 0, err
 	}
@@ -338,6 +346,57 @@ func TestMirrorAcknowledgesOnlyAfterTheDropIsRecorded(t *testing.T) {
 	}
 	if m.Lacking("c") != nil {
 		t.Fatal("c, in sync, has a log of what it lacks")
+	}
+}
+
+// TestMirrorFlushAheadOfAChangeDoesNotCoverIt: a FLUSH that starts while
+// a write is on its way to a replica, and reaches the replica first, does
+// not make that write durable there. When the replica later fails (its
+// FLUSH: a writeback error, or it lost power), what it lacks must still
+// hold the write, whether it failed the write itself or a later FLUSH:
+// otherwise a rebuild skips it and the replica rejoins without it.
+func TestMirrorFlushAheadOfAChangeDoesNotCoverIt(t *testing.T) {
+	for _, failOn := range []string{"a later FLUSH", "the write"} {
+		t.Run(failOn, func(t *testing.T) {
+			arb := &fakeArbiter{epoch: 1}
+			m, _, peers := newTestMirror(t, arb, 5*time.Second, "", "b")
+			b := peers["b"]
+			b.holdWrites, b.heldWrite = make(chan struct{}), make(chan struct{}, 1)
+			wrote := make(chan error, 1)
+			go func() { _, err := m.WriteAt(pattern(7, 4096), 3*Chunk); wrote <- err }()
+			select {
+			case <-b.heldWrite:
+			case <-time.After(5 * time.Second):
+				t.Fatal("the write was not forwarded to b")
+			}
+			// The FLUSH reaches b ahead of the write, and completes.
+			if err := returnsWithin(t, 5*time.Second, "a FLUSH", m.Sync); err != nil {
+				t.Fatal(err)
+			}
+			if failOn == "the write" {
+				b.failing.Store(true)
+			}
+			close(b.holdWrites)
+			if err := returnsWithin(t, 5*time.Second, "the write", func() error { return <-wrote }); err != nil {
+				t.Fatal(err)
+			}
+			if failOn == "a later FLUSH" {
+				b.failing.Store(true)
+				if err := returnsWithin(t, 5*time.Second, "the FLUSH b fails", m.Sync); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if got := arb.dropped(); !slices.Equal(got, []string{"b"}) {
+				t.Fatalf("dropped %v, want [b]", got)
+			}
+			l := m.Lacking("b")
+			if l == nil {
+				t.Fatal("b left the in-sync set with no log of what it lacks")
+			}
+			if got, want := l.Ranges(), []nbd.Range{{Off: 3 * Chunk, Len: Chunk}}; !slices.Equal(got, want) {
+				t.Fatalf("b lacks %v, want %v: the write it acknowledged after the FLUSH that reached it first was never made durable there", got, want)
+			}
+		})
 	}
 }
 
