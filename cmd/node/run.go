@@ -408,7 +408,11 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 		closeAll()
 		return nil, nil, errors.New("no transport is available on this node (no nbd driver, no ublk, no /dev/fuse)")
 	}
-	return attach.NewManager(attachers, log), closeAll, nil
+	m := attach.NewManager(attachers, log)
+	// Where each volume keeps the storage nodes that hold it now, for the
+	// process that serves it after this one (a drain may have moved it).
+	m.KeepServersIn(filepath.Join(o.stateDir, "servers"))
+	return m, closeAll, nil
 }
 
 // keepEndpoints keeps an MPTCP subflow endpoint on each storage NIC until

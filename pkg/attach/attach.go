@@ -241,6 +241,11 @@ type Options struct {
 	DeadPeerTimeout time.Duration `json:",omitempty"`
 	BlockSize       uint64
 	ReadOnly        bool
+	// ServersFile, when set, is where the volume's session keeps the
+	// storage nodes its servers last named as holding it
+	// (ServerDialer.KeepIn), for whichever process serves the volume
+	// next. The Manager sets it (KeepServersIn).
+	ServersFile string `json:",omitempty"`
 }
 
 // Attachment is an attached volume.

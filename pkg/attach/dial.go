@@ -15,12 +15,17 @@
 package attach
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -179,7 +184,9 @@ func (x ExportDialer) DialExport(ctx context.Context, addr, local, export string
 		return nil, nbd.ExportInfo{}, fmt.Errorf("handshake with %s: %w", addr, err)
 	}
 	if x.Servers != nil && len(info.Servers) > 0 {
-		x.Servers.learn(info.Servers)
+		if err := x.Servers.learn(info.Servers); err != nil {
+			cmp.Or(x.Logger, slog.Default()).Warn("the storage nodes that hold the volume are not kept for the next process that serves it", "error", err)
+		}
 	}
 	return c, info, nil
 }
@@ -192,17 +199,75 @@ type ServerDialer struct {
 	// learned are the servers that the last server to serve said hold
 	// the export now (ExportDialer.Servers).
 	learned []Server
+	// file, when set, keeps learned for the next process (KeepIn).
+	file string
 }
 
-// learn records the servers a serving server listed.
-func (d *ServerDialer) learn(list []nbd.ServerAddrs) {
+// KeepIn makes d keep the servers it learns in the file path, and learn
+// what the file holds: what an earlier process serving the volume
+// learned. A process that serves a volume after another (a restart, an
+// adopt, a handover, a resize's probe) then dials where the volume is now,
+// not only the storage nodes it was published with: a drain or the
+// replacement of a lost replica may have moved it to nodes it was never
+// given. A missing file is no error; one that cannot be read is returned,
+// and d starts from nothing learned.
+func (d *ServerDialer) KeepIn(path string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.file = path
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var kept []Server
+	if err := json.Unmarshal(b, &kept); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	kept = slices.DeleteFunc(kept, func(s Server) bool { return len(s.Addrs) == 0 })
+	if len(d.learned) == 0 {
+		d.learned = kept
+	}
+	return nil
+}
+
+// learn records the servers a serving server listed, and keeps them in
+// d's file when they changed. A file that cannot be written is returned:
+// the dials of this process go on with what was learned.
+func (d *ServerDialer) learn(list []nbd.ServerAddrs) error {
 	servers := make([]Server, len(list))
 	for i, s := range list {
 		servers[i] = Server{StorageNode: s.Node, Addrs: slices.Clone(s.Addrs)}
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	same := slices.EqualFunc(d.learned, servers, func(a, b Server) bool {
+		return a.StorageNode == b.StorageNode && slices.Equal(a.Addrs, b.Addrs)
+	})
 	d.learned = servers
+	if same || d.file == "" {
+		return nil
+	}
+	b, err := json.Marshal(servers)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(d.file, b)
+}
+
+// writeFileAtomic replaces path with b (mode 0600), through a temporary
+// file renamed over it: a reader finds the old content or the new one.
+func writeFileAtomic(path string, b []byte) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
 }
 
 // For lists the servers to dial for t: those the last serving server

@@ -20,6 +20,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -225,7 +227,11 @@ func TestDialServersLearns(t *testing.T) {
 	a, b, c := serve(), serve(), serve()
 	// The node was given A (no name: a token, no TLS) and replica B.
 	target := Target{Addrs: []string{a}, Replicas: []Server{{StorageNode: "b", Addrs: []string{b}}}}
+	kept := filepath.Join(t.TempDir(), "servers", "vol.json")
 	var d ServerDialer
+	if err := d.KeepIn(kept); err != nil {
+		t.Fatalf("no file yet: %v", err)
+	}
 	dial := func() (string, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -271,6 +277,29 @@ func TestDialServersLearns(t *testing.T) {
 	}
 	if got, want := names(), []string{"a=" + a, "c=" + c, "b=" + b}; !slices.Equal(got, want) {
 		t.Fatalf("after a server listed nothing: %v, want %v", got, want)
+	}
+	// The process that serves the volume next (a restart, a handover) is
+	// given the target as published: it reaches C through the file.
+	d = ServerDialer{}
+	if err := d.KeepIn(kept); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := names(), []string{"a=" + a, "c=" + c, "b=" + b}; !slices.Equal(got, want) {
+		t.Fatalf("a new process: %v, want %v", got, want)
+	}
+	if addr, err := dial(); err != nil || addr != c {
+		t.Fatalf("a new process reached %q, %v; want %s", addr, err, c)
+	}
+	// A file that cannot be read: said, and only the target's servers.
+	if err := os.WriteFile(kept, []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d = ServerDialer{}
+	if err := d.KeepIn(kept); err == nil {
+		t.Fatal("a malformed file was taken")
+	}
+	if got, want := names(), []string{"=" + a, "b=" + b}; !slices.Equal(got, want) {
+		t.Fatalf("after a malformed file: %v, want %v", got, want)
 	}
 }
 

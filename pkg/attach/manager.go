@@ -16,10 +16,17 @@ package attach
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"net/url"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 )
 
@@ -30,6 +37,10 @@ import (
 type Manager struct {
 	attachers map[Transport]Attacher
 	log       *slog.Logger
+
+	// serversDir, when set, keeps per volume the storage nodes its
+	// servers named (KeepServersIn).
+	serversDir string
 
 	mu             sync.Mutex
 	kernelRefused  bool
@@ -52,6 +63,28 @@ func NewManager(attachers map[Transport]Attacher, log *slog.Logger) *Manager {
 		log = slog.Default()
 	}
 	return &Manager{attachers: attachers, log: log, chosen: make(map[string]Transport)}
+}
+
+// KeepServersIn makes every volume attached from now on keep, in a file
+// of its own under dir, the storage nodes its servers name as holding it
+// (Options.ServersFile), so that the process that serves it after a
+// restart, an adopt or a handover reaches it where it is now. The file
+// goes with the volume's detach.
+func (m *Manager) KeepServersIn(dir string) { m.serversDir = dir }
+
+// serversFile is where volume id keeps its servers; empty without a
+// directory. The name is the ID, escaped; an ID that would make a hidden
+// or overlong name is named by its hash instead.
+func (m *Manager) serversFile(id string) string {
+	if m.serversDir == "" || id == "" {
+		return ""
+	}
+	name := url.PathEscape(id)
+	if strings.HasPrefix(name, ".") || len(name) > 200 {
+		sum := sha256.Sum256([]byte(id))
+		name = hex.EncodeToString(sum[:])
+	}
+	return filepath.Join(m.serversDir, name+".json")
 }
 
 // Available lists the transports this node can use, auto excluded.
@@ -142,6 +175,9 @@ func choice(requested, c Transport, passed []passedOver, fallbacks []Fallback) *
 // Attach attaches t with the requested transport (auto falls back on
 // ErrUnsupported). The transport used is remembered for Detach and Health.
 func (m *Manager) Attach(ctx context.Context, tr Transport, t Target, o Options) (*Attachment, error) {
+	if o.ServersFile == "" {
+		o.ServersFile = m.serversFile(t.VolumeID)
+	}
 	m.mu.Lock()
 	if prev, ok := m.chosen[t.VolumeID]; ok {
 		m.mu.Unlock()
@@ -203,13 +239,29 @@ func (m *Manager) Detach(ctx context.Context, volumeID string) error {
 		m.mu.Lock()
 		delete(m.chosen, volumeID)
 		m.mu.Unlock()
+		m.forgetServers(volumeID)
 		return nil
 	}
 	var errs []error
 	for _, t := range m.Available() {
 		errs = append(errs, m.attachers[t].Detach(ctx, volumeID))
 	}
-	return errors.Join(errs...)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	m.forgetServers(volumeID)
+	return nil
+}
+
+// forgetServers removes the servers a detached volume kept.
+func (m *Manager) forgetServers(volumeID string) {
+	p := m.serversFile(volumeID)
+	if p == "" {
+		return
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		m.log.Warn("remove the storage nodes a detached volume kept", "volume_id", volumeID, "error", err)
+	}
 }
 
 // Health reports the data path of an attached volume.

@@ -19,7 +19,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -33,10 +36,13 @@ type fakeAttacher struct {
 	detaches int
 	// adoptable are volumes Adopt finds.
 	adoptable []string
+	// opts are the options of the last attach.
+	opts Options
 }
 
-func (f *fakeAttacher) Attach(_ context.Context, t Target, _ Options) (*Attachment, error) {
+func (f *fakeAttacher) Attach(_ context.Context, t Target, o Options) (*Attachment, error) {
 	f.calls++
+	f.opts = o
 	if f.err != nil {
 		return nil, f.err
 	}
@@ -186,6 +192,45 @@ func TestDetachAndHealth(t *testing.T) {
 	// Unknown volume: every transport is asked, and it succeeds.
 	if err := m.Detach(context.Background(), "unknown"); err != nil || r.detaches != 2 || f.detaches != 1 {
 		t.Fatalf("detach unknown: %v relay=%d fuse=%d", err, r.detaches, f.detaches)
+	}
+}
+
+// TestManagerKeepsServersPerVolume: with a directory to keep servers in,
+// each volume attached gets a file of its own there (named by its ID,
+// never outside the directory), and its detach removes it.
+func TestManagerKeepsServersPerVolume(t *testing.T) {
+	dir := t.TempDir()
+	f := &fakeAttacher{}
+	m := newTestManager(map[Transport]*fakeAttacher{FUSE: f})
+	m.KeepServersIn(dir)
+	long := strings.Repeat("x", 300)
+	for _, id := range []string{"pvc-1", "a/../../b", "..", long} {
+		tg := target
+		tg.VolumeID = id
+		if _, err := m.Attach(context.Background(), FUSE, tg, Options{}); err != nil {
+			t.Fatal(err)
+		}
+		p := f.opts.ServersFile
+		if filepath.Dir(p) != dir || strings.HasPrefix(filepath.Base(p), ".") || len(filepath.Base(p)) > 255 {
+			t.Fatalf("volume %.20q keeps its servers in %q, want a plain file of %s", id, p, dir)
+		}
+		if err := os.WriteFile(p, []byte("[]"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Detach(context.Background(), id); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(p); !errors.Is(err, fs.ErrNotExist) {
+			t.Fatalf("volume %.20q detached, its servers file: %v", id, err)
+		}
+	}
+	if _, err := m.Attach(context.Background(), FUSE, target, Options{ServersFile: "/given"}); err != nil || f.opts.ServersFile != "/given" {
+		t.Fatalf("a servers file given is replaced by %q (%v)", f.opts.ServersFile, err)
+	}
+	// Without a directory: none.
+	m = newTestManager(map[Transport]*fakeAttacher{FUSE: f})
+	if _, err := m.Attach(context.Background(), FUSE, target, Options{}); err != nil || f.opts.ServersFile != "" {
+		t.Fatalf("no directory, servers file %q (%v)", f.opts.ServersFile, err)
 	}
 }
 

@@ -78,6 +78,11 @@ func OpenSession(ctx context.Context, cfg SessionConfig, t Target, o Options) (*
 	if s.ID == (nbd.SessionID{}) {
 		s.ID = nbd.NewSessionID()
 	}
+	if o.ServersFile != "" {
+		if err := s.servers.KeepIn(o.ServersFile); err != nil {
+			log.Warn("what an earlier process learned of the storage nodes that hold the volume is lost; dialling those it was published with", "error", err)
+		}
+	}
 	dial := func(ctx context.Context) (*relay.Remote, error) {
 		ctx, cancel := context.WithTimeout(ctx, SessionDialTimeout)
 		defer cancel()

@@ -17,7 +17,9 @@ package fuse
 import (
 	"bytes"
 	"context"
+	"net"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -25,6 +27,8 @@ import (
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
 // TestHandoffUnderFio hands a volume on twice (A -> B -> C, each
@@ -206,41 +210,10 @@ func TestHandoffBetweenAttachers(t *testing.T) {
 	first := serverPid(t, a, id)
 	w := startWriter(t, att.Device, 16)
 	w.waitWrites(t, 20)
-	move := func(from, to *Attacher) int {
-		t.Helper()
-		pred := serverPid(t, from, id)
-		h, err := from.HandOff(ctx, id)
-		if err != nil {
-			t.Fatalf("HandOff: %v", err)
-		}
-		if _, err := to.TakeHandoff(ctx, h); err != nil {
-			if rerr := h.Resume(); rerr != nil {
-				t.Errorf("Resume: %v", rerr)
-			}
-			t.Fatalf("TakeHandoff: %v", err)
-		}
-		h.Release()
-		if err := h.Start(); err != nil {
-			t.Fatalf("Start: %v", err)
-		}
-		if hl, err := to.Health(id); err != nil || !hl.Connected {
-			t.Fatalf("health after the handover: %+v, %v", hl, err)
-		}
-		waitGone(t, pred)
-		succ := serverPid(t, to, id)
-		if succ == pred {
-			t.Fatalf("the same server process %d after the handover", succ)
-		}
-		if pids := liveServers(t); !slices.Equal(pids, []int{succ}) {
-			t.Fatalf("server processes %v, want only %d", pids, succ)
-		}
-		w.waitWrites(t, 20)
-		return succ
-	}
 	b := newAttacher(t, Config{StateDir: stateDir})
-	second := move(a, b)
+	second := handOver(ctx, t, a, b, id, w)
 	c := newAttacher(t, Config{StateDir: stateDir})
-	third := move(b, c)
+	third := handOver(ctx, t, b, c, id, w)
 	t.Logf("servers %d -> %d -> %d", first, second, third)
 	w.finish(t)
 	w.verify(t, att.Device, ts.backend)
@@ -248,4 +221,104 @@ func TestHandoffBetweenAttachers(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertNothingLeft(t, c, id, ts)
+}
+
+// handOver hands volume id from one attacher to another while w writes,
+// checks that the predecessor's server process is gone and the
+// successor's alone serves, and returns the successor's pid once w's
+// writes go on.
+func handOver(ctx context.Context, t *testing.T, from, to *Attacher, id string, w *directWriter) int {
+	t.Helper()
+	pred := serverPid(t, from, id)
+	h, err := from.HandOff(ctx, id)
+	if err != nil {
+		t.Fatalf("HandOff: %v", err)
+	}
+	if _, err := to.TakeHandoff(ctx, h); err != nil {
+		if rerr := h.Resume(); rerr != nil {
+			t.Errorf("Resume: %v", rerr)
+		}
+		t.Fatalf("TakeHandoff: %v", err)
+	}
+	h.Release()
+	if err := h.Start(); err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	if hl, err := to.Health(id); err != nil || !hl.Connected {
+		t.Fatalf("health after the handover: %+v, %v", hl, err)
+	}
+	waitGone(t, pred)
+	succ := serverPid(t, to, id)
+	if succ == pred {
+		t.Fatalf("the same server process %d after the handover", succ)
+	}
+	if pids := liveServers(t); !slices.Equal(pids, []int{succ}) {
+		t.Fatalf("server processes %v, want only %d", pids, succ)
+	}
+	w.waitWrites(t, 20)
+	return succ
+}
+
+// TestHandoffAfterTheVolumeMoved: a volume published with storage node A
+// moves to B while attached (as a drain moves it: A names B as holding
+// it, then stops serving it), and its session follows. A successor that
+// takes the volume over is handed the target as it was published (A
+// alone): it reaches B through what the session kept
+// (Options.ServersFile), and what was written on both sides of the move
+// reads back.
+func TestHandoffAfterTheVolumeMoved(t *testing.T) {
+	requireFUSE(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	backend := nbd.NewMemBackend(64 << 20)
+	listen := func() net.Listener {
+		l, err := mptcp.Listen(ctx, "tcp", "127.0.0.1:0", mptcp.Available() == nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	// serve serves backend on l, naming the servers that hold it.
+	serve := func(l net.Listener, holders []nbd.ServerAddrs) *nbd.Server {
+		srv := &nbd.Server{Resolve: func(_ nbd.ConnInfo, name string) (nbd.Grant, error) {
+			return nbd.Grant{Export: name, Servers: holders}, nil
+		}}
+		if err := srv.AddExport(&nbd.Export{Name: "vol", Backend: backend}); err != nil {
+			t.Fatal(err)
+		}
+		go srv.Serve(l)
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			srv.Shutdown(ctx)
+		})
+		return srv
+	}
+	la, lb := listen(), listen()
+	b := []nbd.ServerAddrs{{Node: "b", Addrs: []string{lb.Addr().String()}}}
+	srvA := serve(la, b)
+	serve(lb, b)
+
+	const id = "pv-handoff-moved"
+	stateDir := t.TempDir() + "/state"
+	o := attach.Options{ServersFile: filepath.Join(t.TempDir(), "servers", id+".json")}
+	first := newAttacher(t, Config{StateDir: stateDir})
+	att, err := first.Attach(ctx, target(id, la.Addr().String()), o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := startWriter(t, att.Device, 16)
+	w.waitWrites(t, 20)
+	// A stops serving the volume: the session goes on at B.
+	stopped, stop := context.WithCancel(ctx)
+	stop()
+	srvA.Shutdown(stopped)
+	w.waitWrites(t, 20)
+	second := newAttacher(t, Config{StateDir: stateDir})
+	handOver(ctx, t, first, second, id, w)
+	w.finish(t)
+	w.verify(t, att.Device, backend)
+	if err := second.Detach(ctx, id); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -164,7 +164,7 @@ func (a *Attacher) TakeHandoff(ctx context.Context, h *attach.Handoff) (*attach.
 	if err != nil {
 		return nil, fmt.Errorf("handoff of %s: %w", h.VolumeID, err)
 	}
-	v := newVolume(h.Target, o, st.Session)
+	v := a.newVolume(h.Target, o, st.Session)
 	v.index, v.info = idx, st.Info
 	h.Start = func() error {
 		v.startRelayWith(a, local, nil, st.Pending)

@@ -217,9 +217,14 @@ func (a *Attacher) Attach(ctx context.Context, t attach.Target, o attach.Options
 	return a.connect(ctx, t, o)
 }
 
-func newVolume(t attach.Target, o attach.Options, session nbd.SessionID) *volume {
+func (a *Attacher) newVolume(t attach.Target, o attach.Options, session nbd.SessionID) *volume {
 	v := &volume{target: t, opts: o, session: session}
 	v.life, v.end = context.WithCancel(context.Background())
+	if o.ServersFile != "" {
+		if err := v.servers.KeepIn(o.ServersFile); err != nil {
+			a.log.Warn("what an earlier process learned of the storage nodes that hold the volume is lost; dialling those it was published with", "volume_id", t.VolumeID, "error", err)
+		}
+	}
 	return v
 }
 
@@ -228,7 +233,7 @@ func newVolume(t attach.Target, o attach.Options, session nbd.SessionID) *volume
 func (v *volume) bounded() bool { return v.opts.DeadConnTimeout < attach.DefaultDeadConnTimeout }
 
 func (a *Attacher) connect(ctx context.Context, t attach.Target, o attach.Options) (_ *attach.Attachment, err error) {
-	v := newVolume(t, o, nbd.NewSessionID())
+	v := a.newVolume(t, o, nbd.NewSessionID())
 	socks, err := a.dialAll(ctx, v)
 	if err != nil {
 		return nil, err
@@ -295,7 +300,7 @@ func (a *Attacher) adopt(ctx context.Context, t attach.Target, o attach.Options,
 		// process): the device is ours all the same, its I/O waits, and
 		// the reconnect goes on until the node is back or the volume is
 		// detached.
-		v = newVolume(t, o, a.loadSession(t.VolumeID))
+		v = a.newVolume(t, o, a.loadSession(t.VolumeID))
 		v.index = idx
 		v.reconnecting, v.downSince = true, time.Now()
 		v.lastErr = err
@@ -323,7 +328,7 @@ var errUnreachable = errors.New("storage node unreachable")
 // with RECONFIGURE and the same backend identifier. On failure everything
 // it opened is closed again.
 func (a *Attacher) handOver(ctx context.Context, t attach.Target, o attach.Options, idx uint32) (*volume, error) {
-	v := newVolume(t, o, a.loadSession(t.VolumeID))
+	v := a.newVolume(t, o, a.loadSession(t.VolumeID))
 	v.index = idx
 	if err := a.replaceSockets(ctx, v); err != nil {
 		v.end()
@@ -899,7 +904,9 @@ func (a *Attacher) Resize(ctx context.Context, volumeID string, newSize uint64) 
 	}
 	// A connection of its own session: it must not supersede the data
 	// connections.
-	probe := &volume{target: v.target, session: nbd.NewSessionID()}
+	// It dials where the volume's own connections learned it is.
+	probe := a.newVolume(v.target, v.opts, nbd.NewSessionID())
+	defer probe.end()
 	c, err := a.dialAny(ctx, probe)
 	if err != nil {
 		return 0, fmt.Errorf("resize %s: %w", volumeID, err)
