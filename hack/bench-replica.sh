@@ -62,3 +62,27 @@ go test -run '^$' -bench '^BenchmarkRebuild$' -benchtime 1x -count "$COUNT" -tim
       }
       printf "(means of %d runs; line: the storage-to-storage paths, %.0f MB/s)\n", '"$COUNT"', line
     }'
+
+# What a full rebuild leaves to the volume's own writes (pkg/replica
+# BenchmarkRebuildForeground): 1 MiB writes at QD8 to a replicated volume
+# whose replica is in sync, then to one whose replica is being rebuilt
+# whole over the same storage-to-storage paths; and the rebuild's copy
+# rate meanwhile.
+go test -run '^$' -bench '^BenchmarkRebuildForeground$' -benchtime 1x -count "$COUNT" -timeout 30m ./pkg/replica |
+  awk '
+    /^BenchmarkRebuildForeground\// {
+      split($1, p, "/"); key = p[2]; sub(/-[0-9]+$/, "", key)
+      for (i = 2; i <= NF; i++) {
+        if ($(i+1) == "fg-MB/s") fg[key] += $i
+        if ($(i+1) == "copy-MB/s") cp[key] += $i
+      }
+      n[key]++
+    }
+    END {
+      a = (n["alone"] ? fg["alone"] / n["alone"] : 0)
+      r = (n["rebuilding"] ? fg["rebuilding"] / n["rebuilding"] : 0)
+      c = (n["rebuilding"] ? cp["rebuilding"] / n["rebuilding"] : 0)
+      printf "\n%-26s %12s %12s %12s %16s\n", "writes during a rebuild", "alone MB/s", "rebuild MB/s", "ratio", "copy MB/s"
+      printf "%-26s %12.0f %12.0f %12.2f %16.0f\n", "1 MiB write, QD8", a, r, (a ? r / a : 0), c
+      printf "(means of %d runs)\n", '"$COUNT"'
+    }'

@@ -22,6 +22,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -316,5 +317,152 @@ func BenchmarkRebuild(b *testing.B) {
 			b.StartTimer()
 		}
 		report(b, data)
+	})
+}
+
+// BenchmarkRebuildForeground measures what a full rebuild leaves to the
+// volume's own writes: a client writes 1 MiB blocks at QD8 for a few
+// seconds to a replicated volume whose replica is in sync ("alone"), then
+// to the same kind of volume while its replica is being rebuilt whole
+// ("rebuilding": the rebuild's copy and the forwards of the client's
+// writes share the storage-to-storage paths). It reports the client's
+// MB/s (fg-MB/s) and, while rebuilding, the rebuild's copy rate
+// (copy-MB/s); hack/bench-replica.sh prints the ratio of the two fg-MB/s.
+func BenchmarkRebuildForeground(b *testing.B) {
+	topo.RequireRoot(b)
+	if err := mptcp.Available(); err != nil {
+		b.Skipf("skipping: MPTCP unavailable: %v", err)
+	}
+	const size = 512 << 20
+	const window = 3 * time.Second
+	front := topo.NewForTest(b, topo.Uniform(topo.UniqueName("ff"), 4, benchPathMbit))
+	back := topo.NewForTest(b, topo.Uniform(topo.UniqueName("fb"), 4, benchPathMbit))
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	replicaSrv := &nbd.Server{Logger: quiet}
+	for _, name := range []string{"alone", "rebuilding"} {
+		if err := replicaSrv.AddExport(&nbd.Export{Name: name, Backend: nbd.NewMemBackend(size)}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	backAddr := net.JoinHostPort(back.ServerAddr(1).String(), "10809")
+	serveIn(b, back.InServer, backAddr, replicaSrv)
+	dialIn := func(in func(func() error) error, addr, export string) *nbd.Client {
+		b.Helper()
+		var cl *nbd.Client
+		if err := in(func() error {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			var err error
+			cl, err = nbd.Dial(ctx, nbd.DialOptions{Addr: addr, Export: export, MPTCP: true, Logger: quiet})
+			return err
+		}); err != nil {
+			b.Fatal(err)
+		}
+		return cl
+	}
+	// Both volumes full of data: the rebuild copies every chunk.
+	dense := func() *nbd.MemBackend {
+		be := nbd.NewMemBackend(size)
+		buf := make([]byte, 1<<20)
+		for off := int64(0); off < size; off += int64(len(buf)) {
+			for i := range buf {
+				buf[i] = byte(rand.Uint32())
+			}
+			if _, err := be.WriteAt(buf, off); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return be
+	}
+	alone, err := New(Config{Local: dense(), Peers: map[string]Peer{"r": dialIn(back.InClient, backAddr, "alone")}, Epoch: 1,
+		Arbiter: &fakeArbiter{epoch: 1}, Logger: quiet})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { alone.Close() })
+	primary := &nbd.Server{Logger: quiet}
+	if err := primary.AddExport(&nbd.Export{Name: "alone", Backend: alone}); err != nil {
+		b.Fatal(err)
+	}
+	frontAddr := net.JoinHostPort(front.ServerAddr(1).String(), "10809")
+	serveIn(b, front.InServer, frontAddr, primary)
+
+	// write writes 1 MiB blocks at QD8 for the window and returns MB/s.
+	write := func(b *testing.B, cl *nbd.Client) float64 {
+		var moved atomic.Int64
+		end := time.Now().Add(window)
+		start := time.Now()
+		var wg sync.WaitGroup
+		for q := range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				// Data, not zeroes: a later run's rebuild copies them
+				// as data.
+				buf := make([]byte, 1<<20)
+				for i := range buf {
+					buf[i] = byte(rand.Uint32() | 1)
+				}
+				for off := int64(q) << 20; time.Now().Before(end); off = (off + 8<<20) % size {
+					if _, err := cl.WriteAt(buf, off); err != nil {
+						b.Error(err)
+						return
+					}
+					moved.Add(int64(len(buf)))
+				}
+			}()
+		}
+		wg.Wait()
+		return float64(moved.Load()) / 1e6 / time.Since(start).Seconds()
+	}
+	b.Run("alone", func(b *testing.B) {
+		cl := dialIn(front.InClient, frontAddr, "alone")
+		defer cl.Close()
+		b.ReportMetric(write(b, cl), "fg-MB/s")
+	})
+	local := dense()
+	runs := 0
+	b.Run("rebuilding", func(b *testing.B) {
+		// A volume of its own each run, its replica out.
+		rebuilt, err := New(Config{Local: local, Out: []string{"r"}, Epoch: 1,
+			Arbiter: &fakeArbiter{epoch: 1, drops: []string{"r"}}, Logger: quiet})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer rebuilt.Close()
+		runs++
+		name := fmt.Sprintf("rebuilding%d", runs)
+		if err := primary.AddExport(&nbd.Export{Name: name, Backend: rebuilt}); err != nil {
+			b.Fatal(err)
+		}
+		cl := dialIn(front.InClient, frontAddr, name)
+		defer cl.Close()
+		var copied atomic.Int64
+		rebuildDone := make(chan error, 1)
+		go func() {
+			rebuildDone <- rebuilt.Rebuild(context.Background(), "r", dialIn(back.InClient, backAddr, "rebuilding"),
+				RebuildOptions{Progress: func(c, _ int64) { copied.Store(c) }})
+		}()
+		for deadline := time.Now().Add(10 * time.Second); copied.Load() == 0; time.Sleep(time.Millisecond) {
+			select {
+			case err := <-rebuildDone:
+				b.Fatalf("the rebuild ended before it copied anything: %v", err)
+			default:
+			}
+			if time.Now().After(deadline) {
+				b.Fatal("the rebuild copied nothing in 10 s")
+			}
+		}
+		c0, t0 := copied.Load(), time.Now()
+		fg := write(b, cl)
+		copyRate := float64(copied.Load()-c0) / 1e6 / time.Since(t0).Seconds()
+		if err := <-rebuildDone; err != nil {
+			b.Fatal(err)
+		}
+		if copied.Load() != size {
+			b.Fatalf("the rebuild copied %d bytes, want %d", copied.Load(), size)
+		}
+		b.ReportMetric(fg, "fg-MB/s")
+		b.ReportMetric(copyRate, "copy-MB/s")
 	})
 }

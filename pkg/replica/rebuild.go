@@ -23,6 +23,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -127,30 +128,60 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	}
 	m.log.Info("rebuilding a replica", "replica", name, "bytes", total)
 	start := time.Now()
-	var copied, sent int64
-	buf := make([]byte, Chunk)
+	// Up to rebuildInFlight chunks are copied at once: one at a time
+	// the copy runs at a chunk per round trip, a fraction of the line.
+	var (
+		mu           sync.Mutex
+		copied, sent int64
+		failed       error
+		wg           sync.WaitGroup
+	)
+	slots := make(chan []byte, rebuildInFlight)
+	for range rebuildInFlight {
+		slots <- make([]byte, Chunk)
+	}
+	copyAt := func(off int64, buf []byte) {
+		defer wg.Done()
+		n, err := m.copyChunk(p, off, buf)
+		slots <- buf
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			if failed == nil {
+				failed = fmt.Errorf("copying at %d: %w", off, err)
+			}
+			return
+		}
+		copied += Chunk
+		sent += n
+		m.mu.Lock()
+		p.copied, p.total = copied, total
+		m.mu.Unlock()
+		if o.Progress != nil {
+			o.Progress(copied, total)
+		}
+	}
+	var stop error
+copy:
 	for _, r := range todo {
 		for off := r.Off; off < r.Off+r.Len; off += Chunk {
-			if err := m.rebuilding(ctx, p); err != nil {
-				return err
+			if stop = m.rebuilding(ctx, p); stop != nil {
+				break copy
 			}
-			n, err := m.copyChunk(p, off, buf)
+			buf := <-slots
+			mu.Lock()
+			err, done := failed, sent
+			mu.Unlock()
 			if err != nil {
-				m.failed(p, err)
-				return fmt.Errorf("%w: replica %s: copying at %d: %v", ErrRebuildAborted, name, off, err)
+				slots <- buf
+				break copy
 			}
-			copied += Chunk
-			sent += n
-			m.mu.Lock()
-			p.copied, p.total = copied, total
-			m.mu.Unlock()
-			if o.Progress != nil {
-				o.Progress(copied, total)
-			}
+			wg.Add(1)
+			go copyAt(off, buf)
 			// The rate bounds the data sent: a chunk of zeroes costs the
 			// line a request header.
 			if o.Rate > 0 {
-				ahead := time.Duration(float64(sent)/o.Rate*float64(time.Second)) - time.Since(start)
+				ahead := time.Duration(float64(done)/o.Rate*float64(time.Second)) - time.Since(start)
 				if ahead > 0 {
 					select {
 					case <-ctx.Done():
@@ -159,6 +190,14 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 				}
 			}
 		}
+	}
+	wg.Wait()
+	if stop != nil {
+		return stop
+	}
+	if failed != nil {
+		m.failed(p, failed)
+		return fmt.Errorf("%w: replica %s: %v", ErrRebuildAborted, name, failed)
 	}
 
 	// Durable on the replica, then back in sync by the arbiter's record.
@@ -174,6 +213,9 @@ func (m *Mirror) Rebuild(ctx context.Context, name string, conn Peer, o RebuildO
 	}
 	return m.rejoin(ctx, p, time.Since(start), copied)
 }
+
+// rebuildInFlight is how many chunks a rebuild copies at once.
+const rebuildInFlight = 16
 
 // rebuilding fails when p's rebuild cannot go on (it failed, or ctx or
 // the Mirror ended); a rebuild that ctx ended leaves p out.
