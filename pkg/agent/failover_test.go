@@ -257,7 +257,7 @@ func TestAgentReplicaReplaced(t *testing.T) {
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		v := getVolume(t, c, "vl")
 		v.Spec.ReplicaNodes = []string{s1}
-		v.Labels[v1alpha1.ReplicaLabel(s1)] = ""
+		labelReplicas(v, s1)
 		return c.Update(ctx, v)
 	})
 	if err != nil {
@@ -669,10 +669,7 @@ func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
 
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		v := getVolume(t, c, "vg")
-		if v.Labels == nil {
-			v.Labels = map[string]string{}
-		}
-		v.Labels[v1alpha1.ReplicaLabel(s2)] = ""
+		labelReplicas(v, s2)
 		v.Spec.Replicas = 2
 		v.Spec.ReplicaNodes = []string{s2}
 		return c.Update(ctx, v)
@@ -707,9 +704,7 @@ func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
 			v := getVolume(t, c, "vg")
 			v.Spec.Replicas = int32(len(nodes) + 1)
 			v.Spec.ReplicaNodes = nodes
-			for _, n := range nodes {
-				v.Labels[v1alpha1.ReplicaLabel(n)] = ""
-			}
+			labelReplicas(v, nodes...)
 			return c.Update(ctx, v)
 		})
 		if err != nil {
@@ -723,5 +718,17 @@ func TestAgentReplicaGivenToAServedVolume(t *testing.T) {
 	inSync("vg's replica on s2 in sync again", s1, s2)
 	if msg := sc.holds("vg", w.want, s1, s2); msg != "" {
 		t.Fatalf("s2 counted in sync again: %s", msg)
+	}
+}
+
+// labelReplicas puts on v the labels by which the agents of nodes find
+// the replicas they hold. A volume may have no labels left: the
+// controller drops a replica's label once its agent released it.
+func labelReplicas(v *v1alpha1.NBDVolume, nodes ...string) {
+	if v.Labels == nil {
+		v.Labels = map[string]string{}
+	}
+	for _, n := range nodes {
+		v.Labels[v1alpha1.ReplicaLabel(n)] = ""
 	}
 }
