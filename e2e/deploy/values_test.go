@@ -75,7 +75,7 @@ func TestChartValues(t *testing.T) {
 	has("controller", argsOf(t, objs, "Deployment", "mpnbd-controller", "controller"),
 		"--wait-timeout=90s", "--stale-after=5m", "--log-format=json")
 	has("provisioner", argsOf(t, objs, "Deployment", "mpnbd-controller", "csi-provisioner"),
-		"--timeout=300s", "--default-fstype=xfs", "--enable-capacity", "--capacity-ownerref-level=2")
+		"--timeout=300s", "--default-fstype=xfs", "--enable-capacity", "--capacity-ownerref-level=2", "--kube-api-qps=50", "--kube-api-burst=100")
 
 	agent := find(t, objs, "DaemonSet", "mpnbd-storage-agent")
 	if sel, _, _ := unstructured.NestedStringMap(agent.Object, "spec", "template", "spec", "nodeSelector"); sel["storage.example.com/pool"] != "fast" || len(sel) != 1 {

@@ -1,0 +1,86 @@
+// Copyright 2026 The mpnbd Authors.
+//
+// Licensed under the Apache License, Version 2.0 (the "License");
+// you may not use this file except in compliance with the License.
+// You may obtain a copy of the License at
+//
+//     http://www.apache.org/licenses/LICENSE-2.0
+//
+// Unless required by applicable law or agreed to in writing, software
+// distributed under the License is distributed on an "AS IS" BASIS,
+// WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+// See the License for the specific language governing permissions and
+// limitations under the License.
+
+package deploy
+
+import (
+	"slices"
+	"strings"
+	"testing"
+)
+
+// sidecarValues maps each CSI sidecar of the chart's values
+// (sidecars.<key>) to the containers that run it.
+var sidecarValues = map[string][]string{
+	"provisioner":         {"Deployment/mpnbd-controller/csi-provisioner"},
+	"attacher":            {"Deployment/mpnbd-controller/csi-attacher"},
+	"resizer":             {"Deployment/mpnbd-controller/csi-resizer"},
+	"snapshotter":         {"Deployment/mpnbd-controller/csi-snapshotter"},
+	"nodeDriverRegistrar": {"DaemonSet/mpnbd-node/node-driver-registrar"},
+	"livenessProbe":       {"Deployment/mpnbd-controller/liveness-probe", "DaemonSet/mpnbd-node/liveness-probe"},
+}
+
+// TestSidecarExtraArgs: sidecars.<sidecar>.extraArgs end the args of each
+// container running that sidecar, and every container the chart renders
+// that does not run one of our commands is such a sidecar (a sidecar added
+// later needs its extraArgs too).
+func TestSidecarExtraArgs(t *testing.T) {
+	var args []string
+	for key := range sidecarValues {
+		args = append(args, "--set-json", "sidecars."+key+`.extraArgs=["--kube-api-qps=7","--`+strings.ToLower(key)+`-extra"]`)
+	}
+	cs := containers(t, render(t, args...))
+	mine := ours(t, cs)
+	seen := map[string]bool{}
+	for _, c := range cs {
+		key := c.workload + "/" + c.name
+		our := false
+		for _, list := range mine {
+			our = our || slices.ContainsFunc(list, func(o container) bool { return o.workload == c.workload && o.name == c.name })
+		}
+		if our {
+			continue
+		}
+		var sidecar string
+		for k, list := range sidecarValues {
+			if slices.Contains(list, key) {
+				sidecar = k
+			}
+		}
+		if sidecar == "" {
+			t.Errorf("%s: a sidecar container this test does not know; give it extraArgs and add it to sidecarValues", key)
+			continue
+		}
+		seen[key] = true
+		want := []string{"--kube-api-qps=7", "--" + strings.ToLower(sidecar) + "-extra"}
+		if n := len(c.args); n < 2 || !slices.Equal(c.args[n-2:], want) {
+			t.Errorf("%s: args %q do not end with sidecars.%s.extraArgs %q", key, c.args, sidecar, want)
+		}
+	}
+	for _, list := range sidecarValues {
+		for _, key := range list {
+			if !seen[key] {
+				t.Errorf("%s: not rendered", key)
+			}
+		}
+	}
+	// Empty by default: the sidecars' args are the chart's own.
+	for _, c := range containers(t, render(t)) {
+		for _, a := range c.args {
+			if strings.HasSuffix(a, "-extra") {
+				t.Errorf("%s/%s: default args %q", c.workload, c.name, c.args)
+			}
+		}
+	}
+}
