@@ -256,6 +256,19 @@ func TestDatapathUpgradesByHandover(t *testing.T) {
 	}
 }
 
+// intField returns an integer field of o, which the YAML decoder may
+// have made an int64 or a float64.
+func intField(o *unstructured.Unstructured, fields ...string) (int64, bool) {
+	v, ok, _ := unstructured.NestedFieldNoCopy(o.Object, fields...)
+	switch n := v.(type) {
+	case int64:
+		return n, ok
+	case float64:
+		return int64(n), ok && n == float64(int64(n))
+	}
+	return 0, false
+}
+
 // podSpecField returns a field of a workload's pod spec.
 func podSpecField(t *testing.T, o *unstructured.Unstructured, field string) (any, bool) {
 	t.Helper()
@@ -268,15 +281,17 @@ func podSpecField(t *testing.T, o *unstructured.Unstructured, field string) (any
 
 // TestChartPriorityAndDisruption: each workload's priorityClassName and
 // the controller's PodDisruptionBudget come from values; by default the
-// node-level DaemonSets are system-node-critical, the controller
-// system-cluster-critical, and the budget lets a drain evict the one
-// controller pod.
+// node-level DaemonSets are mpnbd-node-critical, the controller
+// mpnbd-cluster-critical, PriorityClasses the chart renders itself (the
+// system-* ones are refused outside kube-system where a ResourceQuota
+// keeps them to it), and the budget lets a drain evict the one controller
+// pod.
 func TestChartPriorityAndDisruption(t *testing.T) {
 	workloads := []struct{ kind, name, priority string }{
-		{"Deployment", "mpnbd-controller", "system-cluster-critical"},
-		{"DaemonSet", "mpnbd-node", "system-node-critical"},
-		{"DaemonSet", "mpnbd-datapath", "system-node-critical"},
-		{"DaemonSet", "mpnbd-storage-agent", "system-node-critical"},
+		{"Deployment", "mpnbd-controller", "mpnbd-cluster-critical"},
+		{"DaemonSet", "mpnbd-node", "mpnbd-node-critical"},
+		{"DaemonSet", "mpnbd-datapath", "mpnbd-node-critical"},
+		{"DaemonSet", "mpnbd-storage-agent", "mpnbd-node-critical"},
 	}
 	objs := parseObjects(t, helmTemplate(t))
 	for _, w := range workloads {
@@ -284,6 +299,43 @@ func TestChartPriorityAndDisruption(t *testing.T) {
 			t.Errorf("%s %s: priorityClassName %v, want %s", w.kind, w.name, got, w.priority)
 		}
 	}
+	// The classes are rendered, the node's above the controller's (as
+	// system-node-critical is above system-cluster-critical), both at most
+	// 1000000000, the highest value the API server allows a class not
+	// named system-*, and neither the cluster's default.
+	values := map[string]int64{}
+	for _, name := range []string{"mpnbd-node-critical", "mpnbd-cluster-critical"} {
+		pc := find(t, objs, "PriorityClass", name)
+		v, ok := intField(pc, "value")
+		if g, _, _ := unstructured.NestedBool(pc.Object, "globalDefault"); !ok || v > 1000000000 || g || pc.GetAPIVersion() != "scheduling.k8s.io/v1" {
+			t.Errorf("PriorityClass %s: %s, value %d (set: %v), globalDefault %v", name, pc.GetAPIVersion(), v, ok, g)
+		}
+		values[name] = v
+	}
+	if values["mpnbd-node-critical"] <= values["mpnbd-cluster-critical"] {
+		t.Errorf("PriorityClass values %v: want the node's above the controller's", values)
+	}
+	// priorityClasses.create=false with existing classes named instead.
+	objs = render(t, "--set", "priorityClasses.create=false", "--set", "node.priorityClassName=system-node-critical",
+		"--set", "controller.priorityClassName=system-cluster-critical")
+	for _, o := range objs {
+		if o.GetKind() == "PriorityClass" {
+			t.Errorf("priorityClasses.create=false renders %s", objectKey(o))
+		}
+	}
+	if got, _ := podSpecField(t, find(t, objs, "DaemonSet", "mpnbd-node"), "priorityClassName"); got != "system-node-critical" {
+		t.Errorf("node.priorityClassName=system-node-critical rendered %v", got)
+	}
+	if got, _ := podSpecField(t, find(t, objs, "Deployment", "mpnbd-controller"), "priorityClassName"); got != "system-cluster-critical" {
+		t.Errorf("controller.priorityClassName=system-cluster-critical rendered %v", got)
+	}
+	objs = render(t, "--set", "priorityClasses.nodeCritical=5000", "--set", "priorityClasses.clusterCritical=4000")
+	for name, want := range map[string]int64{"mpnbd-node-critical": 5000, "mpnbd-cluster-critical": 4000} {
+		if v, _ := intField(find(t, objs, "PriorityClass", name), "value"); v != want {
+			t.Errorf("PriorityClass %s: value %d, want %d", name, v, want)
+		}
+	}
+	objs = parseObjects(t, helmTemplate(t))
 	pdb := find(t, objs, "PodDisruptionBudget", "mpnbd-controller")
 	if pdb.GetAPIVersion() != "policy/v1" || pdb.GetNamespace() != "mpnbd-system" {
 		t.Errorf("PodDisruptionBudget %s in %q", pdb.GetAPIVersion(), pdb.GetNamespace())
