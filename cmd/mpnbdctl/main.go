@@ -32,8 +32,8 @@
 // a Warning Event the node plugin recorded on the claim, or past
 // reconnects).
 //
-// The node plugins serve metrics only when the chart's node.metricsPort
-// is set (0, off, by default). Give that port as --metrics-port and
+// The node plugins serve metrics on the chart's node.metricsPort (9811
+// by default; 0 turns them off). Give that port as --metrics-port and
 // mpnbdctl reads http://INTERNAL-IP:PORT/metrics of every node a volume is
 // published to (the node plugin runs on the host network), in parallel
 // and each within --timeout; --metrics-url NODE=URL names one node's
@@ -128,7 +128,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.output, "output", outputTable, "table or json")
 	fs.StringVar(&o.output, "o", outputTable, "short for --output")
 	fs.IntVar(&o.metricsPort, "metrics-port", 0,
-		"port of the node plugins' /metrics on each node's InternalIP: the chart's node.metricsPort (0, its default, means off)")
+		"port of the node plugins' /metrics on each node's InternalIP: the chart's node.metricsPort (9811 unless set); 0, the default, reads none")
 	fs.Func("metrics-url", "NODE=URL: read NODE's node plugin metrics from URL (repeatable; wins over --metrics-port; a URL without a path gets /metrics)", func(s string) error {
 		node, u, err := parseMetricsURL(s)
 		if err != nil {

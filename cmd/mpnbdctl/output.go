@@ -158,7 +158,7 @@ func writeNotes(w io.Writer, rep *Report) error {
 	}
 	if len(off) > 0 && len(off) == len(rep.Nodes) {
 		off = []string{"Metrics off: the data path columns need the node plugins' metrics: --metrics-port " +
-			"(the chart's node.metricsPort, 0 by default: off) or --metrics-url NODE=URL. Showing the API part only."}
+			"(the chart's node.metricsPort, 9811 by default) or --metrics-url NODE=URL. Showing the API part only."}
 	}
 	notes = append(off, notes...)
 	for _, warn := range rep.Warnings {

@@ -84,3 +84,32 @@ func TestSidecarExtraArgs(t *testing.T) {
 		}
 	}
 }
+
+// TestNodeMetricsOnByDefault: the node plugin serves its volumes' metrics
+// (which the alerts, the dashboard and mpnbdctl --metrics-port read) with
+// default values, on node.metricsPort 9811 of the pod IP, declared as the
+// port metrics the node PodMonitor scrapes; node.metricsPort=0 turns them
+// off.
+func TestNodeMetricsOnByDefault(t *testing.T) {
+	objs := render(t)
+	args := argsOf(t, objs, "DaemonSet", "mpnbd-node", "node")
+	if !slices.Contains(args, "--metrics-addr=[$(HTTP_ADDRESS)]:9811") {
+		t.Errorf("node args %q: no --metrics-addr=[$(HTTP_ADDRESS)]:9811 by default", args)
+	}
+	if n, ok := containerPort(t, objs, "DaemonSet", "mpnbd-node", "node", "metrics"); !ok || n != 9811 {
+		t.Errorf("node container: port metrics %d (declared: %v), want 9811", n, ok)
+	}
+	// The node PodMonitor needs nothing more.
+	if _, err := tryTemplate(t, "--set", "monitoring.podMonitors.node.enabled=true"); err != nil {
+		t.Errorf("monitoring.podMonitors.node.enabled=true with default values: %v", err)
+	}
+	objs = render(t, "--set", "node.metricsPort=0")
+	for _, a := range argsOf(t, objs, "DaemonSet", "mpnbd-node", "node") {
+		if strings.HasPrefix(a, "--metrics-addr") {
+			t.Errorf("node.metricsPort=0: node arg %q", a)
+		}
+	}
+	if _, ok := containerPort(t, objs, "DaemonSet", "mpnbd-node", "node", "metrics"); ok {
+		t.Error("node.metricsPort=0: the node container still declares the port metrics")
+	}
+}

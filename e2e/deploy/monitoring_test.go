@@ -300,8 +300,8 @@ func TestPodMonitors(t *testing.T) {
 		}
 	}
 
-	// No metrics port, no port declared: the default (and deploy/).
-	if _, ok := containerPort(t, parseObjects(t, helmTemplate(t)), "DaemonSet", "mpnbd-node", "node", "metrics"); ok {
+	// No metrics port, no port declared.
+	if _, ok := containerPort(t, render(t, "--set", "node.metricsPort=0"), "DaemonSet", "mpnbd-node", "node", "metrics"); ok {
 		t.Error("the node plugin declares a metrics port without node.metricsPort")
 	}
 	// Without the storage agent, no PodMonitor for it.
@@ -318,7 +318,7 @@ func TestPodMonitors(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--set", "monitoring.podMonitors.node.enabled=true"}, "node.metricsPort"},
+		{[]string{"--set", "monitoring.podMonitors.node.enabled=true", "--set", "node.metricsPort=0"}, "node.metricsPort"},
 		{[]string{"--set", "monitoring.podMonitors.storageAgent.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"},
 			"choose one"},
 		{[]string{"--set", "monitoring.podMonitors.interval=soon"}, schemaError},

@@ -70,8 +70,8 @@ func TestChartNotes(t *testing.T) {
 				"kubectl label node <node> mpnbd.io/storage-node=true", "kubectl get pods -n mpnbd-system",
 				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
 				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs",
-				"WARNING: the cluster does not serve snapshot.storage.k8s.io/v1"},
-			[]string{"the default class", "ServiceMonitor", "metrics", "MPTCP endpoints:", "VolumeSnapshotClass mpnbd-snapshots"}},
+				"WARNING: the cluster does not serve snapshot.storage.k8s.io/v1", "node plugin metrics: http://<node>:9811/metrics"},
+			[]string{"the default class", "ServiceMonitor", "PodMonitor", "MPTCP endpoints:", "VolumeSnapshotClass mpnbd-snapshots"}},
 		{"snapshot API served", []string{"--api-versions", "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"},
 			[]string{"VolumeSnapshotClass mpnbd-snapshots (the driver's default): VolumeSnapshots"},
 			[]string{"does not serve snapshot.storage.k8s.io"}},
@@ -85,9 +85,9 @@ func TestChartNotes(t *testing.T) {
 			[]string{"mpnbd-system", "mpnbd-ext4", "mpnbd.io/storage-node", "No storage NICs", "PodMonitor mpnbd-storage-agent", "(in namespace"}},
 		{"parts off", []string{"--set", "storageAgent.enabled=false", "--set", "datapath.enabled=false",
 			"--set", "controller.podDisruptionBudget.enabled=false", "--set", "snapshots.enabled=false",
-			"--set", "storageClasses[0].name=only-ext4", "--set", "storageClasses[0].fsType=ext4"},
+			"--set", "storageClasses[0].name=only-ext4", "--set", "storageClasses[0].fsType=ext4", "--set", "node.metricsPort=0"},
 			[]string{"only-ext4: fsType ext4", "runs no storage agent"},
-			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs", "napshot"}},
+			[]string{"mpnbd-datapath", "mpnbd-storage-agent", "PodDisruptionBudget", "kubectl label", "300Mi", "mpnbd-xfs", "napshot", "metrics"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			notes := renderNotes(t, tc.args...)

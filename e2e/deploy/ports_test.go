@@ -253,7 +253,7 @@ func portRenderings(t *testing.T) map[string][]*unstructured.Unstructured {
 		"values-custom":   parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-custom.yaml")),
 		"values-cluster":  parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-cluster.yaml")),
 		"no datapath":     parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")),
-		"all on the host": render(t, "--set", "controller.hostNetwork=true", "--set", "node.metricsPort=9811"),
+		"all on the host": render(t, "--set", "controller.hostNetwork=true"),
 	}
 	return out
 }
@@ -435,12 +435,13 @@ func TestHTTPEndpointsBindToPodIP(t *testing.T) {
 		from  string
 		flags int // 5 in the controller's pod, 2 or 3 in the node plugin's, 1 in the storage agent's
 	}{
-		{"deploy/", parseObjects(t, kustomizeDeploy(t)), "status.podIP", 8},
-		{"chart defaults", parseObjects(t, helmTemplate(t)), "status.podIP", 8},
-		{"all on the host", render(t, "--set", "controller.hostNetwork=true", "--set", "node.metricsPort=9811"), "status.podIP", 9},
+		{"deploy/", parseObjects(t, kustomizeDeploy(t)), "status.podIP", 9},
+		{"chart defaults", parseObjects(t, helmTemplate(t)), "status.podIP", 9},
+		{"all on the host", render(t, "--set", "controller.hostNetwork=true"), "status.podIP", 9},
 		{"values-cluster", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-cluster.yaml")), "status.podIP", 9},
-		{"no datapath", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")), "status.podIP", 8},
-		{"every address", render(t, "--set", "httpAddressFrom=", "--set", "node.metricsPort=9811"), "", 9},
+		{"no datapath", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")), "status.podIP", 9},
+		{"every address", render(t, "--set", "httpAddressFrom="), "", 9},
+		{"node metrics off", render(t, "--set", "node.metricsPort=0"), "status.podIP", 8},
 		{"values-custom", parseObjects(t, helmTemplate(t, customValues)), "", 9},
 	} {
 		problems, flags := checkHTTPBindings(podsOf(t, tc.objs), tc.from)
@@ -520,7 +521,8 @@ func TestHTTPBindingCheckCanFail(t *testing.T) {
 
 	// The defaults, checked as if httpAddressFrom were "".
 	got, _ = checkHTTPBindings(podsOf(t, render(t)), "")
-	if len(got) != 8 || !slices.Contains(got, "DaemonSet/mpnbd-storage-agent container storage-agent: --metrics-addr=[$(HTTP_ADDRESS)]:9810, want it to match ^:[0-9]{1,5}$") {
-		t.Errorf("the defaults checked for binding to every address: %q, want the 8 flags", got)
+	if len(got) != 9 || !slices.Contains(got, "DaemonSet/mpnbd-storage-agent container storage-agent: --metrics-addr=[$(HTTP_ADDRESS)]:9810, want it to match ^:[0-9]{1,5}$") ||
+		!slices.Contains(got, "DaemonSet/mpnbd-node container node: --metrics-addr=[$(HTTP_ADDRESS)]:9811, want it to match ^:[0-9]{1,5}$") {
+		t.Errorf("the defaults checked for binding to every address: %q, want the 9 flags", got)
 	}
 }
