@@ -15,9 +15,12 @@
 package deploy
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 )
 
 // sidecarValues maps each CSI sidecar of the chart's values
@@ -111,5 +114,79 @@ func TestNodeMetricsOnByDefault(t *testing.T) {
 	}
 	if _, ok := containerPort(t, objs, "DaemonSet", "mpnbd-node", "node", "metrics"); ok {
 		t.Error("node.metricsPort=0: the node container still declares the port metrics")
+	}
+}
+
+// TestStorageAgentTolerations: storageAgent.tolerations reach the storage
+// agent's pods (storage nodes tainted for storage alone), and none are
+// set by default: the agent runs only where storageAgent.nodeSelector
+// and the nodes' taints let it.
+func TestStorageAgentTolerations(t *testing.T) {
+	tolerations := func(objs []*unstructured.Unstructured) string {
+		v, _ := podSpecField(t, find(t, objs, "DaemonSet", "mpnbd-storage-agent"), "tolerations")
+		return fmt.Sprint(v)
+	}
+	if got := tolerations(render(t)); got != "<nil>" {
+		t.Errorf("default storage agent tolerations %s, want none", got)
+	}
+	if got, want := tolerations(parseObjects(t, customTemplate(t))), "[map[key:storage operator:Exists]]"; got != want {
+		t.Errorf("values-custom.yaml: storage agent tolerations %s, want %s", got, want)
+	}
+	objs := render(t, "--set-json", `storageAgent.tolerations=[{"key":"dedicated","operator":"Equal","value":"storage","effect":"NoSchedule"}]`)
+	if got, want := tolerations(objs), "[map[effect:NoSchedule key:dedicated operator:Equal value:storage]]"; got != want {
+		t.Errorf("storage agent tolerations %s, want %s", got, want)
+	}
+}
+
+// TestNBDPortOnStorageAddresses: the storage agent gets the NBD port alone
+// (--listen=:PORT; in cluster mode it binds that port on its
+// --storage-address addresses and its signal NICs' addresses, never on
+// every address of the node, and refuses a host here), and by default the
+// storage address is the node's InternalIP (status.hostIP), declared as
+// the container port nbd.
+func TestNBDPortOnStorageAddresses(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		objs  []*unstructured.Unstructured
+		port  int64
+		addrs []string // the --storage-address args
+		from  string   // STORAGE_ADDRESS's field
+	}{
+		{"defaults", render(t), 10809, []string{"--storage-address=$(STORAGE_ADDRESS)"}, "status.hostIP"},
+		{"deploy/", parseObjects(t, kustomizeDeploy(t)), 10809, []string{"--storage-address=$(STORAGE_ADDRESS)"}, "status.hostIP"},
+		{"values-custom", parseObjects(t, customTemplate(t)), 10900, []string{"--storage-address=10.10.1.1,10.10.2.1"}, ""},
+		{"both", render(t, "--set", "storageAgent.storageAddresses={10.0.0.5}"), 10809,
+			[]string{"--storage-address=$(STORAGE_ADDRESS)", "--storage-address=10.0.0.5"}, "status.hostIP"},
+	} {
+		var agent *container
+		for _, c := range containers(t, tc.objs) {
+			if c.workload == "DaemonSet/mpnbd-storage-agent" && c.name == "storage-agent" {
+				agent = &c
+			}
+		}
+		if agent == nil {
+			t.Fatalf("%s: no storage agent container", tc.name)
+		}
+		var listen, addrs []string
+		for _, a := range agent.args {
+			switch {
+			case strings.HasPrefix(a, "--listen"):
+				listen = append(listen, a)
+			case strings.HasPrefix(a, "--storage-address"):
+				addrs = append(addrs, a)
+			}
+		}
+		if want := fmt.Sprintf("--listen=:%d", tc.port); !slices.Equal(listen, []string{want}) {
+			t.Errorf("%s: storage agent listen args %q, want %s alone (the port, bound on the storage addresses)", tc.name, listen, want)
+		}
+		if !slices.Equal(addrs, tc.addrs) {
+			t.Errorf("%s: storage agent --storage-address args %q, want %q", tc.name, addrs, tc.addrs)
+		}
+		if field, ok := envFieldPath(*agent, "STORAGE_ADDRESS"); field != tc.from || ok != (tc.from != "") {
+			t.Errorf("%s: STORAGE_ADDRESS from %q (set: %v), want %q", tc.name, field, ok, tc.from)
+		}
+		if got, ok := containerPort(t, tc.objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent", "nbd"); !ok || got != tc.port {
+			t.Errorf("%s: container port nbd %d (declared: %v), want %d", tc.name, got, ok, tc.port)
+		}
 	}
 }
