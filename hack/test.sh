@@ -72,20 +72,9 @@ fi
 
 [ "$(id -u)" = 0 ] || echo "note: not root; tests that need network namespaces will skip"
 export MPNBD_VM_REQUIRE=${MPNBD_VM_REQUIRE:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}
-# go test runs the packages in the order given, as many at once as there
-# are cores: the e2e module's two longest (the VM suite, ~32 min, and the
-# cluster suite, ~17 min) go first, so that the others run beside them
-# rather than after.
-first_e2e=(nodeattach cluster)
 for m in "${MODULES[@]}"; do
   step "go test -race ($m)"
-  pkgs=(./...)
-  if [ "$m" = e2e ]; then
-    pkgs=("${first_e2e[@]/#/./}")
-    rest=$(cd "$m" && go list ./... | grep -v -x -F "${first_e2e[@]/#/-egithub.com/mpnbd/mpnbd/e2e/}")
-    pkgs+=($rest)
-  fi
-  (cd "$m" && go test -race -count=1 -timeout 40m "${pkgs[@]}")
+  (cd "$m" && go test -race -count=1 -timeout 40m ./...)
 done
 
 step "fuzz (${FUZZTIME} each)"
