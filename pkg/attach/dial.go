@@ -254,12 +254,13 @@ func (d *ServerDialer) learn(list []nbd.ServerAddrs) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(d.file, b)
+	return WriteFileAtomic(d.file, b)
 }
 
-// writeFileAtomic replaces path with b (mode 0600), through a temporary
-// file renamed over it: a reader finds the old content or the new one.
-func writeFileAtomic(path string, b []byte) error {
+// WriteFileAtomic replaces path with b (mode 0600, its directory made
+// 0700 if missing), through a temporary file renamed over it: a reader
+// finds the old content or the new one.
+func WriteFileAtomic(path string, b []byte) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
 	}

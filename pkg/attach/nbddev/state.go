@@ -52,19 +52,11 @@ func (a *Attacher) saveState(v *volume) error {
 	if a.cfg.StateDir == "" {
 		return nil
 	}
-	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
-		return err
-	}
 	b, err := json.Marshal(record{Mode: a.cfg.Mode, Target: v.target, Options: v.opts, Session: v.session})
 	if err != nil {
 		return err
 	}
-	p := a.statePath(v.target.VolumeID)
-	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, p)
+	return attach.WriteFileAtomic(a.statePath(v.target.VolumeID), b)
 }
 
 // loadSession returns the session recorded for a volume, or a new one.

@@ -415,18 +415,11 @@ func (a *Attacher) saveState(v *volume) error {
 	if a.cfg.StateDir == "" {
 		return nil
 	}
-	if err := os.MkdirAll(a.cfg.StateDir, 0o700); err != nil {
-		return err
-	}
 	b, err := json.Marshal(record{Target: v.target, Options: v.opts, DevID: v.devID, Session: v.sess.ID})
 	if err != nil {
 		return err
 	}
-	p := a.statePath(v.target.VolumeID)
-	if err := os.WriteFile(p+".tmp", b, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(p+".tmp", p)
+	return attach.WriteFileAtomic(a.statePath(v.target.VolumeID), b)
 }
 
 func (a *Attacher) loadState(volumeID string) (record, bool) {
