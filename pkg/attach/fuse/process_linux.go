@@ -185,15 +185,7 @@ func writeState(path string, st serverState) error {
 	if err != nil {
 		return err
 	}
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	return nil
+	return attach.WriteFileAtomic(path, b)
 }
 
 func (a *Attacher) setServer(id string, p *serverProc) {
