@@ -284,7 +284,7 @@ func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging st
 		return undo(fmt.Errorf("create staging path: %w", err))
 	}
 	if c.GetBlock() != nil {
-		if err := writeFileAtomic(filepath.Join(staging, deviceFile), []byte(att.Device+"\n")); err != nil {
+		if err := attach.WriteFileAtomic(filepath.Join(staging, deviceFile), []byte(att.Device+"\n")); err != nil {
 			return undo(fmt.Errorf("record device: %w", err))
 		}
 		log.Info("block volume staged")
@@ -336,20 +336,6 @@ func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging st
 		}
 	}
 	log.Info("volume staged", "fs_type", fsType)
-	return nil
-}
-
-// writeFileAtomic writes a small file by rename, so a reader sees all of
-// it or nothing.
-func writeFileAtomic(path string, data []byte) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
-		return err
-	}
 	return nil
 }
 
@@ -707,14 +693,7 @@ func (n *Node) rememberExpected(id string, addrs int) {
 	if p == "" {
 		return
 	}
-	err := os.MkdirAll(filepath.Dir(p), 0o700)
-	if err == nil {
-		tmp := p + ".tmp"
-		if err = os.WriteFile(tmp, []byte(strconv.Itoa(addrs)+"\n"), 0o600); err == nil {
-			err = os.Rename(tmp, p)
-		}
-	}
-	if err != nil {
+	if err := attach.WriteFileAtomic(p, []byte(strconv.Itoa(addrs)+"\n")); err != nil {
 		n.log.Warn("keep the volume's storage address count; after a restart its subflows go unchecked", "volume_id", id, "error", err)
 	}
 }
