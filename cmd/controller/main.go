@@ -28,6 +28,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -63,8 +64,11 @@ type options struct {
 	// replaced.
 	replicaLostAfter time.Duration
 	defaultSize      int64
-	logLevel         slog.Level
-	logFormat        string
+	// defaultEncryption: a volume whose StorageClass names no encryption
+	// gets this one.
+	defaultEncryption string
+	logLevel          slog.Level
+	logFormat         string
 	// sign runs the signer of node and storage certificates, approving
 	// requests of these ServiceAccounts (NAMESPACE:NAME).
 	sign                        bool
@@ -81,6 +85,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.DurationVar(&o.staleAfter, "stale-after", 2*time.Minute, "a storage node not heard of for this long gets no new volumes")
 	fs.DurationVar(&o.replicaLostAfter, "replica-lost-after", driver.DefaultReplicaLostAfter, "a replica whose storage node's lease has not been renewed for this long is replaced on another storage node (copied whole from the primary)")
 	fs.Int64Var(&o.defaultSize, "default-size", 1<<30, "size in bytes of a volume whose request names none")
+	fs.StringVar(&o.defaultEncryption, "default-encryption", "none", "encryption of a volume whose StorageClass names none: none, preferred or required")
 	fs.Func("log-level", "debug, info, warn or error (default info)", func(s string) error {
 		return o.logLevel.UnmarshalText([]byte(s))
 	})
@@ -106,6 +111,8 @@ func parseArgs(args []string) (*options, error) {
 		return nil, fmt.Errorf("--log-format %q (want text or json)", o.logFormat)
 	case o.waitTimeout <= 0 || o.staleAfter <= 0 || o.defaultSize <= 0 || o.replicaLostAfter <= 0:
 		return nil, errors.New("--wait-timeout, --stale-after, --replica-lost-after and --default-size must be positive")
+	case !slices.Contains([]string{"none", "preferred", "required"}, o.defaultEncryption):
+		return nil, fmt.Errorf("--default-encryption %q (want none, preferred or required)", o.defaultEncryption)
 	}
 	if _, _, err := driver.ParseEndpoint(o.endpoint); err != nil {
 		return nil, fmt.Errorf("--endpoint: %v", err)
@@ -183,6 +190,8 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		WaitTimeout:      o.waitTimeout,
 		StaleAfter:       o.staleAfter,
 		DefaultSizeBytes: o.defaultSize,
+		// A class names its encryption or gets this one.
+		DefaultEncryption: v1alpha1.Encryption(o.defaultEncryption),
 	})
 	if err != nil {
 		return err

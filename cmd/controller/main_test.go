@@ -25,7 +25,7 @@ import (
 func TestParseArgs(t *testing.T) {
 	o, err := parseArgs([]string{"--namespace", "mpnbd", "--endpoint", "tcp://127.0.0.1:0"})
 	if err != nil || o.namespace != "mpnbd" || o.waitTimeout <= 0 || !o.sign || o.replicaLostAfter != 10*time.Minute ||
-		o.nodeAccount != "mpnbd:mpnbd-node" || o.storageAccount != "mpnbd:mpnbd-storage-agent" {
+		o.nodeAccount != "mpnbd:mpnbd-node" || o.storageAccount != "mpnbd:mpnbd-storage-agent" || o.defaultEncryption != "none" {
 		t.Fatalf("parseArgs = %+v, %v", o, err)
 	}
 	for _, c := range []struct {
@@ -38,6 +38,7 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--namespace", "x", "--wait-timeout", "0s"}, "--wait-timeout"},
 		{[]string{"--namespace", "x", "--replica-lost-after", "0s"}, "--replica-lost-after"},
 		{[]string{"--namespace", "x", "extra"}, "extra"},
+		{[]string{"--namespace", "x", "--default-encryption", "always"}, "--default-encryption"},
 		{[]string{"--namespace", "x", "--node-service-account", "mpnbd-node"}, "--node-service-account"},
 		{[]string{"--namespace", "x", "--storage-service-account", "Bad:agent"}, "--storage-service-account"},
 	} {

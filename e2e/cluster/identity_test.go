@@ -240,7 +240,16 @@ func (s *suite) noSecretsExposed() { s.searchSecrets(0) }
 // value; and the ServiceAccount tokens the kubelet gave the node plugin's
 // and the storage agent's pods write only what is theirs of the volume.
 func (s *suite) tokenScenario() {
-	s.apply(pvc("tok", "mpnbd-ext4", "64Mi", false))
+	// A class of its own that names none: the chart's classes name no
+	// encryption, and the controller's default (required) applies to them.
+	s.apply(`apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: mpnbd-plain}
+provisioner: nbd.mptcp.mpnbd.io
+parameters: {encryption: none, transport: fuse, csi.storage.k8s.io/fstype: ext4}
+volumeBindingMode: WaitForFirstConsumer
+`)
+	s.apply(pvc("tok", "mpnbd-plain", "64Mi", false))
 	var pv string
 	s.step("tokens: none in any log, Event, VolumeAttachment or metrics while a volume is published with one", func() {
 		s.startPod("tok-app", pod("tok-app", "tok", `head -c 8M /dev/urandom > /data/f && sync && sleep 3600`, false))
@@ -265,6 +274,7 @@ func (s *suite) tokenScenario() {
 			}
 			return ""
 		})
+		s.kubectl("delete", "storageclass", "mpnbd-plain")
 	})
 }
 

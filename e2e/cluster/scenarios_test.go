@@ -123,6 +123,26 @@ func (s *suite) startPod(name, manifest string) {
 	})
 }
 
+// writeReadBack: a pod writes a file of 64 MiB to claim and prints its
+// checksum; a new pod on the claim reads the same back.
+func (s *suite) writeReadBack(scenario, claim string) {
+	t := s.t
+	var sum string
+	s.step(scenario+": write from a pod", func() {
+		out := s.runPod(claim+"-writer", pod(claim+"-writer", claim,
+			`head -c 64M /dev/urandom > /data/file && sync && echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if sum = field(out, "sum"); len(sum) != 64 {
+			t.Fatalf("writer output %q", out)
+		}
+	})
+	s.step(scenario+": read back from a new pod", func() {
+		out := s.runPod(claim+"-reader", pod(claim+"-reader", claim, `echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
+		if got := field(out, "sum"); got != sum {
+			t.Fatalf("read back sha256 %q, want %q", got, sum)
+		}
+	})
+}
+
 func field(out, key string) string {
 	for _, l := range strings.Split(out, "\n") {
 		if v, ok := strings.CutPrefix(strings.TrimSpace(l), key+"="); ok {
@@ -137,22 +157,8 @@ func field(out, key string) string {
 // running pod sees the new size; the volume's connection has one MPTCP
 // subflow per path.
 func (s *suite) filesystemScenario() {
-	t := s.t
 	s.apply(pvc("fs", "mpnbd-ext4", "1Gi", false))
-	var sum string
-	s.step("filesystem: write from a pod", func() {
-		out := s.runPod("fs-writer", pod("fs-writer", "fs",
-			`head -c 64M /dev/urandom > /data/file && sync && echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
-		if sum = field(out, "sum"); len(sum) != 64 {
-			t.Fatalf("writer output %q", out)
-		}
-	})
-	s.step("filesystem: read back from a new pod", func() {
-		out := s.runPod("fs-reader", pod("fs-reader", "fs", `echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false))
-		if got := field(out, "sum"); got != sum {
-			t.Fatalf("read back sha256 %q, want %q", got, sum)
-		}
-	})
+	s.writeReadBack("filesystem", "fs")
 	s.step("filesystem: one MPTCP subflow per path", func() {
 		// It writes 32 MiB, which the CLI's bytes per path account for.
 		s.startPod("fs-app", pod("fs-app", "fs", `head -c 32M /dev/urandom > /data/app && sync && sleep 3600`, false))

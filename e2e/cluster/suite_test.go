@@ -216,7 +216,7 @@ func TestDriverOnCluster(t *testing.T) {
 	helm := cachedTool(t, "tools.sh", "HELM")
 	rootfs := cachedTool(t, "rootfs.sh", "ROOTFS")
 	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	prev, err := previousChart()
 	if err != nil {
@@ -465,6 +465,7 @@ storageAgent:
 	s.uninstallRefusedScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
 	s.uninstallScenario()
+	s.templateInstallScenario()
 }
 
 // hostAddrs are the node's storage addresses.

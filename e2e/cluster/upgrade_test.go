@@ -218,6 +218,51 @@ func (s *suite) uninstallScenario() {
 	})
 }
 
+// templateInstallScenario: the chart rendered without a cluster (helm
+// template, as Argo CD and Flux render it) and applied with kubectl apply
+// --server-side, after the release was uninstalled: the driver comes up
+// and a claim of the chart's ext4 class (whose volumes get the
+// controller's default encryption) is written and read back by two pods.
+func (s *suite) templateInstallScenario() {
+	t := s.t
+	root, _ := repo.Root()
+	s.step("template install: helm template | kubectl apply --server-side", func() {
+		out, err := exec.CommandContext(s.ctx, s.helmBin, "template", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
+			"--namespace", namespace, "--values", s.values, "--set", "image.tag="+upgradedImageTag,
+			"--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--no-hooks").Output()
+		if err != nil {
+			t.Fatalf("helm template: %v", err)
+		}
+		if strings.Contains(string(out), "helm.sh/hook") {
+			t.Fatal("helm template --no-hooks rendered a hook")
+		}
+		// The CRDs and the CA are what the uninstalled release kept: the
+		// apply takes their fields over.
+		if out, err := kubectlStdin(s.ctx, s.c, string(out), "apply", "--server-side", "--force-conflicts", "--field-manager=gitops", "-f", "-"); err != nil {
+			t.Fatalf("kubectl apply --server-side: %v\n%s", err, out)
+		}
+		s.followStorageAgent("")
+		for _, w := range []string{"daemonset/mpnbd-storage-agent", "daemonset/mpnbd-node", "daemonset/mpnbd-datapath", "deployment/mpnbd-controller"} {
+			s.kubectl("rollout", "status", w, "-n", namespace, "--timeout=4m")
+		}
+	})
+	s.apply(pvc("tmpl", "mpnbd-ext4", "256Mi", false))
+	s.writeReadBack("template install", "tmpl")
+	s.step("template install: the volume encrypted by the controller's default, then deleted", func() {
+		pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "tmpl")
+		if enc := s.jsonpath("{.spec.encryption}", "get", "nbdvolume", pv); enc != "required" {
+			t.Errorf("NBDVolume %s of a class naming no encryption: spec.encryption %q, want the default (required)", pv, enc)
+		}
+		s.kubectl("delete", "pvc", "tmpl", "--wait=true", "--timeout=180s")
+		s.waitFor("the volume "+pv+" gone", 3*time.Minute, func() string {
+			if v := s.jsonpath("{.metadata.name}", "get", "pv", pv, "--ignore-not-found"); v != "" {
+				return "PV left"
+			}
+			return ""
+		})
+	})
+}
+
 // followStorageAgent waits for the storage agent's pod old to be replaced
 // and gives the new pod's network namespace the suite's storage paths.
 func (s *suite) followStorageAgent(old string) {

@@ -16,6 +16,8 @@ package deploy
 
 import (
 	"encoding/json"
+	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -191,32 +193,122 @@ func TestValuesSchemaMatchesValuesFile(t *testing.T) {
 	}
 }
 
-// TestStorageClassEncryption: new classes get defaultEncryption unless
-// they name their own; a class whose transport cannot encrypt is refused
-// with a message naming it while the encryption is required.
+// TestStorageClassEncryption: the chart's classes carry no encryption of
+// their own; defaultEncryption reaches the controller
+// (--default-encryption), which gives it to volumes of classes that name
+// none, so a class renders the same whatever the default (an upgrade
+// never has to change a class, whose parameters cannot change). A class
+// naming its own keeps it; a class whose transport cannot encrypt is
+// refused with a message naming it while the encryption is required, by
+// the class or by the default.
 func TestStorageClassEncryption(t *testing.T) {
 	params := func(objs []*unstructured.Unstructured, name string) map[string]string {
 		t.Helper()
 		p, _, _ := unstructured.NestedStringMap(find(t, objs, "StorageClass", name).Object, "parameters")
 		return p
 	}
-	objs := render(t)
-	for _, sc := range []string{"mpnbd-ext4", "mpnbd-xfs", "mpnbd-block", "mpnbd-replicated"} {
-		if p := params(objs, sc); p["encryption"] != "required" {
-			t.Errorf("%s parameters %v: want encryption required by default", sc, p)
+	controllerArg := func(objs []*unstructured.Unstructured) string {
+		t.Helper()
+		for _, c := range containers(t, objs) {
+			if c.name == "controller" {
+				if v, ok := argValue(c.args, "default-encryption"); ok {
+					return v
+				}
+			}
+		}
+		return ""
+	}
+	byDefault := map[string]map[string]string{}
+	for _, def := range []string{"required", "preferred", "none"} {
+		objs := render(t, "--set", "defaultEncryption="+def)
+		if got := controllerArg(objs); got != def {
+			t.Errorf("defaultEncryption=%s: the controller's --default-encryption is %q", def, got)
+		}
+		for _, sc := range []string{"mpnbd-ext4", "mpnbd-xfs", "mpnbd-block", "mpnbd-replicated"} {
+			p := params(objs, sc)
+			if _, ok := p["encryption"]; ok {
+				t.Errorf("defaultEncryption=%s: %s parameters %v: want no encryption in the class", def, sc, p)
+			}
+			if prev, ok := byDefault[sc]; ok && !maps.Equal(prev, p) {
+				t.Errorf("%s renders %v with defaultEncryption=%s, %v with required", sc, p, def, prev)
+			}
+			byDefault[sc] = p
 		}
 	}
-	objs = render(t, "--set", "defaultEncryption=none")
-	if p := params(objs, "mpnbd-ext4"); p["encryption"] != "" {
-		t.Errorf("defaultEncryption=none: parameters %v", p)
+	if got := controllerArg(render(t)); got != "required" {
+		t.Errorf("by default the controller's --default-encryption is %q, want required", got)
 	}
-	objs = render(t, "--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=preferred",
+	objs := render(t, "--set", "storageClasses[0].name=c", "--set", "storageClasses[0].parameters.encryption=preferred",
 		"--set", "storageClasses[0].parameters.transport=kernel")
 	if p := params(objs, "c"); p["encryption"] != "preferred" || p["transport"] != "kernel" {
 		t.Errorf("a class's own encryption: parameters %v", p)
 	}
-	_, err := tryTemplate(t, "--set", "storageClasses[0].name=k", "--set", "storageClasses[0].parameters.transport=kernel")
-	if err == nil || !strings.Contains(err.Error(), "storageClasses k: transport kernel cannot encrypt") {
-		t.Errorf("a kernel class with encryption required: %v", err)
+	if _, err := tryTemplate(t, "--set", "storageClasses[0].name=k", "--set", "storageClasses[0].parameters.transport=kernel",
+		"--set", "defaultEncryption=none"); err != nil {
+		t.Errorf("a kernel class with defaultEncryption none: %v", err)
+	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--set", "storageClasses[0].parameters.transport=kernel"}, "storageClasses k: transport kernel cannot encrypt (the kernel's NBD client holds the connections) and encryption is required (defaultEncryption)"},
+		{[]string{"--set", "storageClasses[0].parameters.transport=tcp", "--set", "storageClasses[0].parameters.encryption=required", "--set", "defaultEncryption=none"},
+			"storageClasses k: transport tcp cannot encrypt (the kernel's NBD client holds the connections) and the class requires encryption"},
+	} {
+		_, err := tryTemplate(t, append([]string{"--set", "storageClasses[0].name=k"}, c.args...)...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want an error saying %q", c.args, err, c.want)
+		}
+	}
+}
+
+// TestStorageClassesAsPreviousRelease: with default values, every class
+// the previous release's chart made renders with the same parameters,
+// reclaim policy and binding mode from this chart, so that a helm upgrade
+// (which would have to change a class, and Kubernetes refuses) goes
+// through; and no template but NOTES.txt asks the cluster (lookup), so
+// that a render without a cluster (helm template, Argo CD, Flux) is what
+// an install gets.
+func TestStorageClassesAsPreviousRelease(t *testing.T) {
+	prev, err := filepath.Glob(filepath.Join(repoRoot(t), "e2e", "cluster", "testdata", "mpnbd-*.tgz"))
+	if err != nil || len(prev) != 1 {
+		t.Fatalf("want one e2e/cluster/testdata/mpnbd-*.tgz (the previous release's chart), found %v (%v)", prev, err)
+	}
+	out, err := tryRun(t, nil, helm(t), "template", "mpnbd", prev[0], "--namespace", "mpnbd-system", "--kube-version", kubeVersion)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := parseObjects(t, out)
+	now := render(t)
+	compared := 0
+	for _, o := range old {
+		if o.GetKind() != "StorageClass" {
+			continue
+		}
+		n := find(t, now, "StorageClass", o.GetName())
+		for _, field := range []string{"parameters", "provisioner", "reclaimPolicy", "volumeBindingMode"} {
+			a, _, _ := unstructured.NestedFieldNoCopy(o.Object, field)
+			b, _, _ := unstructured.NestedFieldNoCopy(n.Object, field)
+			if fmt.Sprint(a) != fmt.Sprint(b) {
+				t.Errorf("StorageClass %s %s: %v from %s, %v now: a helm upgrade would have to change it", o.GetName(), field, a, filepath.Base(prev[0]), b)
+			}
+		}
+		compared++
+	}
+	if compared < 3 {
+		t.Errorf("compared %d classes of %s, want its three", compared, filepath.Base(prev[0]))
+	}
+	templates, err := filepath.Glob(filepath.Join(repoRoot(t), "charts", "mpnbd", "templates", "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range templates {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if filepath.Base(f) != "NOTES.txt" && strings.Contains(string(b), "lookup ") {
+			t.Errorf("%s asks the cluster (lookup): a render without a cluster would differ from an install", filepath.Base(f))
+		}
 	}
 }

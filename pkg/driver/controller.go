@@ -65,6 +65,11 @@ type ControllerConfig struct {
 	// DefaultSizeBytes is the size of a volume whose capacity range sets
 	// neither bound (default 1 GiB).
 	DefaultSizeBytes int64
+	// DefaultEncryption is the encryption of a volume whose StorageClass
+	// names none (default none). It lives here, not in the classes a
+	// chart renders, so that a class stays what it was when the default
+	// changes: StorageClass parameters cannot change.
+	DefaultEncryption v1alpha1.Encryption
 	// PollInterval is how often a wait re-reads the volume (default 200ms)
 	// when Changes is nil.
 	PollInterval time.Duration
@@ -122,6 +127,13 @@ func NewController(cfg ControllerConfig) (*Controller, error) {
 	}
 	if cfg.DefaultSizeBytes == 0 {
 		cfg.DefaultSizeBytes = DefaultVolumeSize
+	}
+	switch cfg.DefaultEncryption {
+	case "":
+		cfg.DefaultEncryption = v1alpha1.EncryptionNone
+	case v1alpha1.EncryptionNone, v1alpha1.EncryptionPreferred, v1alpha1.EncryptionRequired:
+	default:
+		return nil, fmt.Errorf("%w: controller: default encryption %q: want none, preferred or required", ErrInvalidArgument, cfg.DefaultEncryption)
 	}
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = DefaultPollInterval
@@ -183,7 +195,11 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	if err != nil {
 		return nil, err
 	}
-	p, err := ParseParams(req.GetParameters())
+	classParams, err := c.withDefaults(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	p, err := ParseParams(classParams)
 	if err != nil {
 		return nil, err
 	}
@@ -213,7 +229,7 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			return nil, err
 		}
 	}
-	params := storedParams(req.GetParameters())
+	params := storedParams(classParams)
 	id := VolumeIDForName(name)
 
 	unlock, ok := c.lock(id)
@@ -662,10 +678,14 @@ func (c *Controller) validate(ctx context.Context, req *csi.ValidateVolumeCapabi
 		}
 	}
 	if len(req.GetParameters()) > 0 {
-		if _, err := ParseParams(req.GetParameters()); err != nil {
+		classParams, err := c.withDefaults(req.GetParameters())
+		if err == nil {
+			_, err = ParseParams(classParams)
+		}
+		if err != nil {
 			return unconfirmed(err.Error())
 		}
-		if !maps.Equal(storedParams(req.GetParameters()), v.Spec.Parameters) {
+		if !maps.Equal(storedParams(classParams), v.Spec.Parameters) {
 			return unconfirmed(fmt.Sprintf("volume %s was created with other parameters (%s)", id, formatParams(v.Spec.Parameters)))
 		}
 	}

@@ -1574,3 +1574,61 @@ func TestPublishEncrypted(t *testing.T) {
 		wantStatus(t, err, codes.InvalidArgument, "encryption")
 	}
 }
+
+// TestDefaultEncryption: a class that names no encryption gets the
+// controller's default (kept in the volume's parameters, which the node
+// reads); one that names its own keeps it; a retry of the same request
+// finds the same volume; a class whose transport cannot encrypt is refused
+// under a required default with a message that says where the
+// requirement comes from.
+func TestDefaultEncryption(t *testing.T) {
+	ctx := context.Background()
+	ctl, c, _ := setup(t, func(cfg *ControllerConfig) { cfg.DefaultEncryption = v1alpha1.EncryptionRequired })
+	req := createReq("dflt", gib, map[string]string{ParamFSType: "xfs"})
+	resp, err := ctl.CreateVolume(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := resp.GetVolume().GetVolumeContext()[ParamEncryption]; got != "required" {
+		t.Errorf("volume context %v: want encryption required", resp.GetVolume().GetVolumeContext())
+	}
+	if v := getVolume(t, c, "dflt"); v.Spec.Encryption != v1alpha1.EncryptionRequired || v.Spec.Parameters[ParamEncryption] != "required" {
+		t.Errorf("spec.encryption %q, parameters %v", v.Spec.Encryption, v.Spec.Parameters)
+	}
+	if _, err := ctl.CreateVolume(ctx, req); err != nil {
+		t.Errorf("the same request again: %v", err)
+	}
+	vv, err := ctl.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{
+		VolumeId: "dflt", VolumeCapabilities: []*csi.VolumeCapability{fsCap(rwo)}, Parameters: req.Parameters})
+	if err != nil || vv.GetConfirmed() == nil {
+		t.Errorf("validate with the class's parameters: %v, %q", err, vv.GetMessage())
+	}
+
+	if _, err := ctl.CreateVolume(ctx, createReq("own", gib, map[string]string{ParamEncryption: "none"})); err != nil {
+		t.Fatal(err)
+	}
+	if v := getVolume(t, c, "own"); v.Spec.Encryption != v1alpha1.EncryptionNone {
+		t.Errorf("a class naming none: spec.encryption %q", v.Spec.Encryption)
+	}
+	_, err = ctl.CreateVolume(ctx, createReq("kern", gib, map[string]string{ParamTransport: "kernel"}))
+	wantStatus(t, err, codes.InvalidArgument, "transport=kernel", "--default-encryption", "defaultEncryption", "required")
+	if _, err := ctl.CreateVolume(ctx, createReq("kern-pref", gib, map[string]string{ParamTransport: "kernel", ParamEncryption: "preferred"})); err != nil {
+		t.Errorf("a kernel class naming preferred: %v", err)
+	}
+	// auto: the node picks a transport that can.
+	if _, err := ctl.CreateVolume(ctx, createReq("auto", gib, map[string]string{ParamTransport: "auto"})); err != nil {
+		t.Errorf("an auto class: %v", err)
+	}
+
+	// Without a default, a class naming none stays unencrypted.
+	ctl2, c2, _ := setup(t)
+	if _, err := ctl2.CreateVolume(ctx, createReq("plain", gib, nil)); err != nil {
+		t.Fatal(err)
+	}
+	if v := getVolume(t, c2, "plain"); v.Spec.Encryption != v1alpha1.EncryptionNone || v.Spec.Parameters[ParamEncryption] != "" {
+		t.Errorf("no default: spec.encryption %q, parameters %v", v.Spec.Encryption, v.Spec.Parameters)
+	}
+	if _, err := NewController(ControllerConfig{Client: c2, Namespace: "x", DefaultEncryption: "always"}); status.Code(toStatus(err)) != codes.InvalidArgument {
+		t.Errorf("default encryption always: %v", err)
+	}
+}

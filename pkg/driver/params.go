@@ -16,6 +16,7 @@ package driver
 
 import (
 	"fmt"
+	"maps"
 	"sort"
 	"strconv"
 	"strings"
@@ -155,6 +156,30 @@ func ParseParams(in map[string]string) (Params, error) {
 			ErrInvalidArgument, ParamEncryption, p.Encryption, ParamTransport, p.Transport, attach.NoEncryption(p.Transport))
 	}
 	return p, nil
+}
+
+// withDefaults is a StorageClass's parameters with the controller's
+// defaults applied: a class that names no encryption gets
+// DefaultEncryption. It returns in itself when nothing is added. A
+// default of required on a class whose transport cannot encrypt is an
+// InvalidArgument error that says where the requirement comes from.
+func (c *Controller) withDefaults(in map[string]string) (map[string]string, error) {
+	def := c.cfg.DefaultEncryption
+	if _, named := in[ParamEncryption]; named || def == "" || def == v1alpha1.EncryptionNone {
+		return in, nil
+	}
+	if def == v1alpha1.EncryptionRequired {
+		if t, err := attach.ParseTransport(in[ParamTransport]); err == nil && in[ParamTransport] != "" && t != attach.Auto && !attach.CanEncrypt(t) {
+			return nil, fmt.Errorf("%w: StorageClass parameter %s=%s: the class names no %s, so the controller's default (%s: --default-encryption, the chart's defaultEncryption) applies, and %s; set %s preferred or none in the class, or another transport",
+				ErrInvalidArgument, ParamTransport, in[ParamTransport], ParamEncryption, def, attach.NoEncryption(t), ParamEncryption)
+		}
+	}
+	out := maps.Clone(in)
+	if out == nil {
+		out = map[string]string{}
+	}
+	out[ParamEncryption] = string(def)
+	return out, nil
 }
 
 // parseSelector parses "k1=v1,k2=v2".
