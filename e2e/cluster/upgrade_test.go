@@ -227,11 +227,24 @@ func (s *suite) templateInstallScenario() {
 	t := s.t
 	root, _ := repo.Root()
 	s.step("template install: helm template | kubectl apply --server-side", func() {
-		out, err := exec.CommandContext(s.ctx, s.helmBin, "template", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
-			"--namespace", namespace, "--values", s.values, "--set", "image.tag="+upgradedImageTag,
-			"--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--no-hooks").Output()
+		// As Argo CD and Flux render it: the cluster's version given, no
+		// access to the cluster.
+		var version struct {
+			ServerVersion struct {
+				GitVersion string `json:"gitVersion"`
+			} `json:"serverVersion"`
+		}
+		if err := json.Unmarshal([]byte(s.kubectl("version", "-o", "json")), &version); err != nil || version.ServerVersion.GitVersion == "" {
+			t.Fatalf("the cluster's version: %v", err)
+		}
+		cmd := exec.CommandContext(s.ctx, s.helmBin, "template", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
+			"--namespace", namespace, "--kube-version", version.ServerVersion.GitVersion, "--values", s.values,
+			"--set", "image.tag="+upgradedImageTag, "--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--no-hooks")
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
 		if err != nil {
-			t.Fatalf("helm template: %v", err)
+			t.Fatalf("helm template: %v\n%s", err, stderr.String())
 		}
 		if strings.Contains(string(out), "helm.sh/hook") {
 			t.Fatal("helm template --no-hooks rendered a hook")
