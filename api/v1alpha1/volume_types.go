@@ -292,6 +292,8 @@ type NodeAttachment struct {
 // +kubebuilder:printcolumn:name="Node",type=string,JSONPath=`.spec.storageNode`
 // +kubebuilder:printcolumn:name="Size",type=integer,JSONPath=`.spec.sizeBytes`
 // +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Reachable",type=string,JSONPath=`.status.conditions[?(@.type=="Reachable")].status`
+// +kubebuilder:printcolumn:name="Degraded",type=string,JSONPath=`.status.conditions[?(@.type=="Degraded")].status`,priority=1
 // +kubebuilder:printcolumn:name="Replicas",type=integer,JSONPath=`.spec.replicas`
 // +kubebuilder:printcolumn:name="InSync",type=integer,JSONPath=`.status.replication.inSyncReplicas`
 // +kubebuilder:printcolumn:name="Primary",type=string,JSONPath=`.status.replication.primary`,priority=1
@@ -346,12 +348,48 @@ type NBDStorageNodeStatus struct {
 	// reserved out of AvailableBytes.
 	// +optional
 	SharedBytes int64 `json:"sharedBytes,omitempty"`
+	// Conditions: Ready, set by the controller from the agent's lease and
+	// heartbeat (an agent that is gone cannot say so itself).
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
 }
+
+// Condition types and reasons the controller sets (docs/operations.md).
+const (
+	// ConditionReady on an NBDStorageNode: its agent reports (lease
+	// renewed, heartbeat fresh).
+	ConditionReady = "Ready"
+	// ConditionReachable on an NBDVolume: the storage node serving it
+	// (the primary of a replicated volume) is Ready.
+	ConditionReachable = "Reachable"
+	// ConditionReplicasInSync on a replicated NBDVolume: every replica
+	// holds every acknowledged write.
+	ConditionReplicasInSync = "ReplicasInSync"
+	// ConditionDegraded on an NBDVolume: a node's data path to it is not
+	// connected, or has fewer MPTCP subflows than the storage node has
+	// addresses.
+	ConditionDegraded = "Degraded"
+
+	ReasonAgentReporting    = "AgentReporting"
+	ReasonAgentNotReporting = "AgentNotReporting"
+	ReasonHeartbeatStale    = "HeartbeatStale"
+	ReasonStorageNodeReady  = "StorageNodeReady"
+	ReasonStorageNodeDown   = "StorageNodeNotReady"
+	ReasonAllInSync         = "AllInSync"
+	ReasonReplicasOut       = "ReplicasOut"
+	ReasonPathsUp           = "AllPathsUp"
+	ReasonPathsDown         = "PathsDown"
+	ReasonDisconnected      = "Disconnected"
+)
 
 // NBDStorageNode is one storage agent's report, named after its node.
 // +kubebuilder:object:root=true
 // +kubebuilder:resource:scope=Cluster,shortName=nbdnode
 // +kubebuilder:subresource:status
+// +kubebuilder:printcolumn:name="Ready",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].status`
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.conditions[?(@.type=="Ready")].reason`,priority=1
 // +kubebuilder:printcolumn:name="Available",type=integer,JSONPath=`.status.availableBytes`
 // +kubebuilder:printcolumn:name="Capacity",type=integer,JSONPath=`.status.capacityBytes`
 // +kubebuilder:printcolumn:name="Snapshots",type=integer,JSONPath=`.status.snapshots`

@@ -212,9 +212,12 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		go runSigner(ctx, cfg, scheme, o, log)
 	}
 	go backfill(ctx, ctl, log)
-	// Replicated volumes move off a storage node that is gone.
+	// Replicated volumes move off a storage node that is gone; every
+	// storage node and volume carries its conditions.
+	events, stopEvents := driver.NewEventRecorder(c, "mpnbd-controller", log)
+	defer stopEvents()
 	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log,
-		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter}).Run(ctx)
+		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter, Events: events}).Run(ctx)
 	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
 }

@@ -112,6 +112,20 @@ func (s *suite) upgradeScenario() {
 			t.Errorf("the upgraded datapath did not take the volume over:\n%s", logs)
 		}
 		s.waitHealthy(id)
+		// What on-call reads: the storage node Ready and the volume
+		// Reachable, in kubectl get's columns (the upgraded controller
+		// keeps them).
+		s.waitFor("the storage node Ready and the volume Reachable", time.Minute, func() string {
+			nodes := s.kubectl("get", "nbdnode", s.c.NodeName)
+			vols := s.kubectl("get", "nbdvol", id)
+			if !strings.Contains(firstLine(nodes), "READY") || !strings.Contains(nodes, "True") {
+				return "kubectl get nbdnode:\n" + nodes
+			}
+			if !strings.Contains(firstLine(vols), "REACHABLE") || !strings.Contains(vols, "True") {
+				return "kubectl get nbdvol:\n" + vols
+			}
+			return ""
+		})
 		// I/O went on throughout: fio is still writing and verifying.
 		if p := s.jsonpath("{.status.phase}", "get", "pod", "upgrade-fio"); p != "Running" {
 			t.Fatalf("fio pod is %s after the upgrade, want it still running (its time is too short for the upgrade)", p)
@@ -300,4 +314,10 @@ func (s *suite) waitFio(name string, timeout time.Duration) string {
 		s.t.Fatalf("fio pod %s output %q", name, out)
 	}
 	return rounds
+}
+
+// firstLine is the first line of s.
+func firstLine(s string) string {
+	l, _, _ := strings.Cut(s, "\n")
+	return l
 }

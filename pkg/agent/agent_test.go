@@ -790,6 +790,23 @@ func TestAgent(t *testing.T) {
 			st.Topology["topology.mpnbd.io/node"] != testNode || st.Heartbeat.IsZero() {
 			t.Fatalf("storage node status = %+v", st)
 		}
+		// The controller's Ready condition outlives the agent's reports.
+		marked := before.DeepCopy()
+		meta.SetStatusCondition(&marked.Status.Conditions, metav1.Condition{Type: v1alpha1.ConditionReady, Status: metav1.ConditionTrue,
+			Reason: v1alpha1.ReasonAgentReporting, Message: "set by the controller"})
+		if err := c.Status().Update(ctx, marked); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "a report after the condition was set, keeping it", func() string {
+			now := storageNode(t, c).Status
+			if !now.Heartbeat.After(marked.Status.Heartbeat.Time) {
+				return "no report since"
+			}
+			if meta.FindStatusCondition(now.Conditions, v1alpha1.ConditionReady) == nil {
+				t.Fatalf("the agent's report dropped the controller's Ready condition: %+v", now.Conditions)
+			}
+			return ""
+		})
 		// The metrics get the numbers of the status (the filesystem's size
 		// does not change; what is available may, between two reports).
 		if capacity, available, n := r.obs.last(); n == 0 || capacity != st.CapacityBytes || available <= 0 || available > capacity {

@@ -198,6 +198,8 @@ func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
 		Snapshots:      int32(min(u.snapshots, math.MaxInt32)),
 		SnapshotBytes:  u.snapshotBytes,
 		SharedBytes:    u.shared,
+		// The controller's (Ready): an agent cannot say it is gone.
+		Conditions: node.Status.Conditions,
 	}
 	if err := a.client.Status().Patch(ctx, &node, client.MergeFrom(orig)); err != nil {
 		return nil, fmt.Errorf("storage node %s status: %w", a.cfg.NodeName, err)

@@ -89,7 +89,7 @@ type ControllerConfig struct {
 //
 // Its RBAC: nbdvolumes get, list, watch, create, update, delete;
 // nbdsnapshots get, list, watch, create, delete; nbdstoragenodes get, list; nodes get; secrets in Namespace get, create, update, delete,
-// deletecollection; for Failover, leases in Namespace list, nbdvolumes/status patch, events create.
+// deletecollection; for Failover, leases in Namespace list, nbdvolumes/status and nbdstoragenodes/status patch, events create and patch.
 //
 // A wait for the agent that runs out (WaitTimeout or the request's
 // deadline) is DeadlineExceeded: the change stays requested and a retry of

@@ -25,7 +25,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
@@ -95,6 +95,9 @@ type FailoverConfig struct {
 	// StaleAfter: a storage node whose heartbeat is older takes no new
 	// replica (default DefaultStaleAfter).
 	StaleAfter time.Duration
+	// Events records the Events on volumes and storage nodes; nil: one
+	// of NewEventRecorder over Client.
+	Events record.EventRecorder
 }
 
 // DefaultReplicaLostAfter is FailoverConfig.ReplicaLostAfter's default.
@@ -125,8 +128,13 @@ func NewFailover(cfg FailoverConfig) *Failover {
 	if cfg.StaleAfter <= 0 {
 		cfg.StaleAfter = DefaultStaleAfter
 	}
+	if cfg.Events == nil {
+		cfg.Events, _ = NewEventRecorder(cfg.Client, "mpnbd-controller", cfg.Logger)
+	}
 	return &Failover{cfg: cfg, seen: map[string]leaseSeen{}, told: map[string]time.Time{}}
 }
+
+func (f *Failover) recorder() record.EventRecorder { return f.cfg.Events }
 
 // Run checks every Interval until ctx ends.
 func (f *Failover) Run(ctx context.Context) {
@@ -175,16 +183,6 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 	// for good), and at most every 10 s while nothing changes: a node
 	// that stays dead for days must not have every volume listed each
 	// second.
-	var state []string
-	for n, d := range gone {
-		st := n + "=gone"
-		if d >= f.cfg.ReplicaLostAfter {
-			st = n + "=lost"
-		}
-		state = append(state, st)
-	}
-	slices.Sort(state)
-	key := strings.Join(state, ",")
 	var storage v1alpha1.NBDStorageNodeList
 	if err := f.cfg.Client.List(ctx, &storage); err != nil {
 		return nil, fmt.Errorf("listing storage nodes: %w", err)
@@ -195,9 +193,27 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		nodes[storage.Items[i].Name] = &storage.Items[i]
 		draining = draining || storage.Items[i].Spec.Drain
 	}
+	ready := f.markNodes(ctx, nodes, gone, now)
+	var state []string
+	for n, d := range gone {
+		st := n + "=gone"
+		if d >= f.cfg.ReplicaLostAfter {
+			st = n + "=lost"
+		}
+		state = append(state, st)
+	}
+	for n, r := range ready {
+		if _, away := gone[n]; !r && !away {
+			state = append(state, n+"=stale")
+		}
+	}
+	slices.Sort(state)
+	key := strings.Join(state, ",")
 	// A drain is step by step (a copy in sync, then a switch): the
-	// volumes are looked at every check while one goes on.
-	if !always && !draining && (len(gone) == 0 || key == f.lastState && now.Sub(f.lastList) < 10*time.Second) {
+	// volumes are looked at every check while one goes on. A change of
+	// the nodes' states is looked at at once (the volumes' conditions
+	// follow it), and a state that stays no more than every 10 s.
+	if !always && !draining && key == f.lastState && (len(gone) == 0 || now.Sub(f.lastList) < 10*time.Second) {
 		return nil, nil
 	}
 	f.lastState, f.lastList = key, now
@@ -225,6 +241,9 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		}
 		if !v.DeletionTimestamp.IsZero() {
 			continue
+		}
+		if err := f.markVolume(ctx, v, ready); err != nil {
+			errs = append(errs, err)
 		}
 		if len(v.Spec.ReplicaNodes) == 0 {
 			// An unreplicated volume on a draining node moves as a
@@ -594,18 +613,7 @@ func (f *Failover) dropStaleLabels(ctx context.Context, v *v1alpha1.NBDVolume) e
 	return nil
 }
 
-// event records an Event on v; a failure is logged.
-func (f *Failover) event(ctx context.Context, v *v1alpha1.NBDVolume, typ, reason, msg string) {
-	now := metav1.Now()
-	ev := &corev1.Event{
-		ObjectMeta: metav1.ObjectMeta{GenerateName: v.Name + ".", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "NBDVolume",
-			Name: v.Name, UID: v.UID},
-		Reason: reason, Message: msg, Type: typ,
-		Source:         corev1.EventSource{Component: "mpnbd-controller"},
-		FirstTimestamp: now, LastTimestamp: now, Count: 1,
-	}
-	if err := f.cfg.Client.Create(ctx, ev); err != nil {
-		f.cfg.Logger.Warn("recording an event failed", "reason", reason, "message", msg, "error", err)
-	}
+// event records an Event on v (aggregated with its repeats).
+func (f *Failover) event(_ context.Context, v *v1alpha1.NBDVolume, typ, reason, msg string) {
+	f.cfg.Events.Event(v, typ, reason, msg)
 }

@@ -17,6 +17,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -144,18 +145,32 @@ func TestFailoverCheck(t *testing.T) {
 		t.Fatalf("checked again: moved %v, %v", moved, err)
 	}
 	// An Event on the moved volume says what happened.
-	var evs corev1.EventList
-	if err := c.List(ctx, &evs, client.InNamespace(metav1.NamespaceDefault)); err != nil {
-		t.Fatal(err)
-	}
-	found := false
-	for _, e := range evs.Items {
-		if e.InvolvedObject.Name == "va" && e.Reason == "FailedOver" {
-			found = true
+	waitEvents(t, c, func(evs []corev1.Event) string {
+		for _, e := range evs {
+			if e.InvolvedObject.Name == "va" && e.Reason == "FailedOver" && e.Namespace == metav1.NamespaceDefault {
+				return ""
+			}
 		}
-	}
-	if !found {
-		t.Error("no FailedOver Event on va")
+		return "no FailedOver Event on va"
+	})
+}
+
+// waitEvents waits (up to 10 s: the recorder writes in the background)
+// until cond, given every Event, returns "".
+func waitEvents(t *testing.T, c client.Client, cond func([]corev1.Event) string) {
+	t.Helper()
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var evs corev1.EventList
+		if err := c.List(context.Background(), &evs); err != nil {
+			t.Fatal(err)
+		}
+		msg := cond(evs.Items)
+		if msg == "" {
+			return
+		}
+		if time.Now().After(end) {
+			t.Fatal(msg)
+		}
 	}
 }
 
@@ -492,19 +507,18 @@ func TestFailoverDrain(t *testing.T) {
 	if moved := check(); len(moved) != 0 {
 		t.Fatalf("drained: moved %v", moved)
 	}
-	var evs corev1.EventList
-	if err := c.List(ctx, &evs); err != nil {
-		t.Fatal(err)
-	}
-	reasons := map[string][]string{}
-	for _, e := range evs.Items {
-		reasons[e.InvolvedObject.Name] = append(reasons[e.InvolvedObject.Name], e.Reason)
-	}
-	for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "v3": {"DrainCopying", "Drained", "SwitchedOver"}, "vu": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
-		if got := slices.Sorted(slices.Values(reasons[name])); !slices.Equal(got, want) {
-			t.Errorf("%s's events: %v, want %v", name, got, want)
+	waitEvents(t, c, func(evs []corev1.Event) string {
+		reasons := map[string][]string{}
+		for _, e := range evs {
+			reasons[e.InvolvedObject.Name] = append(reasons[e.InvolvedObject.Name], e.Reason)
 		}
-	}
+		for name, want := range map[string][]string{"vp": {"DrainCopying", "Drained", "SwitchedOver"}, "v3": {"DrainCopying", "Drained", "SwitchedOver"}, "vu": {"DrainCopying", "Drained", "SwitchedOver"}, "vr": {"DrainCopying", "Drained"}} {
+			if got := slices.Sorted(slices.Values(reasons[name])); !slices.Equal(got, want) {
+				return fmt.Sprintf("%s's events: %v, want %v", name, got, want)
+			}
+		}
+		return ""
+	})
 
 	// A cordoned or draining node takes no new volume.
 	ctl, err := NewController(ControllerConfig{Client: c, Namespace: ns, StaleAfter: time.Hour})
