@@ -25,6 +25,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unicode"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 )
@@ -39,11 +40,16 @@ const (
 
 // chartAlerts are the alerts the chart ships, by name: their severity.
 var chartAlerts = map[string]string{
-	"MpnbdVolumeInaccessible":    "critical",
-	"MpnbdVolumeDegraded":        "warning",
-	"MpnbdVolumeReconnectStorm":  "warning",
-	"MpnbdStorageNodeNearlyFull": "warning",
+	"MpnbdVolumeInaccessible":     "critical",
+	"MpnbdVolumeDegraded":         "warning",
+	"MpnbdVolumeReconnectStorm":   "warning",
+	"MpnbdStorageNodeNearlyFull":  "warning",
+	"MpnbdStorageNodeUnreachable": "critical",
 }
+
+// runbookBase is where every alert's runbook_url points: a heading of
+// docs/operations.md, by GitHub's anchor for it.
+const runbookBase = "https://github.com/mpnbd/mpnbd/blob/main/docs/operations.md#"
 
 // promtool returns Debian's promtool (package prometheus), or skips.
 func promtool(t testing.TB) string {
@@ -115,6 +121,7 @@ func TestPrometheusRules(t *testing.T) {
 	_, groups := ruleGroups(t)
 	rules := alertRules(t, groups)
 	known := exportedMetrics(t)
+	anchors := docAnchors(t, "docs/operations.md")
 	var names []string
 	for name, r := range rules {
 		names = append(names, name)
@@ -125,6 +132,9 @@ func TestPrometheusRules(t *testing.T) {
 		ann, _, _ := unstructured.NestedStringMap(r, "annotations")
 		if ann["summary"] == "" || ann["description"] == "" {
 			t.Errorf("alert %s: annotations %v, want a summary and a description", name, ann)
+		}
+		if anchor, ok := strings.CutPrefix(ann["runbook_url"], runbookBase); !ok || !anchors[anchor] {
+			t.Errorf("alert %s: runbook_url %q, want %s and a heading of docs/operations.md (headings: %v)", name, ann["runbook_url"], runbookBase, anchors)
 		}
 		expr, _ := r["expr"].(string)
 		for _, p := range checkPromQL(known, expr, "") {
@@ -485,4 +495,34 @@ func TestGrafanaDashboardConfigMap(t *testing.T) {
 			}
 		})
 	}
+}
+
+// docAnchors are the anchors GitHub gives the headings of a Markdown file
+// of the repository: lower case, spaces as dashes, other punctuation
+// dropped.
+func docAnchors(t testing.TB, file string) map[string]bool {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]bool{}
+	for _, l := range strings.Split(string(b), "\n") {
+		h, ok := strings.CutPrefix(l, "#")
+		if !ok {
+			continue
+		}
+		h = strings.TrimSpace(strings.TrimLeft(h, "#"))
+		var a strings.Builder
+		for _, r := range strings.ToLower(h) {
+			switch {
+			case r == ' ':
+				a.WriteRune('-')
+			case r == '-' || r == '_' || unicode.IsLetter(r) || unicode.IsDigit(r):
+				a.WriteRune(r)
+			}
+		}
+		out[a.String()] = true
+	}
+	return out
 }

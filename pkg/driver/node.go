@@ -116,8 +116,19 @@ type NodeConfig struct {
 }
 
 // expectedDir is the directory under NodeConfig.StateDir holding, per
-// staged volume, a file named by its ID with its storage address count.
+// staged volume, a file named by its ID with its storage address count
+// and, after a space, its storage node ("4 storage-1"; a file of an
+// earlier plugin holds the count alone).
 const expectedDir = "expected-subflows"
+
+// stagedFacts is what the node keeps of a staged volume beyond its
+// attachment: how many storage addresses it was published with (the
+// MPTCP subflows a healthy connection has) and the storage node serving
+// it (for the metrics: mpnbd_node_volume_info).
+type stagedFacts struct {
+	addrs       int
+	storageNode string
+}
 
 // StageObserver hears of the volumes the node stages and unstages. Its
 // methods return at once: a CSI call never waits for what it does.
@@ -143,10 +154,11 @@ type Node struct {
 	// published it to, for the single-writer check.
 	pubMu sync.Mutex
 	pubs  map[string]map[string]bool
-	// addrs remembers, per staged volume, how many storage addresses it
-	// was published with: the MPTCP subflows a healthy volume has. Kept in
-	// StateDir too; without one it is lost with the process, after which
-	// only connectivity is checked.
+	// addrs remembers, per staged volume, its stagedFacts: how many
+	// storage addresses it was published with (the MPTCP subflows a
+	// healthy volume has) and its storage node. Kept in StateDir too;
+	// without one it is lost with the process, after which only
+	// connectivity is checked.
 	addrs sync.Map
 }
 
@@ -248,7 +260,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	n.rememberExpected(id, len(spec.Target.Addrs))
+	n.rememberExpected(id, stagedFacts{addrs: len(spec.Target.Addrs), storageNode: strings.TrimSpace(req.GetPublishContext()[PublishContextStorageNode])})
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Staged(att)
 	}
@@ -652,27 +664,41 @@ func (n *Node) volumeHealth(id string, tr attach.Transport, h attach.Health, err
 // healthy volume has: the storage addresses it was staged with, from
 // memory or, after a restart of this process, from StateDir.
 func (n *Node) expectedSubflows(id string) (int, bool) {
-	if want, ok := n.addrs.Load(id); ok {
-		return want.(int), true
+	f, ok := n.staged(id)
+	return f.addrs, ok
+}
+
+// staged is what rememberExpected kept of volume id, from memory or,
+// after a restart of this process, from StateDir.
+func (n *Node) staged(id string) (stagedFacts, bool) {
+	if f, ok := n.addrs.Load(id); ok {
+		return f.(stagedFacts), true
 	}
 	p := n.expectedFile(id)
 	if p == "" {
-		return 0, false
+		return stagedFacts{}, false
 	}
 	b, err := os.ReadFile(p)
 	if err != nil {
 		if !errors.Is(err, fs.ErrNotExist) {
 			n.log.Warn("read the volume's storage address count", "volume_id", id, "error", err)
 		}
-		return 0, false
+		return stagedFacts{}, false
 	}
-	want, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || want < 1 {
+	fields := strings.Fields(string(b))
+	var f stagedFacts
+	if len(fields) > 0 {
+		f.addrs, err = strconv.Atoi(fields[0])
+	}
+	if len(fields) == 0 || len(fields) > 2 || err != nil || f.addrs < 1 {
 		n.log.Warn("a malformed storage address count; subflows go unchecked", "volume_id", id, "path", p, "content", string(b))
-		return 0, false
+		return stagedFacts{}, false
 	}
-	n.addrs.Store(id, want)
-	return want, true
+	if len(fields) == 2 {
+		f.storageNode = fields[1]
+	}
+	n.addrs.Store(id, f)
+	return f, true
 }
 
 // expectedFile is where StateDir keeps the volume's storage address
@@ -684,16 +710,20 @@ func (n *Node) expectedFile(id string) string {
 	return filepath.Join(n.cfg.StateDir, expectedDir, id)
 }
 
-// rememberExpected records the volume's storage address count, in
+// rememberExpected records what the node keeps of a staged volume, in
 // memory and in StateDir. A failed write costs only the subflow check
 // after a restart, so it is logged, not returned.
-func (n *Node) rememberExpected(id string, addrs int) {
-	n.addrs.Store(id, addrs)
+func (n *Node) rememberExpected(id string, f stagedFacts) {
+	n.addrs.Store(id, f)
 	p := n.expectedFile(id)
 	if p == "" {
 		return
 	}
-	if err := attach.WriteFileAtomic(p, []byte(strconv.Itoa(addrs)+"\n")); err != nil {
+	line := strconv.Itoa(f.addrs)
+	if f.storageNode != "" && !strings.ContainsAny(f.storageNode, " \t\n") {
+		line += " " + f.storageNode
+	}
+	if err := attach.WriteFileAtomic(p, []byte(line+"\n")); err != nil {
 		n.log.Warn("keep the volume's storage address count; after a restart its subflows go unchecked", "volume_id", id, "error", err)
 	}
 }

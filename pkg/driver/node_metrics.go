@@ -43,6 +43,9 @@ type NodeCollector struct {
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
 	outage, replayed, resent, retained, replaced                             *prometheus.Desc
 	pathSent, pathReceived                                                   *prometheus.Desc
+	// info joins a volume's series to its storage node, for alerts
+	// grouped by cause (a storage node down is one alert).
+	info *prometheus.Desc
 }
 
 // NewNodeCollector returns a collector over the node service's volumes.
@@ -67,13 +70,14 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		replaced:     d("replaced_connections_total", "Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports)."),
 		pathSent: d("path_sent_bytes_total", "Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
+		info: d("info", "1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.", "storage_node"),
 		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 	}
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived, c.info} {
 		ch <- d
 	}
 }
@@ -91,6 +95,8 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		if err != nil {
 			continue // detached meanwhile
 		}
+		facts, _ := c.node.staged(id)
+		ch <- prometheus.MustNewConstMetric(c.info, prometheus.GaugeValue, 1, id, t, facts.storageNode)
 		ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, b(h.Connected), id, t)
 		ch <- prometheus.MustNewConstMetric(c.mptcp, prometheus.GaugeValue, b(h.MPTCP), id, t)
 		for i, n := range h.Subflows {

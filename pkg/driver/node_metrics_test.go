@@ -33,7 +33,9 @@ func (f fakeLister) Volumes() map[string]attach.Transport { return f }
 
 func TestNodeCollector(t *testing.T) {
 	f := newNodeFixture(t)
-	if _, err := f.node.NodeStageVolume(context.Background(), f.stageReq("pv-1", mountCap(rwo, ""))); err != nil {
+	req := f.stageReq("pv-1", mountCap(rwo, ""))
+	req.PublishContext[PublishContextStorageNode] = "storage-1"
+	if _, err := f.node.NodeStageVolume(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
 	c := NewNodeCollector(f.node, fakeLister{"pv-1": attach.FUSE, "pv-gone": attach.Relay})
@@ -63,6 +65,9 @@ mpnbd_node_volume_expected_subflows{transport="fuse",volume="pv-1"} 2
 # HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
 # TYPE mpnbd_node_volume_inaccessible gauge
 mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_info 1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.
+# TYPE mpnbd_node_volume_info gauge
+mpnbd_node_volume_info{storage_node="storage-1",transport="fuse",volume="pv-1"} 1
 # HELP mpnbd_node_volume_mptcp 1 when the volume's data path runs over MPTCP.
 # TYPE mpnbd_node_volume_mptcp gauge
 mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1

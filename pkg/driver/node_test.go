@@ -619,10 +619,32 @@ func TestNodeExpectedSubflowsAfterRestart(t *testing.T) {
 		return n
 	}
 	stage := f.stageReq("pv-1", mountCap(rwo, ""))
+	stage.PublishContext[PublishContextStorageNode] = "storage-1"
 	if _, err := node().NodeStageVolume(ctx, stage); err != nil {
 		t.Fatal(err)
 	}
 	want := len(strings.Split(stage.PublishContext[PublishContextAddresses], ","))
+	// The storage node too (the metrics' mpnbd_node_volume_info).
+	if facts, ok := node().staged("pv-1"); !ok || facts != (stagedFacts{addrs: want, storageNode: "storage-1"}) {
+		t.Errorf("after a restart: %+v, %v; want %d addresses on storage-1", facts, ok, want)
+	}
+	// A file an earlier plugin wrote holds the count alone.
+	if err := os.WriteFile(filepath.Join(state, expectedDir, "pv-old"), []byte("3\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if facts, ok := node().staged("pv-old"); !ok || facts != (stagedFacts{addrs: 3}) {
+		t.Errorf("an earlier plugin's count: %+v, %v", facts, ok)
+	}
+	for _, bad := range []string{"", "x storage-1", "0", "2 a b"} {
+		if err := os.WriteFile(filepath.Join(state, expectedDir, "pv-bad"), []byte(bad), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if facts, ok := node().staged("pv-bad"); ok {
+			t.Errorf("%q read as %+v", bad, facts)
+		}
+	}
+	os.Remove(filepath.Join(state, expectedDir, "pv-bad"))
+	os.Remove(filepath.Join(state, expectedDir, "pv-old"))
 	f.att.mu.Lock()
 	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{want - 1}}
 	f.att.mu.Unlock()
