@@ -19,8 +19,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
 )
 
 // fioImage is an image with fio, for the pods that verify data under
@@ -127,6 +130,9 @@ func (s *suite) restartScenario() {
 		s.kubectl("delete", "pod", "-n", namespace, old, "--wait=true", "--timeout=2m")
 		s.followStorageAgent(old)
 	})
+	s.step("restart: the storage agent away mid-fio: its node not Ready, the volume not Reachable, one Event; then back", func() {
+		s.storageAgentAway(id)
+	})
 	s.step("restart: fio finishes, every block verified", func() {
 		rounds := s.waitFio("restart-fio", 6*time.Minute)
 		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion, a datapath rollout restart (handover) and a storage agent pod deletion: %s verified rounds, 0 errors", rounds)
@@ -156,6 +162,66 @@ func (s *suite) waitHealthy(id string) {
 		}
 		if len(h.GetHealthStatuses()) != 0 {
 			return fmt.Sprintf("volume health %v", h.GetHealthStatuses())
+		}
+		return ""
+	})
+}
+
+// storageAgentAway takes the storage agent off its node (a node selector
+// that matches none) for longer than its lease, as a dead storage host
+// would be to the controller, and brings it back: meanwhile the
+// NBDStorageNode is not Ready (AgentNotReporting), volume id (served from
+// it) not Reachable, and there is one StorageNodeNotReady Event on the
+// storage node; then Ready again, with a StorageNodeReady Event.
+func (s *suite) storageAgentAway(id string) {
+	t := s.t
+	// Events of the storage node: how many times each reason was
+	// recorded (the counts of its Event objects: repeats are counted on
+	// one object).
+	events := func(reason string) int {
+		n := 0
+		for _, c := range strings.Fields(s.jsonpath("{.items[*].count}", "get", "events", "-A",
+			"--field-selector", "involvedObject.kind=NBDStorageNode,involvedObject.name="+s.c.NodeName+",reason="+reason)) {
+			k, _ := strconv.Atoi(c)
+			n += k
+		}
+		return n
+	}
+	notReadyBefore, readyBefore := events("StorageNodeNotReady"), events("StorageNodeReady")
+	old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
+		"-p", `[{"op":"add","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away","value":"true"}]`)
+	ready := func() string {
+		return s.jsonpath(`{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}`, "get", "nbdnode", s.c.NodeName)
+	}
+	s.waitFor("the storage node not Ready", 90*time.Second, func() string {
+		if r := ready(); r != "False/"+v1alpha1.ReasonAgentNotReporting {
+			return "Ready " + r
+		}
+		return ""
+	})
+	s.waitFor("the volume not Reachable", 30*time.Second, func() string {
+		if r := s.jsonpath(`{.status.conditions[?(@.type=="Reachable")].status}`, "get", "nbdvol", id); r != "False" {
+			return "Reachable " + r
+		}
+		return ""
+	})
+	t.Logf("kubectl get nbdnode, nbdvol while the agent is away:\n%s\n%s", s.kubectl("get", "nbdnode", "-o", "wide"), s.kubectl("get", "nbdvol", id, "-o", "wide"))
+	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
+		"-p", `[{"op":"remove","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away"}]`)
+	s.followStorageAgent(old)
+	s.waitFor("the storage node Ready again, the volume Reachable", 2*time.Minute, func() string {
+		if r := ready(); r != "True/"+v1alpha1.ReasonAgentReporting {
+			return "Ready " + r
+		}
+		if r := s.jsonpath(`{.status.conditions[?(@.type=="Reachable")].status}`, "get", "nbdvol", id); r != "True" {
+			return "Reachable " + r
+		}
+		return ""
+	})
+	s.waitFor("one StorageNodeNotReady and one StorageNodeReady Event on the storage node", 30*time.Second, func() string {
+		if n, r := events("StorageNodeNotReady")-notReadyBefore, events("StorageNodeReady")-readyBefore; n != 1 || r != 1 {
+			return fmt.Sprintf("%d StorageNodeNotReady and %d StorageNodeReady Events while the agent was away", n, r)
 		}
 		return ""
 	})
