@@ -227,6 +227,11 @@ func volumeHealth(vol *v1alpha1.NBDVolume, pubs []Publication) string {
 	return worst
 }
 
+// abnormalWhenTrue are the NBDVolume condition types that say something
+// is wrong when True: the controller's Degraded and the storage agent's
+// DeletionBlocked. Every other condition says so when False.
+var abnormalWhenTrue = map[string]bool{v1alpha1.ConditionDegraded: true, "DeletionBlocked": true}
+
 // lastFault is the most telling fault of a volume: a data path down or
 // degraded now; else the latest of a failed condition (or status code)
 // and a Warning Event on its claim; else past reconnects. nil: none seen.
@@ -240,10 +245,14 @@ func lastFault(vol *v1alpha1.NBDVolume, pubs []Publication, events []corev1.Even
 	}
 	var past []*Fault
 	for _, c := range vol.Status.Conditions {
-		if c.Status == metav1.ConditionFalse {
+		bad := metav1.ConditionFalse
+		if abnormalWhenTrue[c.Type] {
+			bad = metav1.ConditionTrue
+		}
+		if c.Status == bad {
 			t := c.LastTransitionTime.Time
 			past = append(past, &Fault{Source: FaultCondition, Time: &t,
-				Message: fmt.Sprintf("%s=False %s: %s", c.Type, c.Reason, c.Message)})
+				Message: fmt.Sprintf("%s=%s %s: %s", c.Type, c.Status, c.Reason, c.Message)})
 		}
 	}
 	if len(past) == 0 && vol.Status.Code != "" {

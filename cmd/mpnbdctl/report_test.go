@@ -535,3 +535,37 @@ func TestAPIFailures(t *testing.T) {
 		})
 	}
 }
+
+// TestLastFaultConditionPolarity: the controller's conditions of a
+// healthy volume (Reachable and ReplicasInSync True, Degraded False) are
+// no fault; Degraded True, DeletionBlocked True and Reachable False are,
+// named with their status.
+func TestLastFaultConditionPolarity(t *testing.T) {
+	at := metav1.NewTime(testTime)
+	vol := newVolume("pvc-c", v1alpha1.VolumeAvailable)
+	vol.Status.Conditions = []metav1.Condition{
+		{Type: v1alpha1.ConditionReachable, Status: metav1.ConditionTrue, Reason: v1alpha1.ReasonStorageNodeReady, LastTransitionTime: at},
+		{Type: v1alpha1.ConditionReplicasInSync, Status: metav1.ConditionTrue, Reason: v1alpha1.ReasonAllInSync, LastTransitionTime: at},
+		{Type: v1alpha1.ConditionDegraded, Status: metav1.ConditionFalse, Reason: v1alpha1.ReasonPathsUp, LastTransitionTime: at},
+	}
+	if f := lastFault(vol, nil, nil); f != nil {
+		t.Errorf("a healthy volume's conditions: fault %+v", f)
+	}
+	for i, c := range []struct {
+		typ    string
+		status metav1.ConditionStatus
+		want   string
+	}{
+		{v1alpha1.ConditionDegraded, metav1.ConditionTrue, "Degraded=True PathsDown"},
+		{"DeletionBlocked", metav1.ConditionTrue, "DeletionBlocked=True PathsDown"},
+		{v1alpha1.ConditionReachable, metav1.ConditionFalse, "Reachable=False PathsDown"},
+	} {
+		v := vol.DeepCopy()
+		v.Status.Conditions = append(v.Status.Conditions[:0:0], metav1.Condition{Type: c.typ, Status: c.status, Reason: v1alpha1.ReasonPathsDown,
+			Message: "m", LastTransitionTime: metav1.NewTime(testTime.Add(time.Duration(i+1) * time.Minute))})
+		f := lastFault(v, nil, nil)
+		if f == nil || f.Source != FaultCondition || !strings.HasPrefix(f.Message, c.want) {
+			t.Errorf("%s=%s: fault %+v, want one saying %q", c.typ, c.status, f, c.want)
+		}
+	}
+}
