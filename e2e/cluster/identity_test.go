@@ -106,13 +106,7 @@ func (s *suite) issued(signer, cn string) string {
 // and a client without one is refused.
 func (s *suite) encryptedScenario() {
 	t := s.t
-	s.apply(`apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mpnbd-encrypted}
-provisioner: nbd.mptcp.mpnbd.io
-parameters: {encryption: required, transport: fuse}
-volumeBindingMode: WaitForFirstConsumer
-`)
+	s.apply(fuseClass("mpnbd-encrypted", "required", "WaitForFirstConsumer", ""))
 	s.apply(pvc("enc", "mpnbd-encrypted", "256Mi", false))
 	var sum string
 	s.step("encrypted: write from a pod, read back from a new pod", func() {
@@ -242,13 +236,7 @@ func (s *suite) noSecretsExposed() { s.searchSecrets(0) }
 func (s *suite) tokenScenario() {
 	// A class of its own that names none: the chart's classes name no
 	// encryption, and the controller's default (required) applies to them.
-	s.apply(`apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mpnbd-plain}
-provisioner: nbd.mptcp.mpnbd.io
-parameters: {encryption: none, transport: fuse, csi.storage.k8s.io/fstype: ext4}
-volumeBindingMode: WaitForFirstConsumer
-`)
+	s.apply(fuseClass("mpnbd-plain", "none", "WaitForFirstConsumer", "csi.storage.k8s.io/fstype: ext4"))
 	s.apply(pvc("tok", "mpnbd-plain", "64Mi", false))
 	var pv string
 	s.step("tokens: none in any log, Event, VolumeAttachment or metrics while a volume is published with one", func() {

@@ -109,13 +109,7 @@ func (s *suite) scaleScenario() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.apply(`apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mpnbd-scale}
-provisioner: nbd.mptcp.mpnbd.io
-parameters: {encryption: required, transport: fuse, csi.storage.k8s.io/fstype: ext4}
-volumeBindingMode: Immediate
-`)
+	s.apply(fuseClass("mpnbd-scale", "required", "Immediate", "csi.storage.k8s.io/fstype: ext4"))
 	var steps []scaleStep
 	for _, n := range counts {
 		steps = append(steps, s.scaleStep(n))

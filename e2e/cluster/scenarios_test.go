@@ -67,6 +67,22 @@ spec:
 `, name, extra, driverImage, script, uses, volumes)
 }
 
+// fuseClass is a StorageClass of the fuse transport with the encryption
+// and volume binding mode given, and the parameters extra
+// ("key: value, ..." or "").
+func fuseClass(name, encryption, binding, extra string) string {
+	if extra != "" {
+		extra = ", " + extra
+	}
+	return fmt.Sprintf(`apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: %s}
+provisioner: nbd.mptcp.mpnbd.io
+parameters: {encryption: %s, transport: fuse%s}
+volumeBindingMode: %s
+`, name, encryption, extra, binding)
+}
+
 func pvc(name, class, size string, block bool) string {
 	mode := "Filesystem"
 	if block {
