@@ -27,7 +27,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 )
 
 // TestStorageNodeConditions runs Failover.Check against a real API server
@@ -39,12 +38,9 @@ import (
 // changes); when it is back, Ready again and one Event saying so. An agent
 // that holds its lease and stops reporting is HeartbeatStale.
 func TestStorageNodeConditions(t *testing.T) {
-	_, c := apiserver.Start(t)
-	ctx := context.Background()
 	const ns = "mpnbd-conditions"
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
-		t.Fatal(err)
-	}
+	c := leaseTestEnv(t, ns)
+	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
 	for _, n := range []string{"s1", "s2", "s3"} {
@@ -131,14 +127,20 @@ func TestStorageNodeConditions(t *testing.T) {
 	}
 
 	// s1's lease stops; s2 and s3 renew. 7 s on (lease 6 s), s1 is gone.
-	for range 2 {
-		now = now.Add(3500 * time.Millisecond)
-		renew("s2")
-		renew("s3")
-		if _, err := f.Check(ctx, false); err != nil {
-			t.Fatal(err)
+	// checks moves the clock by step n times, s2 and s3 renewing, and
+	// checks after each.
+	checks := func(n int, step time.Duration, always bool) {
+		t.Helper()
+		for range n {
+			now = now.Add(step)
+			renew("s2")
+			renew("s3")
+			if _, err := f.Check(ctx, always); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
+	checks(2, 3500*time.Millisecond, false)
 	cond("s1", node("s1").Status.Conditions, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonAgentNotReporting, "lease")
 	cond("s2", node("s2").Status.Conditions, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAgentReporting)
 	for _, v := range []string{"u0", "u4", "ua"} {
@@ -155,14 +157,7 @@ func TestStorageNodeConditions(t *testing.T) {
 		return v.ResourceVersion
 	}
 	urv := vrv()
-	for range 4 {
-		now = now.Add(3 * time.Second)
-		renew("s2")
-		renew("s3")
-		if _, err := f.Check(ctx, true); err != nil {
-			t.Fatal(err)
-		}
-	}
+	checks(4, 3*time.Second, true)
 	if got := node("s1").ResourceVersion; got != rv {
 		t.Errorf("s1 written while its state stayed (resourceVersion %s, then %s)", rv, got)
 	}

@@ -44,12 +44,9 @@ import (
 // one whose primary never had a lease, not an unreplicated one. A
 // promotion recorded and not moved is finished.
 func TestFailoverCheck(t *testing.T) {
-	_, c := apiserver.Start(t)
-	ctx := context.Background()
 	const ns = "mpnbd-failover"
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
-		t.Fatal(err)
-	}
+	c := leaseTestEnv(t, ns)
+	ctx := context.Background()
 	now := time.Now()
 	clock := func() time.Time { return now }
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
@@ -182,12 +179,9 @@ func waitEvents(t *testing.T, c client.Client, cond func([]corev1.Event) string)
 // whose NBDStorageNode was deleted is lost at once; with no node to take
 // it, the replica stays.
 func TestFailoverReplacesLost(t *testing.T) {
-	_, c := apiserver.Start(t)
-	ctx := context.Background()
 	const ns = "mpnbd-replace"
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
-		t.Fatal(err)
-	}
+	c := leaseTestEnv(t, ns)
+	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
 	storageNode := func(name, zone string, avail int64) {
@@ -330,6 +324,17 @@ func TestFailoverReplacesLost(t *testing.T) {
 
 // renewLease renews (or makes) storage node's lease in ns at now, for 6s,
 // as its agent does.
+// leaseTestEnv starts a real API server with the namespace ns, in which
+// the tests' storage agents hold their leases.
+func leaseTestEnv(t *testing.T, ns string) client.Client {
+	t.Helper()
+	_, c := apiserver.Start(t)
+	if err := c.Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 	t.Helper()
 	ctx := context.Background()
@@ -356,12 +361,9 @@ func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 // replica and a replica on it leaves the volume; an unreplicated volume
 // stays. A cordoned node takes no new volume.
 func TestFailoverDrain(t *testing.T) {
-	_, c := apiserver.Start(t)
-	ctx := context.Background()
 	const ns = "mpnbd-drain"
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
-		t.Fatal(err)
-	}
+	c := leaseTestEnv(t, ns)
+	ctx := context.Background()
 	now := time.Now()
 	const gi = int64(1) << 30
 	storageNode := func(name, zone string, avail int64, spec v1alpha1.NBDStorageNodeSpec) {
