@@ -86,10 +86,10 @@ func (f *Failover) markNodes(ctx context.Context, nodes map[string]*v1alpha1.NBD
 		switch {
 		case want.Status != metav1.ConditionTrue:
 			f.cfg.Logger.Warn("storage node not ready", "storage_node", name, "reason", want.Reason)
-			f.recorder().Event(n, corev1.EventTypeWarning, "StorageNodeNotReady", want.Message)
+			f.cfg.Events.Event(n, corev1.EventTypeWarning, "StorageNodeNotReady", want.Message)
 		case was != nil:
 			f.cfg.Logger.Info("storage node ready again", "storage_node", name, "was", was.Reason)
-			f.recorder().Event(n, corev1.EventTypeNormal, "StorageNodeReady", "the storage agent reports again (it was "+was.Reason+")")
+			f.cfg.Events.Event(n, corev1.EventTypeNormal, "StorageNodeReady", "the storage agent reports again (it was "+was.Reason+")")
 		}
 	}
 	return ready

@@ -134,8 +134,6 @@ func NewFailover(cfg FailoverConfig) *Failover {
 	return &Failover{cfg: cfg, seen: map[string]leaseSeen{}, told: map[string]time.Time{}}
 }
 
-func (f *Failover) recorder() record.EventRecorder { return f.cfg.Events }
-
 // Run checks every Interval until ctx ends.
 func (f *Failover) Run(ctx context.Context) {
 	t := time.NewTicker(f.cfg.Interval)

@@ -169,7 +169,7 @@ func (c *Controller) withDefaults(in map[string]string) (map[string]string, erro
 		return in, nil
 	}
 	if def == v1alpha1.EncryptionRequired {
-		if t, err := attach.ParseTransport(in[ParamTransport]); err == nil && in[ParamTransport] != "" && t != attach.Auto && !attach.CanEncrypt(t) {
+		if t, err := attach.ParseTransport(in[ParamTransport]); err == nil && t != attach.Auto && !attach.CanEncrypt(t) {
 			return nil, fmt.Errorf("%w: StorageClass parameter %s=%s: the class names no %s, so the controller's default (%s: --default-encryption, the chart's defaultEncryption) applies, and %s; set %s preferred or none in the class, or another transport",
 				ErrInvalidArgument, ParamTransport, in[ParamTransport], ParamEncryption, def, attach.NoEncryption(t), ParamEncryption)
 		}
