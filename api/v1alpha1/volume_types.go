@@ -377,11 +377,16 @@ const (
 	ReasonHeartbeatStale    = "HeartbeatStale"
 	ReasonStorageNodeReady  = "StorageNodeReady"
 	ReasonStorageNodeDown   = "StorageNodeNotReady"
-	ReasonAllInSync         = "AllInSync"
-	ReasonReplicasOut       = "ReplicasOut"
-	ReasonPathsUp           = "AllPathsUp"
-	ReasonPathsDown         = "PathsDown"
-	ReasonDisconnected      = "Disconnected"
+	// ReasonStorageNodeDeleted: the storage node serving the volume has
+	// no NBDStorageNode and its agent's lease is gone; it is taken as
+	// lost for good (docs/operations.md "Runbook: a storage node gone
+	// for good").
+	ReasonStorageNodeDeleted = "StorageNodeDeleted"
+	ReasonAllInSync          = "AllInSync"
+	ReasonReplicasOut        = "ReplicasOut"
+	ReasonPathsUp            = "AllPathsUp"
+	ReasonPathsDown          = "PathsDown"
+	ReasonDisconnected       = "Disconnected"
 )
 
 // NBDStorageNode is one storage agent's report, named after its node.

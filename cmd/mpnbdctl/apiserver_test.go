@@ -23,6 +23,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -307,5 +309,74 @@ func TestMaintenanceAgainstAPIServer(t *testing.T) {
 	}
 	if code, out := cmd("drain", "s2", "--wait", "2s"); code != 1 || !strings.Contains(out, "still holds") {
 		t.Errorf("drain of a node whose volumes do not move: exit %d, want 1 when the wait ends:\n%s", code, out)
+	}
+}
+
+// TestForgetAgainstAPIServer: forget refuses a storage node whose agent
+// reports (or whose state the controller has not said), leaving it be,
+// and deletes one whose agent is not reporting, saying what happens to
+// each volume it held.
+func TestForgetAgainstAPIServer(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	kc := apiserver.WriteKubeconfig(t, cfg)
+	cmd := func(args ...string) (int, string) {
+		var out, errb bytes.Buffer
+		code := run(ctx, append([]string{"--kubeconfig", kc}, args...), &out, &errb)
+		return code, out.String() + errb.String()
+	}
+	node := func(name string, ready metav1.ConditionStatus, reason string) {
+		t.Helper()
+		sn := &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if err := c.Create(ctx, sn); err != nil {
+			t.Fatal(err)
+		}
+		if reason == "" {
+			return
+		}
+		sn.Status.Heartbeat = metav1.Now()
+		meta.SetStatusCondition(&sn.Status.Conditions, metav1.Condition{Type: v1alpha1.ConditionReady, Status: ready, Reason: reason, Message: "set by the test"})
+		if err := c.Status().Update(ctx, sn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	node("alive", metav1.ConditionTrue, v1alpha1.ReasonAgentReporting)
+	node("stale", metav1.ConditionFalse, v1alpha1.ReasonHeartbeatStale)
+	node("new", "", "")
+	node("dead", metav1.ConditionFalse, v1alpha1.ReasonAgentNotReporting)
+	vu := newVolume("vu", v1alpha1.VolumeAvailable)
+	vu.Spec.StorageNode = "dead"
+	vr := newVolume("vr", v1alpha1.VolumeAvailable)
+	vr.Spec.StorageNode, vr.Spec.ReplicaNodes, vr.Spec.Replicas = "alive", []string{"dead"}, 2
+	for _, v := range []*v1alpha1.NBDVolume{vu, vr} {
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exists := func(name string) bool {
+		t.Helper()
+		err := c.Get(ctx, client.ObjectKey{Name: name}, &v1alpha1.NBDStorageNode{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	for _, n := range []string{"alive", "stale", "new"} {
+		if code, out := cmd("forget", n); code != 1 || !strings.Contains(out, "its storage agent reports") || !exists(n) {
+			t.Errorf("forget %s: exit %d, exists %v, want 1 and kept:\n%s", n, code, exists(n), out)
+		}
+	}
+	code, out := cmd("forget", "dead")
+	if code != 0 || exists("dead") {
+		t.Fatalf("forget dead: exit %d, exists %v:\n%s", code, exists("dead"), out)
+	}
+	for _, want := range []string{"storage node dead forgotten", "vr (replica): its replica is replaced", "vu (unreplicated): its only copy is lost"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("forget dead does not say %q:\n%s", want, out)
+		}
+	}
+	if code, out := cmd("forget", "dead"); code != 1 || !strings.Contains(out, "not found") {
+		t.Errorf("forget of a forgotten node: exit %d:\n%s", code, out)
 	}
 }

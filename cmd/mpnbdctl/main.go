@@ -49,9 +49,16 @@
 // "Storage-node maintenance"). drain then prints what the node still holds
 // as it changes, until it holds nothing or --wait ends (0: do not wait).
 //
+// forget is the last step for a storage node gone for good: it deletes
+// the node's NBDStorageNode, only while the controller says its agent is
+// not reporting (Ready False, AgentNotReporting), and says what happens to
+// each volume it held: replicas are replaced, primaries have failed over,
+// unreplicated volumes are lost (their publications are released, and
+// deleting their claims completes, the data written off).
+//
 // Exit codes: 0 shown or done, 1 failed (no API server, no such volume or
 // storage node, volumes exist for uninstall-check, volumes left on a
-// drained node), 2 usage.
+// drained node, a node to forget whose agent reports), 2 usage.
 package main
 
 import (
@@ -96,6 +103,7 @@ const (
 	cmdCordon         = "cordon"
 	cmdUncordon       = "uncordon"
 	cmdDrain          = "drain"
+	cmdForget         = "forget"
 )
 
 // Output formats.
@@ -118,7 +126,7 @@ type options struct {
 
 	command string
 	volume  string // NAME of cmdVolume
-	node    string // NODE of cordon, uncordon, drain
+	node    string // NODE of cordon, uncordon, drain, forget
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -196,13 +204,13 @@ func parseArgs(args []string) (*options, error) {
 			return nil, errors.New("volume: want one NAME (a volume ID, or NAMESPACE/CLAIM)")
 		}
 		o.volume = words[0]
-	case cmdCordon, cmdUncordon, cmdDrain:
+	case cmdCordon, cmdUncordon, cmdDrain, cmdForget:
 		if len(words) != 1 {
 			return nil, fmt.Errorf("%s: want one NODE (a storage node's name)", o.command)
 		}
 		o.node = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE or drain NODE)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE, drain NODE or forget NODE)", o.command)
 	}
 	switch {
 	case o.output != outputTable && o.output != outputJSON:
@@ -232,6 +240,9 @@ func usage() string {
                                   it (a copy made in sync elsewhere first, a primary
                                   handed to an in-sync copy); waits up to --wait for
                                   NODE to hold nothing.
+  mpnbdctl [flags] forget NODE    NODE is gone for good: deletes its NBDStorageNode (only
+                                  while its agent is not reporting) and says what that
+                                  does to each volume it held (docs/operations.md)
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name
@@ -288,6 +299,8 @@ func runCommand(ctx context.Context, o *options, c client.Client, stdout io.Writ
 		return nil
 	case cmdDrain:
 		return drain(ctx, c, o.node, o.wait, 2*time.Second, stdout)
+	case cmdForget:
+		return forget(ctx, c, o.node, stdout)
 	}
 	return show(ctx, o, c, &http.Client{}, stdout)
 }

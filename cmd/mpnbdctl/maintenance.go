@@ -24,6 +24,7 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -140,4 +141,57 @@ func drain(ctx context.Context, api client.Client, node string, wait, poll time.
 		case <-time.After(poll):
 		}
 	}
+}
+
+// errAgentReports: forget refused, the node's agent still reports.
+var errAgentReports = errors.New("its storage agent reports")
+
+// forget deletes storage node node's NBDStorageNode once the controller
+// says its agent is gone (Ready False, AgentNotReporting: the lease not
+// renewed), conditional on the object read; the controller then takes the
+// node as lost for good (docs/operations.md). It prints what that does to
+// each volume the node held.
+func forget(ctx context.Context, api client.Client, node string, w io.Writer) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	var sn v1alpha1.NBDStorageNode
+	if err := api.Get(ctx, client.ObjectKey{Name: node}, &sn); err != nil {
+		return fmt.Errorf("storage node %s: %w", node, err)
+	}
+	ready := meta.FindStatusCondition(sn.Status.Conditions, v1alpha1.ConditionReady)
+	if ready == nil || ready.Status != metav1.ConditionFalse || ready.Reason != v1alpha1.ReasonAgentNotReporting {
+		state := "no Ready condition yet"
+		if ready != nil {
+			state = fmt.Sprintf("Ready %s (%s)", ready.Status, ready.Reason)
+		}
+		return fmt.Errorf("storage node %s: %w (%s): forget is for a node gone for good, whose agent's lease the controller sees expire; stop its agent first, or drain it (mpnbdctl drain %s)",
+			node, errAgentReports, state, node)
+	}
+	var vols v1alpha1.NBDVolumeList
+	if err := api.List(ctx, &vols); err != nil {
+		return fmt.Errorf("listing NBDVolumes: %w", err)
+	}
+	held := heldBy(vols.Items, node)
+	rv := sn.ResourceVersion
+	if err := api.Delete(ctx, &sn, client.Preconditions{UID: &sn.UID, ResourceVersion: &rv}); err != nil {
+		return fmt.Errorf("deleting storage node %s: %w", node, err)
+	}
+	fmt.Fprintf(w, "storage node %s forgotten (not reporting since %s): the controller takes it as lost for good\n", node, ready.LastTransitionTime.UTC().Format(time.RFC3339))
+	for _, h := range held {
+		var what string
+		switch h.role {
+		case "unreplicated":
+			what = "its only copy is lost with the node: its publications are released and deleting its claim writes its data off; a node that has it attached keeps waiting on it"
+		case "primary":
+			what = "a replica in sync takes over as primary (if none is alive, the volume waits); the lost copy is replaced"
+		case "replica":
+			what = "its replica is replaced on another storage node, copied whole from the primary"
+		}
+		fmt.Fprintf(w, "  %s (%s): %s\n", h.name, h.role, what)
+	}
+	if len(held) == 0 {
+		fmt.Fprintf(w, "  it held no volume\n")
+	}
+	fmt.Fprintf(w, "if its agent ever runs again it makes the NBDStorageNode anew and reports the files it still holds as orphans\n")
+	return nil
 }

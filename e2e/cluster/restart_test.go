@@ -16,6 +16,7 @@ package cluster
 
 import (
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -188,18 +189,7 @@ func (s *suite) storageAgentAway(id string) {
 		return n
 	}
 	notReadyBefore, readyBefore := events("StorageNodeNotReady"), events("StorageNodeReady")
-	old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
-	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
-		"-p", `[{"op":"add","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away","value":"true"}]`)
-	ready := func() string {
-		return s.jsonpath(`{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}`, "get", "nbdnode", s.c.NodeName)
-	}
-	s.waitFor("the storage node not Ready", 90*time.Second, func() string {
-		if r := ready(); r != "False/"+v1alpha1.ReasonAgentNotReporting {
-			return "Ready " + r
-		}
-		return ""
-	})
+	old := s.agentAway()
 	s.waitFor("the volume not Reachable", 30*time.Second, func() string {
 		if r := s.jsonpath(`{.status.conditions[?(@.type=="Reachable")].status}`, "get", "nbdvol", id); r != "False" {
 			return "Reachable " + r
@@ -207,13 +197,8 @@ func (s *suite) storageAgentAway(id string) {
 		return ""
 	})
 	t.Logf("kubectl get nbdnode, nbdvol while the agent is away:\n%s\n%s", s.kubectl("get", "nbdnode", "-o", "wide"), s.kubectl("get", "nbdvol", id, "-o", "wide"))
-	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
-		"-p", `[{"op":"remove","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away"}]`)
-	s.followStorageAgent(old)
-	s.waitFor("the storage node Ready again, the volume Reachable", 2*time.Minute, func() string {
-		if r := ready(); r != "True/"+v1alpha1.ReasonAgentReporting {
-			return "Ready " + r
-		}
+	s.agentBack(old)
+	s.waitFor("the volume Reachable again", time.Minute, func() string {
 		if r := s.jsonpath(`{.status.conditions[?(@.type=="Reachable")].status}`, "get", "nbdvol", id); r != "True" {
 			return "Reachable " + r
 		}
@@ -224,5 +209,114 @@ func (s *suite) storageAgentAway(id string) {
 			return fmt.Sprintf("%d StorageNodeNotReady and %d StorageNodeReady Events while the agent was away", n, r)
 		}
 		return ""
+	})
+}
+
+// storageReady is the storage node's Ready condition, "status/reason".
+func (s *suite) storageReady() string {
+	return s.jsonpath(`{.status.conditions[?(@.type=="Ready")].status}/{.status.conditions[?(@.type=="Ready")].reason}`, "get", "nbdnode", s.c.NodeName)
+}
+
+// agentAway takes the storage agent off its node (a node selector that
+// matches none) and waits until the controller says its agent is not
+// reporting (its lease expired). It returns the pod that went.
+func (s *suite) agentAway() string {
+	old := s.jsonpath("{.items[0].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
+		"-p", `[{"op":"add","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away","value":"true"}]`)
+	s.waitFor("the storage node not Ready", 90*time.Second, func() string {
+		if r := s.storageReady(); r != "False/"+v1alpha1.ReasonAgentNotReporting {
+			return "Ready " + r
+		}
+		return ""
+	})
+	return old
+}
+
+// agentBack undoes agentAway and waits until the storage node is Ready.
+func (s *suite) agentBack(old string) {
+	s.kubectl("patch", "daemonset/mpnbd-storage-agent", "-n", namespace, "--type=json",
+		"-p", `[{"op":"remove","path":"/spec/template/spec/nodeSelector/mpnbd.io~1away"}]`)
+	s.followStorageAgent(old)
+	s.waitFor("the storage node Ready again", 2*time.Minute, func() string {
+		if r := s.storageReady(); r != "True/"+v1alpha1.ReasonAgentReporting {
+			return "Ready " + r
+		}
+		return ""
+	})
+}
+
+// lostForGoodScenario follows the runbook for a storage node gone for
+// good (docs/operations.md): a claim is written and left detached; the
+// storage agent is taken away until the controller says it is not
+// reporting; mpnbdctl forget deletes its NBDStorageNode; deleting the
+// claim then completes without the agent (the PV and the NBDVolume go, a
+// BackingStoreWrittenOff Event on it). The agent brought back makes its
+// NBDStorageNode anew and reports the claim's backing file as an orphan,
+// which the operator deletes.
+func (s *suite) lostForGoodScenario(dataDir string) {
+	t := s.t
+	var id, old string
+	s.step("lost for good: a claim written and detached", func() {
+		s.apply(pvc("lost", "mpnbd-block", "64Mi", true))
+		s.runPod("lost-writer", pod("lost-writer", "lost", `head -c 1M /dev/urandom > /dev/xvda && sync && echo written=1`, true))
+		id = s.jsonpath("{.spec.volumeName}", "get", "pvc", "lost")
+		s.waitFor("the claim detached", 2*time.Minute, func() string {
+			if va := s.jsonpath(`{.items[?(@.spec.source.persistentVolumeName=="`+id+`")].metadata.name}`, "get", "volumeattachment"); va != "" {
+				return "VolumeAttachment " + va
+			}
+			return ""
+		})
+	})
+	s.step("lost for good: mpnbdctl forget refuses while the agent reports", func() {
+		if out, err := s.mpnbdctl("forget", s.c.NodeName); err == nil || !strings.Contains(out, "its storage agent reports") {
+			t.Fatalf("mpnbdctl forget of a reporting node: %v\n%s", err, out)
+		}
+	})
+	s.step("lost for good: the agent away, mpnbdctl forget, the claim deleted without it", func() {
+		old = s.agentAway()
+		out, err := s.mpnbdctl("forget", s.c.NodeName)
+		if err != nil || !strings.Contains(out, "forgotten") || !strings.Contains(out, id+" (unreplicated)") {
+			t.Fatalf("mpnbdctl forget: %v\n%s", err, out)
+		}
+		t.Logf("mpnbdctl forget %s:\n%s", s.c.NodeName, out)
+		s.waitFor("the volume not Reachable, its storage node deleted", time.Minute, func() string {
+			if r := s.jsonpath(`{.status.conditions[?(@.type=="Reachable")].reason}`, "get", "nbdvol", id); r != v1alpha1.ReasonStorageNodeDeleted {
+				return "Reachable reason " + r
+			}
+			return ""
+		})
+		s.kubectl("delete", "pvc", "lost", "--wait=true", "--timeout=120s")
+		s.waitFor("the PV and the NBDVolume gone", 3*time.Minute, func() string {
+			if pv := s.jsonpath(`{.items[?(@.metadata.name=="`+id+`")].metadata.name}`, "get", "pv"); pv != "" {
+				return "PV left: " + pv
+			}
+			if v := s.jsonpath(`{.items[?(@.metadata.name=="`+id+`")].metadata.name}`, "get", "nbdvol"); v != "" {
+				return "NBDVolume left: " + v
+			}
+			return ""
+		})
+		if ev := s.jsonpath("{.items[*].reason}", "get", "events", "-A", "--field-selector",
+			"involvedObject.kind=NBDVolume,involvedObject.name="+id+",reason=BackingStoreWrittenOff"); ev == "" {
+			t.Errorf("no BackingStoreWrittenOff Event on %s", id)
+		}
+	})
+	s.step("lost for good: the agent back reports the claim's file as an orphan, deleted by hand", func() {
+		s.agentBack(old)
+		s.waitFor("the orphan reported", 2*time.Minute, func() string {
+			if o := s.jsonpath("{.status.orphans}", "get", "nbdnode", s.c.NodeName); !strings.Contains(o, id) {
+				return "orphans " + o
+			}
+			return ""
+		})
+		if err := os.Remove(filepath.Join(dataDir, id+".img")); err != nil {
+			t.Fatal(err)
+		}
+		s.waitFor("no orphan left", 2*time.Minute, func() string {
+			if o := s.jsonpath("{.status.orphans}", "get", "nbdnode", s.c.NodeName); o != "" {
+				return "orphans " + o
+			}
+			return ""
+		})
 	})
 }

@@ -462,6 +462,7 @@ storageAgent:
 	s.measureResources("after the upgrade, the filesystem, expansion, snapshot and block scenarios")
 	s.scaleScenario()
 	s.restartScenario()
+	s.lostForGoodScenario(dataDir)
 	s.uninstallRefusedScenario()
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
 	s.uninstallScenario()

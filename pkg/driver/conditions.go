@@ -96,8 +96,9 @@ func (f *Failover) markNodes(ctx context.Context, nodes map[string]*v1alpha1.NBD
 }
 
 // volumeConditions are the conditions the controller keeps on v, given
-// the storage nodes ready (one not named, with no NBDStorageNode, is not).
-func volumeConditions(v *v1alpha1.NBDVolume, ready map[string]bool) []metav1.Condition {
+// the storage nodes ready (one not named, with no NBDStorageNode, is not)
+// and those released (lost for good: Failover.Check).
+func volumeConditions(v *v1alpha1.NBDVolume, ready map[string]bool, released func(string) bool) []metav1.Condition {
 	primary := v.Spec.StorageNode
 	if r := v.Status.Replication; r != nil && r.Primary != "" {
 		primary = r.Primary
@@ -111,6 +112,11 @@ func volumeConditions(v *v1alpha1.NBDVolume, ready map[string]bool) []metav1.Con
 			reach.Message += ": I/O waits until it is back"
 		} else {
 			reach.Message += ": the volume fails over to a replica in sync"
+		}
+		if released(primary) {
+			reach.Reason = v1alpha1.ReasonStorageNodeDeleted
+			reach.Message = "the storage node " + primary + " serving the volume has no NBDStorageNode and its agent's lease is gone: it is taken as lost for good; " +
+				"its publications are released without it, and deleting the volume writes its data there off"
 		}
 	}
 	out := []metav1.Condition{reach}
@@ -170,8 +176,8 @@ func fewerSubflows(s string) bool {
 
 // markVolume sets v's controller conditions where they changed.
 // Conditional on v as listed: a conflict waits for the next check.
-func (f *Failover) markVolume(ctx context.Context, v *v1alpha1.NBDVolume, ready map[string]bool) error {
-	want := volumeConditions(v, ready)
+func (f *Failover) markVolume(ctx context.Context, v *v1alpha1.NBDVolume, ready map[string]bool, released func(string) bool) error {
+	want := volumeConditions(v, ready, released)
 	changed := false
 	for _, c := range want {
 		was := meta.FindStatusCondition(v.Status.Conditions, c.Type)
@@ -192,4 +198,13 @@ func (f *Failover) markVolume(ctx context.Context, v *v1alpha1.NBDVolume, ready 
 		return fmt.Errorf("volume %s: setting its conditions: %w", v.Name, err)
 	}
 	return nil
+}
+
+// storageNodeReleased reports whether v's Reachable condition says its
+// storage node is lost for good (v1alpha1.ReasonStorageNodeDeleted): no
+// agent will close its nodes' connections, and none needs to (an agent
+// that comes back serves the publications of the spec it reads then).
+func storageNodeReleased(v *v1alpha1.NBDVolume) bool {
+	c := meta.FindStatusCondition(v.Status.Conditions, v1alpha1.ConditionReachable)
+	return c != nil && c.Status == metav1.ConditionFalse && c.Reason == v1alpha1.ReasonStorageNodeDeleted
 }

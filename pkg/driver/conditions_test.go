@@ -17,10 +17,14 @@ package driver
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -218,4 +222,145 @@ func TestStorageNodeConditions(t *testing.T) {
 	}
 	cond("s3", node("s3").Status.Conditions, v1alpha1.ConditionReady, metav1.ConditionFalse, v1alpha1.ReasonHeartbeatStale, "1m0s")
 	cond("s1", node("s1").Status.Conditions, v1alpha1.ConditionReady, metav1.ConditionTrue, v1alpha1.ReasonAgentReporting)
+}
+
+// TestStorageNodeLostForGood: a storage node whose agent's lease is gone
+// holds its volumes' publications and deletions (hard mount: it may come
+// back) until its NBDStorageNode is deleted too; then the controller
+// releases them without it: ControllerUnpublishVolume returns, a deleted
+// volume loses its backing-store finalizer (an Event says its data is
+// written off), and the volumes it still serves say Reachable False,
+// StorageNodeDeleted. A node whose NBDStorageNode is deleted while its
+// agent renews its lease releases nothing. When the lost node's agent comes
+// back, its volume is Reachable again.
+func TestStorageNodeLostForGood(t *testing.T) {
+	c := leaseTestEnv(t, testNamespace)
+	ctx := context.Background()
+	now := time.Now()
+	for _, n := range []string{"s1", "s2"} {
+		putStorageNode(t, c, n, 10*gib, nil, nil, now)
+		renewLease(t, c, testNamespace, n, now)
+	}
+	// Volumes as their agents left them: applied (observedGeneration),
+	// under the agent's finalizer; pub* published to w1.
+	volume := func(name, node string) {
+		t.Helper()
+		v := &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: []string{v1alpha1.Finalizer}},
+			Spec: v1alpha1.NBDVolumeSpec{StorageNode: node, SizeBytes: 1 << 20, AccessType: v1alpha1.AccessBlock, Replicas: 1}}
+		if strings.HasPrefix(name, "pub") {
+			v.Spec.Publications = []v1alpha1.Publication{{NodeID: "w1", Addresses: []string{"10.0.0.1"}}}
+		}
+		if err := c.Create(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		v.Status.ObservedGeneration = v.Generation
+		if err := c.Status().Update(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range []string{"pub1", "del1", "keep1"} {
+		volume(n, "s1")
+	}
+	for _, n := range []string{"pub2", "del2"} {
+		volume(n, "s2")
+	}
+	ctl := newTestController(t, c)
+	f := NewFailover(FailoverConfig{Client: c, Namespace: testNamespace, Now: func() time.Time { return now }, StaleAfter: time.Minute})
+	check := func() {
+		t.Helper()
+		if _, err := f.Check(ctx, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// waits: calls that must still wait for the storage agent.
+	waits := func(what string) {
+		t.Helper()
+		for _, id := range []string{"pub1", "pub2"} {
+			wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			_, err := ctl.ControllerUnpublishVolume(wctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "w1"})
+			cancel()
+			if status.Code(err) != codes.DeadlineExceeded {
+				t.Errorf("%s: unpublishing %s: %v, want DeadlineExceeded (waiting for its agent)", what, id, err)
+			}
+		}
+		for _, id := range []string{"del1", "del2"} {
+			wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			_, err := ctl.DeleteVolume(wctx, &csi.DeleteVolumeRequest{VolumeId: id})
+			cancel()
+			if status.Code(err) != codes.DeadlineExceeded {
+				t.Errorf("%s: deleting %s: %v, want DeadlineExceeded (waiting for its agent)", what, id, err)
+			}
+		}
+	}
+	check()
+	// s1's agent stops renewing; s2's NBDStorageNode is deleted while
+	// its agent renews (an administrator's mistake, or the agent about to
+	// make it anew).
+	deleteNode := func(name string) {
+		t.Helper()
+		if err := c.Delete(ctx, &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deleteNode("s2")
+	now = now.Add(7 * time.Second)
+	renewLease(t, c, testNamespace, "s2", now)
+	check()
+	waits("s1 gone, s2 deleted but renewing")
+
+	// s1's NBDStorageNode deleted: lost for good.
+	deleteNode("s1")
+	now = now.Add(time.Second)
+	renewLease(t, c, testNamespace, "s2", now)
+	check()
+	var keep v1alpha1.NBDVolume
+	if err := c.Get(ctx, client.ObjectKey{Name: "keep1"}, &keep); err != nil {
+		t.Fatal(err)
+	}
+	if r := meta.FindStatusCondition(keep.Status.Conditions, v1alpha1.ConditionReachable); r == nil || r.Status != metav1.ConditionFalse || r.Reason != v1alpha1.ReasonStorageNodeDeleted {
+		t.Errorf("keep1's Reachable condition %+v, want False (%s)", r, v1alpha1.ReasonStorageNodeDeleted)
+	}
+	bctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := ctl.ControllerUnpublishVolume(bctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: "pub1", NodeId: "w1"}); err != nil {
+		t.Errorf("unpublishing pub1 of the lost s1: %v", err)
+	}
+	if _, err := ctl.DeleteVolume(bctx, &csi.DeleteVolumeRequest{VolumeId: "del1"}); err != nil {
+		t.Errorf("deleting del1 of the lost s1: %v", err)
+	}
+	var pub1 v1alpha1.NBDVolume
+	if err := c.Get(ctx, client.ObjectKey{Name: "pub1"}, &pub1); err != nil || len(pub1.Spec.Publications) != 0 {
+		t.Errorf("pub1 after its unpublish: %v, publications %+v", err, pub1.Spec.Publications)
+	}
+	waitEvents(t, c, func(evs []corev1.Event) string {
+		for _, e := range evs {
+			if e.InvolvedObject.Name == "del1" && e.Reason == "BackingStoreWrittenOff" && e.Type == corev1.EventTypeWarning && strings.Contains(e.Message, "s1") {
+				return ""
+			}
+		}
+		return "no BackingStoreWrittenOff Event on del1"
+	})
+	// s2's volumes still wait: its agent renews.
+	for _, id := range []string{"pub2", "del2"} {
+		var v v1alpha1.NBDVolume
+		if err := c.Get(ctx, client.ObjectKey{Name: id}, &v); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(v.Finalizers, v1alpha1.Finalizer) {
+			t.Errorf("%s of s2, whose agent renews, lost its finalizer", id)
+		}
+	}
+
+	// s1 back: its agent makes its NBDStorageNode anew.
+	now = now.Add(time.Second)
+	putStorageNode(t, c, "s1", 10*gib, nil, nil, now)
+	renewLease(t, c, testNamespace, "s1", now)
+	renewLease(t, c, testNamespace, "s2", now)
+	check()
+	if err := c.Get(ctx, client.ObjectKey{Name: "keep1"}, &keep); err != nil {
+		t.Fatal(err)
+	}
+	if r := meta.FindStatusCondition(keep.Status.Conditions, v1alpha1.ConditionReachable); r == nil || r.Status != metav1.ConditionTrue {
+		t.Errorf("keep1's Reachable condition %+v after s1 is back, want True", r)
+	}
 }

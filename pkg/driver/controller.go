@@ -621,10 +621,19 @@ func (c *Controller) unpublish(ctx context.Context, id, nodeID string) error {
 		// Wait even when nothing was removed: an earlier call may have
 		// removed the publication and timed out before the agent closed
 		// the node's connections.
+		// A storage node lost for good has no agent to wait for.
+		released := false
 		if _, err := c.waitVolume(ctx, id, "revoke access", func(v *v1alpha1.NBDVolume) (bool, error) {
+			if v != nil && v.DeletionTimestamp == nil && v.Status.ObservedGeneration < w.Generation && storageNodeReleased(v) {
+				released = true
+				return true, nil
+			}
 			return v == nil || v.DeletionTimestamp != nil || v.Status.ObservedGeneration >= w.Generation, nil
 		}); err != nil {
 			return err
+		}
+		if released {
+			c.log.Warn("volume unpublished without its storage agent: its storage node is lost for good", "volume_id", id, "storage_node", w.Spec.StorageNode)
 		}
 		// A node removes its status.attachments entry at unstage; one
 		// that went away (the usual reason for an unpublish without an

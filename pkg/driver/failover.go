@@ -161,9 +161,14 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		return nil, fmt.Errorf("listing the storage agents' leases: %w", err)
 	}
 	now := f.cfg.Now()
+	leased := map[string]bool{}
 	for _, l := range leases.Items {
 		node, ok := strings.CutPrefix(l.Name, v1alpha1.StorageLeaseName(""))
-		if !ok || l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil {
+		if !ok {
+			continue
+		}
+		leased[node] = true
+		if l.Spec.RenewTime == nil || l.Spec.LeaseDurationSeconds == nil {
 			continue
 		}
 		renew := l.Spec.RenewTime.Time
@@ -192,11 +197,25 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		draining = draining || storage.Items[i].Spec.Drain
 	}
 	ready := f.markNodes(ctx, nodes, gone, now)
+	// released: a storage node lost for good by an administrator's word
+	// (its NBDStorageNode deleted) and the agent's own (no lease renewed
+	// for its duration, or none at all): its volumes' publications and
+	// backing-store finalizers are let go without its agent.
+	released := func(n string) bool {
+		if _, ok := nodes[n]; ok {
+			return false
+		}
+		_, away := gone[n]
+		return away || !leased[n]
+	}
 	var state []string
 	for n, d := range gone {
 		st := n + "=gone"
 		if d >= f.cfg.ReplicaLostAfter {
 			st = n + "=lost"
+		}
+		if released(n) {
+			st = n + "=released"
 		}
 		state = append(state, st)
 	}
@@ -238,9 +257,14 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 			errs = append(errs, err)
 		}
 		if !v.DeletionTimestamp.IsZero() {
+			if released(v.Spec.StorageNode) {
+				if err := f.writeOff(ctx, v); err != nil {
+					errs = append(errs, err)
+				}
+			}
 			continue
 		}
-		if err := f.markVolume(ctx, v, ready); err != nil {
+		if err := f.markVolume(ctx, v, ready, released); err != nil {
 			errs = append(errs, err)
 		}
 		if len(v.Spec.ReplicaNodes) == 0 {
@@ -608,6 +632,32 @@ func (f *Failover) dropStaleLabels(ctx context.Context, v *v1alpha1.NBDVolume) e
 	if err := f.cfg.Client.Update(ctx, v); err != nil && !apierrors.IsConflict(err) {
 		return fmt.Errorf("volume %s: taking off the labels %v of nodes that no longer hold a replica: %w", v.Name, stale, err)
 	}
+	return nil
+}
+
+// writeOff lets a deleted volume go whose storage node is lost for good:
+// the backing-store finalizer its agent would have removed (with the
+// node's replica finalizer) is removed by the controller, and the data on
+// that node is abandoned (its agent, if it ever comes back, reports the
+// file as an orphan). Conditional on v as listed: a conflict waits for the
+// next check.
+func (f *Failover) writeOff(ctx context.Context, v *v1alpha1.NBDVolume) error {
+	n := v.Spec.StorageNode
+	a := controllerutil.RemoveFinalizer(v, v1alpha1.Finalizer)
+	b := controllerutil.RemoveFinalizer(v, v1alpha1.ReplicaFinalizer(n))
+	if !a && !b {
+		return nil
+	}
+	err := f.cfg.Client.Update(ctx, v)
+	switch {
+	case apierrors.IsConflict(err) || apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		return fmt.Errorf("volume %s: releasing the backing store on %s, a storage node lost for good: %w", v.Name, n, err)
+	}
+	f.cfg.Logger.Warn("a deleted volume's backing store on a storage node lost for good is written off", "volume_id", v.Name, "storage_node", n)
+	f.event(ctx, v, corev1.EventTypeWarning, "BackingStoreWrittenOff", fmt.Sprintf(
+		"the storage node %s is lost for good (its NBDStorageNode deleted, its agent's lease gone): the deleted volume's data there is written off", n))
 	return nil
 }
 

@@ -322,8 +322,6 @@ func TestFailoverReplacesLost(t *testing.T) {
 	}
 }
 
-// renewLease renews (or makes) storage node's lease in ns at now, for 6s,
-// as its agent does.
 // leaseTestEnv starts a real API server with the namespace ns, in which
 // the tests' storage agents hold their leases.
 func leaseTestEnv(t *testing.T, ns string) client.Client {
@@ -335,6 +333,8 @@ func leaseTestEnv(t *testing.T, ns string) client.Client {
 	return c
 }
 
+// renewLease renews (or makes) storage node's lease in ns at now, for 6s,
+// as its agent does.
 func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 	t.Helper()
 	ctx := context.Background()
