@@ -33,7 +33,7 @@ RUN go mod download
 COPY . .
 ARG VERSION=dev
 RUN CGO_ENABLED=0 go build -trimpath \
-      -ldflags "-s -w -X github.com/mpnbd/mpnbd/pkg/driver.Version=${VERSION}" \
+      -ldflags "-s -w -X github.com/mpnbd/mpnbd/pkg/buildinfo.Version=${VERSION}" \
       -o /out/ ./cmd/controller ./cmd/node ./cmd/nbd-server ./cmd/mpnbdctl
 
 FROM debian:bookworm-slim

@@ -34,13 +34,16 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
@@ -73,6 +76,8 @@ type options struct {
 	// requests of these ServiceAccounts (NAMESPACE:NAME).
 	sign                        bool
 	nodeAccount, storageAccount string
+	// metricsAddr serves /metrics ("": off).
+	metricsAddr string
 }
 
 func newFlagSet(o *options) *flag.FlagSet {
@@ -90,6 +95,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		return o.logLevel.UnmarshalText([]byte(s))
 	})
 	fs.StringVar(&o.logFormat, "log-format", "text", "text or json")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://`ADDR`/metrics (CSI calls, storage nodes Ready, primaries moved, API client requests, mpnbd_build_info); empty: off")
 	fs.BoolVar(&o.sign, "sign-certificates", true, "issue the node plugins' and storage agents' certificates for the storage network (signers "+nodeid.SignerNode+" and "+nodeid.SignerStorage+"; CA in the Secret "+nodeid.CASecret+" of --namespace)")
 	fs.StringVar(&o.nodeAccount, "node-service-account", "", "`NAMESPACE:NAME` of the node plugin's ServiceAccount, the only one given node certificates (default --namespace:mpnbd-node)")
 	fs.StringVar(&o.storageAccount, "storage-service-account", "", "`NAMESPACE:NAME` of the storage agent's ServiceAccount, the only one given storage certificates (default --namespace:mpnbd-storage-agent)")
@@ -182,6 +188,18 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		log.Warn("waits poll their volume every 200ms: no watch of volumes", "error", err)
 		changes = nil
 	}
+	var metrics *driver.Metrics
+	if o.metricsAddr != "" {
+		reg := buildinfo.Registry("controller")
+		if metrics, err = driver.NewMetrics(reg); err != nil {
+			return err
+		}
+		// With the API client's request metrics controller-runtime
+		// keeps.
+		if err := driver.ServeMetrics(ctx, o.metricsAddr, prometheus.Gatherers{reg, ctrlmetrics.Registry}, log); err != nil {
+			return fmt.Errorf("--metrics-addr: %w", err)
+		}
+	}
 	ctl, err := driver.NewController(driver.ControllerConfig{
 		Changes:          changes,
 		Client:           c,
@@ -200,7 +218,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	s := driver.NewGRPCServer(log)
+	s := driver.NewGRPCServer(log, metrics)
 	csi.RegisterIdentityServer(s, &driver.Identity{
 		// Ready while the API server answers and our resources exist.
 		Ready: func(ctx context.Context) error {
@@ -217,8 +235,8 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	events, stopEvents := driver.NewEventRecorder(c, "mpnbd-controller", log)
 	defer stopEvents()
 	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log,
-		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter, Events: events}).Run(ctx)
-	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", driver.Version)
+		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter, Events: events, Metrics: metrics}).Run(ctx)
+	log.Info("controller serving", "endpoint", o.endpoint, "namespace", o.namespace, "api_server", cfg.Host, "version", buildinfo.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
 }
 

@@ -33,10 +33,11 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	"github.com/mpnbd/mpnbd/pkg/agent"
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -116,11 +117,11 @@ type openExport struct {
 // serve runs the server described by opts until ctx ends. Each value
 // received on reload re-reads the config file.
 func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan os.Signal) int {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-	)
+	component := "nbd-server"
+	if opts.cluster != nil {
+		component = "storage-agent"
+	}
+	reg := buildinfo.Registry(component)
 	obs, err := nbdmetrics.New(reg)
 	if err != nil {
 		log.Error("registering metrics failed", "error", err)
@@ -243,7 +244,13 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 			return exitFailure
 		}
 		metricsAddr = ml.Addr().String()
-		metricsSrv = newMetricsServer(reg, &healthy, ready, log)
+		// In cluster mode the agent's controller-runtime metrics too
+		// (its watches' work queues, its API requests).
+		var g prometheus.Gatherer = reg
+		if opts.cluster != nil {
+			g = prometheus.Gatherers{reg, ctrlmetrics.Registry}
+		}
+		metricsSrv = newMetricsServer(g, reg, &healthy, ready, log)
 		go func() {
 			if err := metricsSrv.Serve(ml); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				log.Error("metrics server failed", "error", err)
@@ -263,7 +270,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 	if clusterListeners != nil {
 		clusterListeners.Serve()
 	}
-	log.Info("ready", "listen", bound, "metrics_addr", metricsAddr, "exports", len(d.exports))
+	log.Info("ready", "listen", bound, "metrics_addr", metricsAddr, "exports", len(d.exports), "version", buildinfo.Version)
 
 	code := exitOK
 	var agentDone <-chan error
@@ -358,10 +365,12 @@ func (d *daemon) logListener(l net.Listener, requested string) {
 	}
 }
 
-func newMetricsServer(reg *prometheus.Registry, healthy *atomic.Bool, ready func() bool, log *slog.Logger) *http.Server {
+// newMetricsServer serves g's metrics (promhttp's own registered in reg)
+// on /metrics, and the probes.
+func newMetricsServer(g prometheus.Gatherer, reg *prometheus.Registry, healthy *atomic.Bool, ready func() bool, log *slog.Logger) *http.Server {
 	errLog := slog.NewLogLogger(log.Handler(), slog.LevelError)
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{
 		ErrorLog: errLog,
 		Registry: reg,
 	}))

@@ -30,6 +30,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -37,6 +38,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -514,6 +516,10 @@ func TestReloadOnSIGHUP(t *testing.T) {
 	}
 	if _, ok := m[`mpnbd_server_written_bytes_total{export="c"}`]; !ok {
 		t.Error("no series for the added export")
+	}
+	info := `mpnbd_build_info{component="nbd-server",go_version="` + runtime.Version() + `",revision="` + buildinfo.Revision() + `",version="` + buildinfo.Version + `"}`
+	if m[info] != 1 {
+		t.Errorf("no %s 1", info)
 	}
 
 	// A broken config is refused and changes nothing.

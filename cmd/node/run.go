@@ -22,7 +22,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -31,9 +30,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
@@ -41,6 +37,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/attach/nbddev"
 	"github.com/mpnbd/mpnbd/pkg/attach/ublkdev"
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
@@ -256,7 +253,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 						return fmt.Errorf("ready file: %w", err)
 					}
 				}
-				log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", driver.Version)
+				log.Info("datapath component serving", "socket", o.serveDatapath, "transports", m.Available(), "version", buildinfo.Version)
 				return nil
 			}
 			return datapath.ServeGeneration(ctx, o.serveDatapath, m, log, o.generation, ready)
@@ -299,9 +296,15 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	var metrics *driver.Metrics
 	if o.metricsAddr != "" {
-		if err := serveMetrics(ctx, o.metricsAddr, driver.NewNodeCollector(node, mgr), log); err != nil {
+		reg := buildinfo.Registry("node")
+		reg.MustRegister(driver.NewNodeCollector(node, mgr))
+		if metrics, err = driver.NewMetrics(reg); err != nil {
 			return err
+		}
+		if err := driver.ServeMetrics(ctx, o.metricsAddr, reg, log); err != nil {
+			return fmt.Errorf("--metrics-addr: %w", err)
 		}
 	}
 	if watch != nil {
@@ -311,11 +314,11 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	s := driver.NewGRPCServer(log)
+	s := driver.NewGRPCServer(log, metrics)
 	csi.RegisterIdentityServer(s, &driver.Identity{})
 	csi.RegisterNodeServer(s, node)
 	log.Info("node plugin serving", "endpoint", o.endpoint, "node_id", o.nodeID,
-		"transports", mgr.Available(), "version", driver.Version)
+		"transports", mgr.Available(), "version", buildinfo.Version)
 	return driver.Serve(ctx, s, l, 30*time.Second)
 }
 
@@ -545,28 +548,4 @@ func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
 	if err := id.Start(ctx, 0); err != nil && ctx.Err() == nil {
 		log.Error("no node certificate", "error", err)
 	}
-}
-
-// serveMetrics serves /metrics on addr until ctx ends.
-func serveMetrics(ctx context.Context, addr string, c prometheus.Collector, log *slog.Logger) error {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(c, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("--metrics-addr: %w", err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		<-ctx.Done()
-		srv.Close()
-	}()
-	go func() {
-		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error("metrics server stopped", "error", err)
-		}
-	}()
-	log.Info("metrics served", "addr", l.Addr().String())
-	return nil
 }

@@ -35,6 +35,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/datapath"
+	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -98,7 +99,9 @@ func TestServeMetricsBracketedAddress(t *testing.T) {
 	defer cancel()
 	up := prometheus.NewGauge(prometheus.GaugeOpts{Name: "test_up"})
 	up.Set(1)
-	if err := serveMetrics(ctx, addr, up, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(up)
+	if err := driver.ServeMetrics(ctx, addr, reg, slog.New(slog.NewTextHandler(io.Discard, nil))); err != nil {
 		t.Fatal(err)
 	}
 	resp, err := http.Get("http://127.0.0.1:" + port + "/metrics")

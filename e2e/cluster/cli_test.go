@@ -17,8 +17,12 @@ package cluster
 import (
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -128,4 +132,54 @@ func (s *suite) checkCLI(claim, id string, minSent uint64) {
 	if err != nil || !strings.Contains(out, id) || !strings.Contains(out, "fuse") {
 		s.t.Errorf("mpnbdctl volumes: %v\n%s", err, out)
 	}
+}
+
+// buildInfoScenario: the node plugin, the controller and the storage
+// agent each say on /metrics that they run the image just built
+// (mpnbd_build_info's version is the one the image was built with), the
+// controller its view of the storage node and its API requests, the agent
+// its controller-runtime work queues.
+func (s *suite) buildInfoScenario(version string) {
+	s.step("every component's mpnbd_build_info names the image's version", func() {
+		agentIP := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
+		for _, tc := range []struct {
+			component, url string
+			also           []string
+		}{
+			{"node", s.nodeMetricsURL(), nil},
+			{"controller", "http://" + net.JoinHostPort(s.nodeHTTPHost(), strconv.Itoa(controllerMetricsPort)) + "/metrics",
+				[]string{`mpnbd_controller_storage_node_ready{storage_node="` + s.c.NodeName + `"} 1`, "rest_client_requests_total{", `mpnbd_csi_requests_total{code="OK",method="`}},
+			{"storage-agent", "http://" + net.JoinHostPort(agentIP, strconv.Itoa(agentMetricsPort)) + "/metrics",
+				[]string{"workqueue_adds_total{", "rest_client_requests_total{"}},
+		} {
+			want := append([]string{`mpnbd_build_info{component="` + tc.component + `",`, `version="` + version + `"} 1`}, tc.also...)
+			s.waitFor(tc.component+"'s metrics", time.Minute, func() string {
+				out, err := scrape(tc.url)
+				if err != nil {
+					return err.Error()
+				}
+				for _, w := range want {
+					if !strings.Contains(out, w) {
+						return fmt.Sprintf("%s has no %s", tc.url, w)
+					}
+				}
+				return ""
+			})
+		}
+	})
+}
+
+// scrape reads a /metrics page.
+func scrape(url string) (string, error) {
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err == nil && resp.StatusCode != http.StatusOK {
+		err = fmt.Errorf("%s: %s", url, resp.Status)
+	}
+	return string(b), err
 }

@@ -42,6 +42,11 @@ const (
 	namespace   = "storage"
 	// nodeMetricsPort is the node plugin's metrics port (host network).
 	nodeMetricsPort = 19811
+	// controllerMetricsPort is the controller's (the chart's default; on
+	// the host network in the suite), agentMetricsPort the storage
+	// agent's (the chart's default, in a pod network).
+	controllerMetricsPort = 9817
+	agentMetricsPort      = 9810
 )
 
 func pathAddr(i int, host bool) string {
@@ -437,6 +442,7 @@ storageAgent:
 	})
 
 	s.upgradeScenario()
+	s.buildInfoScenario(imageVersion)
 	s.identityScenario(filepath.Join(s.dir, "node-state"))
 	if os.Getenv(envScaleOnly) != "" {
 		// The scale scenario alone, on the driver of this chart with its

@@ -256,12 +256,26 @@ func containerPort(t *testing.T, objs []*unstructured.Unstructured, kind, name, 
 	return 0, false
 }
 
-// TestPodMonitors: each PodMonitor selects the pods of its DaemonSet, in
+// containerArgs returns the args of a workload's container.
+func containerArgs(t *testing.T, objs []*unstructured.Unstructured, kind, name, ctr string) []string {
+	t.Helper()
+	for _, c := range containers(t, []*unstructured.Unstructured{find(t, objs, kind, name)}) {
+		if c.name == ctr {
+			return c.args
+		}
+	}
+	t.Fatalf("%s %s has no container %s", kind, name, ctr)
+	return nil
+}
+
+// TestPodMonitors: each PodMonitor selects the pods of its workload, in
 // its namespace, on the port named metrics their container declares (the
-// node plugin's node.metricsPort, the agent's metrics.port), and labels
-// the series with the node; values that cannot work are refused.
+// node plugin's node.metricsPort, the agent's metrics.port, the
+// controller's controller.metricsPort), and labels the series with the
+// node; values that cannot work are refused.
 func TestPodMonitors(t *testing.T) {
 	args := []string{"--set", "monitoring.podMonitors.node.enabled=true", "--set", "monitoring.podMonitors.storageAgent.enabled=true",
+		"--set", "monitoring.podMonitors.controller.enabled=true",
 		"--set", "node.metricsPort=9811", "--set", "monitoring.podMonitors.interval=15s",
 		"--set", "monitoring.podMonitors.additionalLabels.release=kube-prometheus-stack"}
 	out, err := tryTemplate(t, args...)
@@ -270,18 +284,19 @@ func TestPodMonitors(t *testing.T) {
 	}
 	objs := parseObjects(t, out)
 	for _, tc := range []struct {
-		monitor, daemonSet, container string
-		port                          int64
+		monitor, kind, daemonSet, container string
+		port                                int64
 	}{
-		{"mpnbd-node", "mpnbd-node", "node", 9811},
-		{"mpnbd-storage-agent", "mpnbd-storage-agent", "storage-agent", 9810},
+		{"mpnbd-node", "DaemonSet", "mpnbd-node", "node", 9811},
+		{"mpnbd-storage-agent", "DaemonSet", "mpnbd-storage-agent", "storage-agent", 9810},
+		{"mpnbd-controller", "Deployment", "mpnbd-controller", "controller", 9817},
 	} {
 		pm := find(t, objs, "PodMonitor", tc.monitor)
 		if pm.GetAPIVersion() != "monitoring.coreos.com/v1" || pm.GetNamespace() != "mpnbd-system" ||
 			pm.GetLabels()["release"] != "kube-prometheus-stack" {
 			t.Errorf("PodMonitor %s: %s in %q, labels %v", tc.monitor, pm.GetAPIVersion(), pm.GetNamespace(), pm.GetLabels())
 		}
-		ds := find(t, objs, "DaemonSet", tc.daemonSet)
+		ds := find(t, objs, tc.kind, tc.daemonSet)
 		sel, _, _ := unstructured.NestedStringMap(pm.Object, "spec", "selector", "matchLabels")
 		podLabels, _, _ := unstructured.NestedStringMap(ds.Object, "spec", "template", "metadata", "labels")
 		for k, v := range sel {
@@ -304,7 +319,7 @@ func TestPodMonitors(t *testing.T) {
 		if ep["port"] != "metrics" || ep["path"] != "/metrics" || ep["interval"] != "15s" {
 			t.Errorf("PodMonitor %s: endpoint %v", tc.monitor, ep)
 		}
-		if n, ok := containerPort(t, objs, "DaemonSet", tc.daemonSet, tc.container, "metrics"); !ok || n != tc.port {
+		if n, ok := containerPort(t, objs, tc.kind, tc.daemonSet, tc.container, "metrics"); !ok || n != tc.port {
 			t.Errorf("%s container %s: port metrics %d (declared: %v), want %d", tc.daemonSet, tc.container, n, ok, tc.port)
 		}
 		relabel := fmt.Sprint(ep["relabelings"])
@@ -313,9 +328,20 @@ func TestPodMonitors(t *testing.T) {
 		}
 	}
 
-	// No metrics port, no port declared.
+	// No metrics port, no port declared, no flag.
 	if _, ok := containerPort(t, render(t, "--set", "node.metricsPort=0"), "DaemonSet", "mpnbd-node", "node", "metrics"); ok {
 		t.Error("the node plugin declares a metrics port without node.metricsPort")
+	}
+	off := render(t, "--set", "controller.metricsPort=0")
+	if _, ok := containerPort(t, off, "Deployment", "mpnbd-controller", "controller", "metrics"); ok {
+		t.Error("the controller declares a metrics port without controller.metricsPort")
+	}
+	if args := containerArgs(t, off, "Deployment", "mpnbd-controller", "controller"); slices.ContainsFunc(args, func(a string) bool { return strings.HasPrefix(a, "--metrics-addr") }) {
+		t.Errorf("the controller serves metrics without controller.metricsPort: %v", args)
+	}
+	// The controller's metrics on by default, on the pod's address.
+	if args := containerArgs(t, render(t), "Deployment", "mpnbd-controller", "controller"); !slices.Contains(args, "--metrics-addr=[$(HTTP_ADDRESS)]:9817") {
+		t.Errorf("the controller's arguments by default: %v", args)
 	}
 	// Without the storage agent, no PodMonitor for it.
 	out, err = tryTemplate(t, "--set", "monitoring.podMonitors.storageAgent.enabled=true", "--set", "storageAgent.enabled=false")
@@ -332,6 +358,7 @@ func TestPodMonitors(t *testing.T) {
 		want string
 	}{
 		{[]string{"--set", "monitoring.podMonitors.node.enabled=true", "--set", "node.metricsPort=0"}, "node.metricsPort"},
+		{[]string{"--set", "monitoring.podMonitors.controller.enabled=true", "--set", "controller.metricsPort=0"}, "controller.metricsPort"},
 		{[]string{"--set", "monitoring.podMonitors.storageAgent.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"},
 			"choose one"},
 		{[]string{"--set", "monitoring.podMonitors.interval=soon"}, schemaError},

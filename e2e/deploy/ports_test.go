@@ -433,16 +433,16 @@ func TestHTTPEndpointsBindToPodIP(t *testing.T) {
 		name  string
 		objs  []*unstructured.Unstructured
 		from  string
-		flags int // 5 in the controller's pod, 2 or 3 in the node plugin's, 1 in the storage agent's
+		flags int // 6 in the controller's pod, 2 or 3 in the node plugin's, 1 in the storage agent's
 	}{
-		{"deploy/", parseObjects(t, kustomizeDeploy(t)), "status.podIP", 9},
-		{"chart defaults", parseObjects(t, helmTemplate(t)), "status.podIP", 9},
-		{"all on the host", render(t, "--set", "controller.hostNetwork=true"), "status.podIP", 9},
-		{"values-cluster", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-cluster.yaml")), "status.podIP", 9},
-		{"no datapath", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")), "status.podIP", 9},
-		{"every address", render(t, "--set", "httpAddressFrom="), "", 9},
-		{"node metrics off", render(t, "--set", "node.metricsPort=0"), "status.podIP", 8},
-		{"values-custom", parseObjects(t, helmTemplate(t, customValues)), "", 9},
+		{"deploy/", parseObjects(t, kustomizeDeploy(t)), "status.podIP", 10},
+		{"chart defaults", parseObjects(t, helmTemplate(t)), "status.podIP", 10},
+		{"all on the host", render(t, "--set", "controller.hostNetwork=true"), "status.podIP", 10},
+		{"values-cluster", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-cluster.yaml")), "status.podIP", 10},
+		{"no datapath", parseObjects(t, helmTemplate(t, "e2e/deploy/testdata/values-no-datapath.yaml")), "status.podIP", 10},
+		{"every address", render(t, "--set", "httpAddressFrom="), "", 10},
+		{"node metrics off", render(t, "--set", "node.metricsPort=0"), "status.podIP", 9},
+		{"values-custom", parseObjects(t, helmTemplate(t, customValues)), "", 10},
 	} {
 		problems, flags := checkHTTPBindings(podsOf(t, tc.objs), tc.from)
 		for _, p := range problems {
@@ -515,13 +515,13 @@ func TestHTTPBindingCheckCanFail(t *testing.T) {
 		"Deployment/mpnbd-controller container csi-attacher: defines HTTP_ADDRESS, to which nothing of it binds",
 		`Deployment/mpnbd-controller container csi-provisioner: HTTP_ADDRESS from field "status.hostIP", want "status.podIP"`,
 	}
-	if fmt.Sprint(got) != fmt.Sprint(want) || flags != 9 {
-		t.Errorf("checkHTTPBindings = %q, %d flags\nwant %q, 9", got, flags, want)
+	if fmt.Sprint(got) != fmt.Sprint(want) || flags != 10 {
+		t.Errorf("checkHTTPBindings = %q, %d flags\nwant %q, 10", got, flags, want)
 	}
 
 	// The defaults, checked as if httpAddressFrom were "".
 	got, _ = checkHTTPBindings(podsOf(t, render(t)), "")
-	if len(got) != 9 || !slices.Contains(got, "DaemonSet/mpnbd-storage-agent container storage-agent: --metrics-addr=[$(HTTP_ADDRESS)]:9810, want it to match ^:[0-9]{1,5}$") ||
+	if len(got) != 10 || !slices.Contains(got, "DaemonSet/mpnbd-storage-agent container storage-agent: --metrics-addr=[$(HTTP_ADDRESS)]:9810, want it to match ^:[0-9]{1,5}$") ||
 		!slices.Contains(got, "DaemonSet/mpnbd-node container node: --metrics-addr=[$(HTTP_ADDRESS)]:9811, want it to match ^:[0-9]{1,5}$") {
 		t.Errorf("the defaults checked for binding to every address: %q, want the 9 flags", got)
 	}

@@ -98,6 +98,9 @@ type FailoverConfig struct {
 	// Events records the Events on volumes and storage nodes; nil: one
 	// of NewEventRecorder over Client.
 	Events record.EventRecorder
+	// Metrics counts the storage nodes Ready and the primaries moved
+	// (nil: none).
+	Metrics *Metrics
 }
 
 // DefaultReplicaLostAfter is FailoverConfig.ReplicaLostAfter's default.
@@ -197,6 +200,7 @@ func (f *Failover) Check(ctx context.Context, always bool) ([]string, error) {
 		draining = draining || storage.Items[i].Spec.Drain
 	}
 	ready := f.markNodes(ctx, nodes, gone, now)
+	f.cfg.Metrics.storageNodes(ready)
 	// released: a storage node lost for good by an administrator's word
 	// (its NBDStorageNode deleted) and the agent's own (no lease renewed
 	// for its duration, or none at all): its volumes' publications and
@@ -357,6 +361,7 @@ func (f *Failover) promote(ctx context.Context, v *v1alpha1.NBDVolume, next, log
 	}
 	f.cfg.Logger.Warn(logMsg, append([]any{"volume_id", v.Name, "was", old, "primary", next, "epoch", v.Status.Replication.Epoch, "in_sync", inSync}, args...)...)
 	f.event(ctx, v, corev1.EventTypeWarning, reason, eventMsg)
+	f.cfg.Metrics.primaryChanged(reason)
 	return f.moveSpec(ctx, v.Name)
 }
 

@@ -24,6 +24,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -90,7 +92,11 @@ func TestFailoverCheck(t *testing.T) {
 	// A promotion recorded (s3) and not moved.
 	volume("vf", "s2", []string{"s3"}, []string{"s3"}, "s3")
 
-	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: clock})
+	metrics, err := NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: clock, Metrics: metrics})
 	if moved, err := f.Check(ctx, false); err != nil || len(moved) != 0 {
 		t.Fatalf("with every lease fresh: moved %v, %v", moved, err)
 	}
@@ -114,6 +120,10 @@ func TestFailoverCheck(t *testing.T) {
 	slices.Sort(moved)
 	if !slices.Equal(moved, []string{"va", "vc", "vf"}) {
 		t.Fatalf("moved %v, want va, vc (to s3, alive still) and vf (the half-made promotion)", moved)
+	}
+	// Two promotions (vf's was made before): counted as failovers.
+	if n := testutil.ToFloat64(metrics.failovers.WithLabelValues("FailedOver")); n != 2 {
+		t.Errorf("mpnbd_controller_primary_changes_total{reason=FailedOver} %v, want 2", n)
 	}
 	va := get("va")
 	if r := va.Status.Replication; r.Primary != "s2" || r.Epoch != 4 || r.PrimaryEpoch != 4 || !slices.Equal(r.InSync, []string{"s2", "s3"}) || r.InSyncReplicas != 2 {

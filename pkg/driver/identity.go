@@ -19,13 +19,12 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 )
 
 // DriverName is the CSI driver name.
 const DriverName = "nbd.mptcp.mpnbd.io"
-
-// Version is the driver version, set at build time.
-var Version = "dev"
 
 // Identity serves the CSI Identity service for both the controller and the
 // node plugin. Both report the plugin's capabilities (a Controller
@@ -38,7 +37,7 @@ type Identity struct {
 }
 
 func (i *Identity) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
-	return &csi.GetPluginInfoResponse{Name: DriverName, VendorVersion: Version}, nil
+	return &csi.GetPluginInfoResponse{Name: DriverName, VendorVersion: buildinfo.Version}, nil
 }
 
 func (i *Identity) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {

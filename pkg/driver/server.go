@@ -73,10 +73,10 @@ func ParseEndpoint(endpoint string) (network, addr string, err error) {
 
 // NewGRPCServer returns a gRPC server that logs every call: failures at
 // warning level, the rest at debug level.
-func NewGRPCServer(log *slog.Logger) *grpc.Server {
+func NewGRPCServer(log *slog.Logger, m *Metrics) *grpc.Server {
 	return grpc.NewServer(grpc.UnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 		start := time.Now()
-		resp, err := h(ctx, req)
+		resp, err := m.unary(ctx, req, info, h)
 		attrs := []any{"method", info.FullMethod, "duration", time.Since(start).Round(time.Microsecond)}
 		if err != nil {
 			st, _ := status.FromError(err)

@@ -52,7 +52,7 @@ func TestServeIdentityOverUnixSocket(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s := NewGRPCServer(slog.New(slog.DiscardHandler))
+		s := NewGRPCServer(slog.New(slog.DiscardHandler), nil)
 		csi.RegisterIdentityServer(s, &Identity{})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
