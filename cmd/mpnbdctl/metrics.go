@@ -51,6 +51,9 @@ const (
 	metricRetained     = metricPrefix + "retained_writes"
 	metricPathSent     = metricPrefix + "path_sent_bytes_total"
 	metricPathReceived = metricPrefix + "path_received_bytes_total"
+	metricPathRetrans  = metricPrefix + "path_retransmitted_bytes_total"
+	metricPathRTT      = metricPrefix + "path_rtt_seconds"
+	metricPathRate     = metricPrefix + "path_delivery_rate_bytes"
 )
 
 // Metrics statuses of a node (NodeMetrics.Status) and of a publication
@@ -99,6 +102,13 @@ type Path struct {
 	Remote        string `json:"remote"`
 	SentBytes     uint64 `json:"sentBytes"`
 	ReceivedBytes uint64 `json:"receivedBytes"`
+	// RetransBytes counts the bytes sent again on the path; RTTSeconds
+	// is its smoothed round-trip time and DeliveryRate the bytes per
+	// second the kernel last measured reaching the storage node (both
+	// zero when the node plugin does not report them).
+	RetransBytes uint64  `json:"retransBytes"`
+	RTTSeconds   float64 `json:"rttSeconds,omitempty"`
+	DeliveryRate uint64  `json:"deliveryRateBytes,omitempty"`
 }
 
 // DataPath is what a node plugin reports about one attached volume.
@@ -227,7 +237,7 @@ func parseNodeMetrics(r io.Reader) (map[string]*DataPath, error) {
 // unknown names are ignored (a newer node plugin may export more).
 func (dp *DataPath) set(name string, labels map[string]string, v float64) error {
 	switch name {
-	case metricSubflows, metricPathSent, metricPathReceived:
+	case metricSubflows, metricPathSent, metricPathReceived, metricPathRetrans, metricPathRTT, metricPathRate:
 		i, err := strconv.Atoi(labels["connection"])
 		if err != nil || i < 0 {
 			return fmt.Errorf("connection label %q is not an index", labels["connection"])
@@ -238,10 +248,17 @@ func (dp *DataPath) set(name string, labels map[string]string, v float64) error 
 			return nil
 		}
 		p := c.path(labels["local"], labels["remote"])
-		if name == metricPathSent {
+		switch name {
+		case metricPathSent:
 			p.SentBytes = uint64(v)
-		} else {
+		case metricPathReceived:
 			p.ReceivedBytes = uint64(v)
+		case metricPathRetrans:
+			p.RetransBytes = uint64(v)
+		case metricPathRTT:
+			p.RTTSeconds = v
+		case metricPathRate:
+			p.DeliveryRate = uint64(v)
 		}
 	case metricConnected:
 		dp.Connected = v == 1

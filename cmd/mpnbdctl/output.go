@@ -42,7 +42,7 @@ var pubColumns = []string{
 const noPathsNote = "Bytes per path: none reported; the node plugin reads them from the kernel's MPTCP subflows (Linux 5.16+), on MPTCP connections only."
 
 // pathColumns are the columns of the paths of `mpnbdctl volume NAME`.
-var pathColumns = []string{"NODE", "CONNECTION", "LOCAL", "REMOTE", "SENT", "RECEIVED"}
+var pathColumns = []string{"NODE", "CONNECTION", "LOCAL", "REMOTE", "SENT", "RECEIVED", "RETRANSMITTED", "RTT", "RATE"}
 
 func writeJSON(w io.Writer, rep *Report) error {
 	enc := json.NewEncoder(w)
@@ -259,8 +259,13 @@ func writeDetail(w io.Writer, rep *Report) error {
 					}
 					conns = append(conns, []string{p.Node, strconv.Itoa(c.Index), strconv.Itoa(c.Subflows), want})
 					for _, pa := range c.Paths {
+						rtt, rate := "-", "-"
+						if pa.RTTSeconds > 0 {
+							rtt = time.Duration(pa.RTTSeconds * float64(time.Second)).Round(10 * time.Microsecond).String()
+							rate = counterBytes(pa.DeliveryRate) + "/s"
+						}
 						paths = append(paths, []string{p.Node, strconv.Itoa(c.Index), pa.Local, pa.Remote,
-							counterBytes(pa.SentBytes), counterBytes(pa.ReceivedBytes)})
+							counterBytes(pa.SentBytes), counterBytes(pa.ReceivedBytes), counterBytes(pa.RetransBytes), rtt, rate})
 					}
 				}
 			} else {
@@ -284,7 +289,7 @@ func writeDetail(w io.Writer, rep *Report) error {
 			}
 		}
 		if len(paths) > 0 {
-			fmt.Fprintln(w, "\nPaths (bytes since each subflow opened):")
+			fmt.Fprintln(w, "\nPaths (bytes since each subflow opened; round-trip time and delivery rate as the kernel last measured them):")
 			tw = newTabWriter(w)
 			row(tw, "  ", pathColumns...)
 			for _, p := range paths {

@@ -73,7 +73,8 @@ func newFleet(t *testing.T, extra ...client.Object) *fleet {
 			"node-a": nodePlugin(t, "node-a", map[string]fakeVolume{
 				"pvc-degraded": {attach.Relay, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Reconnects: 1, Paths: []attach.PathStats{
 					{Connection: 0, Local: netip.MustParseAddrPort("10.0.1.2:40001"), Remote: netip.MustParseAddrPort("10.0.1.1:10809"), SentBytes: 2048, ReceivedBytes: 512},
-					{Connection: 0, Local: netip.MustParseAddrPort("10.0.0.2:40000"), Remote: netip.MustParseAddrPort("10.0.0.1:10809"), SentBytes: 3 << 30, ReceivedBytes: 1 << 20},
+					{Connection: 0, Local: netip.MustParseAddrPort("10.0.0.2:40000"), Remote: netip.MustParseAddrPort("10.0.0.1:10809"), SentBytes: 3 << 30, ReceivedBytes: 1 << 20,
+						RetransBytes: 4 << 20, RTT: 2500 * time.Microsecond, DeliveryRate: 110 << 20},
 				}}},
 				"pvc-healthy": {attach.Ublk, 4, attach.Health{Connected: true, MPTCP: true, Subflows: []int{4}, Reconnects: 2, Replayed: 7, Resent: 5, Retained: 3}},
 				// Attached here but published nowhere: a warning.
@@ -160,7 +161,7 @@ func TestVolumesJSON(t *testing.T) {
 		name: "pvc-degraded", pv: "pvc-degraded", pvc: "default/data-degraded", phase: "Available", health: HealthDegraded,
 		pubs: []pubWant{{"node-a", MetricsOK, HealthDegraded, &DataPath{Transport: "relay", Connected: true, MPTCP: true,
 			Connections: []Connection{{Index: 0, Subflows: 2, Paths: []Path{
-				{Local: "10.0.0.2", Remote: "10.0.0.1", SentBytes: 3 << 30, ReceivedBytes: 1 << 20},
+				{Local: "10.0.0.2", Remote: "10.0.0.1", SentBytes: 3 << 30, ReceivedBytes: 1 << 20, RetransBytes: 4 << 20, RTTSeconds: 0.0025, DeliveryRate: 110 << 20},
 				{Local: "10.0.1.2", Remote: "10.0.1.1", SentBytes: 2048, ReceivedBytes: 512},
 			}}}, ExpectedSubflows: intp(4), Reconnects: 1, Degraded: true}}},
 		faultSource: FaultDataPath, faultNode: "node-a", faultHas: "relay: connection 0 has 2 MPTCP subflows, want 4",
@@ -262,7 +263,8 @@ func TestVolumesJSON(t *testing.T) {
 		t.Errorf("JSON of pvc-degraded: %v", raw.Volumes[0])
 	}
 	path := conn["paths"].([]any)[0].(map[string]any)
-	if path["local"] != "10.0.0.2" || path["remote"] != "10.0.0.1" || path["sentBytes"] != float64(3<<30) || path["receivedBytes"] != float64(1<<20) {
+	if path["local"] != "10.0.0.2" || path["remote"] != "10.0.0.1" || path["sentBytes"] != float64(3<<30) || path["receivedBytes"] != float64(1<<20) ||
+		path["retransBytes"] != float64(4<<20) || path["rttSeconds"] != 0.0025 || path["deliveryRateBytes"] != float64(110<<20) {
 		t.Errorf("JSON of pvc-degraded's first path: %v", path)
 	}
 }
@@ -353,10 +355,10 @@ func TestVolumeDetail(t *testing.T) {
 			"  Ready  True    Available  2025-03-04T05:06:07Z  exported\n",
 			"  node-a  ok       relay      yes        yes    2/4       1           -       0         0       0         Degraded\n",
 			"  NODE    CONNECTION  SUBFLOWS  EXPECTED\n  node-a  0           2         4\n",
-			"\nPaths (bytes since each subflow opened):\n" +
-				"  NODE    CONNECTION  LOCAL     REMOTE    SENT  RECEIVED\n" +
-				"  node-a  0           10.0.0.2  10.0.0.1  3Gi   1Mi\n" +
-				"  node-a  0           10.0.1.2  10.0.1.1  2Ki   512\n",
+			"\nPaths (bytes since each subflow opened; round-trip time and delivery rate as the kernel last measured them):\n" +
+				"  NODE    CONNECTION  LOCAL     REMOTE    SENT  RECEIVED  RETRANSMITTED  RTT    RATE\n" +
+				"  node-a  0           10.0.0.2  10.0.0.1  3Gi   1Mi       4Mi            2.5ms  110Mi/s\n" +
+				"  node-a  0           10.0.1.2  10.0.1.1  2Ki   512       0              -      -\n",
 		}},
 		// By claim; the last fault is the Event.
 		{[]string{"volume", "apps/data-healthy"}, []string{

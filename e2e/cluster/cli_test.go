@@ -48,10 +48,11 @@ type cliReport struct {
 				Connections      []struct {
 					Subflows int `json:"subflows"`
 					Paths    []struct {
-						Local         string `json:"local"`
-						Remote        string `json:"remote"`
-						SentBytes     uint64 `json:"sentBytes"`
-						ReceivedBytes uint64 `json:"receivedBytes"`
+						Local         string  `json:"local"`
+						Remote        string  `json:"remote"`
+						SentBytes     uint64  `json:"sentBytes"`
+						ReceivedBytes uint64  `json:"receivedBytes"`
+						RTTSeconds    float64 `json:"rttSeconds"`
 					} `json:"paths"`
 				} `json:"connections"`
 			} `json:"dataPath"`
@@ -117,6 +118,11 @@ func (s *suite) checkCLI(claim, id string, minSent uint64) {
 		for _, p := range c.Paths {
 			remotes[p.Remote] = true
 			sent += p.SentBytes
+			// The kernel's round-trip time of each path (a veth pair
+			// shaped by tbf: under a second).
+			if p.RTTSeconds <= 0 || p.RTTSeconds >= 1 {
+				return fmt.Sprintf("path %s -> %s: round-trip time %vs:\n%s", p.Local, p.Remote, p.RTTSeconds, out)
+			}
 		}
 		if len(remotes) != paths || sent < minSent {
 			return fmt.Sprintf("paths to %d storage addresses (want %d), %d bytes sent (want >= %d):\n%s", len(remotes), paths, sent, minSent, out)

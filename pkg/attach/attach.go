@@ -321,6 +321,13 @@ type PathStats struct {
 	// ReceivedBytes the bytes received.
 	SentBytes     uint64 `json:"sentBytes"`
 	ReceivedBytes uint64 `json:"receivedBytes"`
+	// RetransBytes counts the bytes sent again; RTT is the smoothed
+	// round-trip time; DeliveryRate the kernel's latest estimate of the
+	// bytes per second reaching the storage node. Zero when unknown (a
+	// datapath of an earlier release does not send them).
+	RetransBytes uint64        `json:"retransBytes,omitempty"`
+	RTT          time.Duration `json:"rtt,omitempty"`
+	DeliveryRate uint64        `json:"deliveryRate,omitempty"`
 }
 
 // ConnPaths is the subflows of c, a volume's connection number conn, as
@@ -333,7 +340,8 @@ func ConnPaths(conn int, c net.Conn) []PathStats {
 	paths := make([]PathStats, 0, len(subs))
 	for _, s := range subs {
 		paths = append(paths, PathStats{Connection: conn, Local: s.Local, Remote: s.Remote,
-			SentBytes: s.BytesSent, ReceivedBytes: s.BytesReceived})
+			SentBytes: s.BytesSent, ReceivedBytes: s.BytesReceived,
+			RetransBytes: s.BytesRetrans, RTT: s.RTT, DeliveryRate: s.DeliveryRate})
 	}
 	return paths
 }

@@ -17,6 +17,7 @@ package driver
 import (
 	"net/netip"
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -42,7 +43,7 @@ type NodeCollector struct {
 
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
 	outage, replayed, resent, retained, replaced                             *prometheus.Desc
-	pathSent, pathReceived                                                   *prometheus.Desc
+	pathSent, pathReceived, pathRetrans, pathRTT, pathRate                   *prometheus.Desc
 	// info joins a volume's series to its storage node, for alerts
 	// grouped by cause (a storage node down is one alert).
 	info *prometheus.Desc
@@ -70,14 +71,18 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		replaced:     d("replaced_connections_total", "Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports)."),
 		pathSent: d("path_sent_bytes_total", "Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
-		info: d("info", "1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.", "storage_node"),
+		pathRetrans: d("path_retransmitted_bytes_total", "Bytes sent again over the MPTCP subflows of a connection between a local and a remote address (lost or late on that path); "+
+			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
+		pathRTT:  d("path_rtt_seconds", "Smoothed round-trip time of the MPTCP subflows of a connection between a local and a remote address (the longest, when several share the pair).", pathLabels...),
+		pathRate: d("path_delivery_rate_bytes", "The kernel's latest estimate of the bytes per second the MPTCP subflows of a connection between a local and a remote address deliver to the storage node.", pathLabels...),
+		info:     d("info", "1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.", "storage_node"),
 		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 	}
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived, c.info} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived, c.pathRetrans, c.pathRTT, c.pathRate, c.info} {
 		ch <- d
 	}
 }
@@ -106,6 +111,11 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 			conn := strconv.Itoa(p.conn)
 			ch <- prometheus.MustNewConstMetric(c.pathSent, prometheus.CounterValue, float64(p.sent), id, t, conn, p.local, p.remote)
 			ch <- prometheus.MustNewConstMetric(c.pathReceived, prometheus.CounterValue, float64(p.received), id, t, conn, p.local, p.remote)
+			ch <- prometheus.MustNewConstMetric(c.pathRetrans, prometheus.CounterValue, float64(p.retrans), id, t, conn, p.local, p.remote)
+			if p.rtt > 0 {
+				ch <- prometheus.MustNewConstMetric(c.pathRTT, prometheus.GaugeValue, p.rtt.Seconds(), id, t, conn, p.local, p.remote)
+				ch <- prometheus.MustNewConstMetric(c.pathRate, prometheus.GaugeValue, float64(p.rate), id, t, conn, p.local, p.remote)
+			}
 		}
 		if want, ok := c.node.expectedSubflows(id); ok {
 			ch <- prometheus.MustNewConstMetric(c.expected, prometheus.GaugeValue, float64(want), id, t)
@@ -138,13 +148,15 @@ var pathLabels = []string{"connection", "local", "remote"}
 // pathTotal is the bytes of the subflows of one connection between one
 // pair of addresses.
 type pathTotal struct {
-	conn           int
-	local, remote  string
-	sent, received uint64
+	conn                          int
+	local, remote                 string
+	sent, received, retrans, rate uint64
+	// rtt is the longest of the subflows'.
+	rtt time.Duration
 }
 
-// pathTotals sums paths by connection and address pair, in the order the
-// pairs first appear.
+// pathTotals sums paths by connection and address pair (the longest
+// RTT), in the order the pairs first appear.
 func pathTotals(paths []attach.PathStats) []pathTotal {
 	type key struct {
 		conn          int
@@ -162,6 +174,9 @@ func pathTotals(paths []attach.PathStats) []pathTotal {
 		}
 		totals[i].sent += p.SentBytes
 		totals[i].received += p.ReceivedBytes
+		totals[i].retrans += p.RetransBytes
+		totals[i].rate += p.DeliveryRate
+		totals[i].rtt = max(totals[i].rtt, p.RTT)
 	}
 	return totals
 }

@@ -45,10 +45,14 @@ func TestNodeCollector(t *testing.T) {
 	f.att.mu.Lock()
 	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replaced: 2, Replayed: 7, Resent: 5, Retained: 4,
 		Paths: []attach.PathStats{
-			{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1000, ReceivedBytes: 2000},
-			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40001"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 3000, ReceivedBytes: 4000},
-			// A second subflow between the same addresses: summed.
-			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40002"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 5, ReceivedBytes: 6},
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1000, ReceivedBytes: 2000,
+				RetransBytes: 10, RTT: 1500 * time.Microsecond, DeliveryRate: 100 << 20},
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40001"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 3000, ReceivedBytes: 4000,
+				RetransBytes: 20, RTT: 2 * time.Millisecond, DeliveryRate: 50 << 20},
+			// A second subflow between the same addresses: summed (the
+			// longest RTT).
+			{Connection: 0, Local: netip.MustParseAddrPort("10.77.2.1:40002"), Remote: netip.MustParseAddrPort("10.77.2.2:10900"), SentBytes: 5, ReceivedBytes: 6,
+				RetransBytes: 1, RTT: 5 * time.Millisecond, DeliveryRate: 1 << 20},
 			{Connection: 1, Local: netip.MustParseAddrPort("[fd00::1]:40003"), Remote: netip.MustParseAddrPort("[fd00::2]:10809"), SentBytes: 1 << 40},
 		}}
 	f.att.mu.Unlock()
@@ -74,11 +78,24 @@ mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1
 # HELP mpnbd_node_volume_outage_seconds How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected.
 # TYPE mpnbd_node_volume_outage_seconds gauge
 mpnbd_node_volume_outage_seconds{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_path_delivery_rate_bytes The kernel's latest estimate of the bytes per second the MPTCP subflows of a connection between a local and a remote address deliver to the storage node.
+# TYPE mpnbd_node_volume_path_delivery_rate_bytes gauge
+mpnbd_node_volume_path_delivery_rate_bytes{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 1.048576e+08
+mpnbd_node_volume_path_delivery_rate_bytes{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 5.3477376e+07
 # HELP mpnbd_node_volume_path_received_bytes_total Bytes received over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
 # TYPE mpnbd_node_volume_path_received_bytes_total counter
 mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 2000
 mpnbd_node_volume_path_received_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 4006
 mpnbd_node_volume_path_received_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_path_retransmitted_bytes_total Bytes sent again over the MPTCP subflows of a connection between a local and a remote address (lost or late on that path); restarts from zero when the subflows or the connection are replaced.
+# TYPE mpnbd_node_volume_path_retransmitted_bytes_total counter
+mpnbd_node_volume_path_retransmitted_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 10
+mpnbd_node_volume_path_retransmitted_bytes_total{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 21
+mpnbd_node_volume_path_retransmitted_bytes_total{connection="1",local="fd00::1",remote="fd00::2",transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_path_rtt_seconds Smoothed round-trip time of the MPTCP subflows of a connection between a local and a remote address (the longest, when several share the pair).
+# TYPE mpnbd_node_volume_path_rtt_seconds gauge
+mpnbd_node_volume_path_rtt_seconds{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 0.0015
+mpnbd_node_volume_path_rtt_seconds{connection="0",local="10.77.2.1",remote="10.77.2.2",transport="fuse",volume="pv-1"} 0.005
 # HELP mpnbd_node_volume_path_sent_bytes_total Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; restarts from zero when the subflows or the connection are replaced.
 # TYPE mpnbd_node_volume_path_sent_bytes_total counter
 mpnbd_node_volume_path_sent_bytes_total{connection="0",local="10.77.1.1",remote="10.77.1.2",transport="fuse",volume="pv-1"} 1000

@@ -131,6 +131,12 @@ type SubflowInfo struct {
 	// kernel answers keepalive probes keeps it short however slow its
 	// server process is.
 	LastAckRecv time.Duration
+	// RTT is the smoothed round-trip time (tcpi_rtt); DeliveryRate the
+	// kernel's latest estimate of the rate at which the subflow's data
+	// reached the peer, in bytes per second (tcpi_delivery_rate, Linux
+	// 4.18; zero before).
+	RTT          time.Duration
+	DeliveryRate uint64
 }
 
 // FullInfo is a decoded MPTCP_FULL_INFO reply.
@@ -241,6 +247,8 @@ func decodeTCPInfo(s *SubflowInfo, b []byte) {
 	s.BytesReceived = d.u64(ne, offTCPBytesReceived)
 	s.BytesSent = d.u64(ne, offTCPBytesSent)
 	s.BytesRetrans = d.u64(ne, offTCPBytesRetrans)
+	s.RTT = time.Duration(d.u32(ne, offTCPRTT)) * time.Microsecond
+	s.DeliveryRate = d.u64(ne, offTCPDeliveryRate)
 }
 
 // decodeSockaddr decodes a sockaddr_in or sockaddr_in6 (family in host

@@ -34,6 +34,8 @@ func TestTCPInfoOffsets(t *testing.T) {
 		{"bytes_received", offTCPBytesReceived, unsafe.Offsetof(ti.Bytes_received)},
 		{"bytes_sent", offTCPBytesSent, unsafe.Offsetof(ti.Bytes_sent)},
 		{"bytes_retrans", offTCPBytesRetrans, unsafe.Offsetof(ti.Bytes_retrans)},
+		{"rtt", offTCPRTT, unsafe.Offsetof(ti.Rtt)},
+		{"delivery_rate", offTCPDeliveryRate, unsafe.Offsetof(ti.Delivery_rate)},
 	} {
 		if c.got != c.want {
 			t.Errorf("tcpi_%s at %d, x/sys says %d", c.name, c.got, c.want)

@@ -19,6 +19,7 @@ import (
 	"errors"
 	"net/netip"
 	"testing"
+	"time"
 )
 
 // putSockaddr writes a in a sockaddr_storage at b the way the kernel
@@ -48,6 +49,8 @@ func putTCPInfo(b []byte, s SubflowInfo) {
 	ne.PutUint64(b[offTCPBytesReceived:], s.BytesReceived)
 	ne.PutUint64(b[offTCPBytesSent:], s.BytesSent)
 	ne.PutUint64(b[offTCPBytesRetrans:], s.BytesRetrans)
+	ne.PutUint32(b[offTCPRTT:], uint32(s.RTT/time.Microsecond))
+	ne.PutUint64(b[offTCPDeliveryRate:], s.DeliveryRate)
 	// Fields in between that must not leak into the counters.
 	for _, off := range []int{8, 104, 112, 136, 192} {
 		ne.PutUint32(b[off:], 0xffffffff)
@@ -61,6 +64,7 @@ func sampleSubflows() []SubflowInfo {
 			Local:     netip.MustParseAddrPort("10.77.1.1:40000"),
 			Remote:    netip.MustParseAddrPort("10.77.1.2:10809"),
 			BytesSent: 3 << 20, BytesRetrans: 1500, BytesAcked: 3<<20 - 1500, BytesReceived: 1 << 10,
+			RTT: 1250 * time.Microsecond, DeliveryRate: 117 << 20,
 		},
 		{
 			ID: 2, State: 1,
