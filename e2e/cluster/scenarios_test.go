@@ -231,6 +231,24 @@ func (s *suite) filesystemScenario() {
 			}
 			return ""
 		})
+		// The node's info metric names the claim, the storage node and
+		// the loop device (node_exporter's device label).
+		s.waitFor("the claim and the device in mpnbd_node_volume_info", time.Minute, func() string {
+			out, err := s.nodeMetrics()
+			if err != nil {
+				return err.Error()
+			}
+			for _, l := range strings.Split(out, "\n") {
+				if strings.HasPrefix(l, "mpnbd_node_volume_info{") && strings.Contains(l, `volume="`+id+`"`) {
+					if !strings.Contains(l, `device="loop`) || !strings.Contains(l, `namespace="default"`) || !strings.Contains(l, `pvc="fs"`) ||
+						!strings.Contains(l, `storage_node="`+s.c.NodeName+`"`) {
+						return "info: " + l
+					}
+					return ""
+				}
+			}
+			return "no mpnbd_node_volume_info of " + id
+		})
 		// And the operator's CLI.
 		s.checkCLI("fs", id, 32<<20)
 		s.kubectl("delete", "pod", "fs-app", "--wait=true", "--timeout=120s")

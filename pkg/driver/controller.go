@@ -265,7 +265,7 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			ObjectMeta: metav1.ObjectMeta{
 				Name:        id,
 				Finalizers:  []string{v1alpha1.Finalizer},
-				Annotations: map[string]string{access.AnnotationCSIName: name},
+				Annotations: claimAnnotations(req.GetParameters(), map[string]string{access.AnnotationCSIName: name}),
 			},
 			Spec: v1alpha1.NBDVolumeSpec{
 				SizeBytes:     size,

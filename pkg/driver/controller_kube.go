@@ -35,6 +35,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -530,6 +531,15 @@ func (c *Controller) csiVolume(ctx context.Context, v *v1alpha1.NBDVolume, topo 
 		VolumeContext: maps.Clone(v.Spec.Parameters),
 		ContentSource: csiContentSource(v.Spec.ContentSource),
 	}
+	// The claim, for the node's metrics.
+	for _, k := range []string{VolumeContextPVCName, VolumeContextPVCNamespace} {
+		if a := v.Annotations[k]; a != "" {
+			if out.VolumeContext == nil {
+				out.VolumeContext = map[string]string{}
+			}
+			out.VolumeContext[k] = a
+		}
+	}
 	if out.CapacityBytes == 0 {
 		out.CapacityBytes = v.Spec.SizeBytes
 	}
@@ -664,4 +674,23 @@ func (c *Controller) checkAttachLimit(ctx context.Context, nodeID string) error 
 		return fmt.Errorf("%w: node %s has %d volumes of %s published, its limit", ErrExhausted, nodeID, n, DriverName)
 	}
 	return nil
+}
+
+// The provisioner's names of the claim a volume is made for
+// (--extra-create-metadata).
+const (
+	paramPVCName      = reservedPrefix + "pvc/name"
+	paramPVCNamespace = reservedPrefix + "pvc/namespace"
+)
+
+// claimAnnotations adds to annotations the claim CreateVolume's
+// parameters name (VolumeContextPVCName, VolumeContextPVCNamespace), when
+// they are valid names.
+func claimAnnotations(params, annotations map[string]string) map[string]string {
+	for k, p := range map[string]string{VolumeContextPVCName: paramPVCName, VolumeContextPVCNamespace: paramPVCNamespace} {
+		if v := params[p]; v != "" && len(validation.IsDNS1123Subdomain(v)) == 0 {
+			annotations[k] = v
+		}
+	}
+	return annotations
 }

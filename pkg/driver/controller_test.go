@@ -499,7 +499,7 @@ func TestCreateVolume(t *testing.T) {
 	ctl, c, _ := setup(t)
 	ctx := context.Background()
 	// ext4: an xfs volume would be raised to 300 MiB (controller_size_test.go).
-	params := map[string]string{"fsType": "ext4", "transport": "relay", "csi.storage.k8s.io/pvc/name": "data"}
+	params := map[string]string{"fsType": "ext4", "transport": "relay", "csi.storage.k8s.io/pvc/name": "data", "csi.storage.k8s.io/pvc/namespace": "apps"}
 	resp, err := ctl.CreateVolume(ctx, createReq("pvc-1", 5000, params))
 	if err != nil {
 		t.Fatal(err)
@@ -508,10 +508,12 @@ func TestCreateVolume(t *testing.T) {
 	if vol.GetVolumeId() != "pvc-1" || vol.GetCapacityBytes() != 8192 {
 		t.Errorf("volume %s of %d bytes, want pvc-1 of 8192", vol.GetVolumeId(), vol.GetCapacityBytes())
 	}
-	wantCtx := map[string]string{"fsType": "ext4", "transport": "relay"}
+	// The class's parameters, and the claim for the node's metrics.
+	wantCtx := map[string]string{"fsType": "ext4", "transport": "relay", VolumeContextPVCName: "data", VolumeContextPVCNamespace: "apps"}
 	if !maps.Equal(vol.GetVolumeContext(), wantCtx) {
 		t.Errorf("volume context %v, want %v", vol.GetVolumeContext(), wantCtx)
 	}
+	wantCtx = map[string]string{"fsType": "ext4", "transport": "relay"}
 	if len(vol.GetAccessibleTopology()) != 1 || !maps.Equal(vol.GetAccessibleTopology()[0].GetSegments(), map[string]string{"zone": "a"}) {
 		t.Errorf("accessible topology %v, want zone=a", vol.GetAccessibleTopology())
 	}
@@ -520,7 +522,8 @@ func TestCreateVolume(t *testing.T) {
 		v.Spec.MultiNode || !maps.Equal(v.Spec.Parameters, wantCtx) {
 		t.Errorf("spec %+v", v.Spec)
 	}
-	if v.Annotations[access.AnnotationCSIName] != "pvc-1" || !slices.Contains(v.Finalizers, v1alpha1.Finalizer) {
+	if v.Annotations[access.AnnotationCSIName] != "pvc-1" || !slices.Contains(v.Finalizers, v1alpha1.Finalizer) ||
+		v.Annotations[VolumeContextPVCName] != "data" || v.Annotations[VolumeContextPVCNamespace] != "apps" {
 		t.Errorf("metadata %+v", v.ObjectMeta)
 	}
 
@@ -555,6 +558,10 @@ func TestCreateVolume(t *testing.T) {
 	v = getVolume(t, c, id)
 	if v.Spec.AccessType != v1alpha1.AccessBlock || !v.Spec.MultiNode || v.Spec.SizeBytes != gib {
 		t.Errorf("spec %+v", v.Spec)
+	}
+	// No claim named: none in the context.
+	if len(resp.GetVolume().GetVolumeContext()) != 0 || v.Annotations[VolumeContextPVCName] != "" {
+		t.Errorf("a volume made for no claim: context %v, annotations %v", resp.GetVolume().GetVolumeContext(), v.Annotations)
 	}
 	if resp.GetVolume().GetCapacityBytes() != gib {
 		t.Errorf("capacity %d, want default %d", resp.GetVolume().GetCapacityBytes(), gib)

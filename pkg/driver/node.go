@@ -16,6 +16,7 @@ package driver
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -128,6 +129,40 @@ const expectedDir = "expected-subflows"
 type stagedFacts struct {
 	addrs       int
 	storageNode string
+	volumeInfo
+}
+
+// volumeInfo is what the node's metrics say of a staged volume besides
+// its storage node: the claim it was made for (empty when the controller
+// did not say) and its block device's name ("loop3", "nbd0": the device
+// label of node_exporter's disk metrics). Kept in StateDir under infoDir,
+// as JSON, beside the address count (an earlier plugin reads that file
+// and ignores this one).
+type volumeInfo struct {
+	PVC       string `json:"pvc,omitempty"`
+	Namespace string `json:"namespace,omitempty"`
+	Device    string `json:"device,omitempty"`
+}
+
+// infoDir is the directory under NodeConfig.StateDir holding, per staged
+// volume, its volumeInfo.
+const infoDir = "volume-info"
+
+// newVolumeInfo is the volumeInfo of a volume staged on device, from its
+// volume context; values that are no label-safe name are left out.
+func newVolumeInfo(volumeCtx map[string]string, device string) volumeInfo {
+	name := func(s string) string {
+		s = strings.TrimSpace(s)
+		if len(s) > 253 || strings.ContainsFunc(s, func(r rune) bool { return r <= ' ' || r == '"' || r == '\\' || r > '~' }) {
+			return ""
+		}
+		return s
+	}
+	dev := ""
+	if device != "" {
+		dev = name(filepath.Base(device))
+	}
+	return volumeInfo{PVC: name(volumeCtx[VolumeContextPVCName]), Namespace: name(volumeCtx[VolumeContextPVCNamespace]), Device: dev}
 }
 
 // StageObserver hears of the volumes the node stages and unstages. Its
@@ -260,7 +295,8 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	n.rememberExpected(id, stagedFacts{addrs: len(spec.Target.Addrs), storageNode: strings.TrimSpace(req.GetPublishContext()[PublishContextStorageNode])})
+	n.rememberExpected(id, stagedFacts{addrs: len(spec.Target.Addrs), storageNode: strings.TrimSpace(req.GetPublishContext()[PublishContextStorageNode]),
+		volumeInfo: newVolumeInfo(req.GetVolumeContext(), att.Device)})
 	if n.cfg.Observer != nil {
 		n.cfg.Observer.Staged(att)
 	}
@@ -697,8 +733,23 @@ func (n *Node) staged(id string) (stagedFacts, bool) {
 	if len(fields) == 2 {
 		f.storageNode = fields[1]
 	}
+	if b, err := os.ReadFile(n.infoFile(id)); err == nil {
+		if err := json.Unmarshal(b, &f.volumeInfo); err != nil {
+			n.log.Warn("a malformed volume info file; the metrics leave its claim and device out", "volume_id", id, "error", err)
+			f.volumeInfo = volumeInfo{}
+		}
+	}
 	n.addrs.Store(id, f)
 	return f, true
+}
+
+// infoFile is where StateDir keeps the volume's volumeInfo (see
+// expectedFile).
+func (n *Node) infoFile(id string) string {
+	if n.expectedFile(id) == "" {
+		return ""
+	}
+	return filepath.Join(n.cfg.StateDir, infoDir, id)
 }
 
 // expectedFile is where StateDir keeps the volume's storage address
@@ -726,14 +777,24 @@ func (n *Node) rememberExpected(id string, f stagedFacts) {
 	if err := attach.WriteFileAtomic(p, []byte(line+"\n")); err != nil {
 		n.log.Warn("keep the volume's storage address count; after a restart its subflows go unchecked", "volume_id", id, "error", err)
 	}
+	b, err := json.Marshal(f.volumeInfo)
+	if err == nil {
+		err = attach.WriteFileAtomic(n.infoFile(id), append(b, '\n'))
+	}
+	if err != nil {
+		n.log.Warn("keep the volume's claim and device; after a restart its metrics leave them out", "volume_id", id, "error", err)
+	}
 }
 
 // forgetExpected drops what rememberExpected kept.
 func (n *Node) forgetExpected(id string) {
 	n.addrs.Delete(id)
-	if p := n.expectedFile(id); p != "" {
+	for _, p := range []string{n.expectedFile(id), n.infoFile(id)} {
+		if p == "" {
+			continue
+		}
 		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			n.log.Warn("remove the volume's storage address count", "volume_id", id, "error", err)
+			n.log.Warn("remove what the node kept of the volume", "volume_id", id, "path", p, "error", err)
 		}
 	}
 }

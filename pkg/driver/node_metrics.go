@@ -75,7 +75,8 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 		pathRTT:  d("path_rtt_seconds", "Smoothed round-trip time of the MPTCP subflows of a connection between a local and a remote address (the longest, when several share the pair).", pathLabels...),
 		pathRate: d("path_delivery_rate_bytes", "The kernel's latest estimate of the bytes per second the MPTCP subflows of a connection between a local and a remote address deliver to the storage node.", pathLabels...),
-		info:     d("info", "1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.", "storage_node"),
+		info: d("info", "1 for each attached volume, with the storage node serving it, the claim it was made for and its block device (node_exporter's device label; each empty when unknown); join the other series on volume.",
+			"storage_node", "namespace", "pvc", "device"),
 		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 	}
@@ -101,7 +102,7 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 			continue // detached meanwhile
 		}
 		facts, _ := c.node.staged(id)
-		ch <- prometheus.MustNewConstMetric(c.info, prometheus.GaugeValue, 1, id, t, facts.storageNode)
+		ch <- prometheus.MustNewConstMetric(c.info, prometheus.GaugeValue, 1, id, t, facts.storageNode, facts.Namespace, facts.PVC, facts.Device)
 		ch <- prometheus.MustNewConstMetric(c.connected, prometheus.GaugeValue, b(h.Connected), id, t)
 		ch <- prometheus.MustNewConstMetric(c.mptcp, prometheus.GaugeValue, b(h.MPTCP), id, t)
 		for i, n := range h.Subflows {

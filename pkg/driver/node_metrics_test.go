@@ -35,6 +35,8 @@ func TestNodeCollector(t *testing.T) {
 	f := newNodeFixture(t)
 	req := f.stageReq("pv-1", mountCap(rwo, ""))
 	req.PublishContext[PublishContextStorageNode] = "storage-1"
+	req.VolumeContext[VolumeContextPVCName] = "data"
+	req.VolumeContext[VolumeContextPVCNamespace] = "apps"
 	if _, err := f.node.NodeStageVolume(context.Background(), req); err != nil {
 		t.Fatal(err)
 	}
@@ -69,9 +71,9 @@ mpnbd_node_volume_expected_subflows{transport="fuse",volume="pv-1"} 2
 # HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
 # TYPE mpnbd_node_volume_inaccessible gauge
 mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 0
-# HELP mpnbd_node_volume_info 1 for each attached volume, with the storage node serving it (empty when unknown); join the other series on volume.
+# HELP mpnbd_node_volume_info 1 for each attached volume, with the storage node serving it, the claim it was made for and its block device (node_exporter's device label; each empty when unknown); join the other series on volume.
 # TYPE mpnbd_node_volume_info gauge
-mpnbd_node_volume_info{storage_node="storage-1",transport="fuse",volume="pv-1"} 1
+mpnbd_node_volume_info{device="fake0",namespace="apps",pvc="data",storage_node="storage-1",transport="fuse",volume="pv-1"} 1
 # HELP mpnbd_node_volume_mptcp 1 when the volume's data path runs over MPTCP.
 # TYPE mpnbd_node_volume_mptcp gauge
 mpnbd_node_volume_mptcp{transport="fuse",volume="pv-1"} 1
@@ -141,5 +143,24 @@ mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 1
 mpnbd_node_volume_degraded{transport="fuse",volume="pv-1"} 0
 `), "mpnbd_node_volume_inaccessible", "mpnbd_node_volume_degraded", "mpnbd_node_volume_outage_seconds"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestNewVolumeInfo: the claim and device names go into labels as they
+// are, and anything that is no plain name is left out.
+func TestNewVolumeInfo(t *testing.T) {
+	for _, tc := range []struct {
+		ctx    map[string]string
+		device string
+		want   volumeInfo
+	}{
+		{map[string]string{VolumeContextPVCName: "data", VolumeContextPVCNamespace: "apps"}, "/dev/loop3", volumeInfo{PVC: "data", Namespace: "apps", Device: "loop3"}},
+		{nil, "", volumeInfo{}},
+		{map[string]string{VolumeContextPVCName: "a b", VolumeContextPVCNamespace: `x"y`}, "/dev/nbd0", volumeInfo{Device: "nbd0"}},
+		{map[string]string{VolumeContextPVCName: strings.Repeat("a", 254)}, "/dev/ublkb1", volumeInfo{Device: "ublkb1"}},
+	} {
+		if got := newVolumeInfo(tc.ctx, tc.device); got != tc.want {
+			t.Errorf("newVolumeInfo(%v, %q) = %+v, want %+v", tc.ctx, tc.device, got, tc.want)
+		}
 	}
 }

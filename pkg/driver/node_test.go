@@ -620,13 +620,32 @@ func TestNodeExpectedSubflowsAfterRestart(t *testing.T) {
 	}
 	stage := f.stageReq("pv-1", mountCap(rwo, ""))
 	stage.PublishContext[PublishContextStorageNode] = "storage-1"
+	stage.VolumeContext[VolumeContextPVCName] = "data"
+	stage.VolumeContext[VolumeContextPVCNamespace] = "apps"
 	if _, err := node().NodeStageVolume(ctx, stage); err != nil {
 		t.Fatal(err)
 	}
 	want := len(strings.Split(stage.PublishContext[PublishContextAddresses], ","))
-	// The storage node too (the metrics' mpnbd_node_volume_info).
+	// The storage node, the claim and the device too (the metrics'
+	// mpnbd_node_volume_info).
+	wantFacts := stagedFacts{addrs: want, storageNode: "storage-1", volumeInfo: volumeInfo{PVC: "data", Namespace: "apps", Device: "fake0"}}
+	if facts, ok := node().staged("pv-1"); !ok || facts != wantFacts {
+		t.Errorf("after a restart: %+v, %v; want %+v", facts, ok, wantFacts)
+	}
+	// A malformed info file costs the claim and device, not the count.
+	info := filepath.Join(state, infoDir, "pv-1")
+	good, err := os.ReadFile(info)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(info, []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	if facts, ok := node().staged("pv-1"); !ok || facts != (stagedFacts{addrs: want, storageNode: "storage-1"}) {
-		t.Errorf("after a restart: %+v, %v; want %d addresses on storage-1", facts, ok, want)
+		t.Errorf("with a malformed info file: %+v, %v", facts, ok)
+	}
+	if err := os.WriteFile(info, good, 0o600); err != nil {
+		t.Fatal(err)
 	}
 	// A file an earlier plugin wrote holds the count alone.
 	if err := os.WriteFile(filepath.Join(state, expectedDir, "pv-old"), []byte("3\n"), 0o600); err != nil {
@@ -660,8 +679,10 @@ func TestNodeExpectedSubflowsAfterRestart(t *testing.T) {
 	if _, err := restarted.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pv-1", StagingTargetPath: stage.StagingTargetPath}); err != nil {
 		t.Fatal(err)
 	}
-	if left, _ := os.ReadDir(filepath.Join(state, expectedDir)); len(left) != 0 {
-		t.Errorf("after the unstage, %s holds %d files", expectedDir, len(left))
+	for _, d := range []string{expectedDir, infoDir} {
+		if left, _ := os.ReadDir(filepath.Join(state, d)); len(left) != 0 {
+			t.Errorf("after the unstage, %s holds %d files", d, len(left))
+		}
 	}
 	if _, ok := node().expectedSubflows("pv-1"); ok {
 		t.Error("a node started after the unstage still knows the volume's subflows")

@@ -49,6 +49,15 @@ const (
 	PublishContextReplicas = "replicas"
 )
 
+// Volume context keys the controller adds to a volume made for a claim
+// (CreateVolume, with the provisioner's --extra-create-metadata): the
+// node plugin names the claim in its metrics (mpnbd_node_volume_info).
+// The NBDVolume carries them as annotations of the same names.
+const (
+	VolumeContextPVCName      = "mpnbd.io/pvc-name"
+	VolumeContextPVCNamespace = "mpnbd.io/pvc-namespace"
+)
+
 // nodeParamKeys are the StorageClass parameters (copied into the volume
 // context) that matter on the node. Everything else in the volume context
 // (the provisioner's identity, pod info, controller-only parameters) is
