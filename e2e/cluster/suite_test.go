@@ -45,7 +45,7 @@ const (
 	// controllerMetricsPort is the controller's (the chart's default; on
 	// the host network in the suite), agentMetricsPort the storage
 	// agent's (the chart's default, in a pod network).
-	controllerMetricsPort = 9817
+	controllerMetricsPort = 9818
 	agentMetricsPort      = 9810
 )
 
@@ -442,8 +442,8 @@ storageAgent:
 	})
 
 	s.upgradeScenario()
-	s.buildInfoScenario(imageVersion)
 	s.identityScenario(filepath.Join(s.dir, "node-state"))
+	s.buildInfoScenario(imageVersion)
 	if os.Getenv(envScaleOnly) != "" {
 		// The scale scenario alone, on the driver of this chart with its
 		// certificates issued (the scenario's volumes are encrypted).

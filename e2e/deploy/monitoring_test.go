@@ -289,7 +289,7 @@ func TestPodMonitors(t *testing.T) {
 	}{
 		{"mpnbd-node", "DaemonSet", "mpnbd-node", "node", 9811},
 		{"mpnbd-storage-agent", "DaemonSet", "mpnbd-storage-agent", "storage-agent", 9810},
-		{"mpnbd-controller", "Deployment", "mpnbd-controller", "controller", 9817},
+		{"mpnbd-controller", "Deployment", "mpnbd-controller", "controller", 9818},
 	} {
 		pm := find(t, objs, "PodMonitor", tc.monitor)
 		if pm.GetAPIVersion() != "monitoring.coreos.com/v1" || pm.GetNamespace() != "mpnbd-system" ||
@@ -340,7 +340,7 @@ func TestPodMonitors(t *testing.T) {
 		t.Errorf("the controller serves metrics without controller.metricsPort: %v", args)
 	}
 	// The controller's metrics on by default, on the pod's address.
-	if args := containerArgs(t, render(t), "Deployment", "mpnbd-controller", "controller"); !slices.Contains(args, "--metrics-addr=[$(HTTP_ADDRESS)]:9817") {
+	if args := containerArgs(t, render(t), "Deployment", "mpnbd-controller", "controller"); !slices.Contains(args, "--metrics-addr=[$(HTTP_ADDRESS)]:9818") {
 		t.Errorf("the controller's arguments by default: %v", args)
 	}
 	// Without the storage agent, no PodMonitor for it.
