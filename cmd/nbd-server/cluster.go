@@ -139,6 +139,9 @@ func (d *daemon) startIdentity(ctx context.Context, cfg *rest.Config, scheme *ru
 	if err != nil {
 		return nil, err
 	}
+	if d.reg != nil {
+		d.reg.MustRegister(nodeid.CertCollector(nodeid.Storage, id.Leaf))
+	}
 	go func() {
 		if err := id.Start(ctx, 0); err != nil && ctx.Err() == nil {
 			d.log.Error("no storage certificate: TLS connections are refused", "error", err)

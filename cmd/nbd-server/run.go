@@ -83,6 +83,8 @@ type daemon struct {
 	log     *slog.Logger
 	srv     *nbd.Server
 	metrics *nbdmetrics.Observer
+	// reg is the registry /metrics serves.
+	reg     *prometheus.Registry
 	exports map[string]*openExport
 	// retired are removed exports whose connections did not drain in time.
 	retired []*openExport
@@ -131,6 +133,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		opts:    opts,
 		log:     log,
 		metrics: obs,
+		reg:     reg,
 		exports: make(map[string]*openExport),
 		srv: &nbd.Server{
 			Logger:      log,

@@ -300,6 +300,9 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if o.metricsAddr != "" {
 		reg := buildinfo.Registry("node")
 		reg.MustRegister(driver.NewNodeCollector(node, mgr))
+		if cfg.IdentityDir != "" {
+			reg.MustRegister(nodeid.CertCollector(nodeid.Node, nodeid.LeafFromDir(cfg.IdentityDir)))
+		}
 		if metrics, err = driver.NewMetrics(reg); err != nil {
 			return err
 		}

@@ -144,7 +144,8 @@ func (s *suite) checkCLI(claim, id string, minSent uint64) {
 // agent each say on /metrics that they run the image just built
 // (mpnbd_build_info's version is the one the image was built with), the
 // controller its view of the storage node and its API requests, the agent
-// its controller-runtime work queues.
+// its controller-runtime work queues; the node plugin and the agent the
+// validity of their certificates.
 func (s *suite) buildInfoScenario(version string) {
 	s.step("every component's mpnbd_build_info names the image's version", func() {
 		agentIP := s.jsonpath("{.items[0].status.podIP}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=storage-agent")
@@ -152,11 +153,11 @@ func (s *suite) buildInfoScenario(version string) {
 			component, url string
 			also           []string
 		}{
-			{"node", s.nodeMetricsURL(), nil},
+			{"node", s.nodeMetricsURL(), []string{`mpnbd_certificate_not_after_timestamp_seconds{kind="node"}`}},
 			{"controller", "http://" + net.JoinHostPort(s.nodeHTTPHost(), strconv.Itoa(controllerMetricsPort)) + "/metrics",
 				[]string{`mpnbd_controller_storage_node_ready{storage_node="` + s.c.NodeName + `"} 1`, "rest_client_requests_total{", `mpnbd_csi_requests_total{code="OK",method="`}},
 			{"storage-agent", "http://" + net.JoinHostPort(agentIP, strconv.Itoa(agentMetricsPort)) + "/metrics",
-				[]string{"workqueue_adds_total{", "rest_client_requests_total{"}},
+				[]string{"workqueue_adds_total{", "rest_client_requests_total{", `mpnbd_certificate_not_after_timestamp_seconds{kind="storage"}`}},
 		} {
 			want := append([]string{`mpnbd_build_info{component="` + tc.component + `",`, `version="` + version + `"} 1`}, tc.also...)
 			s.waitFor(tc.component+"'s metrics", time.Minute, func() string {
