@@ -34,7 +34,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -196,7 +195,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		}
 		// With the API client's request metrics controller-runtime
 		// keeps.
-		if err := driver.ServeMetrics(ctx, o.metricsAddr, prometheus.Gatherers{reg, ctrlmetrics.Registry}, log); err != nil {
+		if err := driver.ServeMetrics(ctx, o.metricsAddr, buildinfo.Merge(reg, ctrlmetrics.Registry), log); err != nil {
 			return fmt.Errorf("--metrics-addr: %w", err)
 		}
 	}

@@ -251,7 +251,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		// (its watches' work queues, its API requests).
 		var g prometheus.Gatherer = reg
 		if opts.cluster != nil {
-			g = prometheus.Gatherers{reg, ctrlmetrics.Registry}
+			g = buildinfo.Merge(reg, ctrlmetrics.Registry)
 		}
 		metricsSrv = newMetricsServer(g, reg, &healthy, ready, log)
 		go func() {

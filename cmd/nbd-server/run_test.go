@@ -38,6 +38,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
+
 	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -655,5 +658,27 @@ func TestFailedFinalSyncChangesIncarnation(t *testing.T) {
 	next, err := (nbd.IncarnationStore{Path: d.incarnations.Path}).Current()
 	if err != nil || next != d.srv.Incarnation {
 		t.Fatalf("the next start would announce %x (%v), not the changed %x", next, err, d.srv.Incarnation)
+	}
+}
+
+// TestClusterMetricsGather: the storage agent's registry and
+// controller-runtime's (which holds its own Go runtime and process
+// collectors in this binary) gather together without a clash.
+func TestClusterMetricsGather(t *testing.T) {
+	if _, err := (prometheus.Gatherers{buildinfo.Registry("storage-agent"), ctrlmetrics.Registry}).Gather(); err == nil {
+		t.Log("controller-runtime's registry holds no Go collector here: the merge is not needed")
+	}
+	mfs, err := buildinfo.Merge(buildinfo.Registry("storage-agent"), ctrlmetrics.Registry).Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, mf := range mfs {
+		if mf.GetName() == "go_goroutines" {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("go_goroutines gathered %d times", n)
 	}
 }

@@ -25,9 +25,12 @@ package buildinfo
 import (
 	"runtime"
 	"runtime/debug"
+	"slices"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // Version is the driver's version, set at build time (-ldflags
@@ -95,4 +98,35 @@ func registry(component, version string) *prometheus.Registry {
 		Collector(component, version),
 	)
 	return reg
+}
+
+// Merge gathers from first and then from more, leaving out the metric
+// families of more that an earlier gatherer has already given (a library's
+// registry, controller-runtime's, may hold its own Go runtime and process
+// collectors: gathered side by side they would clash and fail the
+// scrape).
+func Merge(first prometheus.Gatherer, more ...prometheus.Gatherer) prometheus.Gatherer {
+	return merged(append([]prometheus.Gatherer{first}, more...))
+}
+
+type merged []prometheus.Gatherer
+
+func (m merged) Gather() ([]*dto.MetricFamily, error) {
+	var out []*dto.MetricFamily
+	seen := map[string]bool{}
+	var errs prometheus.MultiError
+	for _, g := range m {
+		mfs, err := g.Gather()
+		if err != nil {
+			errs.Append(err)
+		}
+		for _, mf := range mfs {
+			if !seen[mf.GetName()] {
+				seen[mf.GetName()] = true
+				out = append(out, mf)
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b *dto.MetricFamily) int { return strings.Compare(a.GetName(), b.GetName()) })
+	return out, errs.MaybeUnwrap()
 }

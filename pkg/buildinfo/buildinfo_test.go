@@ -19,6 +19,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -49,5 +51,31 @@ mpnbd_build_info{component="controller",go_version="` + runtime.Version() + `",r
 	}
 	if r := Revision(); r == "" {
 		t.Error("empty revision")
+	}
+}
+
+// TestMerge: families a later gatherer repeats (its own Go collector) are
+// left out, so the scrape does not fail; the others are all there.
+func TestMerge(t *testing.T) {
+	other := prometheus.NewRegistry()
+	other.MustRegister(collectors.NewGoCollector())
+	extra := prometheus.NewCounter(prometheus.CounterOpts{Name: "extra_total", Help: "x"})
+	other.MustRegister(extra)
+	first := registry("agent", "1")
+	if _, err := (prometheus.Gatherers{first, other}).Gather(); err == nil {
+		t.Fatal("the two registries gathered side by side did not clash: the test shows nothing")
+	}
+	mfs, err := Merge(first, other).Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]int{}
+	for _, mf := range mfs {
+		names[mf.GetName()]++
+	}
+	for _, n := range []string{MetricName, "go_goroutines", "extra_total"} {
+		if names[n] != 1 {
+			t.Errorf("%s gathered %d times", n, names[n])
+		}
 	}
 }
