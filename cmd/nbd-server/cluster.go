@@ -30,6 +30,8 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
+	"github.com/mpnbd/mpnbd/pkg/mptcp"
+	"github.com/mpnbd/mpnbd/pkg/nbdmetrics"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
@@ -85,6 +87,7 @@ func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterA
 		DrainTimeout:      d.opts.shutdownTimeout,
 		SignalNICs:        co.signalNICs,
 		AutoBackup:        co.autoBackup,
+		OnPathEvent:       d.pathDecisions(),
 		StaleLossCount:    co.staleLoss,
 		Listeners:         ls,
 		Exports:           d.metrics,
@@ -159,4 +162,15 @@ func storageAddrs(addrs []string) []netip.Addr {
 		}
 	}
 	return out
+}
+
+// pathDecisions returns what counts the slow-path watch's decisions in
+// the metrics /metrics serves.
+func (d *daemon) pathDecisions() func(mptcp.PathEvent) {
+	if d.reg == nil {
+		return nil
+	}
+	p := nbdmetrics.NewPathDecisions("mpnbd_server")
+	d.reg.MustRegister(p)
+	return p.Observe
 }

@@ -30,6 +30,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/pkg/access"
@@ -44,6 +46,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
+	"github.com/mpnbd/mpnbd/pkg/nbdmetrics"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 	"github.com/mpnbd/mpnbd/pkg/relay"
 )
@@ -261,8 +264,18 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 		mgr = m
 	}
 
+	// The slow-path watch's decisions: metrics, and Events on the Node.
+	paths := nbdmetrics.NewPathDecisions("mpnbd_node")
 	if len(o.storageNICs) > 0 {
-		go keepEndpoints(ctx, o, log)
+		onPath := paths.Observe
+		if rec, stop := pathEventRecorder(o, log); rec != nil {
+			defer stop()
+			onPath = func(e mptcp.PathEvent) {
+				paths.Observe(e)
+				rec(e)
+			}
+		}
+		go keepEndpoints(ctx, o, log, onPath)
 	}
 	// The node's token opens its volumes without encryption; the
 	// controller learns only its hash, from the Node object.
@@ -299,7 +312,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	var metrics *driver.Metrics
 	if o.metricsAddr != "" {
 		reg := buildinfo.Registry("node")
-		reg.MustRegister(driver.NewNodeCollector(node, mgr))
+		reg.MustRegister(driver.NewNodeCollector(node, mgr), paths)
 		if cfg.IdentityDir != "" {
 			reg.MustRegister(nodeid.CertCollector(nodeid.Node, nodeid.LeafFromDir(cfg.IdentityDir)))
 		}
@@ -423,15 +436,44 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 
 // keepEndpoints keeps an MPTCP subflow endpoint on each storage NIC until
 // ctx ends.
-func keepEndpoints(ctx context.Context, o *options, log *slog.Logger) {
+func keepEndpoints(ctx context.Context, o *options, log *slog.Logger, onPath func(mptcp.PathEvent)) {
 	d := mptcp.Desired{NICs: o.storageNICs, Backup: o.backupNICs, Role: mptcp.RoleClient, StaleLossCount: o.staleLoss}
 	var slow *mptcp.SlowPathPolicy
 	if o.autoBackup {
-		slow = &mptcp.SlowPathPolicy{}
+		slow = &mptcp.SlowPathPolicy{OnEvent: onPath}
 	}
 	if err := mptcp.Keep(ctx, d, log, slow); err != nil {
 		log.Error("storage NICs not configured for MPTCP", "error", err)
 	}
+}
+
+// pathEventRecorder returns what records the slow-path watch's flags and
+// recoveries as Events on this node's Node (aggregated: a path flagged
+// again and again is one Event with a count), and what stops it; nil
+// without API server access.
+func pathEventRecorder(o *options, log *slog.Logger) (func(mptcp.PathEvent), func()) {
+	cfg, err := kubeconfig.Load(o.kubeconfig)
+	if err != nil {
+		return nil, nil
+	}
+	c, err := client.New(cfg, client.Options{})
+	if err != nil {
+		log.Warn("no Events on the Node for slow paths", "error", err)
+		return nil, nil
+	}
+	rec, stop := driver.NewEventRecorder(c, "mpnbd-node", log)
+	node := &corev1.ObjectReference{Kind: "Node", Name: o.nodeID, UID: types.UID(o.nodeID)}
+	mbps := func(r float64) float64 { return r * 8 / 1e6 }
+	return func(e mptcp.PathEvent) {
+		switch e.Kind {
+		case mptcp.PathSlow:
+			rec.Eventf(node, corev1.EventTypeWarning, "SlowPathFlagged",
+				"the storage path from %s delivers %.0f Mbit/s, the others %.0f: its MPTCP endpoint is flagged backup (probed again in %v)", e.Addr, mbps(e.Rate), mbps(e.Best), e.NextProbe)
+		case mptcp.PathRecovered:
+			rec.Eventf(node, corev1.EventTypeNormal, "SlowPathRecovered",
+				"the storage path from %s delivers %.0f Mbit/s again (the others %.0f): in use again", e.Addr, mbps(e.Rate), mbps(e.Best))
+		}
+	}, stop
 }
 
 // newVolumeWatch returns what tells users of this node's volumes' data

@@ -124,6 +124,9 @@ type Config struct {
 	// than the others for the reads it carries, and clears the flag once
 	// it recovers (mptcp.SlowPaths).
 	AutoBackup bool
+	// OnPathEvent, when set, hears of the slow-path watch's decisions
+	// (mptcp.SlowPathPolicy.OnEvent): the metrics.
+	OnPathEvent func(mptcp.PathEvent)
 	// StaleLossCount is the least net.mptcp.stale_loss_cnt kept with the
 	// signal endpoints (0: left alone; see mptcp.DefaultStaleLossCount).
 	StaleLossCount int

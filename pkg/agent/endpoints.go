@@ -33,7 +33,7 @@ func (a *Agent) runEndpoints(ctx context.Context) error {
 	}
 	var slow *mptcp.SlowPathPolicy
 	if a.cfg.AutoBackup {
-		slow = &mptcp.SlowPathPolicy{}
+		slow = &mptcp.SlowPathPolicy{OnEvent: a.cfg.OnPathEvent}
 	}
 	if err := mptcp.Keep(ctx, d, a.log, slow); err != nil {
 		return fmt.Errorf("agent: %w", err)

@@ -78,6 +78,7 @@ func Keep(ctx context.Context, d Desired, log *slog.Logger, slow *SlowPathPolicy
 				policy.Measure, policy.MeasureMax = ProbePath, ProbeMaxRate
 			}
 			auto = newSlowPathWatch(NewSlowPaths(policy), diag, log)
+			auto.onEvent = policy.OnEvent
 			opt.Backup, opt.Kick = auto.flagged, auto.kick
 		}
 	}
@@ -116,6 +117,8 @@ type slowPathWatch struct {
 	}
 	log  *slog.Logger
 	kick chan struct{}
+	// onEvent hears of each decision (SlowPathPolicy.OnEvent).
+	onEvent func(PathEvent)
 	// failing: the last sample could not read the subflows (sampling
 	// goroutine only).
 	failing bool
@@ -178,6 +181,9 @@ func (w *slowPathWatch) step(now time.Time, socks []TCPSocket, managed []netip.A
 	events := w.sp.Observe(now, socks, managed)
 	for _, e := range events {
 		LogPathEvent(w.log, e)
+		if w.onEvent != nil {
+			w.onEvent(e)
+		}
 	}
 	flagged := w.sp.Flagged()
 	w.mu.Lock()
@@ -215,6 +221,7 @@ func FlagInPlace(ctx context.Context, addrs []netip.Addr, policy SlowPathPolicy,
 		policy.Measure, policy.MeasureMax = ProbePath, ProbeMaxRate
 	}
 	w := newSlowPathWatch(NewSlowPaths(policy), diag, log)
+	w.onEvent = policy.OnEvent
 	w.setManaged(addrs)
 	t := time.NewTicker(SlowPathInterval)
 	defer t.Stop()

@@ -100,6 +100,9 @@ type SlowPathPolicy struct {
 	// carries it all cannot be told aside and is probed as when a
 	// measure fails.
 	MeasureMax float64
+	// OnEvent, when set, hears of every decision (after it is logged),
+	// on the sampling goroutine: it must return at once.
+	OnEvent func(PathEvent)
 }
 
 func (p SlowPathPolicy) withDefaults() SlowPathPolicy {

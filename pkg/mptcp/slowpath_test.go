@@ -429,6 +429,8 @@ func TestSlowPathsProbeBoundedAndBackoffCapped(t *testing.T) {
 func TestSlowPathWatchKicks(t *testing.T) {
 	f := newFakePaths(2)
 	w := newSlowPathWatch(NewSlowPaths(SlowPathPolicy{}), nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	var heard []PathEvent
+	w.onEvent = func(e PathEvent) { heard = append(heard, e) }
 	for range 4 {
 		w.step(f.now.Add(time.Second), f.sample(busy(900), busy(90)), f.addrs)
 	}
@@ -436,6 +438,10 @@ func TestSlowPathWatchKicks(t *testing.T) {
 	case <-w.kick:
 	default:
 		t.Fatal("no kick after the flag")
+	}
+	// The decision is heard, as it is logged.
+	if len(heard) != 1 || heard[0].Kind != PathSlow || heard[0].Addr != f.addrs[1] {
+		t.Fatalf("heard %+v, want the second path flagged slow", heard)
 	}
 	if got := w.flagged(); !slices.Equal(got, f.addrs[1:]) {
 		t.Fatalf("flagged %v", got)
