@@ -47,6 +47,9 @@ var chartAlerts = map[string]string{
 	"MpnbdStorageNodeUnreachable":  "critical",
 	"MpnbdStorageAgentDown":        "critical",
 	"MpnbdStorageAgentsNotScraped": "warning",
+	"MpnbdVolumeRequestErrors":     "warning",
+	"MpnbdVolumeSlowRequests":      "warning",
+	"MpnbdConnectionLimitHit":      "warning",
 }
 
 // runbookBase is where every alert's runbook_url points: a heading of
@@ -188,19 +191,29 @@ func TestPrometheusRules(t *testing.T) {
 func TestPrometheusRuleValues(t *testing.T) {
 	rule, groups := ruleGroups(t, "--set", "monitoring.prometheusRule.reconnectStormThreshold=12",
 		"--set-json", "monitoring.prometheusRule.storageNodeFullPercent=92.5",
+		"--set-json", "monitoring.prometheusRule.requestLatencySeconds=0.25",
 		"--set", "monitoring.prometheusRule.additionalLabels.release=kube-prometheus-stack")
 	rules := alertRules(t, groups)
 	for name, want := range map[string]string{
 		"MpnbdVolumeReconnectStorm":  "increase(mpnbd_node_volume_reconnects_total[10m]) > 12",
 		"MpnbdStorageNodeNearlyFull": "100 * (1 - mpnbd_server_available_bytes / mpnbd_server_capacity_bytes) > 92.5",
+		"MpnbdVolumeSlowRequests": `histogram_quantile(0.99, sum by (export, node, instance, job, le) (rate(mpnbd_server_request_duration_seconds_bucket{cmd=~"read|write"}[5m]))) > 0.25
+and on (export, node, instance, job)
+sum by (export, node, instance, job) (rate(mpnbd_server_request_duration_seconds_count{cmd=~"read|write"}[5m])) > 1
+`,
 	} {
 		if got := rules[name]["expr"]; got != want {
 			t.Errorf("alert %s: expr %q, want %q", name, got, want)
 		}
 	}
-	desc, _, _ := unstructured.NestedString(rules["MpnbdVolumeReconnectStorm"], "annotations", "description")
-	if !strings.Contains(desc, "more than 12 times") {
-		t.Errorf("MpnbdVolumeReconnectStorm description does not name the threshold: %s", desc)
+	for name, threshold := range map[string]string{
+		"MpnbdVolumeReconnectStorm": "more than 12 times",
+		"MpnbdVolumeSlowRequests":   "above 0.25s",
+	} {
+		desc, _, _ := unstructured.NestedString(rules[name], "annotations", "description")
+		if !strings.Contains(desc, threshold) {
+			t.Errorf("%s description does not name the threshold (%q): %s", name, threshold, desc)
+		}
 	}
 	if l := rule.GetLabels(); l["release"] != "kube-prometheus-stack" || l["app.kubernetes.io/name"] != "mpnbd" {
 		t.Errorf("PrometheusRule labels %v", l)
@@ -212,6 +225,10 @@ func TestPrometheusRuleValues(t *testing.T) {
 		{"--set", "monitoring.prometheusRule.storageNodeFullPercent=0"},
 		{"--set", "monitoring.prometheusRule.storageNodeFullPercent=120"},
 		{"--set", "monitoring.prometheusRule.reconnectStormThreshold=-1"},
+		{"--set", "monitoring.prometheusRule.requestLatencySeconds=0"},
+		{"--set", "monitoring.prometheusRule.requestLatencySeconds=-0.5"},
+		{"--set", "monitoring.prometheusRule.requestLatencySeconds=10"},
+		{"--set", "monitoring.prometheusRule.requestLatencySeconds=fast"},
 		{"--set", "monitoring.prometheusRule.threshold=5"},
 	} {
 		if _, err := tryTemplate(t, args...); err == nil || !strings.Contains(err.Error(), schemaError) {
