@@ -50,6 +50,7 @@ var chartAlerts = map[string]string{
 	"MpnbdVolumeRequestErrors":     "warning",
 	"MpnbdVolumeSlowRequests":      "warning",
 	"MpnbdConnectionLimitHit":      "warning",
+	"MpnbdCertificateNotRenewed":   "warning",
 }
 
 // runbookBase is where every alert's runbook_url points: a heading of

@@ -25,8 +25,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/nbdmetrics"
+	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
 
 // targetLabels are the labels a scrape adds to every series: Prometheus's
@@ -55,8 +57,10 @@ var (
 )
 
 // exportedMetrics lists the metrics the driver's code exports and the
-// labels of each: the node plugin's collector (pkg/driver) and the
-// storage agent's (pkg/nbdmetrics), as they describe themselves; a
+// labels of each: the node plugin's collector and the controller's and
+// plugin's CSI metrics (pkg/driver), the storage agent's (pkg/nbdmetrics),
+// the slow-path decisions, the certificates' validity and
+// mpnbd_build_info, as they describe themselves; a
 // histogram's series _bucket (with le), _sum and _count.
 func exportedMetrics(t testing.TB) map[string][]string {
 	t.Helper()
@@ -64,7 +68,12 @@ func exportedMetrics(t testing.TB) map[string][]string {
 	if _, err := nbdmetrics.New(&rec); err != nil {
 		t.Fatal(err)
 	}
-	rec.collectors = append(rec.collectors, driver.NewNodeCollector(nil, nil))
+	rec.collectors = append(rec.collectors, driver.NewNodeCollector(nil, nil), nodeid.CertCollector(nodeid.Node, nil),
+		nbdmetrics.NewPathDecisions("mpnbd_node"), nbdmetrics.NewPathDecisions("mpnbd_server"))
+	if _, err := driver.NewMetrics(&rec); err != nil {
+		t.Fatal(err)
+	}
+	rec.collectors = append(rec.collectors, buildinfo.Collector("x", "y"))
 	out := map[string][]string{}
 	for _, c := range rec.collectors {
 		_, histogram := c.(*prometheus.HistogramVec)
