@@ -301,6 +301,11 @@ type Health struct {
 	// Retained the acknowledged writes no completed FLUSH covers yet. Only
 	// the userspace transports keep these.
 	Replayed, Resent, Retained int
+	// InFlight counts the requests the node's block layer sent and the
+	// session has not answered yet; InFlightBytes what they hold (the
+	// userspace transports).
+	InFlight      int `json:"inFlight,omitempty"`
+	InFlightBytes int `json:"inFlightBytes,omitempty"`
 	// Failing: the outage outlasted the volume's bounded wait
 	// (deadConnTimeout), so I/O fails until the storage node is back.
 	Failing bool
@@ -351,7 +356,7 @@ func ConnPaths(conn int, c net.Conn) []PathStats {
 // Message are the caller's to add.
 func SessionHealth(st relay.Stats) Health {
 	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replaced: st.Replaced, Replayed: st.Replayed, Resent: st.RetainedReplays,
-		Retained: st.Retained, Failing: st.Failing}
+		Retained: st.Retained, Failing: st.Failing, InFlight: st.InFlight, InFlightBytes: st.InFlightBytes}
 	if !st.DownSince.IsZero() {
 		h.Outage = time.Since(st.DownSince)
 	}

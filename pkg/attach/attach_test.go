@@ -20,21 +20,25 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // TestHealthJSON: Health crosses process boundaries as JSON (the FUSE
 // control socket, the datapath socket); Paths must round-trip, be left
 // out when empty, and a reply without them must still decode.
 func TestHealthJSON(t *testing.T) {
-	h := Health{Connected: true, MPTCP: true, Subflows: []int{2}, Paths: []PathStats{
-		{Connection: 0, Local: netip.MustParseAddrPort("10.0.1.1:40000"), Remote: netip.MustParseAddrPort("10.0.1.2:10809"), SentBytes: 1 << 50, ReceivedBytes: 3},
+	h := Health{Connected: true, MPTCP: true, Subflows: []int{2}, InFlight: 7, InFlightBytes: 28672, Paths: []PathStats{
+		{Connection: 0, Local: netip.MustParseAddrPort("10.0.1.1:40000"), Remote: netip.MustParseAddrPort("10.0.1.2:10809"), SentBytes: 1 << 50, ReceivedBytes: 3,
+			RetransBytes: 9, RTT: 1500 * time.Microsecond, DeliveryRate: 1 << 27},
 		{Connection: 0, Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2"), SentBytes: 5},
 	}}
 	b, err := json.Marshal(h)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"paths":[`, `"local":"10.0.1.1:40000"`, `"remote":"[fd00::2]:2"`, `"sentBytes":1125899906842624`, `"receivedBytes":3`, `"connection":0`} {
+	for _, want := range []string{`"paths":[`, `"local":"10.0.1.1:40000"`, `"remote":"[fd00::2]:2"`, `"sentBytes":1125899906842624`, `"receivedBytes":3`, `"connection":0`, `"retransBytes":9`, `"rtt":1500000`, `"inFlight":7`} {
 		if !strings.Contains(string(b), want) {
 			t.Errorf("%s lacks %s", b, want)
 		}
@@ -61,5 +65,13 @@ func TestHealthJSON(t *testing.T) {
 	}
 	if !old.Connected || len(old.Subflows) != 1 || old.Paths != nil {
 		t.Errorf("old reply decoded as %+v", old)
+	}
+}
+
+// TestSessionHealth: a session's requests in flight reach its health.
+func TestSessionHealth(t *testing.T) {
+	h := SessionHealth(relay.Stats{Connected: true, InFlight: 3, InFlightBytes: 12288, Retained: 2})
+	if !h.Connected || h.InFlight != 3 || h.InFlightBytes != 12288 || h.Retained != 2 {
+		t.Errorf("SessionHealth = %+v", h)
 	}
 }

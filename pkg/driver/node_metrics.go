@@ -42,7 +42,7 @@ type NodeCollector struct {
 	volumes VolumeLister
 
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
-	outage, replayed, resent, retained, replaced                             *prometheus.Desc
+	outage, replayed, resent, retained, replaced, inflight, inflightBytes    *prometheus.Desc
 	pathSent, pathReceived, pathRetrans, pathRTT, pathRate                   *prometheus.Desc
 	// info joins a volume's series to its storage node, for alerts
 	// grouped by cause (a storage node down is one alert).
@@ -55,20 +55,22 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 		return prometheus.NewDesc("mpnbd_node_volume_"+name, help, append([]string{"volume", "transport"}, labels...), nil)
 	}
 	return &NodeCollector{
-		node:         n,
-		volumes:      v,
-		connected:    d("connected", "1 when the volume's data path is connected to its storage node."),
-		mptcp:        d("mptcp", "1 when the volume's data path runs over MPTCP."),
-		subflows:     d("subflows", "MPTCP subflows of each of the volume's connections.", "connection"),
-		expected:     d("expected_subflows", "Subflows a healthy connection has: the storage node's addresses."),
-		reconnects:   d("reconnects_total", "Redials of the volume's connections since it was attached."),
-		degraded:     d("degraded", "1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows)."),
-		inaccessible: d("inaccessible", "1 when NodeGetVolumeHealth reports the volume INACCESSIBLE."),
-		outage:       d("outage_seconds", "How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected."),
-		replayed:     d("replayed_requests_total", "Unanswered requests sent again after reconnects (userspace transports)."),
-		resent:       d("resent_writes_total", "Acknowledged writes sent again to a storage server that may have lost them (userspace transports)."),
-		retained:     d("retained_writes", "Acknowledged writes kept until a completed FLUSH covers them (userspace transports)."),
-		replaced:     d("replaced_connections_total", "Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports)."),
+		node:          n,
+		volumes:       v,
+		connected:     d("connected", "1 when the volume's data path is connected to its storage node."),
+		mptcp:         d("mptcp", "1 when the volume's data path runs over MPTCP."),
+		subflows:      d("subflows", "MPTCP subflows of each of the volume's connections.", "connection"),
+		expected:      d("expected_subflows", "Subflows a healthy connection has: the storage node's addresses."),
+		reconnects:    d("reconnects_total", "Redials of the volume's connections since it was attached."),
+		degraded:      d("degraded", "1 when NodeGetVolumeHealth reports the volume DEGRADED (missing subflows)."),
+		inaccessible:  d("inaccessible", "1 when NodeGetVolumeHealth reports the volume INACCESSIBLE."),
+		outage:        d("outage_seconds", "How long the volume has been waiting for its storage node (I/O waits meanwhile); 0 while connected."),
+		replayed:      d("replayed_requests_total", "Unanswered requests sent again after reconnects (userspace transports)."),
+		resent:        d("resent_writes_total", "Acknowledged writes sent again to a storage server that may have lost them (userspace transports)."),
+		retained:      d("retained_writes", "Acknowledged writes kept until a completed FLUSH covers them (userspace transports)."),
+		inflight:      d("inflight_requests", "Requests the node sent to the volume and the session has not answered yet (userspace transports)."),
+		inflightBytes: d("inflight_bytes", "What the requests in flight hold, as counted against the session's bound (userspace transports)."),
+		replaced:      d("replaced_connections_total", "Working connections swapped for new ones with more MPTCP subflows, after a path's join failed (userspace transports)."),
 		pathSent: d("path_sent_bytes_total", "Bytes sent (retransmissions included) over the MPTCP subflows of a connection between a local and a remote address; "+
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 		pathRetrans: d("path_retransmitted_bytes_total", "Bytes sent again over the MPTCP subflows of a connection between a local and a remote address (lost or late on that path); "+
@@ -83,7 +85,7 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.pathSent, c.pathReceived, c.pathRetrans, c.pathRTT, c.pathRate, c.info} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.inflight, c.inflightBytes, c.pathSent, c.pathReceived, c.pathRetrans, c.pathRTT, c.pathRate, c.info} {
 		ch <- d
 	}
 }
@@ -127,6 +129,8 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.resent, prometheus.CounterValue, float64(h.Resent), id, t)
 		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(h.Retained), id, t)
 		ch <- prometheus.MustNewConstMetric(c.replaced, prometheus.CounterValue, float64(h.Replaced), id, t)
+		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(h.InFlight), id, t)
+		ch <- prometheus.MustNewConstMetric(c.inflightBytes, prometheus.GaugeValue, float64(h.InFlightBytes), id, t)
 		var degraded, inaccessible bool
 		for _, e := range c.node.health(id).GetHealthStatuses() {
 			switch e.GetReason() {

@@ -46,6 +46,7 @@ func TestNodeCollector(t *testing.T) {
 
 	f.att.mu.Lock()
 	f.att.health["pv-1"] = attach.Health{Connected: true, MPTCP: true, Subflows: []int{2, 1}, Reconnects: 3, Replaced: 2, Replayed: 7, Resent: 5, Retained: 4,
+		InFlight: 12, InFlightBytes: 49152,
 		Paths: []attach.PathStats{
 			{Connection: 0, Local: netip.MustParseAddrPort("10.77.1.1:40000"), Remote: netip.MustParseAddrPort("10.77.1.2:10809"), SentBytes: 1000, ReceivedBytes: 2000,
 				RetransBytes: 10, RTT: 1500 * time.Microsecond, DeliveryRate: 100 << 20},
@@ -71,6 +72,12 @@ mpnbd_node_volume_expected_subflows{transport="fuse",volume="pv-1"} 2
 # HELP mpnbd_node_volume_inaccessible 1 when NodeGetVolumeHealth reports the volume INACCESSIBLE.
 # TYPE mpnbd_node_volume_inaccessible gauge
 mpnbd_node_volume_inaccessible{transport="fuse",volume="pv-1"} 0
+# HELP mpnbd_node_volume_inflight_bytes What the requests in flight hold, as counted against the session's bound (userspace transports).
+# TYPE mpnbd_node_volume_inflight_bytes gauge
+mpnbd_node_volume_inflight_bytes{transport="fuse",volume="pv-1"} 49152
+# HELP mpnbd_node_volume_inflight_requests Requests the node sent to the volume and the session has not answered yet (userspace transports).
+# TYPE mpnbd_node_volume_inflight_requests gauge
+mpnbd_node_volume_inflight_requests{transport="fuse",volume="pv-1"} 12
 # HELP mpnbd_node_volume_info 1 for each attached volume, with the storage node serving it, the claim it was made for and its block device (node_exporter's device label; each empty when unknown); join the other series on volume.
 # TYPE mpnbd_node_volume_info gauge
 mpnbd_node_volume_info{device="fake0",namespace="apps",pvc="data",storage_node="storage-1",transport="fuse",volume="pv-1"} 1
