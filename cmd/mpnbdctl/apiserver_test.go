@@ -17,15 +17,22 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"net"
+	"net/netip"
 	"net/url"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/retry"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -378,5 +385,155 @@ func TestForgetAgainstAPIServer(t *testing.T) {
 	}
 	if code, out := cmd("forget", "dead"); code != 1 || !strings.Contains(out, "not found") {
 		t.Errorf("forget of a forgotten node: exit %d:\n%s", code, out)
+	}
+}
+
+// TestMetricsThroughAPIServer: with no --metrics-* flag, mpnbdctl reads a
+// node's metrics from its node plugin pod through the real API server's
+// pod proxy (the fake node plugin listens on an address of this host that
+// the API server proxies to: it refuses loopback). A node without a node
+// plugin pod, one whose pod declares no metrics port and one whose pod
+// does not answer say so. An operator with the permissions the usage
+// names reads the metrics; one without get on pods/proxy is told it
+// lacks it.
+func TestMetricsThroughAPIServer(t *testing.T) {
+	addr := hostAddress(t)
+	if addr == "" {
+		msg := "this host has no IPv4 address the API server proxies to (up, not loopback, not link-local)"
+		fmt.Fprintf(os.Stderr, "%s: skipping: %s\n", t.Name(), msg)
+		t.Skip(msg)
+	}
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	plugin := nodePluginAt(t, addr, "node-p", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 2, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}, Paths: []attach.PathStats{
+			{Connection: 0, Local: netip.MustParseAddrPort("10.0.0.2:40000"), Remote: netip.MustParseAddrPort("10.0.0.1:10809"), SentBytes: 4096, ReceivedBytes: 1024},
+		}}},
+	})
+	u, err := url.Parse(plugin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A port of addr where nothing listens.
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := l.Addr().(*net.TCPAddr).Port
+	l.Close()
+
+	for _, o := range []client.Object{
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nodePluginNamespace}},
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: nodePluginNamespace, Name: "default"}},
+		newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-p", "node-q", "node-r", "node-s"),
+	} {
+		if err := c.Create(ctx, o); err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatalf("creating %T %s: %v", o, o.GetName(), err)
+		}
+	}
+	// node-q has no node plugin pod; node-r's declares no metrics port;
+	// node-s's does not answer on it.
+	for _, p := range []*corev1.Pod{
+		newNodePluginPod("plugin-p", "node-p", int32(port), corev1.PodRunning, addr),
+		newNodePluginPod("plugin-r", "node-r", 0, corev1.PodRunning, addr),
+		newNodePluginPod("plugin-s", "node-s", int32(gone), corev1.PodRunning, addr),
+	} {
+		status := p.Status
+		if err := c.Create(ctx, p); err != nil {
+			t.Fatalf("creating pod %s: %v", p.Name, err)
+		}
+		// As the kubelet does.
+		p.Status = status
+		if err := c.Status().Update(ctx, p); err != nil {
+			t.Fatalf("status of pod %s: %v", p.Name, err)
+		}
+	}
+
+	mpnbdctl := func(cfg *rest.Config) *Report {
+		t.Helper()
+		var out, errb bytes.Buffer
+		args := []string{"--kubeconfig", apiserver.WriteKubeconfig(t, cfg), "-o", "json", "--timeout", "10s"}
+		if code := run(ctx, args, &out, &errb); code != 0 {
+			t.Fatalf("mpnbdctl %q: exit %d: %s", args, code, errb.String())
+		}
+		return decodeReport(t, out.String())
+	}
+	rep := mpnbdctl(cfg)
+	want := map[string]struct{ status, pod, err string }{
+		"node-p": {MetricsOK, nodePluginNamespace + "/plugin-p", ""},
+		"node-q": {MetricsNoPod, "", "no node plugin pod on the node"},
+		"node-r": {MetricsNoPort, nodePluginNamespace + "/plugin-r", "declares no container port named metrics"},
+		"node-s": {MetricsUnreachable, nodePluginNamespace + "/plugin-s", net.JoinHostPort(addr, strconv.Itoa(gone))},
+	}
+	if len(rep.Nodes) != len(want) || len(rep.Warnings) != 0 {
+		t.Fatalf("nodes %+v, warnings %q", rep.Nodes, rep.Warnings)
+	}
+	for _, n := range rep.Nodes {
+		w := want[n.Node]
+		if n.Status != w.status || n.Pod != w.pod || !strings.Contains(n.Error, w.err) || (w.err == "") != (n.Error == "") {
+			t.Errorf("node %+v, want %+v", n, w)
+		}
+	}
+	if n := rep.Nodes[0]; !strings.HasSuffix(n.URL, fmt.Sprintf("/api/v1/namespaces/%s/pods/plugin-p:%d/proxy/metrics", nodePluginNamespace, port)) ||
+		!strings.HasPrefix(n.URL, cfg.Host) {
+		t.Errorf("node-p read at %q, want the API server's pod proxy", n.URL)
+	}
+	v := rep.volume(t, "pvc-1")
+	p := v.Publications[0]
+	if p.Node != "node-p" || p.Metrics != MetricsOK || p.Health != HealthHealthy || p.DataPath == nil || p.DataPath.Transport != "relay" ||
+		subflowsText(p.DataPath) != "2/2" || len(p.DataPath.Connections[0].Paths) != 1 || p.DataPath.Connections[0].Paths[0].SentBytes != 4096 {
+		t.Errorf("node-p's publication %+v, data path %+v", p, p.DataPath)
+	}
+	for i, want := range []string{MetricsNoPod, MetricsNoPort, MetricsUnreachable} {
+		if p := v.Publications[i+1]; p.Metrics != want || p.Health != HealthUnknown || p.DataPath != nil {
+			t.Errorf("publication %d: %+v, want metrics %s", i+1, p, want)
+		}
+	}
+
+	// An operator with the permissions the usage names; another without
+	// get on pods/proxy.
+	rules := []rbacv1.PolicyRule{
+		{APIGroups: []string{v1alpha1.GroupVersion.Group}, Resources: []string{"nbdvolumes"}, Verbs: []string{"list"}},
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumes", "pods"}, Verbs: []string{"list"}},
+		{APIGroups: []string{""}, Resources: []string{"pods/proxy"}, Verbs: []string{"get"}},
+	}
+	for user, rules := range map[string][]rbacv1.PolicyRule{"operator": rules, "viewer": rules[:2]} {
+		for _, o := range []client.Object{
+			&rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: user}, Rules: rules},
+			&rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: user},
+				RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: user},
+				Subjects: []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: user}}},
+		} {
+			if err := c.Create(ctx, o); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	as := func(user string) *rest.Config {
+		ic := rest.CopyConfig(cfg)
+		ic.Impersonate = rest.ImpersonationConfig{UserName: user, Groups: []string{"system:authenticated"}}
+		return ic
+	}
+	// RBAC takes effect within a moment.
+	var n NodeMetrics
+	for end := time.Now().Add(20 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		rep := mpnbdctl(as("operator"))
+		n = rep.Nodes[0]
+		if (n.Status == MetricsOK && len(rep.Warnings) == 0) || time.Now().After(end) {
+			break
+		}
+	}
+	if n.Status != MetricsOK || n.Pod != nodePluginNamespace+"/plugin-p" {
+		t.Errorf("as an operator with list on pods and get on pods/proxy: node-p %+v", n)
+	}
+	rep = mpnbdctl(as("viewer"))
+	if n := rep.Nodes[0]; n.Status != MetricsError || !strings.Contains(n.Error, "403 Forbidden") || !strings.Contains(n.Error, "needs get on pods/proxy") {
+		t.Errorf("as an operator without get on pods/proxy: node-p %+v", n)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -95,9 +96,15 @@ type dirMounter struct{ driver.Mounter }
 func (dirMounter) MakeDir(p string) error { return os.MkdirAll(p, 0o755) }
 
 // nodePlugin serves, like the node plugin's --metrics-addr, the metrics
-// of the real driver.NodeCollector over a driver.Node that staged vols.
-// It returns the /metrics URL.
+// of the real driver.NodeCollector over a driver.Node that staged vols,
+// on 127.0.0.1. It returns the /metrics URL.
 func nodePlugin(t *testing.T, name string, vols map[string]fakeVolume) string {
+	t.Helper()
+	return nodePluginAt(t, "127.0.0.1", name, vols)
+}
+
+// nodePluginAt is nodePlugin listening on a port of the IP address addr.
+func nodePluginAt(t *testing.T, addr, name string, vols map[string]fakeVolume) string {
 	t.Helper()
 	att := &fakeAttacher{vols: vols}
 	token, err := access.NewToken()
@@ -128,9 +135,70 @@ func nodePlugin(t *testing.T, name string, vols map[string]fakeVolume) string {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(driver.NewNodeCollector(n, att), collectors.NewGoCollector())
-	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	srv.Listener.Close()
+	srv.Listener = l
+	srv.Start()
 	t.Cleanup(srv.Close)
 	return srv.URL + "/metrics"
+}
+
+// hostAddress is an IPv4 address of this host that the API server proxies
+// to (not loopback, not link-local), on an interface that is up; "" when
+// there is none.
+func hostAddress(t *testing.T) string {
+	t.Helper()
+	ifs, err := net.Interfaces()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ifc := range ifs {
+		if ifc.Flags&net.FlagUp == 0 || ifc.Flags&net.FlagLoopback != 0 {
+			continue
+		}
+		addrs, err := ifc.Addrs()
+		if err != nil {
+			continue
+		}
+		for _, a := range addrs {
+			ipn, ok := a.(*net.IPNet)
+			if ok && ipn.IP.To4() != nil && ipn.IP.IsGlobalUnicast() {
+				return ipn.IP.String()
+			}
+		}
+	}
+	return ""
+}
+
+// nodePluginNamespace is the namespace of the fixtures' node plugin pods.
+const nodePluginNamespace = "mpnbd-system"
+
+// newNodePluginPod is a node plugin pod of the chart on node, with the
+// container port metrics when port is not 0, in phase with IP ip (as
+// its status, to be written separately on a real API server).
+func newNodePluginPod(name, node string, port int32, phase corev1.PodPhase, ip string) *corev1.Pod {
+	c := corev1.Container{Name: "node", Image: "mpnbd:test", Ports: []corev1.ContainerPort{{Name: "healthz", ContainerPort: 9809}}}
+	if port != 0 {
+		c.Ports = append(c.Ports, corev1.ContainerPort{Name: "metrics", ContainerPort: port})
+	}
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: nodePluginNamespace, Name: name, Labels: map[string]string{
+			"app.kubernetes.io/name": "mpnbd", "app.kubernetes.io/component": "node", "app.kubernetes.io/instance": "mpnbd",
+		}},
+		Spec: corev1.PodSpec{NodeName: node, HostNetwork: true, Containers: []corev1.Container{
+			c, {Name: "liveness-probe", Image: "livenessprobe:test"},
+		}},
+		Status: corev1.PodStatus{Phase: phase},
+	}
+	if ip != "" {
+		p.Status.PodIP, p.Status.PodIPs, p.Status.HostIP = ip, []corev1.PodIP{{IP: ip}}, ip
+		p.Status.HostIPs = []corev1.HostIP{{IP: ip}}
+	}
+	return p
 }
 
 // downURL is the URL of a node plugin that is gone.

@@ -15,6 +15,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
@@ -26,6 +27,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -47,6 +49,10 @@ type inventory struct {
 	// nodeAddrs are the InternalIPs of the Nodes by name; nil when they
 	// were not needed or could not be read.
 	nodeAddrs map[string]string
+	// nodePlugins are the node plugin pods by the node they run on,
+	// sorted by namespace and name; nil when they were not needed or
+	// could not be read.
+	nodePlugins map[string][]corev1.Pod
 	// events are the node plugin's Warning Events on each volume's
 	// claim, by volume ID (volume NAME only).
 	events map[string][]corev1.Event
@@ -108,6 +114,27 @@ func readInventory(ctx context.Context, api client.Reader, o *options) (*invento
 			for _, n := range nodes.Items {
 				if a := internalIP(&n); a != "" {
 					inv.nodeAddrs[n.Name] = a
+				}
+			}
+		}
+	}
+
+	if needNodePlugins(o, inv.volumes) {
+		var pods corev1.PodList
+		opts := []client.ListOption{client.MatchingLabels(nodePluginLabels)}
+		if o.namespace != "" {
+			opts = append(opts, client.InNamespace(o.namespace))
+		}
+		if err := call(func(ctx context.Context) error { return api.List(ctx, &pods, opts...) }); err != nil {
+			inv.warn("Pods not read, so the node plugins' metrics cannot be read through the API server (list on pods is needed): %v", err)
+		} else {
+			inv.nodePlugins = map[string][]corev1.Pod{}
+			slices.SortFunc(pods.Items, func(a, b corev1.Pod) int {
+				return cmp.Or(strings.Compare(a.Namespace, b.Namespace), strings.Compare(a.Name, b.Name))
+			})
+			for _, p := range pods.Items {
+				if p.Spec.NodeName != "" {
+					inv.nodePlugins[p.Spec.NodeName] = append(inv.nodePlugins[p.Spec.NodeName], p)
 				}
 			}
 		}
@@ -200,7 +227,19 @@ func eventTime(e *corev1.Event) time.Time {
 // needNodeAddrs reports whether some published node's metrics are to be
 // found by its address.
 func needNodeAddrs(o *options, vols []v1alpha1.NBDVolume) bool {
-	if o.metricsPort == 0 {
+	return o.metricsPort != 0 && someWithoutURL(o, vols)
+}
+
+// needNodePlugins reports whether some published node's metrics are to be
+// read through the API server.
+func needNodePlugins(o *options, vols []v1alpha1.NBDVolume) bool {
+	return o.metricsPort == 0 && someWithoutURL(o, vols)
+}
+
+// someWithoutURL reports whether a volume is published to a node without
+// --metrics-url, and the command shows metrics (uninstall-check does not).
+func someWithoutURL(o *options, vols []v1alpha1.NBDVolume) bool {
+	if o.command == cmdUninstallCheck {
 		return false
 	}
 	for _, v := range vols {
@@ -211,6 +250,45 @@ func needNodeAddrs(o *options, vols []v1alpha1.NBDVolume) bool {
 		}
 	}
 	return false
+}
+
+// nodePluginLabels select the node plugin pods (the chart's
+// mpnbd.selectorLabels of the component node, whatever the release).
+var nodePluginLabels = map[string]string{"app.kubernetes.io/name": "mpnbd", "app.kubernetes.io/component": "node"}
+
+// metricsPortName is the node plugin container's port of /metrics.
+const metricsPortName = "metrics"
+
+// nodePluginPod picks the pod whose metrics to read among the node
+// plugin pods on a node: a running one, not being deleted, else the
+// first; nil when there is none.
+func nodePluginPod(pods []corev1.Pod) *corev1.Pod {
+	for i := range pods {
+		if p := &pods[i]; p.Status.Phase == corev1.PodRunning && p.DeletionTimestamp == nil {
+			return p
+		}
+	}
+	for i := range pods {
+		if p := &pods[i]; p.Status.Phase == corev1.PodRunning {
+			return p
+		}
+	}
+	if len(pods) > 0 {
+		return &pods[0]
+	}
+	return nil
+}
+
+// metricsPort is the pod's container port named metrics; 0: none.
+func metricsPort(p *corev1.Pod) int32 {
+	for _, c := range p.Spec.Containers {
+		for _, port := range c.Ports {
+			if port.Name == metricsPortName {
+				return port.ContainerPort
+			}
+		}
+	}
+	return 0
 }
 
 // internalIP is the node's first InternalIP, where a hostNetwork pod
@@ -237,9 +315,10 @@ func publishedNodes(vols []v1alpha1.NBDVolume) []string {
 }
 
 // metricsTargets says, per published node, where its metrics are: its
-// --metrics-url, else its InternalIP and --metrics-port; a node with
-// neither gets the status why.
-func metricsTargets(o *options, inv *inventory) []NodeMetrics {
+// --metrics-url; else its InternalIP and --metrics-port; else, through
+// proxy (the API server), its node plugin pod's metrics port. A node
+// without the one it needs gets the status why.
+func metricsTargets(o *options, inv *inventory, proxy *apiProxy) []NodeMetrics {
 	var out []NodeMetrics
 	for _, name := range publishedNodes(inv.volumes) {
 		t := NodeMetrics{Node: name}
@@ -247,7 +326,7 @@ func metricsTargets(o *options, inv *inventory) []NodeMetrics {
 		case o.metricsURLs[name] != "":
 			t.URL = o.metricsURLs[name]
 		case o.metricsPort == 0:
-			t.Status = MetricsOff
+			proxyTarget(&t, inv, proxy)
 		case known:
 			t.URL = "http://" + net.JoinHostPort(addr, strconv.Itoa(o.metricsPort)) + "/metrics"
 		case inv.nodeAddrs == nil:
@@ -258,4 +337,30 @@ func metricsTargets(o *options, inv *inventory) []NodeMetrics {
 		out = append(out, t)
 	}
 	return out
+}
+
+// proxyTarget sets t's URL to its node plugin pod's metrics through the
+// API server, or its status to why there is none.
+func proxyTarget(t *NodeMetrics, inv *inventory, proxy *apiProxy) {
+	if inv.nodePlugins == nil {
+		t.Status, t.Error = MetricsNoPod, "Pods not readable"
+		return
+	}
+	pod := nodePluginPod(inv.nodePlugins[t.Node])
+	if pod == nil {
+		t.Status, t.Error = MetricsNoPod, "no node plugin pod on the node (labels "+labels.SelectorFromSet(nodePluginLabels).String()+")"
+		return
+	}
+	t.Pod = pod.Namespace + "/" + pod.Name
+	port := metricsPort(pod)
+	switch {
+	case pod.Status.Phase != corev1.PodRunning:
+		t.Status, t.Error = MetricsNoPod, fmt.Sprintf("node plugin pod %s is %s, not Running", t.Pod, cmp.Or(string(pod.Status.Phase), "not started"))
+	case port == 0:
+		t.Status, t.Error = MetricsNoPort, fmt.Sprintf("node plugin pod %s declares no container port named %s (the chart's node.metricsPort is 0)", t.Pod, metricsPortName)
+	case proxy == nil:
+		t.Status, t.Error = MetricsError, "no API server to read it through"
+	default:
+		t.URL, t.viaAPI = proxy.podURL(pod.Namespace, pod.Name, port, "metrics"), true
+	}
 }

@@ -33,13 +33,20 @@
 // reconnects).
 //
 // The node plugins serve metrics on the chart's node.metricsPort (9811
-// by default; 0 turns them off). Give that port as --metrics-port and
-// mpnbdctl reads http://INTERNAL-IP:PORT/metrics of every node a volume is
-// published to (the node plugin runs on the host network), in parallel
-// and each within --timeout; --metrics-url NODE=URL names one node's
-// endpoint instead. Without either, it shows the API part and says the
-// metrics are off. A node that does not answer is shown as such; the
-// command still succeeds.
+// by default; 0 turns them off), declared as their container port named
+// metrics. By default mpnbdctl reads them through the API server's pod
+// proxy, so it needs to reach nothing but the API server: for each node a
+// volume is published to it finds the node plugin pod running there
+// (labels app.kubernetes.io/name=mpnbd, app.kubernetes.io/component=node,
+// in --namespace or every namespace) and GETs
+// /api/v1/namespaces/NS/pods/POD:PORT/proxy/metrics as the kubeconfig's
+// user, who needs list on pods and get on pods/proxy. --metrics-port
+// PORT reads http://INTERNAL-IP:PORT/metrics of every node directly
+// instead (the node plugin runs on the host network), and --metrics-url
+// NODE=URL names one node's endpoint (it wins over both). Every node is
+// read in parallel, each within --timeout. A node without a node plugin
+// pod, whose pod declares no metrics port, or that does not answer is
+// shown as such; the command still succeeds.
 //
 // uninstall-check is the chart's pre-delete hook: helm uninstall refuses
 // while volumes exist.
@@ -78,6 +85,7 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -119,7 +127,10 @@ type options struct {
 	// metricsURLs maps node names to their metrics endpoints
 	// (--metrics-url), which win over --metrics-port.
 	metricsURLs map[string]string
-	timeout     time.Duration
+	// namespace is where the node plugin pods are looked for ("": every
+	// namespace).
+	namespace string
+	timeout   time.Duration
 
 	// wait bounds how long drain follows the moves.
 	wait time.Duration
@@ -136,8 +147,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.output, "output", outputTable, "table or json")
 	fs.StringVar(&o.output, "o", outputTable, "short for --output")
 	fs.IntVar(&o.metricsPort, "metrics-port", 0,
-		"port of the node plugins' /metrics on each node's InternalIP: the chart's node.metricsPort (9811 unless set); 0, the default, reads none")
-	fs.Func("metrics-url", "NODE=URL: read NODE's node plugin metrics from URL (repeatable; wins over --metrics-port; a URL without a path gets /metrics)", func(s string) error {
+		"read the node plugins' /metrics directly at each node's InternalIP and this port (the chart's node.metricsPort, 9811 unless set); 0, the default: through the API server's pod proxy")
+	fs.Func("metrics-url", "NODE=URL: read NODE's node plugin metrics directly from URL (repeatable; wins over --metrics-port and the API server; a URL without a path gets /metrics)", func(s string) error {
 		node, u, err := parseMetricsURL(s)
 		if err != nil {
 			return err
@@ -151,6 +162,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 		o.metricsURLs[node] = u
 		return nil
 	})
+	fs.StringVar(&o.namespace, "namespace", "", "namespace of the node plugin pods whose metrics are read through the API server (default: every namespace)")
+	fs.StringVar(&o.namespace, "n", "", "short for --namespace")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
 	fs.DurationVar(&o.wait, "wait", time.Hour, "drain: how long to follow the moves until the node holds nothing (0: mark it draining and return)")
 	return fs
@@ -245,8 +258,11 @@ func usage() string {
                                   does to each volume it held (docs/operations.md)
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
-plugins' metrics: set --metrics-port to the chart's node.metricsPort, or name
-endpoints with --metrics-url NODE=URL.
+plugins' metrics, read through the API server's pod proxy from the node plugin pod
+on each node (the container port named metrics, the chart's node.metricsPort): the
+kubeconfig's user needs list on pods and get on pods/proxy. --metrics-port reads
+each node's InternalIP:PORT directly instead, --metrics-url NODE=URL one node's
+endpoint.
 
 Flags:
 `)
@@ -266,9 +282,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "mpnbdctl: %v\nRun 'mpnbdctl --help' for usage.\n", err)
 		return 2
 	}
-	c, err := newAPIClient(o.kubeconfig)
+	conn, err := newAPIConn(o.kubeconfig)
 	if err == nil {
-		err = runCommand(ctx, o, c, stdout)
+		err = runCommand(ctx, o, conn, stdout)
 	}
 	if errors.Is(err, errVolumesExist) {
 		return 1
@@ -280,8 +296,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// runCommand runs o's command against the API server c.
-func runCommand(ctx context.Context, o *options, c client.Client, stdout io.Writer) error {
+// runCommand runs o's command against the API server of conn.
+func runCommand(ctx context.Context, o *options, conn *apiConn, stdout io.Writer) error {
+	c := conn.client
 	switch o.command {
 	case cmdUninstallCheck:
 		return uninstallCheck(ctx, o, c, stdout)
@@ -302,12 +319,21 @@ func runCommand(ctx context.Context, o *options, c client.Client, stdout io.Writ
 	case cmdForget:
 		return forget(ctx, c, o.node, stdout)
 	}
-	return show(ctx, o, c, &http.Client{}, stdout)
+	return show(ctx, o, c, metricsClients{direct: &http.Client{}, proxy: conn.proxy}, stdout)
 }
 
-// newAPIClient returns a client of the API server for the resources
-// mpnbdctl reads, and the storage nodes' spec it writes.
-func newAPIClient(path string) (client.Client, error) {
+// apiConn is what mpnbdctl reaches the API server with.
+type apiConn struct {
+	// client reads the resources mpnbdctl shows and writes the storage
+	// nodes' spec.
+	client client.Client
+	// proxy reaches the node plugin pods through the API server.
+	proxy *apiProxy
+}
+
+// newAPIConn connects to the API server of the kubeconfig at path (""
+// for the default ones).
+func newAPIConn(path string) (*apiConn, error) {
 	cfg, err := kubeconfig.Load(path)
 	if err != nil && path == "" {
 		return nil, fmt.Errorf("no API server configuration (--kubeconfig, $KUBECONFIG, in-cluster, ~/.kube/config): %w", err)
@@ -323,21 +349,30 @@ func newAPIClient(path string) (client.Client, error) {
 	if err := v1alpha1.AddToScheme(scheme); err != nil {
 		return nil, err
 	}
-	c, err := client.New(cfg, client.Options{Scheme: scheme})
+	// One authenticated HTTP client for the API and the pod proxy.
+	hc, err := rest.HTTPClientFor(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
 	}
-	return c, nil
+	base, _, err := rest.DefaultServerUrlFor(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("API server %q: %w", cfg.Host, err)
+	}
+	c, err := client.New(cfg, client.Options{Scheme: scheme, HTTPClient: hc})
+	if err != nil {
+		return nil, fmt.Errorf("API client for %s: %w", cfg.Host, err)
+	}
+	return &apiConn{client: c, proxy: &apiProxy{base: base, hc: hc}}, nil
 }
 
 // show reads the API and the node plugins' metrics, joins them and writes
 // the report in o.output.
-func show(ctx context.Context, o *options, api client.Reader, hc *http.Client, w io.Writer) error {
+func show(ctx context.Context, o *options, api client.Reader, mc metricsClients, w io.Writer) error {
 	inv, err := readInventory(ctx, api, o)
 	if err != nil {
 		return err
 	}
-	nodes := scrapeNodes(ctx, hc, metricsTargets(o, inv), o.timeout)
+	nodes := scrapeNodes(ctx, mc, metricsTargets(o, inv, mc.proxy), o.timeout)
 	rep := buildReport(inv, nodes)
 	switch {
 	case o.output == outputJSON:

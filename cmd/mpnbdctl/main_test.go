@@ -38,6 +38,8 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"volume", "default/data", "--metrics-url", "n1=http://10.0.0.1:9811", "--metrics-url", "n2=https://h/x/metrics"},
 			options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "volume", volume: "default/data",
 				metricsURLs: map[string]string{"n1": "http://10.0.0.1:9811/metrics", "n2": "https://h/x/metrics"}}, ""},
+		{[]string{"-n", "mpnbd-system", "volumes"}, options{output: "table", namespace: "mpnbd-system", timeout: 5 * time.Second, wait: time.Hour, command: "volumes"}, ""},
+		{[]string{"volume", "pvc-1", "--namespace", "kube-system"}, options{output: "table", namespace: "kube-system", timeout: 5 * time.Second, wait: time.Hour, command: "volume", volume: "pvc-1"}, ""},
 		{[]string{"drain", "s1", "--wait", "10m"}, options{output: "table", timeout: 5 * time.Second, wait: 10 * time.Minute, command: "drain", node: "s1"}, ""},
 		{[]string{"cordon", "s1"}, options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "cordon", node: "s1"}, ""},
 		{[]string{"uncordon"}, options{}, "uncordon: want one NODE"},
@@ -83,7 +85,7 @@ func TestRunExitCodes(t *testing.T) {
 		stderr     string
 		kubeconfig string // $KUBECONFIG
 	}{
-		{[]string{"--help"}, 0, "-metrics-port", "", ""},
+		{[]string{"--help"}, 0, "get on pods/proxy", "", ""},
 		{[]string{"-o", "xml"}, 2, "", "mpnbdctl: --output \"xml\" (want table or json)\nRun 'mpnbdctl --help' for usage.\n", ""},
 		{[]string{"volume"}, 2, "", "want one NAME", ""},
 		{[]string{"--kubeconfig", missing}, 1, "", "mpnbdctl: kubeconfig " + missing, ""},

@@ -17,10 +17,12 @@ package main
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -30,6 +32,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // The node plugin's per-volume metrics (pkg/driver/node_metrics.go): each
@@ -61,8 +64,10 @@ const (
 const (
 	MetricsOK          = "ok"
 	MetricsNotAttached = "not-attached" // the node answered without the volume
-	MetricsOff         = "off"          // no --metrics-port or --metrics-url
-	MetricsNoAddress   = "no-address"   // no InternalIP to find the node by
+	MetricsOff         = "off"          // not read (uninstall-check reads none)
+	MetricsNoAddress   = "no-address"   // --metrics-port: no InternalIP to find the node by
+	MetricsNoPod       = "no-pod"       // no node plugin pod running on the node to read through the API server
+	MetricsNoPort      = "no-port"      // its node plugin pod declares no container port named metrics
 	MetricsUnreachable = "unreachable"  // no answer within --timeout
 	MetricsError       = "error"        // an answer that is not metrics
 )
@@ -73,13 +78,43 @@ const maxMetricsBytes = 16 << 20
 // NodeMetrics is one node plugin's metrics endpoint and how reading it
 // went.
 type NodeMetrics struct {
-	Node   string `json:"node"`
+	Node string `json:"node"`
+	// Pod is the node plugin pod read through the API server,
+	// NAMESPACE/NAME; empty when the node's metrics are read directly.
+	Pod    string `json:"pod,omitempty"`
 	URL    string `json:"url,omitempty"`
 	Status string `json:"status"`
 	Error  string `json:"error,omitempty"`
 
+	// viaAPI: URL is the API server's pod proxy.
+	viaAPI bool
 	// volumes are the data paths it reports, by volume ID.
 	volumes map[string]*DataPath
+}
+
+// metricsClients are the HTTP clients that read the node plugins'
+// metrics.
+type metricsClients struct {
+	// direct reads --metrics-url and --metrics-port endpoints.
+	direct *http.Client
+	// proxy goes through the API server; nil: no API server to go
+	// through.
+	proxy *apiProxy
+}
+
+// apiProxy reaches pods through the API server's pod proxy
+// (pods/proxy), as the kubeconfig's user.
+type apiProxy struct {
+	// base is the API server's URL, with the path prefix of a proxy in
+	// front of it, if any.
+	base *url.URL
+	hc   *http.Client
+}
+
+// podURL is the URL of path on port of pod NS/NAME through the API
+// server.
+func (p *apiProxy) podURL(ns, name string, port int32, path string) string {
+	return p.base.JoinPath("api", "v1", "namespaces", ns, "pods", name+":"+strconv.Itoa(int(port)), "proxy", path).String()
 }
 
 // Connection is one NBD connection of a volume's data path.
@@ -132,17 +167,21 @@ type DataPath struct {
 
 // scrapeNodes reads the metrics of every target with a URL, in parallel,
 // each within timeout; the others keep the status they have.
-func scrapeNodes(ctx context.Context, hc *http.Client, targets []NodeMetrics, timeout time.Duration) []NodeMetrics {
+func scrapeNodes(ctx context.Context, mc metricsClients, targets []NodeMetrics, timeout time.Duration) []NodeMetrics {
 	var wg sync.WaitGroup
 	for i := range targets {
 		t := &targets[i]
 		if t.URL == "" {
 			continue
 		}
+		hc := mc.direct
+		if t.viaAPI {
+			hc = mc.proxy.hc
+		}
 		wg.Go(func() {
 			ctx, cancel := context.WithTimeout(ctx, timeout)
 			defer cancel()
-			vols, err := scrape(ctx, hc, t.URL)
+			vols, err := scrape(ctx, hc, t.URL, t.viaAPI)
 			var unreachable *unreachableError
 			switch {
 			case errors.As(err, &unreachable):
@@ -165,9 +204,9 @@ func (e *unreachableError) Error() string { return e.err.Error() }
 func (e *unreachableError) Unwrap() error { return e.err }
 
 // scrape fetches one node plugin's metrics in the text format and returns
-// the volumes' data paths.
-func scrape(ctx context.Context, hc *http.Client, url string) (map[string]*DataPath, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+// the volumes' data paths; viaAPI: endpoint is the API server's pod proxy.
+func scrape(ctx context.Context, hc *http.Client, endpoint string, viaAPI bool) (map[string]*DataPath, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -177,17 +216,46 @@ func scrape(ctx context.Context, hc *http.Client, url string) (map[string]*DataP
 		return nil, &unreachableError{err}
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK && viaAPI {
+		return nil, proxyError(endpoint, resp)
+	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s: %s", url, resp.Status)
+		return nil, fmt.Errorf("GET %s: %s", endpoint, resp.Status)
 	}
 	vols, err := parseNodeMetrics(io.LimitReader(resp.Body, maxMetricsBytes))
 	if err != nil {
 		if ctx.Err() != nil {
-			return nil, &unreachableError{fmt.Errorf("GET %s: %w", url, ctx.Err())}
+			return nil, &unreachableError{fmt.Errorf("GET %s: %w", endpoint, ctx.Err())}
 		}
-		return nil, fmt.Errorf("GET %s: %w", url, err)
+		return nil, fmt.Errorf("GET %s: %w", endpoint, err)
 	}
 	return vols, nil
+}
+
+// proxyError says why the API server's pod proxy did not return metrics,
+// from the Status it answers with: it could not reach the pod
+// (unreachable), or refused (RBAC: get on pods/proxy).
+func proxyError(endpoint string, resp *http.Response) error {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	msg := strings.TrimSpace(string(b))
+	var st metav1.Status
+	isStatus := json.Unmarshal(b, &st) == nil && st.Kind == "Status"
+	if isStatus {
+		msg = st.Message
+	}
+	if len(msg) > 300 {
+		msg = msg[:300] + "..."
+	}
+	err := fmt.Errorf("GET %s: %s: %s", endpoint, resp.Status, msg)
+	switch {
+	case isStatus && (resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusServiceUnavailable ||
+		resp.StatusCode == http.StatusGatewayTimeout):
+		// The API server's answer for a pod it cannot reach.
+		return &unreachableError{err}
+	case resp.StatusCode == http.StatusForbidden || resp.StatusCode == http.StatusUnauthorized:
+		return fmt.Errorf("%w (reading metrics through the API server needs get on pods/proxy)", err)
+	}
+	return err
 }
 
 // parseNodeMetrics reads the per-volume data paths out of a node plugin's

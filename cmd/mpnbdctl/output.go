@@ -146,21 +146,21 @@ func yesNo(b bool) string {
 // writeNotes says which nodes' metrics are missing and why, and the
 // warnings.
 func writeNotes(w io.Writer, rep *Report) error {
-	var notes, off []string
+	var notes []string
+	throughAPI := false
 	for _, n := range rep.Nodes {
-		switch n.Status {
-		case MetricsOK:
-		case MetricsOff:
-			off = append(off, fmt.Sprintf("Node %s: metrics off: no --metrics-url for it and no --metrics-port", n.Node))
-		default:
-			notes = append(notes, fmt.Sprintf("Node %s: metrics %s: %s", n.Node, n.Status, n.Error))
+		if n.Status == MetricsOK {
+			continue
+		}
+		notes = append(notes, fmt.Sprintf("Node %s: metrics %s: %s", n.Node, n.Status, n.Error))
+		if n.Pod != "" || n.Status == MetricsNoPod {
+			throughAPI = true
 		}
 	}
-	if len(off) > 0 && len(off) == len(rep.Nodes) {
-		off = []string{"Metrics off: the data path columns need the node plugins' metrics: --metrics-port " +
-			"(the chart's node.metricsPort, 9811 by default) or --metrics-url NODE=URL. Showing the API part only."}
+	if throughAPI {
+		notes = append(notes, "The node plugins' metrics are read through the API server's pod proxy (list on pods, get on pods/proxy); "+
+			"--metrics-port PORT reads each node's InternalIP directly, --metrics-url NODE=URL one node's endpoint.")
 	}
-	notes = append(off, notes...)
 	for _, warn := range rep.Warnings {
 		notes = append(notes, "Warning: "+warn)
 	}

@@ -18,12 +18,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"net/url"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -42,7 +44,7 @@ import (
 // fleet is a cluster with a volume in every state mpnbdctl tells apart:
 // node-a serves metrics (one volume degraded, 2 of 4 subflows; one
 // healthy), node-b too (one volume disconnected), node-c's endpoint is
-// down, and node-d has no metrics URL.
+// down, and node-d has no metrics URL and no node plugin pod.
 type fleet struct {
 	api  client.Reader
 	urls map[string]string
@@ -105,7 +107,7 @@ func (f *fleet) options(t *testing.T, args ...string) *options {
 func (f *fleet) show(t *testing.T, o *options) string {
 	t.Helper()
 	var out bytes.Buffer
-	if err := show(context.Background(), o, f.api, &http.Client{}, &out); err != nil {
+	if err := show(context.Background(), o, f.api, metricsClients{direct: &http.Client{}}, &out); err != nil {
 		t.Fatal(err)
 	}
 	return out.String()
@@ -185,7 +187,7 @@ func TestVolumesJSON(t *testing.T) {
 		pubs: []pubWant{{"node-c", MetricsUnreachable, HealthUnknown, nil}},
 	}, {
 		name: "pvc-nometrics", phase: "Available", health: HealthUnknown,
-		pubs: []pubWant{{"node-d", MetricsOff, HealthUnknown, nil}},
+		pubs: []pubWant{{"node-d", MetricsNoPod, HealthUnknown, nil}},
 	}, {
 		name: "pvc-failed", phase: "Failed", health: HealthFailed,
 		faultSource: FaultCondition, faultHas: "Ready=False ResourceExhausted: storage-1 has 1Gi left",
@@ -238,9 +240,9 @@ func TestVolumesJSON(t *testing.T) {
 	for _, n := range rep.Nodes {
 		byNode[n.Node] = n
 	}
-	for node, want := range map[string]string{"node-a": MetricsOK, "node-b": MetricsOK, "node-c": MetricsUnreachable, "node-d": MetricsOff} {
+	for node, want := range map[string]string{"node-a": MetricsOK, "node-b": MetricsOK, "node-c": MetricsUnreachable, "node-d": MetricsNoPod} {
 		n := byNode[node]
-		if n.Status != want || (want == MetricsUnreachable) != (n.Error != "") {
+		if n.Status != want || (want != MetricsOK) != (n.Error != "") {
 			t.Errorf("node %s: %+v, want status %s", node, n, want)
 		}
 	}
@@ -300,7 +302,7 @@ func TestVolumesTable(t *testing.T) {
 		"pvc-inaccessible": {"node-b", "fuse", " no ", "1m30s", "Inaccessible", "disconnected from the storage node for 1m30s"},
 		"pvc-notattached":  {"node-b", "not-attached", "NotAttached"},
 		"pvc-nodedown":     {"node-c", "unreachable", "Unknown"},
-		"pvc-nometrics":    {"node-d", "off", "Unknown"},
+		"pvc-nometrics":    {"node-d", "no-pod", "Unknown"},
 		"pvc-unpublished":  {"Unpublished"},
 		"pvc-failed":       {"Failed", "Ready=False ResourceExhausted: storage-1 has 1Gi left"},
 	} {
@@ -316,7 +318,8 @@ func TestVolumesTable(t *testing.T) {
 		}
 	}
 	for _, s := range []string{
-		"Node node-d: metrics off: no --metrics-url for it and no --metrics-port",
+		"Node node-d: metrics no-pod: no node plugin pod on the node (labels app.kubernetes.io/component=node,app.kubernetes.io/name=mpnbd)",
+		"The node plugins' metrics are read through the API server's pod proxy",
 		"Node node-c: metrics unreachable: ",
 		"Warning: node node-a has volume pvc-stray attached",
 	} {
@@ -419,7 +422,7 @@ func TestMetricsFromNodeAddresses(t *testing.T) {
 	}
 	var out bytes.Buffer
 	start := time.Now()
-	if err := show(context.Background(), o, api, &http.Client{}, &out); err != nil {
+	if err := show(context.Background(), o, api, metricsClients{direct: &http.Client{}}, &out); err != nil {
 		t.Fatal(err)
 	}
 	if d := time.Since(start); d > 5*time.Second {
@@ -446,27 +449,123 @@ func TestMetricsFromNodeAddresses(t *testing.T) {
 	}
 }
 
-func TestMetricsOff(t *testing.T) {
-	api := fakeAPI(t, newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a"), newNode("node-a", "127.0.0.1")).Build()
-	for _, output := range []string{"table", "json"} {
-		o, err := parseArgs([]string{"-o", output})
+// TestMetricsThroughProxy: without --metrics-*, each node's metrics are
+// read from its node plugin pod through the API server's pod proxy (an
+// imitation here, behind a path prefix; TestMetricsThroughAPIServer has
+// the real one); a node without a running pod, or whose pod declares no
+// metrics port, says so, and the proxy's refusals are told apart.
+func TestMetricsThroughProxy(t *testing.T) {
+	node := nodePlugin(t, "node-a", map[string]fakeVolume{
+		"pvc-1": {attach.Relay, 2, attach.Health{Connected: true, MPTCP: true, Subflows: []int{2}}},
+	})
+	const prefix = "/k8s/clusters/c1/api/v1/namespaces/" + nodePluginNamespace + "/pods/"
+	status := func(w http.ResponseWriter, code int, reason, msg string) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		_ = json.NewEncoder(w).Encode(metav1.Status{TypeMeta: metav1.TypeMeta{Kind: "Status", APIVersion: "v1"},
+			Status: metav1.StatusFailure, Message: msg, Reason: metav1.StatusReason(reason), Code: int32(code)})
+	}
+	var mu sync.Mutex
+	var asked []string
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		asked = append(asked, r.URL.Path)
+		mu.Unlock()
+		switch r.URL.Path {
+		case prefix + "plugin-a:9811/proxy/metrics":
+			resp, err := http.Get(node)
+			if err != nil {
+				status(w, http.StatusServiceUnavailable, "ServiceUnavailable", err.Error())
+				return
+			}
+			defer resp.Body.Close()
+			w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+			_, _ = io.Copy(w, resp.Body)
+		case prefix + "plugin-e:9811/proxy/metrics":
+			status(w, http.StatusServiceUnavailable, "ServiceUnavailable",
+				"error trying to reach service: dial tcp 10.1.0.5:9811: connect: connection refused")
+		case prefix + "plugin-f:9811/proxy/metrics":
+			status(w, http.StatusForbidden, "Forbidden",
+				`pods "plugin-f" is forbidden: User "operator" cannot get resource "pods/proxy" in API group "" in the namespace "mpnbd-system"`)
+		default:
+			http.NotFound(w, r)
+		}
+	}))
+	t.Cleanup(proxy.Close)
+	base, err := url.Parse(proxy.URL + "/k8s/clusters/c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Pods of other components, or in another namespace than -n, are not
+	// node plugins to read.
+	agent := newNodePluginPod("agent-b", "node-b", 9811, corev1.PodRunning, "10.1.0.2")
+	agent.Labels["app.kubernetes.io/component"] = "storage-agent"
+	elsewhere := newNodePluginPod("plugin-g", "node-g", 9811, corev1.PodRunning, "10.1.0.7")
+	elsewhere.Namespace = "other"
+	api := fakeAPI(t,
+		newVolume("pvc-1", v1alpha1.VolumeAvailable, "node-a", "node-b", "node-c", "node-d", "node-e", "node-f", "node-g"),
+		newNodePluginPod("plugin-a", "node-a", 9811, corev1.PodRunning, "10.1.0.1"),
+		agent,
+		newNodePluginPod("plugin-c", "node-c", 0, corev1.PodRunning, "10.1.0.3"),
+		newNodePluginPod("plugin-d", "node-d", 9811, corev1.PodPending, ""),
+		newNodePluginPod("plugin-e", "node-e", 9811, corev1.PodRunning, "10.1.0.5"),
+		newNodePluginPod("plugin-f", "node-f", 9811, corev1.PodRunning, "10.1.0.6"),
+		elsewhere,
+	).Build()
+	mc := metricsClients{direct: &http.Client{}, proxy: &apiProxy{base: base, hc: proxy.Client()}}
+	for _, output := range []string{"json", "table"} {
+		o, err := parseArgs([]string{"-o", output, "-n", nodePluginNamespace})
 		if err != nil {
 			t.Fatal(err)
 		}
 		var out bytes.Buffer
-		if err := show(context.Background(), o, api, &http.Client{}, &out); err != nil {
+		if err := show(context.Background(), o, api, mc, &out); err != nil {
 			t.Fatal(err)
 		}
 		if output == "table" {
-			if !strings.Contains(out.String(), "Metrics off:") || !strings.Contains(out.String(), "node-a  off ") {
-				t.Errorf("table:\n%s", out.String())
+			for _, s := range []string{
+				"node-c  no-port ",
+				"Node node-c: metrics no-port: node plugin pod mpnbd-system/plugin-c declares no container port named metrics",
+				"The node plugins' metrics are read through the API server's pod proxy (list on pods, get on pods/proxy)",
+			} {
+				if !strings.Contains(out.String(), s) {
+					t.Errorf("table lacks %q:\n%s", s, out.String())
+				}
 			}
 			continue
 		}
 		rep := decodeReport(t, out.String())
-		if p := rep.Volumes[0].Publications[0]; p.Metrics != MetricsOff || p.DataPath != nil || rep.Nodes[0].Status != MetricsOff {
-			t.Errorf("report %+v", rep)
+		want := map[string]struct{ status, pod, url, err string }{
+			"node-a": {MetricsOK, "mpnbd-system/plugin-a", proxy.URL + prefix + "plugin-a:9811/proxy/metrics", ""},
+			"node-b": {MetricsNoPod, "", "", "no node plugin pod on the node"},
+			"node-c": {MetricsNoPort, "mpnbd-system/plugin-c", "", "declares no container port named metrics"},
+			"node-d": {MetricsNoPod, "mpnbd-system/plugin-d", "", "plugin-d is Pending, not Running"},
+			"node-e": {MetricsUnreachable, "mpnbd-system/plugin-e", proxy.URL + prefix + "plugin-e:9811/proxy/metrics",
+				"503 Service Unavailable: error trying to reach service: dial tcp 10.1.0.5:9811: connect: connection refused"},
+			"node-f": {MetricsError, "mpnbd-system/plugin-f", proxy.URL + prefix + "plugin-f:9811/proxy/metrics",
+				`cannot get resource "pods/proxy"`},
+			"node-g": {MetricsNoPod, "", "", "no node plugin pod on the node"},
 		}
+		if len(rep.Nodes) != len(want) {
+			t.Fatalf("nodes %+v", rep.Nodes)
+		}
+		for _, n := range rep.Nodes {
+			w := want[n.Node]
+			if n.Status != w.status || n.Pod != w.pod || n.URL != w.url || !strings.Contains(n.Error, w.err) || (w.err == "") != (n.Error == "") {
+				t.Errorf("node %+v, want %+v", n, w)
+			}
+		}
+		if n := rep.Nodes[5]; !strings.Contains(n.Error, "needs get on pods/proxy") {
+			t.Errorf("node-f's refusal does not name the permission: %q", n.Error)
+		}
+		if p := rep.Volumes[0].Publications[0]; p.Metrics != MetricsOK || p.Health != HealthHealthy || p.DataPath == nil || subflowsText(p.DataPath) != "2/2" {
+			t.Errorf("node-a's publication %+v", p)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(asked) != 6 {
+		t.Errorf("the proxy was asked %q; want node-a, node-e and node-f once per output", asked)
 	}
 }
 
@@ -502,6 +601,12 @@ func TestAPIFailures(t *testing.T) {
 			}
 			return nil
 		}, "", "Nodes not read"},
+		{"Pods forbidden", nil, func(l client.ObjectList) error {
+			if _, ok := l.(*corev1.PodList); ok {
+				return forbidden("pods")
+			}
+			return nil
+		}, "", "Pods not read, so the node plugins' metrics cannot be read through the API server (list on pods is needed)"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -520,7 +625,7 @@ func TestAPIFailures(t *testing.T) {
 				t.Fatal(err)
 			}
 			var out bytes.Buffer
-			err = show(context.Background(), o, b.Build(), &http.Client{}, &out)
+			err = show(context.Background(), o, b.Build(), metricsClients{direct: &http.Client{}}, &out)
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("error %v, want %q", err, tc.wantErr)

@@ -89,10 +89,10 @@ func TestSidecarExtraArgs(t *testing.T) {
 }
 
 // TestNodeMetricsOnByDefault: the node plugin serves its volumes' metrics
-// (which the alerts, the dashboard and mpnbdctl --metrics-port read) with
-// default values, on node.metricsPort 9811 of the pod IP, declared as the
-// port metrics the node PodMonitor scrapes; node.metricsPort=0 turns them
-// off.
+// (which the alerts, the dashboard and mpnbdctl, through the API server's
+// pod proxy, read) with default values, on node.metricsPort 9811 of the
+// pod IP, declared as the port metrics the node PodMonitor scrapes and
+// mpnbdctl looks for; node.metricsPort=0 turns them off.
 func TestNodeMetricsOnByDefault(t *testing.T) {
 	objs := render(t)
 	args := argsOf(t, objs, "DaemonSet", "mpnbd-node", "node")

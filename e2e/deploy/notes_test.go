@@ -70,7 +70,7 @@ func TestChartNotes(t *testing.T) {
 				"kubectl label node <node> mpnbd.io/storage-node=true", "kubectl get pods -n mpnbd-system",
 				"kubectl get nbdnode", "kubectl get nbdvol", "PodDisruptionBudget mpnbd-controller: maxUnavailable 1",
 				"DaemonSet mpnbd-datapath", "DaemonSet mpnbd-storage-agent", "300Mi", "No storage NICs",
-				"WARNING: the cluster does not serve snapshot.storage.k8s.io/v1", "node plugin metrics: http://<node>:9811/metrics"},
+				"WARNING: the cluster does not serve snapshot.storage.k8s.io/v1", "node plugin metrics: http://<node>:9811/metrics", "mpnbdctl volumes"},
 			[]string{"the default class", "ServiceMonitor", "PodMonitor", "MPTCP endpoints:", "VolumeSnapshotClass mpnbd-snapshots"}},
 		{"snapshot API served", []string{"--api-versions", "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"},
 			[]string{"VolumeSnapshotClass mpnbd-snapshots (the driver's default): VolumeSnapshots"},
