@@ -17,16 +17,20 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
 	"net/url"
 	"os"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -40,6 +44,7 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 )
 
@@ -535,5 +540,157 @@ func TestMetricsThroughAPIServer(t *testing.T) {
 	rep = mpnbdctl(as("viewer"))
 	if n := rep.Nodes[0]; n.Status != MetricsError || !strings.Contains(n.Error, "403 Forbidden") || !strings.Contains(n.Error, "needs get on pods/proxy") {
 		t.Errorf("as an operator without get on pods/proxy: node-p %+v", n)
+	}
+}
+
+// TestVersionAgainstAPIServer: version lists the driver's Deployments and
+// DaemonSets (by the chart's label, in every namespace or in -n) with the
+// image of each one's main container, says whether they agree, and fails
+// only when the API server does not answer, after printing its own
+// version.
+func TestVersionAgainstAPIServer(t *testing.T) {
+	cfg, c := apiserver.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	kc := apiserver.WriteKubeconfig(t, cfg)
+	cmd := func(kc string, args ...string) (int, string, string) {
+		var out, errb bytes.Buffer
+		code := run(ctx, append([]string{"--kubeconfig", kc, "version"}, args...), &out, &errb)
+		return code, out.String(), errb.String()
+	}
+	decode := func(s string) *VersionReport {
+		t.Helper()
+		var rep VersionReport
+		dec := json.NewDecoder(strings.NewReader(s))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&rep); err != nil {
+			t.Fatalf("not a version report: %v\n%s", err, s)
+		}
+		return &rep
+	}
+
+	const image = "registry.example/mpnbd/mpnbd:0.3.0"
+	template := func(component string, containers ...corev1.Container) corev1.PodTemplateSpec {
+		return corev1.PodTemplateSpec{
+			ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app.kubernetes.io/name": "mpnbd", componentLabel: component}},
+			Spec:       corev1.PodSpec{Containers: containers},
+		}
+	}
+	workloadMeta := func(ns, name, component string) metav1.ObjectMeta {
+		return metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{
+			"app.kubernetes.io/name": "mpnbd", "app.kubernetes.io/instance": "mpnbd", componentLabel: component,
+		}}
+	}
+	selector := func(component string) *metav1.LabelSelector {
+		return &metav1.LabelSelector{MatchLabels: map[string]string{"app.kubernetes.io/name": "mpnbd", componentLabel: component}}
+	}
+	// The chart's workloads: sidecars first in the controller, to show the
+	// main container is found by name.
+	controller := &appsv1.Deployment{ObjectMeta: workloadMeta(nodePluginNamespace, "mpnbd-controller", "controller"),
+		Spec: appsv1.DeploymentSpec{Selector: selector("controller"), Template: template("controller",
+			corev1.Container{Name: "csi-provisioner", Image: "registry.k8s.io/sig-storage/csi-provisioner:v6.0.0"},
+			corev1.Container{Name: "controller", Image: image})}}
+	node := &appsv1.DaemonSet{ObjectMeta: workloadMeta(nodePluginNamespace, "mpnbd-node", "node"),
+		Spec: appsv1.DaemonSetSpec{Selector: selector("node"), Template: template("node",
+			corev1.Container{Name: "node", Image: image},
+			corev1.Container{Name: "node-driver-registrar", Image: "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"})}}
+	// The storage agents in a namespace of their own.
+	agent := &appsv1.DaemonSet{ObjectMeta: workloadMeta("storage", "mpnbd-storage-agent", "storage-agent"),
+		Spec: appsv1.DaemonSetSpec{Selector: selector("storage-agent"), Template: template("storage-agent",
+			corev1.Container{Name: "storage-agent", Image: image})}}
+	// Not the driver's.
+	other := &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: nodePluginNamespace, Name: "web", Labels: map[string]string{"app.kubernetes.io/name": "web"}},
+		Spec: appsv1.DeploymentSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "web"}},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "web"}},
+				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "web", Image: "nginx"}}}}}}
+	for _, o := range []client.Object{
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: nodePluginNamespace}},
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "storage"}},
+		controller, node, agent, other,
+	} {
+		if err := c.Create(ctx, o); err != nil {
+			t.Fatalf("creating %T %s: %v", o, o.GetName(), err)
+		}
+	}
+
+	code, out, errs := cmd(kc, "-o", "json")
+	if code != 0 {
+		t.Fatalf("version -o json: exit %d: %s", code, errs)
+	}
+	rep := decode(out)
+	want := []ComponentVersion{
+		{"controller", "Deployment", nodePluginNamespace, "mpnbd-controller", "controller", image},
+		{"node", "DaemonSet", nodePluginNamespace, "mpnbd-node", "node", image},
+		{"storage-agent", "DaemonSet", "storage", "mpnbd-storage-agent", "storage-agent", image},
+	}
+	if !slices.Equal(rep.Components, want) || !rep.Agree || !slices.Equal(rep.Images, []string{image}) || len(rep.Warnings) != 0 ||
+		rep.Client.Version != buildinfo.Version || rep.Client.GoVersion != runtime.Version() || rep.Client.Revision == "" {
+		t.Errorf("report %+v, want components %+v agreeing on %s", rep, want, image)
+	}
+	code, out, _ = cmd(kc)
+	for _, s := range []string{
+		"mpnbdctl " + buildinfo.Version + " (revision ",
+		"COMPONENT      KIND        NAMESPACE     NAME                 CONTAINER      IMAGE\n",
+		"controller     Deployment  mpnbd-system  mpnbd-controller     controller     " + image + "\n",
+		"The components agree: they run " + image + ".\n",
+	} {
+		if code != 0 || !strings.Contains(out, s) {
+			t.Errorf("version: exit %d, output lacks %q:\n%s", code, s, out)
+		}
+	}
+
+	// An upgrade half done: the node plugins run another image.
+	const newer = "registry.example/mpnbd/mpnbd:0.4.0"
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		var ds appsv1.DaemonSet
+		if err := c.Get(ctx, client.ObjectKeyFromObject(node), &ds); err != nil {
+			return err
+		}
+		ds.Spec.Template.Spec.Containers[0].Image = newer
+		return c.Update(ctx, &ds)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	code, out, _ = cmd(kc, "-o", "json")
+	if rep := decode(out); code != 0 || rep.Agree || !slices.Equal(rep.Images, []string{image, newer}) || rep.Components[1].Image != newer {
+		t.Errorf("after the node plugins' image changed: exit %d, %+v", code, rep)
+	}
+	code, out, _ = cmd(kc)
+	if s := "The components do not agree (an upgrade under way, or a workload changed by hand): " + image +
+		" (mpnbd-controller, mpnbd-storage-agent); " + newer + " (mpnbd-node).\n"; code != 0 || !strings.Contains(out, s) {
+		t.Errorf("version: exit %d, output lacks %q:\n%s", code, s, out)
+	}
+	// One namespace.
+	code, out, _ = cmd(kc, "-o", "json", "-n", "storage")
+	if rep := decode(out); code != 0 || len(rep.Components) != 1 || rep.Components[0].Name != "mpnbd-storage-agent" || !rep.Agree {
+		t.Errorf("version -n storage: exit %d, %+v", code, rep)
+	}
+	code, out, _ = cmd(kc, "-n", "nothing-here")
+	if code != 0 || !strings.Contains(out, "No Deployment or DaemonSet labelled app.kubernetes.io/name=mpnbd in namespace nothing-here") {
+		t.Errorf("version -n nothing-here: exit %d:\n%s", code, out)
+	}
+
+	// A user who may list nothing: the API server answers, so version
+	// succeeds with warnings.
+	nobody := rest.CopyConfig(cfg)
+	nobody.Impersonate = rest.ImpersonationConfig{UserName: "nobody", Groups: []string{"system:authenticated"}}
+	code, out, errs = cmd(apiserver.WriteKubeconfig(t, nobody), "-o", "json")
+	if rep := decode(out); code != 0 || len(rep.Components) != 0 || rep.Agree || len(rep.Warnings) != 2 ||
+		!strings.Contains(rep.Warnings[0], "Deployments not read") || !strings.Contains(rep.Warnings[1], "forbidden") {
+		t.Errorf("version as a user who may list nothing: exit %d, %+v, stderr %q", code, rep, errs)
+	}
+
+	// No API server there: its own version, then exit 1.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	down := rest.CopyConfig(cfg)
+	down.Host = "https://" + l.Addr().String()
+	l.Close()
+	code, out, errs = cmd(apiserver.WriteKubeconfig(t, down), "--timeout", "2s")
+	if code != 1 || !strings.HasPrefix(out, "mpnbdctl "+buildinfo.Version+" (revision ") || !strings.Contains(errs, "listing Deployments") {
+		t.Errorf("version without an API server: exit %d, stdout %q, stderr %q", code, out, errs)
 	}
 }

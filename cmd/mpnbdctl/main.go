@@ -23,6 +23,8 @@
 //	mpnbdctl [flags] cordon NODE    no new volume or replica on storage node NODE
 //	mpnbdctl [flags] uncordon NODE  undoes cordon and drain
 //	mpnbdctl [flags] drain NODE     moves every volume and replica off NODE, waiting up to --wait
+//	mpnbdctl [flags] forget NODE    deletes the NBDStorageNode of a storage node gone for good
+//	mpnbdctl [flags] version        its version, and the images the driver's workloads run
 //
 // Per volume: its PV and claim, storage node, size, phase and publications;
 // per published node: the transport, connected, MPTCP, subflows of each
@@ -63,9 +65,18 @@
 // unreplicated volumes are lost (their publications are released, and
 // deleting their claims completes, the data written off).
 //
+// version prints mpnbdctl's version (pkg/buildinfo) and, for each
+// Deployment and DaemonSet labelled app.kubernetes.io/name=mpnbd (in
+// --namespace, or every namespace), its component, namespace, name and the
+// image of its main container (the one named after its component:
+// controller, node, datapath, storage-agent), and whether they all run the
+// same image. It needs list on deployments and daemonsets (apps); a list
+// refused is a warning.
+//
 // Exit codes: 0 shown or done, 1 failed (no API server, no such volume or
 // storage node, volumes exist for uninstall-check, volumes left on a
-// drained node, a node to forget whose agent reports), 2 usage.
+// drained node, a node to forget whose agent reports), 2 usage. version
+// fails only without an answer from the API server.
 package main
 
 import (
@@ -112,6 +123,7 @@ const (
 	cmdUncordon       = "uncordon"
 	cmdDrain          = "drain"
 	cmdForget         = "forget"
+	cmdVersion        = "version"
 )
 
 // Output formats.
@@ -162,7 +174,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 		o.metricsURLs[node] = u
 		return nil
 	})
-	fs.StringVar(&o.namespace, "namespace", "", "namespace of the node plugin pods whose metrics are read through the API server (default: every namespace)")
+	fs.StringVar(&o.namespace, "namespace", "", "namespace of the driver: of the node plugin pods whose metrics are read through the API server, of the workloads version shows (default: every namespace)")
 	fs.StringVar(&o.namespace, "n", "", "short for --namespace")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
 	fs.DurationVar(&o.wait, "wait", time.Hour, "drain: how long to follow the moves until the node holds nothing (0: mark it draining and return)")
@@ -208,7 +220,7 @@ func parseArgs(args []string) (*options, error) {
 		o.command, words = words[0], words[1:]
 	}
 	switch o.command {
-	case cmdVolumes, cmdUninstallCheck:
+	case cmdVolumes, cmdUninstallCheck, cmdVersion:
 		if len(words) > 0 {
 			return nil, fmt.Errorf("unexpected argument %q", words[0])
 		}
@@ -223,7 +235,7 @@ func parseArgs(args []string) (*options, error) {
 		}
 		o.node = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE, drain NODE or forget NODE)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE, drain NODE, forget NODE or version)", o.command)
 	}
 	switch {
 	case o.output != outputTable && o.output != outputJSON:
@@ -256,6 +268,9 @@ func usage() string {
   mpnbdctl [flags] forget NODE    NODE is gone for good: deletes its NBDStorageNode (only
                                   while its agent is not reporting) and says what that
                                   does to each volume it held (docs/operations.md)
+  mpnbdctl [flags] version        mpnbdctl's version, and the image each of the driver's
+                                  Deployments and DaemonSets runs (labelled
+                                  app.kubernetes.io/name=mpnbd): whether they agree
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics, read through the API server's pod proxy from the node plugin pod
@@ -283,7 +298,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	conn, err := newAPIConn(o.kubeconfig)
-	if err == nil {
+	switch {
+	case o.command == cmdVersion && err != nil:
+		// mpnbdctl's own version still.
+		err = version(ctx, o, nil, err, stdout)
+	case o.command == cmdVersion:
+		err = version(ctx, o, conn.client, nil, stdout)
+	case err == nil:
 		err = runCommand(ctx, o, conn, stdout)
 	}
 	if errors.Is(err, errVolumesExist) {

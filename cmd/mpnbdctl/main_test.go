@@ -22,6 +22,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 )
 
 func TestParseArgs(t *testing.T) {
@@ -42,6 +44,8 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"volume", "pvc-1", "--namespace", "kube-system"}, options{output: "table", namespace: "kube-system", timeout: 5 * time.Second, wait: time.Hour, command: "volume", volume: "pvc-1"}, ""},
 		{[]string{"drain", "s1", "--wait", "10m"}, options{output: "table", timeout: 5 * time.Second, wait: 10 * time.Minute, command: "drain", node: "s1"}, ""},
 		{[]string{"cordon", "s1"}, options{output: "table", timeout: 5 * time.Second, wait: time.Hour, command: "cordon", node: "s1"}, ""},
+		{[]string{"version", "-o", "json"}, options{output: "json", timeout: 5 * time.Second, wait: time.Hour, command: "version"}, ""},
+		{[]string{"version", "x"}, options{}, `unexpected argument "x"`},
 		{[]string{"uncordon"}, options{}, "uncordon: want one NODE"},
 		{[]string{"drain", "s1", "--wait", "-1s"}, options{}, "--wait must not be negative"},
 		{[]string{"volume"}, options{}, "want one NAME"},
@@ -90,6 +94,8 @@ func TestRunExitCodes(t *testing.T) {
 		{[]string{"volume"}, 2, "", "want one NAME", ""},
 		{[]string{"--kubeconfig", missing}, 1, "", "mpnbdctl: kubeconfig " + missing, ""},
 		{nil, 1, "", "mpnbdctl: no API server configuration", missing},
+		// version says its own first.
+		{[]string{"version"}, 1, "mpnbdctl " + buildinfo.Version + " (revision ", "mpnbdctl: no API server configuration", missing},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

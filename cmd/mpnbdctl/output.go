@@ -44,7 +44,7 @@ const noPathsNote = "Bytes per path: none reported; the node plugin reads them f
 // pathColumns are the columns of the paths of `mpnbdctl volume NAME`.
 var pathColumns = []string{"NODE", "CONNECTION", "LOCAL", "REMOTE", "SENT", "RECEIVED", "RETRANSMITTED", "RTT", "RATE"}
 
-func writeJSON(w io.Writer, rep *Report) error {
+func writeJSON(w io.Writer, rep any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(rep)
