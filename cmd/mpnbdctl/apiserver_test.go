@@ -23,6 +23,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -144,6 +145,27 @@ func TestRunAgainstAPIServer(t *testing.T) {
 		t.Errorf("pvc-2: %+v", v)
 	}
 
+	// The filters.
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"--node", "node-b"}, []string{"pvc-1"}},
+		{[]string{"--storage-node", "storage-1"}, []string{"pvc-1", "pvc-2"}},
+		{[]string{"--storage-node", "storage-2"}, nil},
+		// pvc-1 is Degraded on node-a, pvc-2 Unpublished.
+		{[]string{"--unhealthy"}, []string{"pvc-1", "pvc-2"}},
+		{[]string{"--unhealthy", "--node", "node-a"}, []string{"pvc-1"}},
+	} {
+		var names []string
+		for _, v := range decodeReport(t, mpnbdctl(append([]string{"-o", "json"}, tc.args...)...)).Volumes {
+			names = append(names, v.Name)
+		}
+		if !slices.Equal(names, tc.want) {
+			t.Errorf("volumes %q: %v, want %v", tc.args, names, tc.want)
+		}
+	}
+
 	table := mpnbdctl()
 	for _, s := range []string{strings.Join(listColumns, "  "), "pvc-1   default/data  storage-1     10Gi  Available  node-a  ok", "2/4", "4/4", "Unpublished"} {
 		if !strings.Contains(strings.Join(strings.Fields(table), " "), strings.Join(strings.Fields(s), " ")) {
@@ -254,6 +276,10 @@ func TestMaintenanceAgainstAPIServer(t *testing.T) {
 	}
 	if code, out := cmd("drain", "s1", "--wait", "0"); code != 0 || spec("s1") != (v1alpha1.NBDStorageNodeSpec{Unschedulable: true, Drain: true}) {
 		t.Fatalf("drain --wait 0: exit %d, spec %+v:\n%s", code, spec("s1"), out)
+	}
+	if code, out := cmd("storage-nodes"); code != 0 || !regexp.MustCompile(`(?m)^s1 +Unknown +- +yes +yes `).MatchString(out) ||
+		!regexp.MustCompile(`(?m)^s2 +Unknown +- +no +no `).MatchString(out) {
+		t.Errorf("storage-nodes after drain s1: exit %d, want s1 cordoned and draining:\n%s", code, out)
 	}
 	if code, out := cmd("uncordon", "s1"); code != 0 || spec("s1") != (v1alpha1.NBDStorageNodeSpec{}) {
 		t.Fatalf("uncordon: exit %d, spec %+v:\n%s", code, spec("s1"), out)
@@ -379,7 +405,29 @@ func TestForgetAgainstAPIServer(t *testing.T) {
 			t.Errorf("forget %s: exit %d, exists %v, want 1 and kept:\n%s", n, code, exists(n), out)
 		}
 	}
-	code, out := cmd("forget", "dead")
+	// What each holds, and how the controller sees it.
+	code, out := cmd("storage-nodes", "-o", "json")
+	var rep StorageNodesReport
+	if err := json.Unmarshal([]byte(out), &rep); code != 0 || err != nil || len(rep.StorageNodes) != 4 || len(rep.Warnings) != 0 {
+		t.Fatalf("storage-nodes: exit %d, %v:\n%s", code, err, out)
+	}
+	for i, want := range []struct {
+		name, ready, reason              string
+		primaries, unreplicated, replica int
+	}{
+		{"alive", "True", v1alpha1.ReasonAgentReporting, 1, 0, 0},
+		{"dead", "False", v1alpha1.ReasonAgentNotReporting, 0, 1, 1},
+		{"new", "Unknown", "", 0, 0, 0},
+		{"stale", "False", v1alpha1.ReasonHeartbeatStale, 0, 0, 0},
+	} {
+		n := rep.StorageNodes[i]
+		if n.Name != want.name || n.Ready != want.ready || n.Reason != want.reason || n.Primaries != want.primaries ||
+			n.Unreplicated != want.unreplicated || n.Replicas != want.replica || (want.reason != "") != (n.Since != nil) {
+			t.Errorf("storage node %d: %+v, want %+v", i, n, want)
+		}
+	}
+
+	code, out = cmd("forget", "dead")
 	if code != 0 || exists("dead") {
 		t.Fatalf("forget dead: exit %d, exists %v:\n%s", code, exists("dead"), out)
 	}
@@ -390,6 +438,11 @@ func TestForgetAgainstAPIServer(t *testing.T) {
 	}
 	if code, out := cmd("forget", "dead"); code != 1 || !strings.Contains(out, "not found") {
 		t.Errorf("forget of a forgotten node: exit %d:\n%s", code, out)
+	}
+	// Until the controller has moved them, its volumes still name it.
+	if code, out := cmd("storage-nodes"); code != 0 || strings.Contains(out, "\ndead ") ||
+		!strings.Contains(out, "Warning: storage node dead has no NBDStorageNode (lost for good, or its agent has not reported yet) but holds 2 volume(s): vr (replica), vu (unreplicated)") {
+		t.Errorf("storage-nodes after forget dead: exit %d:\n%s", code, out)
 	}
 }
 

@@ -42,7 +42,11 @@ const nodePluginComponent = "mpnbd-node"
 // surrounds them. Only the NBDVolumes are required; a part that cannot be
 // read (RBAC, say) becomes a warning.
 type inventory struct {
+	// volumes are those to show: every volume, or those the filters
+	// (--storage-node, --node) keep, or the volume NAME asked for.
 	volumes []v1alpha1.NBDVolume
+	// all are the volumes read, before the filters.
+	all []v1alpha1.NBDVolume
 	// pvs are the PVs of this driver by CSI volume handle (the volume
 	// ID); nil when they could not be read.
 	pvs map[string]*corev1.PersistentVolume
@@ -84,13 +88,15 @@ func readInventory(ctx context.Context, api client.Reader, o *options) (*invento
 			return nil, apiError("reading NBDVolume "+id, err)
 		}
 		inv.volumes = []v1alpha1.NBDVolume{vol}
+		inv.all = inv.volumes
 	} else {
 		var list v1alpha1.NBDVolumeList
 		if err := call(func(ctx context.Context) error { return api.List(ctx, &list) }); err != nil {
 			return nil, apiError("listing NBDVolumes", err)
 		}
-		inv.volumes = list.Items
-		slices.SortFunc(inv.volumes, func(a, b v1alpha1.NBDVolume) int { return strings.Compare(a.Name, b.Name) })
+		inv.all = list.Items
+		slices.SortFunc(inv.all, func(a, b v1alpha1.NBDVolume) int { return strings.Compare(a.Name, b.Name) })
+		inv.volumes = filterVolumes(inv.all, o)
 	}
 
 	var pvs corev1.PersistentVolumeList
@@ -151,6 +157,22 @@ func readInventory(ctx context.Context, api client.Reader, o *options) (*invento
 		}
 	}
 	return inv, nil
+}
+
+// filterVolumes keeps the volumes with data on --storage-node (its
+// primary, its only copy or a replica) and published to --node.
+func filterVolumes(vols []v1alpha1.NBDVolume, o *options) []v1alpha1.NBDVolume {
+	var out []v1alpha1.NBDVolume
+	for _, v := range vols {
+		if o.storageNode != "" && v.Spec.StorageNode != o.storageNode && !slices.Contains(v.Spec.ReplicaNodes, o.storageNode) {
+			continue
+		}
+		if o.publishedTo != "" && !slices.ContainsFunc(v.Spec.Publications, func(p v1alpha1.Publication) bool { return p.NodeID == o.publishedTo }) {
+			continue
+		}
+		out = append(out, v)
+	}
+	return out
 }
 
 func (inv *inventory) warn(format string, args ...any) {

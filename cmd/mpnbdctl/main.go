@@ -12,13 +12,16 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-// Command mpnbdctl shows an operator where each volume of the driver
-// stands, joining two sources: the API server (NBDVolumes, the PVs and
-// claims bound to them, Nodes) and the node plugins' Prometheus metrics
-// (mpnbd_node_volume_*, pkg/driver's NodeCollector).
+// Command mpnbdctl shows an operator where each volume and storage node
+// of the driver stands, joining two sources: the API server (NBDVolumes
+// and NBDStorageNodes, the PVs and claims bound to the volumes, the node
+// plugin pods) and the node plugins' Prometheus metrics
+// (mpnbd_node_volume_*, pkg/driver's NodeCollector), which it reads
+// through the API server.
 //
 //	mpnbdctl [flags] [volumes]      every volume, one row per node it is published to
 //	mpnbdctl [flags] volume NAME    one volume (its ID, or NAMESPACE/CLAIM) in detail
+//	mpnbdctl [flags] storage-nodes  every storage node and what it holds
 //	mpnbdctl [flags] uninstall-check  fails, listing them, while volumes exist
 //	mpnbdctl [flags] cordon NODE    no new volume or replica on storage node NODE
 //	mpnbdctl [flags] uncordon NODE  undoes cordon and drain
@@ -32,7 +35,19 @@
 // health (degraded, inaccessible); and the last fault it can tell (a data
 // path that is down or degraded now, a failed condition of the NBDVolume,
 // a Warning Event the node plugin recorded on the claim, or past
-// reconnects).
+// reconnects). --storage-node NAME keeps the volumes with data on that
+// storage node (primary, only copy or replica), --node NAME those
+// published to that node, --unhealthy those whose health is not Healthy
+// (Unknown, for a node whose metrics could not be read, and Unpublished
+// included).
+//
+// storage-nodes shows each NBDStorageNode: its Ready condition (status and
+// reason, as the controller sets it from the agent's lease), cordoned and
+// draining (spec.unschedulable, spec.drain), capacity and available bytes
+// as its agent reports them, the volumes it serves as primary, the
+// unreplicated volumes it holds, the replicas it holds and its orphan
+// files (backing files with no NBDVolume). Volumes on a storage node that
+// has no NBDStorageNode are a warning.
 //
 // The node plugins serve metrics on the chart's node.metricsPort (9811
 // by default; 0 turns them off), declared as their container port named
@@ -124,6 +139,7 @@ const (
 	cmdDrain          = "drain"
 	cmdForget         = "forget"
 	cmdVersion        = "version"
+	cmdStorageNodes   = "storage-nodes"
 )
 
 // Output formats.
@@ -146,6 +162,13 @@ type options struct {
 
 	// wait bounds how long drain follows the moves.
 	wait time.Duration
+
+	// The filters of volumes: data on storageNode (--storage-node),
+	// published to publishedTo (--node), health not Healthy
+	// (--unhealthy).
+	storageNode string
+	publishedTo string
+	unhealthy   bool
 
 	command string
 	volume  string // NAME of cmdVolume
@@ -178,7 +201,15 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.namespace, "n", "", "short for --namespace")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
 	fs.DurationVar(&o.wait, "wait", time.Hour, "drain: how long to follow the moves until the node holds nothing (0: mark it draining and return)")
+	fs.StringVar(&o.storageNode, "storage-node", "", "volumes: only those with data on this storage node (its primary, its only copy or a replica)")
+	fs.StringVar(&o.publishedTo, "node", "", "volumes: only those published to this node")
+	fs.BoolVar(&o.unhealthy, "unhealthy", false, "volumes: only those whose health is not Healthy (Unknown and Unpublished included)")
 	return fs
+}
+
+// filtered reports whether a filter of volumes is set.
+func (o *options) filtered() bool {
+	return o.storageNode != "" || o.publishedTo != "" || o.unhealthy
 }
 
 // parseMetricsURL splits NODE=URL and checks the URL.
@@ -220,7 +251,7 @@ func parseArgs(args []string) (*options, error) {
 		o.command, words = words[0], words[1:]
 	}
 	switch o.command {
-	case cmdVolumes, cmdUninstallCheck, cmdVersion:
+	case cmdVolumes, cmdUninstallCheck, cmdVersion, cmdStorageNodes:
 		if len(words) > 0 {
 			return nil, fmt.Errorf("unexpected argument %q", words[0])
 		}
@@ -235,9 +266,11 @@ func parseArgs(args []string) (*options, error) {
 		}
 		o.node = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, uninstall-check, cordon NODE, uncordon NODE, drain NODE, forget NODE or version)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, storage-nodes, uninstall-check, cordon NODE, uncordon NODE, drain NODE, forget NODE or version)", o.command)
 	}
 	switch {
+	case o.filtered() && o.command != cmdVolumes:
+		return nil, fmt.Errorf("--storage-node, --node and --unhealthy filter volumes, not %s", o.command)
 	case o.output != outputTable && o.output != outputJSON:
 		return nil, fmt.Errorf("--output %q (want table or json)", o.output)
 	case o.metricsPort < 0 || o.metricsPort > 65535:
@@ -254,8 +287,13 @@ func usage() string {
 	var b strings.Builder
 	b.WriteString(`Usage:
   mpnbdctl [flags] [volumes]      every volume: storage node, size, phase, and per node
-                                  it is published to its data path and health
+                                  it is published to its data path and health; only
+                                  those with data on --storage-node NAME, published to
+                                  --node NAME, or not Healthy (--unhealthy)
   mpnbdctl [flags] volume NAME    one volume in detail (NAME: volume ID, or NAMESPACE/CLAIM)
+  mpnbdctl [flags] storage-nodes  every storage node: Ready, cordoned, draining, capacity and
+                                  available bytes, the volumes it serves and the replicas
+                                  it holds, its orphan files
   mpnbdctl [flags] uninstall-check
                                   fails, listing them, while volumes exist (the chart's
                                   pre-delete hook: helm uninstall refuses meanwhile)
@@ -339,6 +377,8 @@ func runCommand(ctx context.Context, o *options, conn *apiConn, stdout io.Writer
 		return drain(ctx, c, o.node, o.wait, 2*time.Second, stdout)
 	case cmdForget:
 		return forget(ctx, c, o.node, stdout)
+	case cmdStorageNodes:
+		return storageNodes(ctx, o, c, stdout)
 	}
 	return show(ctx, o, c, metricsClients{direct: &http.Client{}, proxy: conn.proxy}, stdout)
 }
@@ -395,6 +435,10 @@ func show(ctx context.Context, o *options, api client.Reader, mc metricsClients,
 	}
 	nodes := scrapeNodes(ctx, mc, metricsTargets(o, inv, mc.proxy), o.timeout)
 	rep := buildReport(inv, nodes)
+	rep.filtered = o.filtered()
+	if o.unhealthy {
+		rep.keepUnhealthy()
+	}
 	switch {
 	case o.output == outputJSON:
 		return writeJSON(w, rep)

@@ -54,7 +54,7 @@ func setMaintenance(ctx context.Context, api client.Client, node string, unsched
 // heldVolume is one volume a storage node holds, and how.
 type heldVolume struct {
 	name string
-	// role: primary, replica, or unreplicated.
+	// role: rolePrimary, roleReplica or roleUnreplicated.
 	role string
 	// copying: nodes of the volume whose copy is not in sync yet.
 	copying []string
@@ -67,11 +67,11 @@ func heldBy(vols []v1alpha1.NBDVolume, node string) []heldVolume {
 		h := heldVolume{name: v.Name}
 		switch {
 		case v.Spec.StorageNode == node && len(v.Spec.ReplicaNodes) == 0:
-			h.role = "unreplicated"
+			h.role = roleUnreplicated
 		case v.Spec.StorageNode == node:
-			h.role = "primary"
+			h.role = rolePrimary
 		case slices.Contains(v.Spec.ReplicaNodes, node):
-			h.role = "replica"
+			h.role = roleReplica
 		default:
 			continue
 		}
@@ -180,11 +180,11 @@ func forget(ctx context.Context, api client.Client, node string, w io.Writer) er
 	for _, h := range held {
 		var what string
 		switch h.role {
-		case "unreplicated":
+		case roleUnreplicated:
 			what = "its only copy is lost with the node: its publications are released and deleting its claim writes its data off; a node that has it attached keeps waiting on it"
-		case "primary":
+		case rolePrimary:
 			what = "a replica in sync takes over as primary (if none is alive, the volume waits); the lost copy is replaced"
-		case "replica":
+		case roleReplica:
 			what = "its replica is replaced on another storage node, copied whole from the primary"
 		}
 		fmt.Fprintf(w, "  %s (%s): %s\n", h.name, h.role, what)

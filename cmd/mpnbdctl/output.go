@@ -70,7 +70,11 @@ func row(w io.Writer, indent string, cells ...string) {
 // (one row for an unpublished volume), then notes on the metrics.
 func writeTable(w io.Writer, rep *Report) error {
 	if len(rep.Volumes) == 0 {
-		fmt.Fprintln(w, "No NBDVolumes.")
+		if rep.filtered {
+			fmt.Fprintln(w, "No NBDVolume matches the filters.")
+		} else {
+			fmt.Fprintln(w, "No NBDVolumes.")
+		}
 		return writeNotes(w, rep)
 	}
 	tw := newTabWriter(w)

@@ -60,6 +60,10 @@ type Report struct {
 	// volumes are published to.
 	Nodes    []NodeMetrics `json:"nodes"`
 	Warnings []string      `json:"warnings,omitempty"`
+
+	// filtered: Volumes are those --storage-node, --node or --unhealthy
+	// kept.
+	filtered bool
 }
 
 // VolumeReport is one volume.
@@ -125,14 +129,24 @@ func buildReport(inv *inventory, nodes []NodeMetrics) *Report {
 	for i := range nodes {
 		byNode[nodes[i].Node] = &nodes[i]
 	}
-	shown := map[string]bool{}
 	for i := range inv.volumes {
-		vol := &inv.volumes[i]
-		shown[vol.Name] = true
-		rep.Volumes = append(rep.Volumes, volumeReport(vol, inv, byNode))
+		rep.Volumes = append(rep.Volumes, volumeReport(&inv.volumes[i], inv, byNode))
 	}
-	rep.Warnings = append(rep.Warnings, strayAttachments(inv, nodes, shown)...)
+	rep.Warnings = append(rep.Warnings, strayAttachments(inv, nodes)...)
 	return rep
+}
+
+// keepUnhealthy leaves the volumes whose health is not Healthy (Unknown
+// and Unpublished included), and the nodes they are published to.
+func (rep *Report) keepUnhealthy() {
+	rep.Volumes = slices.DeleteFunc(rep.Volumes, func(v VolumeReport) bool { return v.Health == HealthHealthy })
+	used := map[string]bool{}
+	for _, v := range rep.Volumes {
+		for _, p := range v.Publications {
+			used[p.Node] = true
+		}
+	}
+	rep.Nodes = slices.DeleteFunc(rep.Nodes, func(n NodeMetrics) bool { return !used[n.Node] })
 }
 
 func volumeReport(vol *v1alpha1.NBDVolume, inv *inventory, byNode map[string]*NodeMetrics) VolumeReport {
@@ -309,10 +323,12 @@ func dataPathFault(dp *DataPath) string {
 
 // strayAttachments warns of volumes a node plugin has attached on a node
 // they are not published to (the fence should prevent it), or that have
-// no NBDVolume at all (listing every volume only).
-func strayAttachments(inv *inventory, nodes []NodeMetrics, shown map[string]bool) []string {
+// no NBDVolume at all (listing volumes only).
+func strayAttachments(inv *inventory, nodes []NodeMetrics) []string {
 	published := map[[2]string]bool{}
-	for _, v := range inv.volumes {
+	known := map[string]bool{}
+	for _, v := range inv.all {
+		known[v.Name] = true
 		for _, p := range v.Spec.Publications {
 			published[[2]string{v.Name, p.NodeID}] = true
 		}
@@ -327,7 +343,7 @@ func strayAttachments(inv *inventory, nodes []NodeMetrics, shown map[string]bool
 		for _, id := range ids {
 			switch {
 			case published[[2]string{id, n.Node}]:
-			case shown[id]:
+			case known[id]:
 				out = append(out, fmt.Sprintf("node %s has volume %s attached, but it is not published to that node", n.Node, id))
 			case !inv.single:
 				out = append(out, fmt.Sprintf("node %s has volume %s attached, but there is no NBDVolume %s", n.Node, id, id))

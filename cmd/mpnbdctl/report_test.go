@@ -676,3 +676,155 @@ func TestLastFaultConditionPolarity(t *testing.T) {
 		}
 	}
 }
+
+// TestVolumesFilters: --storage-node keeps the volumes with data on it
+// (primary, only copy or replica), --node those published to it,
+// --unhealthy those not Healthy; they combine, and the metrics read are
+// those of the nodes the kept volumes are published to. A volume filtered
+// out but attached on a node read is not taken for a stray.
+func TestVolumesFilters(t *testing.T) {
+	replicated := newVolume("pvc-replicated", v1alpha1.VolumeAvailable, "node-a")
+	replicated.Spec.StorageNode, replicated.Spec.ReplicaNodes, replicated.Spec.Replicas = "storage-2", []string{"storage-3"}, 2
+	f := newFleet(t, replicated)
+	stray := "node node-a has volume pvc-stray attached, but there is no NBDVolume pvc-stray"
+	tests := []struct {
+		args         []string
+		volumes      []string
+		nodes        []string
+		strayWarning bool
+	}{
+		{[]string{"--node", "node-a"}, []string{"pvc-degraded", "pvc-healthy", "pvc-replicated"}, []string{"node-a"}, true},
+		{[]string{"--storage-node", "storage-2"}, []string{"pvc-replicated"}, []string{"node-a"}, true},
+		{[]string{"--storage-node", "storage-3"}, []string{"pvc-replicated"}, []string{"node-a"}, true},
+		{[]string{"--storage-node", "storage-1"}, []string{"pvc-degraded", "pvc-failed", "pvc-healthy", "pvc-inaccessible", "pvc-nodedown",
+			"pvc-nometrics", "pvc-notattached", "pvc-unpublished"}, []string{"node-a", "node-b", "node-c", "node-d"}, true},
+		{[]string{"--unhealthy"}, []string{"pvc-degraded", "pvc-failed", "pvc-inaccessible", "pvc-nodedown", "pvc-nometrics",
+			"pvc-notattached", "pvc-replicated", "pvc-unpublished"}, []string{"node-a", "node-b", "node-c", "node-d"}, true},
+		{[]string{"--node", "node-a", "--unhealthy"}, []string{"pvc-degraded", "pvc-replicated"}, []string{"node-a"}, true},
+		{[]string{"--node", "node-b", "--storage-node", "storage-2"}, nil, nil, false},
+		{[]string{"--node", "node-z"}, nil, nil, false},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			rep := decodeReport(t, f.show(t, f.options(t, append([]string{"-o", "json"}, tc.args...)...)))
+			var vols, nodes []string
+			for _, v := range rep.Volumes {
+				vols = append(vols, v.Name)
+			}
+			for _, n := range rep.Nodes {
+				nodes = append(nodes, n.Node)
+			}
+			if !slices.Equal(vols, tc.volumes) || !slices.Equal(nodes, tc.nodes) {
+				t.Errorf("volumes %v on nodes %v, want %v on %v", vols, nodes, tc.volumes, tc.nodes)
+			}
+			if want := []string{stray}; (tc.strayWarning && !slices.Equal(rep.Warnings, want)) || (!tc.strayWarning && len(rep.Warnings) > 0) {
+				t.Errorf("warnings %q", rep.Warnings)
+			}
+		})
+	}
+	out := f.show(t, f.options(t, "--node", "node-z"))
+	if out != "No NBDVolume matches the filters.\n" {
+		t.Errorf("nothing kept: %q", out)
+	}
+	out = f.show(t, f.options(t, "--unhealthy"))
+	if strings.Contains(out, "pvc-healthy") || !strings.Contains(out, "pvc-degraded") {
+		t.Errorf("--unhealthy table:\n%s", out)
+	}
+}
+
+// TestStorageNodes: one row per NBDStorageNode with its Ready condition,
+// maintenance, capacity, what it holds and its orphans; volumes on a
+// storage node without an NBDStorageNode are a warning.
+func TestStorageNodes(t *testing.T) {
+	node := func(name string, ready metav1.ConditionStatus, reason, msg string, orphans ...string) *v1alpha1.NBDStorageNode {
+		sn := &v1alpha1.NBDStorageNode{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: v1alpha1.NBDStorageNodeStatus{
+			CapacityBytes: 100 << 30, AvailableBytes: 60 << 30, Heartbeat: metav1.NewTime(testTime.Add(time.Hour)), Orphans: orphans,
+		}}
+		if ready != "" {
+			sn.Status.Conditions = []metav1.Condition{{Type: v1alpha1.ConditionReady, Status: ready, Reason: reason, Message: msg,
+				LastTransitionTime: metav1.NewTime(testTime)}}
+		}
+		return sn
+	}
+	volume := func(name, primary string, replicas ...string) *v1alpha1.NBDVolume {
+		v := newVolume(name, v1alpha1.VolumeAvailable)
+		v.Spec.StorageNode, v.Spec.ReplicaNodes = primary, replicas
+		if len(replicas) > 0 {
+			v.Spec.Replicas = int32(len(replicas) + 1)
+		}
+		return v
+	}
+	s2 := node("s2", metav1.ConditionFalse, v1alpha1.ReasonAgentNotReporting, "the agent's lease has not been renewed for 6s")
+	s2.Spec = v1alpha1.NBDStorageNodeSpec{Unschedulable: true, Drain: true}
+	api := fakeAPI(t,
+		node("s1", metav1.ConditionTrue, v1alpha1.ReasonAgentReporting, "reporting", "pvc-old", "pvc-older"),
+		s2,
+		node("s3", "", "", ""),
+		volume("v-unreplicated", "s1"),
+		volume("v-rep1", "s1", "s2", "s3"),
+		volume("v-rep2", "s2", "s1"),
+		volume("v-lost", "s9"),
+		volume("v-lostreplica", "s3", "s9"),
+	).Build()
+	o, err := parseArgs([]string{"storage-nodes", "-o", "json"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := runCommand(context.Background(), o, &apiConn{client: api}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var rep StorageNodesReport
+	dec := json.NewDecoder(strings.NewReader(out.String()))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rep); err != nil {
+		t.Fatalf("not a storage nodes report: %v\n%s", err, out.String())
+	}
+	since, beat := testTime, testTime.Add(time.Hour)
+	want := []StorageNodeReport{
+		{Name: "s1", Ready: "True", Reason: v1alpha1.ReasonAgentReporting, Message: "reporting", Since: &since, Heartbeat: &beat,
+			CapacityBytes: 100 << 30, AvailableBytes: 60 << 30, Primaries: 1, Unreplicated: 1, Replicas: 1, Orphans: 2, OrphanFiles: []string{"pvc-old", "pvc-older"}},
+		{Name: "s2", Ready: "False", Reason: v1alpha1.ReasonAgentNotReporting, Message: "the agent's lease has not been renewed for 6s", Since: &since, Heartbeat: &beat,
+			Cordoned: true, Draining: true, CapacityBytes: 100 << 30, AvailableBytes: 60 << 30, Primaries: 1, Replicas: 1},
+		{Name: "s3", Ready: "Unknown", Heartbeat: &beat, CapacityBytes: 100 << 30, AvailableBytes: 60 << 30, Primaries: 1, Replicas: 1},
+	}
+	got, _ := json.Marshal(rep.StorageNodes)
+	w, _ := json.Marshal(want)
+	if !bytes.Equal(got, w) {
+		t.Errorf("storage nodes\n%s\nwant\n%s", got, w)
+	}
+	if len(rep.Warnings) != 1 || rep.Warnings[0] != "storage node s9 has no NBDStorageNode (lost for good, or its agent has not reported yet) but holds 2 volume(s): v-lost (unreplicated), v-lostreplica (replica)" {
+		t.Errorf("warnings %q", rep.Warnings)
+	}
+	// The JSON names are the contract of scripts.
+	if !strings.Contains(out.String(), `"storageNodes": [`) || !strings.Contains(out.String(), `"availableBytes": 64424509440`) ||
+		!strings.Contains(out.String(), `"unreplicated": 1`) {
+		t.Errorf("JSON:\n%s", out.String())
+	}
+
+	o.output = outputTable
+	out.Reset()
+	if err := storageNodes(context.Background(), o, api, &out); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []string{
+		"NAME  READY    REASON             CORDONED  DRAINING  CAPACITY  AVAILABLE  PRIMARIES  UNREPLICATED  REPLICAS  ORPHANS\n",
+		"s1    True     AgentReporting     no        no        100Gi     60Gi       1          1             1         2\n",
+		"s2    False    AgentNotReporting  yes       yes       100Gi     60Gi       1          0             1         0\n",
+		"s3    Unknown  -                  no        no        100Gi     60Gi       1          0             1         0\n",
+		"Storage node s2: Ready False (AgentNotReporting) since 2025-03-04T05:06:07Z: the agent's lease has not been renewed for 6s\n",
+		"Storage node s3: Ready Unknown\n",
+		"Storage node s1: 2 orphan file(s), backing files with no NBDVolume, never deleted by the driver: pvc-old, pvc-older\n",
+		"Warning: storage node s9 has no NBDStorageNode",
+	} {
+		if !strings.Contains(out.String(), s) {
+			t.Errorf("table lacks %q:\n%s", s, out.String())
+		}
+	}
+
+	// None at all.
+	out.Reset()
+	if err := storageNodes(context.Background(), o, fakeAPI(t).Build(), &out); err != nil || out.String() != "No NBDStorageNodes: no storage agent has reported.\n" {
+		t.Errorf("no storage node: %v %q", err, out.String())
+	}
+}
