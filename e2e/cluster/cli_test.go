@@ -62,7 +62,8 @@ type cliReport struct {
 
 // mpnbdctl runs the operator's CLI, built from this tree, as an operator
 // would from outside the cluster: with the admin kubeconfig, reading the
-// node plugin's metrics on its port.
+// node plugin's metrics through the API server (its pod proxy), as it
+// does by default.
 func (s *suite) mpnbdctl(args ...string) (string, error) {
 	bin := filepath.Join(s.dir, "mpnbdctl")
 	if s.cliBuilt == "" {
@@ -77,8 +78,7 @@ func (s *suite) mpnbdctl(args ...string) (string, error) {
 		}
 		s.cliBuilt = bin
 	}
-	cmd := exec.CommandContext(s.ctx, bin, append([]string{"--kubeconfig", s.c.Kubeconfig,
-		"--metrics-url", s.c.NodeName + "=" + s.nodeMetricsURL()}, args...)...)
+	cmd := exec.CommandContext(s.ctx, bin, append([]string{"--kubeconfig", s.c.Kubeconfig}, args...)...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
 }
@@ -172,6 +172,20 @@ func (s *suite) buildInfoScenario(version string) {
 				}
 				return ""
 			})
+		}
+		// The operator's CLI: the images the workloads run agree, and
+		// the storage node is Ready.
+		out, err := s.mpnbdctl("version", "-o", "json")
+		var v struct {
+			Agree  bool     `json:"agree"`
+			Images []string `json:"images"`
+		}
+		if err != nil || json.Unmarshal([]byte(out), &v) != nil || !v.Agree || len(v.Images) != 1 || v.Images[0] != driverImage {
+			s.t.Errorf("mpnbdctl version: %v, %+v\n%s", err, v, out)
+		}
+		out, err = s.mpnbdctl("storage-nodes")
+		if err != nil || !strings.Contains(out, s.c.NodeName) || !strings.Contains(out, "True") {
+			s.t.Errorf("mpnbdctl storage-nodes: %v\n%s", err, out)
 		}
 	})
 }
