@@ -403,7 +403,7 @@ func newManager(o *options, log *slog.Logger) (*attach.Manager, func(), error) {
 	if want(attach.Ublk) {
 		// Each volume served by a process of its own (node ublk-serve),
 		// replaced when it dies while the kernel holds the device's I/O
-		// (see the README).
+		// (docs/transports.md).
 		a, err := ublkdev.NewSupervisor(ublkdev.Config{StateDir: filepath.Join(o.stateDir, "ublk"), Logger: log})
 		switch {
 		case errors.Is(err, attach.ErrUnsupported):

@@ -71,7 +71,7 @@ func ParseTransport(s string) (Transport, error) {
 	return "", fmt.Errorf("%w: transport %q (want one of auto, kernel, ublk, relay, multiconn, tcp, fuse)", ErrInvalid, s)
 }
 
-// Defaults for every attach; documented in the README.
+// Defaults for every attach; documented in docs/transports.md.
 const (
 	// DefaultDeadConnTimeout is how long I/O waits for a dead connection to
 	// be replaced before it fails: in effect forever (a hard mount). I/O
