@@ -452,13 +452,11 @@ func keepEndpoints(ctx context.Context, o *options, log *slog.Logger, onPath fun
 // again and again is one Event with a count), and what stops it; nil
 // without API server access.
 func pathEventRecorder(o *options, log *slog.Logger) (func(mptcp.PathEvent), func()) {
-	cfg, err := kubeconfig.Load(o.kubeconfig)
+	c, err := apiClient(o)
 	if err != nil {
-		return nil, nil
-	}
-	c, err := client.New(cfg, client.Options{})
-	if err != nil {
-		log.Warn("no Events on the Node for slow paths", "error", err)
+		if !errors.Is(err, errNoAPIServer) {
+			log.Warn("no Events on the Node for slow paths", "error", err)
+		}
 		return nil, nil
 	}
 	rec, stop := driver.NewEventRecorder(c, "mpnbd-node", log)
@@ -480,14 +478,13 @@ func pathEventRecorder(o *options, log *slog.Logger) (func(mptcp.PathEvent), fun
 // paths (Events on their claims, this node's entry in their NBDVolume's
 // status), or nil without API server access.
 func newVolumeWatch(o *options, log *slog.Logger) *driver.VolumeWatch {
-	cfg, err := kubeconfig.Load(o.kubeconfig)
+	c, err := apiClient(o)
 	if err != nil {
-		log.Info("no Events on claims nor status of volumes: no API server access", "error", err)
-		return nil
-	}
-	c, err := client.New(cfg, client.Options{})
-	if err != nil {
-		log.Warn("no Events on claims nor status of volumes", "error", err)
+		level := slog.LevelWarn
+		if errors.Is(err, errNoAPIServer) {
+			level = slog.LevelInfo
+		}
+		log.Log(context.Background(), level, "no Events on claims nor status of volumes", "error", err)
 		return nil
 	}
 	return &driver.VolumeWatch{
@@ -519,12 +516,7 @@ func publishAddresses(ctx context.Context, o *options, tokenHash string, log *sl
 			return
 		}
 	}
-	cfg, err := kubeconfig.Load(o.kubeconfig)
-	if err != nil {
-		log.Error("storage addresses not published: no API server access", "error", err)
-		return
-	}
-	c, err := client.New(cfg, client.Options{})
+	c, err := apiClient(o)
 	if err != nil {
 		log.Error("storage addresses not published", "error", err)
 		return
@@ -572,12 +564,7 @@ func identityDir(o *options) string { return filepath.Join(o.stateDir, "identity
 // keepIdentity gets this node's certificate and keeps it renewed, in
 // --state-dir/identity, until ctx ends.
 func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
-	cfg, err := kubeconfig.Load(o.kubeconfig)
-	if err != nil {
-		log.Error("no node certificate: no API server access", "error", err)
-		return
-	}
-	c, err := client.New(cfg, client.Options{})
+	c, err := apiClient(o)
 	if err != nil {
 		log.Error("no node certificate", "error", err)
 		return
@@ -593,4 +580,17 @@ func keepIdentity(ctx context.Context, o *options, log *slog.Logger) {
 	if err := id.Start(ctx, 0); err != nil && ctx.Err() == nil {
 		log.Error("no node certificate", "error", err)
 	}
+}
+
+// errNoAPIServer: no API server configuration (--kubeconfig, in-cluster).
+var errNoAPIServer = errors.New("no API server access")
+
+// apiClient is a client of the API server from --kubeconfig (or the
+// in-cluster configuration); without one the error is errNoAPIServer.
+func apiClient(o *options) (client.Client, error) {
+	cfg, err := kubeconfig.Load(o.kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoAPIServer, err)
+	}
+	return client.New(cfg, client.Options{})
 }
