@@ -165,14 +165,7 @@ func writeNotes(w io.Writer, rep *Report) error {
 		notes = append(notes, "The node plugins' metrics are read through the API server's pod proxy (list on pods, get on pods/proxy); "+
 			"--metrics-port PORT reads each node's InternalIP directly, --metrics-url NODE=URL one node's endpoint.")
 	}
-	for _, warn := range rep.Warnings {
-		notes = append(notes, "Warning: "+warn)
-	}
-	if len(notes) == 0 {
-		return nil
-	}
-	_, err := fmt.Fprintf(w, "\n%s\n", strings.Join(notes, "\n"))
-	return err
+	return printNotes(w, notes, rep.Warnings)
 }
 
 // writeDetail writes one volume in detail.
@@ -338,4 +331,17 @@ func timeText(t time.Time) string {
 		return ""
 	}
 	return t.UTC().Format(time.RFC3339)
+}
+
+// printNotes writes the notes under a table, then the warnings, after a
+// blank line; nothing when there are none.
+func printNotes(w io.Writer, notes, warnings []string) error {
+	for _, warn := range warnings {
+		notes = append(notes, "Warning: "+warn)
+	}
+	if len(notes) == 0 {
+		return nil
+	}
+	_, err := fmt.Fprintf(w, "\n%s\n", strings.Join(notes, "\n"))
+	return err
 }

@@ -195,12 +195,5 @@ func writeStorageNodes(w io.Writer, rep *StorageNodesReport) error {
 				n.Name, n.Orphans, strings.Join(n.OrphanFiles, ", ")))
 		}
 	}
-	for _, warn := range rep.Warnings {
-		notes = append(notes, "Warning: "+warn)
-	}
-	if len(notes) == 0 {
-		return nil
-	}
-	_, err := fmt.Fprintf(w, "\n%s\n", strings.Join(notes, "\n"))
-	return err
+	return printNotes(w, notes, rep.Warnings)
 }

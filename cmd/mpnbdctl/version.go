@@ -217,9 +217,5 @@ func writeVersion(w io.Writer, o *options, rep *VersionReport) error {
 			notes = append(notes, "The components do not agree (an upgrade under way, or a workload changed by hand): "+strings.Join(parts, "; ")+".")
 		}
 	}
-	for _, warn := range rep.Warnings {
-		notes = append(notes, "Warning: "+warn)
-	}
-	_, err := fmt.Fprintf(w, "\n%s\n", strings.Join(notes, "\n"))
-	return err
+	return printNotes(w, notes, rep.Warnings)
 }
