@@ -119,6 +119,11 @@ type replicatedEnv struct {
 	logs  string
 	// admin is a kubeconfig of the cluster's administrator (mpnbdctl's).
 	admin string
+	// csi is the controller's CSI endpoint.
+	csi string
+	// abandoned are the volumes whose client is SIGKILLed at the end
+	// instead of detached (its session was fenced, its I/O hangs).
+	abandoned map[string]bool
 }
 
 const replicatedNamespace = apiserver.DeployNamespace
@@ -141,7 +146,7 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 	}
 	f := topo.NewFabricForTest(t, topo.FabricConfig{Name: topo.UniqueName("rf"), Hosts: []string{"cli", "s1", "s2", "s3", "s4"}, Paths: 4, RateMbit: 1000})
 	e := &replicatedEnv{t: t, f: f, c: c, hosts: map[string]*storageHost{}, bin: bin, logs: t.TempDir(),
-		admin: apiserver.WriteKubeconfig(t, cfg)}
+		admin: apiserver.WriteKubeconfig(t, cfg), csi: "unix://" + filepath.Join(t.TempDir(), "c.sock"), abandoned: map[string]bool{}}
 	t.Cleanup(func() {
 		if t.Failed() {
 			e.dumpLogs()
@@ -153,7 +158,7 @@ func newReplicatedEnv(t *testing.T) *replicatedEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctl := exec.Command(filepath.Join(bin, "controller"), "--endpoint", "unix://"+filepath.Join(t.TempDir(), "c.sock"),
+	ctl := exec.Command(filepath.Join(bin, "controller"), "--endpoint", e.csi,
 		"--namespace", replicatedNamespace, "--kubeconfig", e.admin)
 	ctl.Stdout, ctl.Stderr = ctlLog, ctlLog
 	if err := ctl.Start(); err != nil {
@@ -379,6 +384,12 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 	done := make(chan struct{})
 	go func() { cmd.Wait(); close(done) }()
 	t.Cleanup(func() {
+		if e.abandoned[target.VolumeID] {
+			cmd.Process.Kill()
+			<-done
+			killByEnv(clientStateEnv + "=" + state)
+			return
+		}
 		stdin.Close()
 		select {
 		case <-done:
