@@ -37,7 +37,7 @@ var docFiles = []string{"README.md", "docs/*.md", "charts/mpnbd/README.md"}
 // ours, by program: a flag of ours that a document names must be one its
 // command's --help lists; any other must be here.
 var externalFlags = map[string][]string{
-	"kubectl":             {"field-selector", "server-side", "force-conflicts", "selector"},
+	"kubectl":             {"field-selector", "server-side", "force-conflicts", "selector", "previous", "show-labels"},
 	"helm":                {"set", "set-json", "create-namespace", "no-hooks", "kube-version", "values", "namespace", "wait", "reuse-values"},
 	"fio":                 {"verify", "size"},
 	"CSI sidecars":        {"http-endpoint", "kube-api-qps", "feature-gates", "modify-timeout", "resize-timeout", "timeout", "extra-create-metadata", "leader-election"},

@@ -95,7 +95,7 @@ func TestValuesSchemaAccepts(t *testing.T) {
 		{"--values", "e2e/deploy/testdata/values-custom.yaml"},
 		{"--values", "e2e/deploy/testdata/values-no-datapath.yaml"},
 		{"--values", "e2e/deploy/testdata/values-cluster.yaml"},
-		// README.md and charts/mpnbd/README.md.
+		// README.md, charts/mpnbd/README.md and docs/installation.md.
 		{"--set", "storageAgent.signalNICs={eth2,eth3,eth4}"},
 		{"--set", "node.storageNICs={eth1,eth2,eth3,eth4}", "--set", "storageAgent.signalNICs={eth1,eth2,eth3,eth4}"},
 		{"--namespace", "storage", "--set", "crds.install=false"},
