@@ -148,6 +148,7 @@ func supportBundle(ctx context.Context, o *options, conn *apiConn, stdout, stder
 	b := &bundle{
 		ctx: ctx, o: o, conn: conn, stderr: stderr, at: at,
 		dir: strings.TrimSuffix(bundleName(at), ".tar.gz"), tw: tar.NewWriter(gz), files: map[string]string{},
+		involved: map[string]bool{},
 	}
 	b.collect()
 	b.writeSummary()
@@ -322,9 +323,6 @@ func (b *bundle) objects(dir string, gvk schema.GroupVersionKind, ns string, opt
 	slices.SortFunc(kept, func(a, b unstructured.Unstructured) int {
 		return cmp.Or(strings.Compare(a.GetNamespace(), b.GetNamespace()), strings.Compare(a.GetName(), b.GetName()))
 	})
-	if b.involved == nil {
-		b.involved = map[string]bool{}
-	}
 	for _, u := range kept {
 		b.involved[involvedKey(gvk.Kind, u.GetNamespace(), u.GetName())] = true
 	}
