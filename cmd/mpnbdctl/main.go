@@ -28,6 +28,7 @@
 //	mpnbdctl [flags] drain NODE     moves every volume and replica off NODE, waiting up to --wait
 //	mpnbdctl [flags] forget NODE    deletes the NBDStorageNode of a storage node gone for good
 //	mpnbdctl [flags] version        its version, and the images the driver's workloads run
+//	mpnbdctl [flags] support-bundle one archive of what support needs about the driver
 //
 // Per volume: its PV and claim, storage node, size, phase and publications;
 // per published node: the transport, connected, MPTCP, subflows of each
@@ -88,6 +89,24 @@
 // same image. It needs list on deployments and daemonsets (apps); a list
 // refused is a warning.
 //
+// support-bundle writes one gzipped tar (-o FILE; - for stdout; by
+// default mpnbd-support-TIME.tar.gz in the current directory, TIME in
+// UTC) of what support needs, all read through the API server: the
+// driver's own objects (every kind of api/v1alpha1), its CSIDriver, the
+// CSINodes, its StorageClasses, PVs, the claims bound to them or waiting
+// on its classes, its VolumeAttachments, VolumeSnapshotClasses and
+// VolumeSnapshotContents (when the snapshot API is installed), the Nodes;
+// in the driver's namespaces (-n, else those of its workloads) the pods,
+// DaemonSets, Deployments, ConfigMaps and Leases, never a Secret (not
+// even listed); the Events of those namespaces and of every object
+// collected; each container's log of the driver's pods (--since, its
+// last --log-bytes; the previous container's too after a restart); the
+// metrics of each of them with a port named metrics, through the pod
+// proxy; the version's output; and summary.txt, which lists every file
+// and every error met. An error collecting one part is in the summary
+// and on stderr, and the rest is still collected; only failing to write
+// the archive fails. managedFields are left out of every object.
+//
 // Exit codes: 0 shown or done, 1 failed (no API server, no such volume or
 // storage node, volumes exist for uninstall-check, volumes left on a
 // drained node, a node to forget whose agent reports), 2 usage. version
@@ -140,6 +159,7 @@ const (
 	cmdForget         = "forget"
 	cmdVersion        = "version"
 	cmdStorageNodes   = "storage-nodes"
+	cmdSupportBundle  = "support-bundle"
 )
 
 // Output formats.
@@ -163,6 +183,11 @@ type options struct {
 	// wait bounds how long drain follows the moves.
 	wait time.Duration
 
+	// The logs of support-bundle: since how long ago (0: all), and at
+	// most their last logBytes each.
+	since    time.Duration
+	logBytes int
+
 	// The filters of volumes: data on storageNode (--storage-node),
 	// published to publishedTo (--node), health not Healthy
 	// (--unhealthy).
@@ -179,7 +204,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs := flag.NewFlagSet("mpnbdctl", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig (default: $KUBECONFIG, in-cluster, ~/.kube/config)")
-	fs.StringVar(&o.output, "output", outputTable, "table or json")
+	fs.StringVar(&o.output, "output", outputTable, "table or json; support-bundle: the archive's file (default mpnbd-support-<UTC time>.tar.gz; - for stdout)")
 	fs.StringVar(&o.output, "o", outputTable, "short for --output")
 	fs.IntVar(&o.metricsPort, "metrics-port", 0,
 		"read the node plugins' /metrics directly at each node's InternalIP and this port (the chart's node.metricsPort, 9811 unless set); 0, the default: through the API server's pod proxy")
@@ -197,13 +222,15 @@ func newFlagSet(o *options) *flag.FlagSet {
 		o.metricsURLs[node] = u
 		return nil
 	})
-	fs.StringVar(&o.namespace, "namespace", "", "namespace of the driver: of the node plugin pods whose metrics are read through the API server, of the workloads version shows (default: every namespace)")
+	fs.StringVar(&o.namespace, "namespace", "", "namespace of the driver: of the node plugin pods whose metrics are read through the API server, of the workloads version shows, of the pods, workloads, ConfigMaps, Leases and Events support-bundle collects (default: every namespace; support-bundle: those of the driver's workloads)")
 	fs.StringVar(&o.namespace, "n", "", "short for --namespace")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Second, "time limit of each API request and of each node's metrics fetch")
 	fs.DurationVar(&o.wait, "wait", time.Hour, "drain: how long to follow the moves until the node holds nothing (0: mark it draining and return)")
 	fs.StringVar(&o.storageNode, "storage-node", "", "volumes: only those with data on this storage node (its primary, its only copy or a replica)")
 	fs.StringVar(&o.publishedTo, "node", "", "volumes: only those published to this node")
 	fs.BoolVar(&o.unhealthy, "unhealthy", false, "volumes: only those whose health is not Healthy (Unknown and Unpublished included)")
+	fs.DurationVar(&o.since, "since", defaultLogSince, "support-bundle: the logs of this last while (0: since each container started)")
+	fs.IntVar(&o.logBytes, "log-bytes", defaultLogBytes, "support-bundle: keep at most the last this many bytes of each container's log")
 	return fs
 }
 
@@ -246,12 +273,14 @@ func parseArgs(args []string) (*options, error) {
 		words = append(words, fs.Arg(0))
 		args = fs.Args()[1:]
 	}
+	outputSet := false
+	fs.Visit(func(f *flag.Flag) { outputSet = outputSet || f.Name == "output" || f.Name == "o" })
 	o.command = cmdVolumes
 	if len(words) > 0 {
 		o.command, words = words[0], words[1:]
 	}
 	switch o.command {
-	case cmdVolumes, cmdUninstallCheck, cmdVersion, cmdStorageNodes:
+	case cmdVolumes, cmdUninstallCheck, cmdVersion, cmdStorageNodes, cmdSupportBundle:
 		if len(words) > 0 {
 			return nil, fmt.Errorf("unexpected argument %q", words[0])
 		}
@@ -266,12 +295,18 @@ func parseArgs(args []string) (*options, error) {
 		}
 		o.node = words[0]
 	default:
-		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, storage-nodes, uninstall-check, cordon NODE, uncordon NODE, drain NODE, forget NODE or version)", o.command)
+		return nil, fmt.Errorf("unknown command %q (want volumes, volume NAME, storage-nodes, uninstall-check, cordon NODE, uncordon NODE, drain NODE, forget NODE, version or support-bundle)", o.command)
+	}
+	if o.command == cmdSupportBundle && !outputSet {
+		o.output = "" // its default file name, made when it runs
 	}
 	switch {
 	case o.filtered() && o.command != cmdVolumes:
 		return nil, fmt.Errorf("--storage-node, --node and --unhealthy filter volumes, not %s", o.command)
-	case o.output != outputTable && o.output != outputJSON:
+	case o.command == cmdSupportBundle && (o.output == outputTable || o.output == outputJSON):
+		// Surely a mistake, not a file name.
+		return nil, fmt.Errorf("support-bundle: --output %q: it names the archive's file", o.output)
+	case o.command != cmdSupportBundle && o.output != outputTable && o.output != outputJSON:
 		return nil, fmt.Errorf("--output %q (want table or json)", o.output)
 	case o.metricsPort < 0 || o.metricsPort > 65535:
 		return nil, fmt.Errorf("--metrics-port %d (want 1-65535, or 0: off)", o.metricsPort)
@@ -279,6 +314,10 @@ func parseArgs(args []string) (*options, error) {
 		return nil, errors.New("--timeout must be positive")
 	case o.wait < 0:
 		return nil, errors.New("--wait must not be negative")
+	case o.since < 0:
+		return nil, errors.New("--since must not be negative")
+	case o.logBytes <= 0:
+		return nil, errors.New("--log-bytes must be positive")
 	}
 	return o, nil
 }
@@ -309,6 +348,13 @@ func usage() string {
   mpnbdctl [flags] version        mpnbdctl's version, and the image each of the driver's
                                   Deployments and DaemonSets runs (labelled
                                   app.kubernetes.io/name=mpnbd): whether they agree
+  mpnbdctl [flags] support-bundle one archive (-o FILE, - for stdout; default
+                                  mpnbd-support-<UTC time>.tar.gz) of what support needs:
+                                  the driver's objects and the Kubernetes objects of the
+                                  driver (never a Secret), their Events, the logs
+                                  (--since, --log-bytes) and metrics of its pods in -n
+                                  (default: its workloads' namespaces), the version and
+                                  summary.txt, listing what was collected and every error
 
 The data path (transport, MPTCP subflows, reconnects, health) comes from the node
 plugins' metrics, read through the API server's pod proxy from the node plugin pod
@@ -342,6 +388,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		err = version(ctx, o, nil, err, stdout)
 	case o.command == cmdVersion:
 		err = version(ctx, o, conn.client, nil, stdout)
+	case o.command == cmdSupportBundle && err == nil:
+		err = supportBundle(ctx, o, conn, stdout, stderr)
 	case err == nil:
 		err = runCommand(ctx, o, conn, stdout)
 	}

@@ -65,6 +65,19 @@ func TestParseArgs(t *testing.T) {
 		{[]string{"--metrics-url", "n1=10.0.0.1:9811"}, options{}, "want an http:// or https:// URL"},
 		{[]string{"--metrics-url", "n1=http://a", "--metrics-url", "n1=http://b"}, options{}, "node n1 given twice"},
 		{[]string{"--no-such-flag"}, options{}, "no-such-flag"},
+		// support-bundle: -o names its file, by default one it names
+		// when it runs.
+		{[]string{"support-bundle", "-n", "mpnbd-system"},
+			options{output: "", namespace: "mpnbd-system", timeout: 5 * time.Second, wait: time.Hour, command: "support-bundle"}, ""},
+		{[]string{"support-bundle", "-o", "-", "--since", "1h", "--log-bytes", "4096"},
+			options{output: "-", timeout: 5 * time.Second, wait: time.Hour, since: time.Hour, logBytes: 4096, command: "support-bundle"}, ""},
+		{[]string{"--output", "b.tar.gz", "support-bundle", "--since", "0s"},
+			options{output: "b.tar.gz", timeout: 5 * time.Second, wait: time.Hour, logBytes: defaultLogBytes, command: "support-bundle"}, ""},
+		{[]string{"support-bundle", "-o", "json"}, options{}, `support-bundle: --output "json": it names the archive's file`},
+		{[]string{"support-bundle", "x"}, options{}, `unexpected argument "x"`},
+		{[]string{"support-bundle", "--log-bytes", "0"}, options{}, "--log-bytes must be positive"},
+		{[]string{"support-bundle", "--since", "-1h"}, options{}, "--since must not be negative"},
+		{[]string{"support-bundle", "--unhealthy"}, options{}, "filter volumes, not support-bundle"},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
@@ -77,6 +90,11 @@ func TestParseArgs(t *testing.T) {
 			}
 			if err != nil {
 				t.Fatal(err)
+			}
+			// The support-bundle flags' defaults, unless the case sets
+			// them.
+			if tc.want.since == 0 && tc.want.logBytes == 0 {
+				tc.want.since, tc.want.logBytes = defaultLogSince, defaultLogBytes
 			}
 			if !reflect.DeepEqual(*o, tc.want) {
 				t.Errorf("options %+v, want %+v", *o, tc.want)

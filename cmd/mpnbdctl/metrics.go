@@ -117,6 +117,14 @@ func (p *apiProxy) podURL(ns, name string, port int32, path string) string {
 	return p.base.JoinPath("api", "v1", "namespaces", ns, "pods", name+":"+strconv.Itoa(int(port)), "proxy", path).String()
 }
 
+// podLogURL is the URL of the log of pod NS/NAME's container, with the
+// query q (previous, sinceSeconds...), on the API server.
+func (p *apiProxy) podLogURL(ns, name string, q url.Values) string {
+	u := p.base.JoinPath("api", "v1", "namespaces", ns, "pods", name, "log")
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
 // Connection is one NBD connection of a volume's data path.
 type Connection struct {
 	Index int `json:"index"`
@@ -206,23 +214,12 @@ func (e *unreachableError) Unwrap() error { return e.err }
 // scrape fetches one node plugin's metrics in the text format and returns
 // the volumes' data paths; viaAPI: endpoint is the API server's pod proxy.
 func scrape(ctx context.Context, hc *http.Client, endpoint string, viaAPI bool) (map[string]*DataPath, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
+	body, err := get(ctx, hc, endpoint, acceptMetrics, viaAPI, needProxy)
 	if err != nil {
 		return nil, err
 	}
-	req.Header.Set("Accept", string(expfmt.NewFormat(expfmt.TypeTextPlain)))
-	resp, err := hc.Do(req)
-	if err != nil {
-		return nil, &unreachableError{err}
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK && viaAPI {
-		return nil, proxyError(endpoint, resp)
-	}
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("GET %s: %s", endpoint, resp.Status)
-	}
-	vols, err := parseNodeMetrics(io.LimitReader(resp.Body, maxMetricsBytes))
+	defer body.Close()
+	vols, err := parseNodeMetrics(io.LimitReader(body, maxMetricsBytes))
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, &unreachableError{fmt.Errorf("GET %s: %w", endpoint, ctx.Err())}
@@ -232,10 +229,45 @@ func scrape(ctx context.Context, hc *http.Client, endpoint string, viaAPI bool) 
 	return vols, nil
 }
 
-// proxyError says why the API server's pod proxy did not return metrics,
+// What reading a pod's metrics and logs through the API server needs, as
+// a refusal says.
+const (
+	needProxy = "reading metrics through the API server needs get on pods/proxy"
+	needLog   = "reading logs through the API server needs get on pods/log"
+)
+
+// acceptMetrics asks for metrics in the text format.
+var acceptMetrics = string(expfmt.NewFormat(expfmt.TypeTextPlain))
+
+// get GETs endpoint, accepting accept ("": anything), and returns the
+// body of a 200 answer, to be closed; viaAPI: endpoint is the API
+// server's, whose refusal says need. No answer is an unreachableError.
+func get(ctx context.Context, hc *http.Client, endpoint, accept string, viaAPI bool, need string) (io.ReadCloser, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, endpoint, nil)
+	if err != nil {
+		return nil, err
+	}
+	if accept != "" {
+		req.Header.Set("Accept", accept)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, &unreachableError{err}
+	}
+	if resp.StatusCode == http.StatusOK {
+		return resp.Body, nil
+	}
+	defer resp.Body.Close()
+	if viaAPI {
+		return nil, proxyError(endpoint, resp, need)
+	}
+	return nil, fmt.Errorf("GET %s: %s", endpoint, resp.Status)
+}
+
+// proxyError says why the API server did not return what a pod serves,
 // from the Status it answers with: it could not reach the pod
-// (unreachable), or refused (RBAC: get on pods/proxy).
-func proxyError(endpoint string, resp *http.Response) error {
+// (unreachable), or refused (RBAC: need says what it takes).
+func proxyError(endpoint string, resp *http.Response, need string) error {
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	msg := strings.TrimSpace(string(b))
 	var st metav1.Status
@@ -253,7 +285,7 @@ func proxyError(endpoint string, resp *http.Response) error {
 		// The API server's answer for a pod it cannot reach.
 		return &unreachableError{err}
 	case resp.StatusCode == http.StatusForbidden || resp.StatusCode == http.StatusUnauthorized:
-		return fmt.Errorf("%w (reading metrics through the API server needs get on pods/proxy)", err)
+		return fmt.Errorf("%w (%s)", err, need)
 	}
 	return err
 }

@@ -15,11 +15,15 @@
 package cluster
 
 import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -138,6 +142,73 @@ func (s *suite) checkCLI(claim, id string, minSent uint64) {
 	if err != nil || !strings.Contains(out, id) || !strings.Contains(out, "fuse") {
 		s.t.Errorf("mpnbdctl volumes: %v\n%s", err, out)
 	}
+	s.checkSupportBundle(id)
+}
+
+// checkSupportBundle: mpnbdctl support-bundle, with the volume id
+// published, writes an archive holding the volume's NBDVolume, a node
+// plugin's log and its metrics (read through the API server: the
+// kubelet's logs, the pod proxy) and no Secret, by name or by value.
+// What it could not collect is logged, not a failure.
+func (s *suite) checkSupportBundle(id string) {
+	t := s.t
+	file := filepath.Join(s.dir, "support-bundle.tar.gz")
+	out, err := s.mpnbdctl("support-bundle", "-n", namespace, "-o", file)
+	if err != nil {
+		t.Errorf("mpnbdctl support-bundle: %v\n%s", err, out)
+		return
+	}
+	f, err := os.Open(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	gz, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatalf("support bundle: %v", err)
+	}
+	raw, err := io.ReadAll(gz)
+	if err != nil {
+		t.Fatalf("support bundle: %v", err)
+	}
+	files := map[string]string{}
+	for tr := tar.NewReader(bytes.NewReader(raw)); ; {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("support bundle: %v", err)
+		}
+		b, err := io.ReadAll(tr)
+		if err != nil {
+			t.Fatalf("support bundle %s: %v", h.Name, err)
+		}
+		_, name, _ := strings.Cut(h.Name, "/")
+		files[name] = string(b)
+	}
+	t.Logf("mpnbdctl support-bundle: %s%s", out, files["summary.txt"])
+	var logs, metrics int
+	for _, p := range strings.Fields(s.jsonpath("{.items[*].metadata.name}", "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=node")) {
+		if len(files["logs/"+namespace+"/"+p+"/node.log"]) > 0 {
+			logs++
+		}
+		if strings.Contains(files["metrics/"+namespace+"/"+p+".txt"], `mpnbd_node_volume_connected{`) {
+			metrics++
+		}
+	}
+	if logs == 0 || metrics == 0 {
+		t.Errorf("support bundle: %d node plugin logs, %d node plugin metrics; want one of each at least", logs, metrics)
+	}
+	if !strings.Contains(files["mpnbd/nbdvolumes.yaml"], "name: "+id+"\n") {
+		t.Errorf("support bundle: no NBDVolume %s in mpnbd/nbdvolumes.yaml", id)
+	}
+	for name := range files {
+		if strings.Contains(name, "secret") {
+			t.Errorf("support bundle: holds %s", name)
+		}
+	}
+	s.noSecretValueIn(string(raw), "the support bundle")
 }
 
 // buildInfoScenario: the node plugin, the controller and the storage
