@@ -306,6 +306,11 @@ type Health struct {
 	// userspace transports).
 	InFlight      int `json:"inFlight,omitempty"`
 	InFlightBytes int `json:"inFlightBytes,omitempty"`
+	// Requests counts the requests the session answered, by command: how
+	// long each took, from the node's block layer sending it to its
+	// answer (outages included), and how it ended (the userspace
+	// transports; since the process serving the volume started).
+	Requests []relay.RequestStats `json:"requests,omitempty"`
 	// Failing: the outage outlasted the volume's bounded wait
 	// (deadConnTimeout), so I/O fails until the storage node is back.
 	Failing bool
@@ -356,7 +361,8 @@ func ConnPaths(conn int, c net.Conn) []PathStats {
 // Message are the caller's to add.
 func SessionHealth(st relay.Stats) Health {
 	h := Health{Connected: st.Connected, Reconnects: st.Reconnects, Replaced: st.Replaced, Replayed: st.Replayed, Resent: st.RetainedReplays,
-		Retained: st.Retained, Failing: st.Failing, InFlight: st.InFlight, InFlightBytes: st.InFlightBytes}
+		Retained: st.Retained, Failing: st.Failing, InFlight: st.InFlight, InFlightBytes: st.InFlightBytes,
+		Requests: st.Latency.Requests()}
 	if !st.DownSince.IsZero() {
 		h.Outage = time.Since(st.DownSince)
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // VolumeLister lists the volumes attached on this node and their
@@ -44,6 +45,9 @@ type NodeCollector struct {
 	connected, mptcp, subflows, expected, reconnects, degraded, inaccessible *prometheus.Desc
 	outage, replayed, resent, retained, replaced, inflight, inflightBytes    *prometheus.Desc
 	pathSent, pathReceived, pathRetrans, pathRTT, pathRate                   *prometheus.Desc
+	// requestDuration and requests are the session's answers to the
+	// node's block layer (relay.Latency).
+	requestDuration, requests *prometheus.Desc
 	// info joins a volume's series to its storage node, for alerts
 	// grouped by cause (a storage node down is one alert).
 	info *prometheus.Desc
@@ -77,6 +81,11 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 			"restarts from zero when the subflows or the connection are replaced.", pathLabels...),
 		pathRTT:  d("path_rtt_seconds", "Smoothed round-trip time of the MPTCP subflows of a connection between a local and a remote address (the longest, when several share the pair).", pathLabels...),
 		pathRate: d("path_delivery_rate_bytes", "The kernel's latest estimate of the bytes per second the MPTCP subflows of a connection between a local and a remote address deliver to the storage node.", pathLabels...),
+		requestDuration: d("request_duration_seconds", "Time from the session taking a request of the node's block layer to answering it, by command, whatever the answer "+
+			"(the storage node's reply, EIO after deadConnTimeout, the session's end); a request replayed after a reconnect counts its outage (userspace transports; "+
+			"since the process serving the volume started).", "op"),
+		requests: d("requests_total", "Requests of the node's block layer the session answered, by command and result: ok and error (the storage node's replies), "+
+			"failed (EIO of the session's own after deadConnTimeout, or its end) (userspace transports; since the process serving the volume started).", "op", "result"),
 		info: d("info", "1 for each attached volume, with the storage node serving it, the claim it was made for and its block device (node_exporter's device label; each empty when unknown); join the other series on volume.",
 			"storage_node", "namespace", "pvc", "device"),
 		pathReceived: d("path_received_bytes_total", "Bytes received over the MPTCP subflows of a connection between a local and a remote address; "+
@@ -85,7 +94,7 @@ func NewNodeCollector(n *Node, v VolumeLister) *NodeCollector {
 }
 
 func (c *NodeCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.inflight, c.inflightBytes, c.pathSent, c.pathReceived, c.pathRetrans, c.pathRTT, c.pathRate, c.info} {
+	for _, d := range []*prometheus.Desc{c.connected, c.mptcp, c.subflows, c.expected, c.reconnects, c.degraded, c.inaccessible, c.outage, c.replayed, c.resent, c.retained, c.replaced, c.inflight, c.inflightBytes, c.requestDuration, c.requests, c.pathSent, c.pathReceived, c.pathRetrans, c.pathRTT, c.pathRate, c.info} {
 		ch <- d
 	}
 }
@@ -131,6 +140,7 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.replaced, prometheus.CounterValue, float64(h.Replaced), id, t)
 		ch <- prometheus.MustNewConstMetric(c.inflight, prometheus.GaugeValue, float64(h.InFlight), id, t)
 		ch <- prometheus.MustNewConstMetric(c.inflightBytes, prometheus.GaugeValue, float64(h.InFlightBytes), id, t)
+		c.collectRequests(ch, id, t, h.Requests)
 		var degraded, inaccessible bool
 		for _, e := range c.node.health(id).GetHealthStatuses() {
 			switch e.GetReason() {
@@ -142,6 +152,27 @@ func (c *NodeCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(c.degraded, prometheus.GaugeValue, b(degraded), id, t)
 		ch <- prometheus.MustNewConstMetric(c.inaccessible, prometheus.GaugeValue, b(inaccessible), id, t)
+	}
+}
+
+// collectRequests sends the request histogram and counters of volume id.
+func (c *NodeCollector) collectRequests(ch chan<- prometheus.Metric, id, t string, reqs []relay.RequestStats) {
+	for _, s := range reqs {
+		buckets := make(map[float64]uint64, len(relay.LatencyBounds))
+		var n uint64
+		for i, b := range relay.LatencyBounds {
+			if i < len(s.Buckets) {
+				n += s.Buckets[i]
+			}
+			buckets[b] = n
+		}
+		ch <- prometheus.MustNewConstHistogram(c.requestDuration, s.Count(), s.Sum.Seconds(), buckets, id, t, s.Op)
+		for _, r := range []struct {
+			result string
+			n      uint64
+		}{{"ok", s.OK}, {"error", s.Errors}, {"failed", s.Failed}} {
+			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(r.n), id, t, s.Op, r.result)
+		}
 	}
 }
 

@@ -16,6 +16,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 	"strings"
 	"testing"
@@ -25,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 type fakeLister map[string]attach.Transport
@@ -155,6 +157,64 @@ mpnbd_node_volume_degraded{transport="fuse",volume="pv-1"} 0
 
 // TestNewVolumeInfo: the claim and device names go into labels as they
 // are, and anything that is no plain name is left out.
+// TestNodeCollectorRequests: the session's request counts are exported as
+// a histogram by volume, transport and op (cumulative buckets up to
+// +Inf) and a counter by op and result.
+func TestNodeCollectorRequests(t *testing.T) {
+	f := newNodeFixture(t)
+	if _, err := f.node.NodeStageVolume(context.Background(), f.stageReq("pv-1", mountCap(rwo, ""))); err != nil {
+		t.Fatal(err)
+	}
+	c := NewNodeCollector(f.node, fakeLister{"pv-1": attach.Ublk})
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(c)
+	buckets := make([]uint64, len(relay.LatencyBounds)+1)
+	buckets[0], buckets[3], buckets[len(relay.LatencyBounds)] = 2, 1, 1 // ≤100µs, ≤800µs, beyond the last bound
+	f.att.mu.Lock()
+	f.att.health["pv-1"] = attach.Health{Connected: true, Requests: []relay.RequestStats{
+		{Op: "read", Buckets: buckets, Sum: 200 * time.Second, OK: 3, Failed: 1},
+		{Op: "flush", Buckets: []uint64{1}, Sum: 50 * time.Microsecond, Errors: 1},
+	}}
+	f.att.mu.Unlock()
+	var want strings.Builder
+	want.WriteString(`# HELP mpnbd_node_volume_request_duration_seconds Time from the session taking a request of the node's block layer to answering it, by command, whatever the answer (the storage node's reply, EIO after deadConnTimeout, the session's end); a request replayed after a reconnect counts its outage (userspace transports; since the process serving the volume started).
+# TYPE mpnbd_node_volume_request_duration_seconds histogram
+`)
+	for _, h := range []struct {
+		op     string
+		counts []uint64
+		sum    string
+	}{{"flush", []uint64{1}, "5e-05"}, {"read", buckets, "200"}} {
+		var n uint64
+		for i, b := range relay.LatencyBounds {
+			if i < len(h.counts) {
+				n += h.counts[i]
+			}
+			fmt.Fprintf(&want, "mpnbd_node_volume_request_duration_seconds_bucket{op=%q,transport=\"ublk\",volume=\"pv-1\",le=\"%g\"} %d\n", h.op, b, n)
+		}
+		var total uint64
+		for _, b := range h.counts {
+			total += b
+		}
+		fmt.Fprintf(&want, "mpnbd_node_volume_request_duration_seconds_bucket{op=%q,transport=\"ublk\",volume=\"pv-1\",le=\"+Inf\"} %d\n", h.op, total)
+		fmt.Fprintf(&want, "mpnbd_node_volume_request_duration_seconds_sum{op=%q,transport=\"ublk\",volume=\"pv-1\"} %s\n", h.op, h.sum)
+		fmt.Fprintf(&want, "mpnbd_node_volume_request_duration_seconds_count{op=%q,transport=\"ublk\",volume=\"pv-1\"} %d\n", h.op, total)
+	}
+	want.WriteString(`# HELP mpnbd_node_volume_requests_total Requests of the node's block layer the session answered, by command and result: ok and error (the storage node's replies), failed (EIO of the session's own after deadConnTimeout, or its end) (userspace transports; since the process serving the volume started).
+# TYPE mpnbd_node_volume_requests_total counter
+mpnbd_node_volume_requests_total{op="flush",result="error",transport="ublk",volume="pv-1"} 1
+mpnbd_node_volume_requests_total{op="flush",result="failed",transport="ublk",volume="pv-1"} 0
+mpnbd_node_volume_requests_total{op="flush",result="ok",transport="ublk",volume="pv-1"} 0
+mpnbd_node_volume_requests_total{op="read",result="error",transport="ublk",volume="pv-1"} 0
+mpnbd_node_volume_requests_total{op="read",result="failed",transport="ublk",volume="pv-1"} 1
+mpnbd_node_volume_requests_total{op="read",result="ok",transport="ublk",volume="pv-1"} 3
+`)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want.String()),
+		"mpnbd_node_volume_request_duration_seconds", "mpnbd_node_volume_requests_total"); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestNewVolumeInfo(t *testing.T) {
 	for _, tc := range []struct {
 		ctx    map[string]string

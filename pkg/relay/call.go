@@ -186,6 +186,7 @@ func (r *Relay) start(req nbd.Request, payload []byte, owned *[]byte, c *call) e
 	case nbd.CmdDisc:
 		return fmt.Errorf("relay: NBD_CMD_DISC goes through Close")
 	}
+	start := startTime()
 	data := 0
 	if req.Type == nbd.CmdRead || req.Type == nbd.CmdWrite {
 		data = int(req.Length)
@@ -216,6 +217,7 @@ func (r *Relay) start(req nbd.Request, payload []byte, owned *[]byte, c *call) e
 	e.handle, e.cmd, e.length, e.cost = req.Handle, req.Type, req.Length, cost
 	e.flags, e.offset = req.Flags, req.Offset
 	e.call = c
+	e.start = start
 	switch {
 	case owned != nil:
 		e.buf = owned

@@ -68,11 +68,7 @@ func (r *Relay) fence(err error, attempts int) {
 	r.log.Error("the server refused this volume's connection as superseded (the volume was published again since): I/O fails, retained writes are dropped",
 		"error", err, "failed", len(failed), "retained_dropped", retained)
 	r.emit(Event{Kind: EventFailing, Err: err, Failed: len(failed), Attempts: attempts})
-	for _, e := range failed {
-		if !r.answerError(e, nbd.EIO) {
-			break
-		}
-	}
+	r.answerAll(failed)
 	_ = r.flushLocal()
 	r.end(err)
 }

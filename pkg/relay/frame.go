@@ -94,6 +94,9 @@ type entry struct {
 	internal          bool         // the relay's own request: no reply goes local
 	call              *call        // an in-process caller waiting for the reply
 	st                atomic.Int32 // writers using it, plus doneBit once answered
+	// start is when the request was read (startTime), for Latency; zero
+	// for the relay's own and once its answer was counted (claim).
+	start int64
 
 	prev, next *entry
 }
@@ -109,6 +112,7 @@ func recycle(e *entry) {
 	e.gen, e.cost, e.length, e.cmd, e.handle = 0, 0, 0, 0, 0
 	e.flags, e.offset, e.ackSeq, e.flushMark, e.internal = 0, 0, 0, 0, false
 	e.call = nil
+	e.start = 0
 	e.st.Store(0)
 	entryPool.Put(e)
 }

@@ -143,6 +143,11 @@ type Options struct {
 	// connection-management goroutine. It must not block.
 	OnEvent func(Event)
 
+	// Latency counts the requests answered to the local side (latency.go);
+	// nil means one of the relay's own. A volume whose relay is replaced
+	// passes the same one to each, so that its counts never go back.
+	Latency *Latency
+
 	// Pending are bytes of the local side a predecessor read and did not
 	// take (Pause): the relay reads them before the local side.
 	Pending []byte
@@ -251,6 +256,8 @@ type Stats struct {
 	// DeadPeers counts connections closed because the server went
 	// silent (DeadPeerTimeout).
 	DeadPeers int
+	// Latency counts the requests answered so far (Latency.Requests).
+	Latency *Latency
 	// Remote is the current remote connection; nil while there is none.
 	Remote net.Conn
 	// Connected reports whether a remote connection is in use.
@@ -290,6 +297,7 @@ type Relay struct {
 	o       Options
 	log     *slog.Logger
 	max     int
+	latency *Latency
 
 	started  atomic.Bool
 	cancel   context.CancelFunc
@@ -391,6 +399,9 @@ func New(local, remote net.Conn, dial Dialer, o Options) *Relay {
 		o.MaxBackoff = DefaultMaxBackoff
 	}
 	o.MaxBackoff = max(o.MaxBackoff, o.ReconnectBackoff)
+	if o.Latency == nil {
+		o.Latency = NewLatency()
+	}
 	if o.RetainBytes <= 0 || o.RetainBytes > o.MaxInflightBytes/2 {
 		o.RetainBytes = o.MaxInflightBytes / 2
 	}
@@ -401,6 +412,7 @@ func New(local, remote net.Conn, dial Dialer, o Options) *Relay {
 		o:        o,
 		log:      o.Logger,
 		max:      o.MaxInflightBytes,
+		latency:  o.Latency,
 		ended:    make(chan struct{}),
 		discDone: make(chan struct{}),
 		table:    make(map[uint64]*entry),
@@ -479,6 +491,7 @@ func (r *Relay) Stats() Stats {
 		Failed:           r.failed,
 		Replaced:         r.replaced,
 		DeadPeers:        r.deadPeers,
+		Latency:          r.latency,
 	}
 }
 
@@ -494,6 +507,9 @@ func (r *Relay) end(err error) {
 		r.remote, r.spare = nil, nil
 		var calls []*call
 		for _, e := range r.table {
+			// Never to be answered: failed, as far as the local side
+			// can tell.
+			r.observe(e.cmd, claim(e), resultFailed)
 			if e.call != nil {
 				calls = append(calls, e.call)
 			}

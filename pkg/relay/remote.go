@@ -262,13 +262,22 @@ func (r *Relay) startFailing(out *outage) {
 		"fail_after", r.o.FailAfter, "outage", time.Since(out.start).Round(time.Millisecond),
 		"attempts", out.attempts, "failed", len(failed), "error", out.err)
 	r.emit(Event{Kind: EventFailing, Err: out.err, Failed: len(failed), Attempts: out.attempts, Outage: time.Since(out.start)})
-	for _, e := range failed {
-		if !r.answerError(e, nbd.EIO) {
-			break
-		}
-	}
+	r.answerAll(failed)
 	if err := r.flushLocal(); err != nil {
 		r.localEnded(err)
+	}
+}
+
+// answerAll answers failed, out of the table, with EIO in order, until the
+// local side is gone; the ones left count as failed all the same.
+func (r *Relay) answerAll(failed []*entry) {
+	for i, e := range failed {
+		if !r.answerError(e, nbd.EIO) {
+			for _, e := range failed[i+1:] {
+				r.observe(e.cmd, claim(e), resultFailed)
+			}
+			return
+		}
 	}
 }
 
@@ -276,6 +285,8 @@ func (r *Relay) startFailing(out *outage) {
 // with errno. It returns false when the local side is gone.
 func (r *Relay) answerError(e *entry, errno uint32) bool {
 	defer answered(e)
+	// Out of the table (or never in it): no other path can count e.
+	r.observe(e.cmd, claim(e), resultFailed)
 	if e.call != nil {
 		e.call.finish(errno)
 		return true
@@ -490,6 +501,7 @@ func (r *Relay) complete(e *entry, errno uint32) uint32 {
 	r.mu.Lock()
 	r.unlink(e)
 	errno = r.flushVerdict(e, errno)
+	cmd, start := e.cmd, claim(e)
 	keep := errno == 0 && !e.internal && r.retains(e) && !r.o.noRetain
 	if keep {
 		r.retain(e)
@@ -513,6 +525,7 @@ func (r *Relay) complete(e *entry, errno uint32) uint32 {
 	if !keep {
 		answered(e)
 	}
+	r.observe(cmd, start, errnoResult(errno))
 	for _, t := range trimmed {
 		answered(t)
 	}

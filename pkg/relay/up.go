@@ -50,6 +50,7 @@ func (r *Relay) upLoop() {
 			return
 		}
 		r.fromLocal.Add(reqHeaderSize)
+		start := startTime()
 		if req.Type == nbd.CmdDisc {
 			r.disconnect(hdr)
 			return
@@ -72,6 +73,7 @@ func (r *Relay) upLoop() {
 		e.hdr = hdr
 		e.handle, e.cmd, e.length, e.cost = req.Handle, req.Type, req.Length, cost
 		e.flags, e.offset = req.Flags, req.Offset
+		e.start = start
 		if req.Type == nbd.CmdWrite && data > 0 {
 			e.buf = getBuf(data)
 			e.payload = *e.buf
@@ -164,6 +166,10 @@ func (r *Relay) enqueue(e *entry) error {
 		return nil
 	}
 	r.table[e.handle] = e
+	if r.closing {
+		// After the end: never answered, and not in the table end saw.
+		r.observe(e.cmd, claim(e), resultFailed)
+	}
 	if e.cmd == nbd.CmdFlush {
 		e.flushMark = r.ackSeq
 	}

@@ -127,6 +127,9 @@ type volume struct {
 	// fenced: the server refused the export as superseded and the
 	// device was disconnected (fence.go).
 	fenced bool
+	// latency counts the requests of every relay the volume has had in
+	// this process.
+	latency *relay.Latency
 }
 
 // New returns an attacher for cfg.Mode.
@@ -623,6 +626,10 @@ func (v *volume) startRelayWith(a *Attacher, local net.Conn, remote *relay.Remot
 	}
 	ro := relay.Options{Logger: a.log.With("volume_id", v.target.VolumeID), Pending: pending, DeadPeerTimeout: v.opts.DeadPeerTimeout,
 		MaxBackoff: v.target.MaxBackoff()}
+	if v.latency == nil {
+		v.latency = relay.NewLatency()
+	}
+	ro.Latency = v.latency
 	if v.bounded() {
 		ro.FailAfter = v.opts.DeadConnTimeout
 	}
