@@ -45,6 +45,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+	"github.com/mpnbd/mpnbd/pkg/kubeevents"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/nodeid"
 )
@@ -231,7 +232,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	go backfill(ctx, ctl, log)
 	// Replicated volumes move off a storage node that is gone; every
 	// storage node and volume carries its conditions.
-	events, stopEvents := driver.NewEventRecorder(c, "mpnbd-controller", log)
+	events, stopEvents := kubeevents.NewRecorder(c, "mpnbd-controller", log)
 	defer stopEvents()
 	go driver.NewFailover(driver.FailoverConfig{Client: c, Namespace: o.namespace, Logger: log,
 		ReplicaLostAfter: o.replicaLostAfter, StaleAfter: o.staleAfter, Events: events, Metrics: metrics}).Run(ctx)

@@ -43,6 +43,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/datapath"
 	"github.com/mpnbd/mpnbd/pkg/driver"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
+	"github.com/mpnbd/mpnbd/pkg/kubeevents"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd/nbdnl"
@@ -459,19 +460,9 @@ func pathEventRecorder(o *options, log *slog.Logger) (func(mptcp.PathEvent), fun
 		}
 		return nil, nil
 	}
-	rec, stop := driver.NewEventRecorder(c, "mpnbd-node", log)
+	rec, stop := kubeevents.NewRecorder(c, "mpnbd-node", log)
 	node := &corev1.ObjectReference{Kind: "Node", Name: o.nodeID, UID: types.UID(o.nodeID)}
-	mbps := func(r float64) float64 { return r * 8 / 1e6 }
-	return func(e mptcp.PathEvent) {
-		switch e.Kind {
-		case mptcp.PathSlow:
-			rec.Eventf(node, corev1.EventTypeWarning, "SlowPathFlagged",
-				"the storage path from %s delivers %.0f Mbit/s, the others %.0f: its MPTCP endpoint is flagged backup (probed again in %v)", e.Addr, mbps(e.Rate), mbps(e.Best), e.NextProbe)
-		case mptcp.PathRecovered:
-			rec.Eventf(node, corev1.EventTypeNormal, "SlowPathRecovered",
-				"the storage path from %s delivers %.0f Mbit/s again (the others %.0f): in use again", e.Addr, mbps(e.Rate), mbps(e.Best))
-		}
-	}, stop
+	return func(e mptcp.PathEvent) { kubeevents.RecordPath(rec, node, e) }, stop
 }
 
 // newVolumeWatch returns what tells users of this node's volumes' data

@@ -125,7 +125,8 @@ type Config struct {
 	// it recovers (mptcp.SlowPaths).
 	AutoBackup bool
 	// OnPathEvent, when set, hears of the slow-path watch's decisions
-	// (mptcp.SlowPathPolicy.OnEvent): the metrics.
+	// (mptcp.SlowPathPolicy.OnEvent): the metrics. The agent records
+	// them as Events on its NBDStorageNode besides (pathEvents).
 	OnPathEvent func(mptcp.PathEvent)
 	// StaleLossCount is the least net.mptcp.stale_loss_cnt kept with the
 	// signal endpoints (0: left alone; see mptcp.DefaultStaleLossCount).
@@ -199,6 +200,9 @@ type Agent struct {
 	// leaseRenewed is when the lease was last renewed (UnixNano; 0:
 	// never).
 	leaseRenewed atomic.Int64
+	// nodeUID is the UID of the NBDStorageNode as last reported
+	// (types.UID), for the Events on it.
+	nodeUID atomic.Value
 }
 
 // ledgerFor returns the settle-mark ledger of volume name, held as a

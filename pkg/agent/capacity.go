@@ -186,6 +186,7 @@ func (a *Agent) reportNode(ctx context.Context) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("storage node %s: %w", a.cfg.NodeName, err)
 	}
+	a.nodeUID.Store(node.UID)
 	orig := node.DeepCopy()
 	node.Status = v1alpha1.NBDStorageNodeStatus{
 		CapacityBytes:  u.capacity,

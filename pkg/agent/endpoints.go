@@ -17,7 +17,13 @@ package agent
 import (
 	"context"
 	"fmt"
+	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/kubeevents"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
@@ -33,10 +39,50 @@ func (a *Agent) runEndpoints(ctx context.Context) error {
 	}
 	var slow *mptcp.SlowPathPolicy
 	if a.cfg.AutoBackup {
-		slow = &mptcp.SlowPathPolicy{OnEvent: a.cfg.OnPathEvent}
+		onEvent, stop := a.pathEvents()
+		defer stop()
+		slow = &mptcp.SlowPathPolicy{OnEvent: onEvent}
 	}
 	if err := mptcp.Keep(ctx, d, a.log, slow); err != nil {
 		return fmt.Errorf("agent: %w", err)
 	}
 	return nil
+}
+
+// pathEvents returns what hears of the slow-path watch's decisions: it
+// records a path flagged or recovered as an Event on the agent's
+// NBDStorageNode (aggregated: a path flagged again and again is one Event
+// with a count), then tells Config.OnPathEvent; and what stops it.
+func (a *Agent) pathEvents() (func(mptcp.PathEvent), func()) {
+	rec, stop := kubeevents.NewRecorder(a.client, "mpnbd-storage-agent", a.log)
+	return func(e mptcp.PathEvent) {
+		if typ, reason, msg, ok := kubeevents.Path(e); ok {
+			rec.Event(a.storageNodeRef(), typ, reason, msg)
+		}
+		if a.cfg.OnPathEvent != nil {
+			a.cfg.OnPathEvent(e)
+		}
+	}, stop
+}
+
+// storageNodeLookup bounds reading the NBDStorageNode's UID for an Event.
+const storageNodeLookup = 5 * time.Second
+
+// storageNodeRef refers to the agent's NBDStorageNode, with its UID
+// (kubectl describe finds the Events of an object by it): the one the
+// last report saw, else read now; none if the object cannot be read.
+func (a *Agent) storageNodeRef() *corev1.ObjectReference {
+	uid, _ := a.nodeUID.Load().(types.UID)
+	if uid == "" {
+		ctx, cancel := context.WithTimeout(context.Background(), storageNodeLookup)
+		defer cancel()
+		var node v1alpha1.NBDStorageNode
+		if err := a.reader.Get(ctx, types.NamespacedName{Name: a.cfg.NodeName}, &node); err != nil {
+			a.log.Debug("the Event of a slow path names no UID of the storage node", "error", err)
+		} else {
+			uid = node.UID
+			a.nodeUID.Store(uid)
+		}
+	}
+	return &corev1.ObjectReference{APIVersion: v1alpha1.GroupVersion.String(), Kind: "NBDStorageNode", Name: a.cfg.NodeName, UID: uid}
 }

@@ -30,6 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/pkg/kubeevents"
 )
 
 // Failover moves a replicated volume to another replica when its
@@ -96,7 +97,7 @@ type FailoverConfig struct {
 	// replica (default DefaultStaleAfter).
 	StaleAfter time.Duration
 	// Events records the Events on volumes and storage nodes; nil: one
-	// of NewEventRecorder over Client.
+	// of kubeevents.NewRecorder over Client.
 	Events record.EventRecorder
 	// Metrics counts the storage nodes Ready and the primaries moved
 	// (nil: none).
@@ -132,7 +133,7 @@ func NewFailover(cfg FailoverConfig) *Failover {
 		cfg.StaleAfter = DefaultStaleAfter
 	}
 	if cfg.Events == nil {
-		cfg.Events, _ = NewEventRecorder(cfg.Client, "mpnbd-controller", cfg.Logger)
+		cfg.Events, _ = kubeevents.NewRecorder(cfg.Client, "mpnbd-controller", cfg.Logger)
 	}
 	return &Failover{cfg: cfg, seen: map[string]leaseSeen{}, told: map[string]time.Time{}}
 }

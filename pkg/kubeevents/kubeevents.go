@@ -12,7 +12,11 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-package driver
+// Package kubeevents records Events through a controller-runtime client,
+// aggregated as kubectl shows them, and words the Events the controller,
+// the node plugin and the storage agent share: the slow-path watch's
+// decisions (Path).
+package kubeevents
 
 import (
 	"context"
@@ -25,11 +29,11 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
-// NewEventRecorder returns an EventRecorder that writes through c, with
+// NewRecorder returns an EventRecorder that writes through c, with
 // client-go's correlator: a repeat of an Event raises the count of the
 // one Event object (and a burst of similar ones is combined) instead of
 // making one object each. stop flushes and ends it.
-func NewEventRecorder(c client.Client, component string, log *slog.Logger) (rec record.EventRecorder, stop func()) {
+func NewRecorder(c client.Client, component string, log *slog.Logger) (rec record.EventRecorder, stop func()) {
 	b := record.NewBroadcaster()
 	w := b.StartRecordingToSink(eventSink{c})
 	if log != nil {
