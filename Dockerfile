@@ -22,21 +22,34 @@
 # the storage agent sets MPTCP signal endpoints (CAP_NET_ADMIN) and owns the
 # volumes' backing files on the host. Both also run privileged.
 #
-# Build: docker build -t mpnbd/mpnbd:dev --build-arg VERSION=dev .
+# Build: docker buildx build --platform linux/amd64,linux/arm64 \
+#          -t ghcr.io/mpnbd/mpnbd:VERSION --build-arg VERSION=VERSION .
+# (hack/image.sh builds one architecture with buildah; hack/release.sh both,
+# as one OCI index.) The Go stage runs on the building machine and
+# cross-compiles for the target: only the runtime stage's apt-get runs on
+# (or emulates) the target's architecture.
 
 ARG GO_VERSION=1.26
+ARG BASE_IMAGE=debian:bookworm-slim
+ARG BUILDPLATFORM
 
-FROM golang:${GO_VERSION}-bookworm AS build
+# The runtime stage's base is named first: buildah (1.28, Debian 12) looks up
+# every stage after a FROM --platform with that platform, so a base named
+# after the build stage would be looked for as the building machine's.
+FROM ${BASE_IMAGE} AS runtime
+
+FROM --platform=$BUILDPLATFORM golang:${GO_VERSION}-bookworm AS build
+ARG TARGETOS TARGETARCH
 WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
 ARG VERSION=dev
-RUN CGO_ENABLED=0 go build -trimpath \
+RUN CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH go build -trimpath \
       -ldflags "-s -w -X github.com/mpnbd/mpnbd/pkg/buildinfo.Version=${VERSION}" \
       -o /out/ ./cmd/controller ./cmd/node ./cmd/nbd-server ./cmd/mpnbdctl
 
-FROM debian:bookworm-slim
+FROM runtime
 # The node plugin formats, checks, grows and mounts filesystems through
 # mount-utils, which runs mkfs.ext4/resize2fs (e2fsprogs; the node plugin
 # also e2fsck and dumpe2fs to grow a restored ext4 before mounting it), mkfs.xfs/

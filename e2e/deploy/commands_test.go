@@ -322,14 +322,29 @@ func dockerfileBuild(t testing.TB) (built, copied []string, base, user string) {
 		lines = append(lines, strings.TrimSpace(cur.String()))
 		cur.Reset()
 	}
+	args := map[string]string{}   // ARG defaults
+	stages := map[string]string{} // a stage's name -> its base image
 	for _, l := range lines {
 		f := strings.Fields(l)
 		if len(f) == 0 {
 			continue
 		}
 		switch strings.ToUpper(f[0]) {
+		case "ARG":
+			for _, a := range f[1:] {
+				if k, v, ok := strings.Cut(a, "="); ok {
+					args[k] = v
+				}
+			}
 		case "FROM":
-			base, user = f[1], "" // a new stage starts as root
+			f = slices.DeleteFunc(f, func(w string) bool { return strings.HasPrefix(w, "--platform=") })
+			base, user = os.Expand(f[1], func(k string) string { return args[k] }), "" // a new stage starts as root
+			if b, ok := stages[base]; ok {
+				base = b // FROM an earlier stage: its base
+			}
+			if len(f) == 4 && strings.EqualFold(f[2], "AS") {
+				stages[f[3]] = base
+			}
 		case "USER":
 			user = f[1]
 		case "RUN":

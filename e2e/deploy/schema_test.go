@@ -68,6 +68,8 @@ func TestValuesSchemaRejects(t *testing.T) {
 			[]string{"/storageClasses/0/replicas"}},
 		{"replicas parameter", []string{"--set", "storageClasses[0].name=c", "--set-string", "storageClasses[0].parameters.replicas=two"},
 			[]string{"/storageClasses/0/parameters/replicas"}},
+		{"image digest", []string{"--set", "image.digest=sha256:abc"}, []string{"/image/digest"}},
+		{"image registry with a path", []string{"--set", "image.registry=ghcr.io/mpnbd"}, []string{"/image/registry"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := tryTemplate(t, tc.args...)

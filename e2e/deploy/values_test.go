@@ -16,6 +16,8 @@ package deploy
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -469,4 +471,76 @@ func TestSelectorsNameTheRelease(t *testing.T) {
 	if n < 5 {
 		t.Errorf("found %d workloads and PDBs, want controller, PDB, node, datapath, storage agent", n)
 	}
+}
+
+// TestChartImage: the driver's image is REGISTRY/REPOSITORY:TAG (the tag
+// the chart's appVersion by default), REGISTRY/REPOSITORY@DIGEST with a
+// digest, and a repository that names a registry itself is used as it
+// is, as the previous release's chart took it.
+func TestChartImage(t *testing.T) {
+	appVersion := chartFieldOf(t, "appVersion")
+	digest := "sha256:" + strings.Repeat("ab", 32)
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "ghcr.io/mpnbd/mpnbd:" + appVersion},
+		{[]string{"--set", "image.tag=1.2.3"}, "ghcr.io/mpnbd/mpnbd:1.2.3"},
+		{[]string{"--set", "image.digest=" + digest}, "ghcr.io/mpnbd/mpnbd@" + digest},
+		{[]string{"--set", "image.registry=registry.example:5000"}, "registry.example:5000/mpnbd/mpnbd:" + appVersion},
+		{[]string{"--set", "image.registry="}, "mpnbd/mpnbd:" + appVersion},
+		{[]string{"--set", "image.repository=mpnbd.local/mpnbd", "--set", "image.tag=e2e"}, "mpnbd.local/mpnbd:e2e"},
+		{[]string{"--set", "image.repository=localhost/mpnbd"}, "localhost/mpnbd:" + appVersion},
+		{[]string{"--set", "image.repository=registry.example:5000/mpnbd"}, "registry.example:5000/mpnbd:" + appVersion},
+		{[]string{"--set", "image.repository=team/mpnbd"}, "ghcr.io/team/mpnbd:" + appVersion},
+	} {
+		out, err := tryTemplate(t, c.args...)
+		if err != nil {
+			t.Errorf("helm template %q: %v", c.args, err)
+			continue
+		}
+		seen := map[string]bool{}
+		for _, o := range parseObjects(t, out) {
+			for _, ctr := range containersOf(o) {
+				if img, _ := ctr["image"].(string); strings.Contains(img, "mpnbd") && !strings.Contains(img, "sig-storage") {
+					seen[img] = true
+				}
+			}
+		}
+		if len(seen) != 1 || !seen[c.want] {
+			t.Errorf("helm template %q: the driver's image is %v, want only %s", c.args, seen, c.want)
+		}
+	}
+}
+
+// chartFieldOf reads a top-level field of the chart's Chart.yaml.
+func chartFieldOf(t *testing.T, field string) string {
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), "charts", "mpnbd", "Chart.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
+			return strings.Trim(strings.TrimSpace(v), `"`)
+		}
+	}
+	t.Fatalf("Chart.yaml has no %s", field)
+	return ""
+}
+
+// containersOf returns the init and main containers of a workload or Job.
+func containersOf(o *unstructured.Unstructured) []map[string]any {
+	var out []map[string]any
+	for _, path := range [][]string{
+		{"spec", "template", "spec", "containers"}, {"spec", "template", "spec", "initContainers"},
+		{"spec", "containers"}, {"spec", "initContainers"},
+	} {
+		list, _, _ := unstructured.NestedSlice(o.Object, path...)
+		for _, c := range list {
+			if m, ok := c.(map[string]any); ok {
+				out = append(out, m)
+			}
+		}
+	}
+	return out
 }

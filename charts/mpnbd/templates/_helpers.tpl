@@ -32,9 +32,21 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- end }}
 
-{{/* The driver's image. */}}
+{{/* The driver's image: the registry unless the repository names one (the
+rule container runtimes use: a first part with a dot or a colon, or
+localhost), then the digest if set, else the tag. */}}
 {{- define "mpnbd.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $repo := .Values.image.repository -}}
+{{- $first := first (splitList "/" $repo) -}}
+{{- $named := and (gt (len (splitList "/" $repo)) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- if and .Values.image.registry (not $named) -}}
+{{- $repo = printf "%s/%s" (trimSuffix "/" .Values.image.registry) $repo -}}
+{{- end -}}
+{{- if .Values.image.digest -}}
+{{ $repo }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ $repo }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
 {{- end }}
 
 {{/* Log flags common to our commands. */}}
