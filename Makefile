@@ -2,7 +2,7 @@ GO      ?= go
 BIN     := bin
 CMDS    := nbd-server controller node mpnbdctl
 
-.PHONY: all build test soak bench bench-vm demo deps clean
+.PHONY: all build test soak bench bench-vm demo deps clean release
 
 all: build
 
@@ -39,6 +39,13 @@ bench: deps build
 # multiconn, tcp); builds the VM kernel whose nbd accepts MPTCP (cached).
 bench-vm: deps
 	bash hack/bench-vm.sh
+
+# The release under out/release: the image for linux/amd64 and linux/arm64
+# as one OCI index, each image's SBOM, the chart, and their signatures
+# (SIGNING_KEY=FILE, an OpenPGP secret key; a throwaway one without).
+# VERSION defaults to the chart's. hack/verify-release.sh checks it.
+release: deps
+	bash hack/release.sh $(if $(VERSION),--version $(VERSION))
 
 demo: deps build
 	bash hack/demo.sh

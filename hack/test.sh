@@ -60,6 +60,11 @@ if [ "$(id -u)" = 0 ]; then
   bash hack/rootfs.sh
   bash hack/sidecars.sh
   export MPNBD_CLUSTER_REQUIRE=${MPNBD_CLUSTER_REQUIRE:-1}
+  # make release's test (e2e/release): the arm64 image's runtime stage runs
+  # under qemu-user-static, registered with binfmt_misc here.
+  step "foreign architectures (binfmt_misc)"
+  bash hack/binfmt.sh arm64
+  export MPNBD_RELEASE_REQUIRE=${MPNBD_RELEASE_REQUIRE:-1}
   # The kernel transport's VM tests need a kernel whose nbd accepts MPTCP:
   # built from Debian's 6.1 source once (~20 minutes on 2 cores), cached.
   # MPNBD_VM_MPTCP_REQUIRE=0 skips the build and lets those tests skip.

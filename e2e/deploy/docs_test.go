@@ -38,7 +38,9 @@ var docFiles = []string{"README.md", "docs/*.md", "charts/mpnbd/README.md"}
 // command's --help lists; any other must be here.
 var externalFlags = map[string][]string{
 	"kubectl":             {"field-selector", "server-side", "force-conflicts", "selector", "previous", "show-labels"},
-	"helm":                {"set", "set-json", "create-namespace", "no-hooks", "kube-version", "values", "namespace", "wait", "reuse-values"},
+	"helm":                {"set", "set-json", "create-namespace", "no-hooks", "kube-version", "values", "namespace", "wait", "reuse-values", "keyring"},
+	"gpg":                 {"export-secret-keys", "armor"},
+	"skopeo, ctr":         {"all", "all-platforms"},
 	"fio":                 {"verify", "size"},
 	"CSI sidecars":        {"http-endpoint", "kube-api-qps", "feature-gates", "modify-timeout", "resize-timeout", "timeout", "extra-create-metadata", "leader-election"},
 	"the Kubernetes e2e":  {"ginkgo"},
