@@ -69,6 +69,9 @@ type suite struct {
 	// previousChart is the previous release's packaged chart, installed
 	// first and then upgraded from.
 	previousChart string
+	// chart is this tree's chart as a release packages it (releaseChart),
+	// which the upgrade and the template install use.
+	chart string
 	// cliBuilt is mpnbdctl's path once built (cli_test.go).
 	cliBuilt string
 	// snapshotterImage is the csi-snapshotter's image, which the
@@ -228,6 +231,9 @@ func TestDriverOnCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := &suite{t: t, dir: t.TempDir(), ctx: ctx, helmBin: helm, previousChart: prev}
+	if s.chart, err = releaseChart(ctx, filepath.Join(s.dir, "release")); err != nil {
+		t.Fatal(err)
+	}
 	before := hostState(t)
 	defer func() {
 		var failed []string

@@ -15,6 +15,7 @@
 package cluster
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os/exec"
@@ -47,6 +48,25 @@ func previousChart() (string, error) {
 	return m[0], nil
 }
 
+// releaseChart packages this tree's chart as make release does
+// (hack/release.sh --chart-only: the chart's version, signed), into dir,
+// and returns the package, which the suite upgrades to and renders.
+func releaseChart(ctx context.Context, dir string) (string, error) {
+	root, err := repo.Root()
+	if err != nil {
+		return "", err
+	}
+	cmd := exec.CommandContext(ctx, "bash", filepath.Join(root, "hack", "release.sh"), "--chart-only", "--out", dir)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("hack/release.sh --chart-only: %w\n%s", err, out)
+	}
+	m, err := filepath.Glob(filepath.Join(dir, "mpnbd-*.tgz"))
+	if err != nil || len(m) != 1 {
+		return "", fmt.Errorf("want one mpnbd-*.tgz from hack/release.sh in %s, found %v (%v)", dir, m, err)
+	}
+	return m[0], nil
+}
+
 // helm runs helm on the suite's cluster, in the driver's namespace.
 func (s *suite) helm(args ...string) (string, error) {
 	cmd := exec.CommandContext(s.ctx, s.helmBin, append(args, "--namespace", namespace, "--kubeconfig", s.c.Kubeconfig)...)
@@ -63,7 +83,6 @@ func (s *suite) helm(args ...string) (string, error) {
 // round sees an I/O error or a verify failure.
 func (s *suite) upgradeScenario() {
 	t := s.t
-	root, _ := repo.Root()
 	s.apply(pvc("upgrade", "mpnbd-block", "256Mi", true))
 	s.startPod("upgrade-fio", fioPod("upgrade-fio", "upgrade", 240*time.Second))
 	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "upgrade")
@@ -76,7 +95,7 @@ func (s *suite) upgradeScenario() {
 		if err := s.c.TagImage(s.ctx, driverImage, "mpnbd.local/mpnbd:"+upgradedImageTag); err != nil {
 			t.Fatal(err)
 		}
-		if out, err := s.helm("upgrade", "mpnbd", filepath.Join(root, "charts", "mpnbd"), "--values", s.values,
+		if out, err := s.helm("upgrade", "mpnbd", s.chart, "--values", s.values,
 			"--set", "image.tag="+upgradedImageTag, "--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--wait=false"); err != nil {
 			t.Fatalf("helm upgrade: %v\n%s", err, out)
 		}
@@ -239,7 +258,6 @@ func (s *suite) uninstallScenario() {
 // controller's default encryption) is written and read back by two pods.
 func (s *suite) templateInstallScenario() {
 	t := s.t
-	root, _ := repo.Root()
 	s.step("template install: helm template | kubectl apply --server-side", func() {
 		// As Argo CD and Flux render it: the cluster's version given, no
 		// access to the cluster.
@@ -251,7 +269,7 @@ func (s *suite) templateInstallScenario() {
 		if err := json.Unmarshal([]byte(s.kubectl("version", "-o", "json")), &version); err != nil || version.ServerVersion.GitVersion == "" {
 			t.Fatalf("the cluster's version: %v", err)
 		}
-		cmd := exec.CommandContext(s.ctx, s.helmBin, "template", "mpnbd", filepath.Join(root, "charts", "mpnbd"),
+		cmd := exec.CommandContext(s.ctx, s.helmBin, "template", "mpnbd", s.chart,
 			"--namespace", namespace, "--kube-version", version.ServerVersion.GitVersion, "--values", s.values,
 			"--set", "image.tag="+upgradedImageTag, "--set", "sidecars.snapshotter.image="+s.snapshotterImage, "--no-hooks")
 		var stderr strings.Builder
