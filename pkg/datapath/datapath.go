@@ -107,19 +107,34 @@ type Service interface {
 
 var _ Service = (*attach.Manager)(nil)
 
-// The sentinel errors that cross the socket, by name: the node plugin maps
-// them to gRPC codes with errors.Is.
-var sentinels = map[string]error{
-	"invalid":       attach.ErrInvalid,
-	"not_attached":  attach.ErrNotAttached,
-	"unsupported":   attach.ErrUnsupported,
-	"wrong_volume":  attach.ErrWrongVolume,
-	"refused":       attach.ErrServerRefused,
-	"too_small":     attach.ErrTooSmall,
-	"unflushed":     attach.ErrUnflushed,
-	"canceled":      context.Canceled,
-	"deadline":      context.DeadlineExceeded,
-	"datapath_gone": ErrUnavailable,
+// The sentinel errors that cross the socket, by name, in the order the node
+// plugin's one mapping to gRPC codes tries them (pkg/driver toStatus): an
+// error wrapping several names them all, the first in this order as Kind
+// for a peer that reads only that.
+var sentinels = []struct {
+	kind string
+	err  error
+}{
+	{"invalid", attach.ErrInvalid},
+	{"not_attached", attach.ErrNotAttached},
+	{"wrong_volume", attach.ErrWrongVolume},
+	{"refused", attach.ErrServerRefused},
+	{"unsupported", attach.ErrUnsupported},
+	{"too_small", attach.ErrTooSmall},
+	{"datapath_gone", ErrUnavailable},
+	{"unflushed", attach.ErrUnflushed},
+	{"deadline", context.DeadlineExceeded},
+	{"canceled", context.Canceled},
+}
+
+// sentinel returns the sentinel named kind, or nil.
+func sentinel(kind string) error {
+	for _, s := range sentinels {
+		if s.kind == kind {
+			return s.err
+		}
+	}
+	return nil
 }
 
 // ErrUnavailable: the datapath component does not answer (not running, or
@@ -128,8 +143,12 @@ var ErrUnavailable = errors.New("datapath: the data-path component does not answ
 
 // WireError is an error as it crosses the socket.
 type WireError struct {
-	Kind    string `json:"kind,omitempty"`
-	Message string `json:"message"`
+	// Kind is the first sentinel the error wraps (the order of
+	// sentinels); what a peer that knows no Kinds reads.
+	Kind string `json:"kind,omitempty"`
+	// Kinds are all the sentinels it wraps, in that order.
+	Kinds   []string `json:"kinds,omitempty"`
+	Message string   `json:"message"`
 }
 
 func toWire(err error) *WireError {
@@ -137,30 +156,42 @@ func toWire(err error) *WireError {
 		return nil
 	}
 	w := &WireError{Message: err.Error()}
-	for k, s := range sentinels {
-		if errors.Is(err, s) {
-			w.Kind = k
-			break
+	for _, s := range sentinels {
+		if errors.Is(err, s.err) {
+			w.Kinds = append(w.Kinds, s.kind)
 		}
+	}
+	if len(w.Kinds) > 0 {
+		w.Kind = w.Kinds[0]
 	}
 	return w
 }
 
 // remoteError is an error of the datapath component, matching the
-// sentinel it wrapped there.
+// sentinels it wrapped there.
 type remoteError struct {
-	sentinel error
-	msg      string
+	sentinels []error
+	msg       string
 }
 
-func (e *remoteError) Error() string { return e.msg }
-func (e *remoteError) Unwrap() error { return e.sentinel }
+func (e *remoteError) Error() string   { return e.msg }
+func (e *remoteError) Unwrap() []error { return e.sentinels }
 
 func (w *WireError) err() error {
 	if w == nil {
 		return nil
 	}
-	return &remoteError{sentinel: sentinels[w.Kind], msg: w.Message}
+	kinds := w.Kinds
+	if len(kinds) == 0 && w.Kind != "" {
+		kinds = []string{w.Kind} // a peer of before Kinds
+	}
+	e := &remoteError{msg: w.Message}
+	for _, k := range kinds {
+		if s := sentinel(k); s != nil {
+			e.sentinels = append(e.sentinels, s)
+		}
+	}
+	return e
 }
 
 // Request and reply types of the methods (exported for net/rpc; not an

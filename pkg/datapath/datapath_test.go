@@ -36,6 +36,7 @@ type fakeService struct {
 	attached map[string]attach.Transport
 	block    chan struct{} // Attach waits on it when set
 	cancels  int
+	resize   error // what Resize fails with; nil: ErrTooSmall
 }
 
 func (f *fakeService) Attach(ctx context.Context, tr attach.Transport, t attach.Target, o attach.Options) (*attach.Attachment, error) {
@@ -83,6 +84,11 @@ func (f *fakeService) Health(id string) (attach.Transport, attach.Health, error)
 }
 
 func (f *fakeService) Resize(ctx context.Context, id string, n uint64) (uint64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.resize != nil {
+		return 0, f.resize
+	}
 	return 0, fmt.Errorf("%w: export has less", attach.ErrTooSmall)
 }
 
@@ -185,6 +191,51 @@ func TestRoundTrip(t *testing.T) {
 	}
 	if err := c.Detach(ctx, "v1"); err != nil || len(c.Volumes()) != 0 {
 		t.Fatalf("detach: %v, volumes %v", err, c.Volumes())
+	}
+}
+
+// TestErrorWrappingSeveralSentinels: an error of the component that wraps
+// two sentinels reaches the node plugin wrapping the same two, whichever
+// they are, so the one mapping to gRPC codes (pkg/driver toStatus) gives
+// the code it gives in process; the Kind an older peer reads is the first
+// in that mapping's order, the same on every call.
+func TestErrorWrappingSeveralSentinels(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "dp.sock")
+	svc := &fakeService{attached: map[string]attach.Transport{}}
+	serve(t, path, svc)
+	c := &Client{Path: path}
+	for i, a := range sentinels {
+		for _, b := range sentinels[i+1:] {
+			// ErrUnavailable is the client's own when the component is
+			// gone: the component never sends it, but it crosses fine.
+			orig := fmt.Errorf("resize: %w, then %w", b.err, a.err)
+			svc.mu.Lock()
+			svc.resize = orig
+			svc.mu.Unlock()
+			_, got := c.Resize(context.Background(), "v", 1)
+			if got == nil || got.Error() != orig.Error() {
+				t.Fatalf("%s+%s: the client got %v, want %q", a.kind, b.kind, got, orig)
+			}
+			for _, s := range sentinels {
+				if errors.Is(got, s.err) != errors.Is(orig, s.err) {
+					t.Errorf("%s+%s: errors.Is(%s) is %v across the socket, %v in the component",
+						a.kind, b.kind, s.kind, errors.Is(got, s.err), errors.Is(orig, s.err))
+				}
+			}
+			for range 20 {
+				if w := toWire(orig); w.Kind != a.kind || len(w.Kinds) != 2 || w.Kinds[0] != a.kind || w.Kinds[1] != b.kind {
+					t.Fatalf("%s+%s: wire %+v, want kind %s and kinds [%s %s]", a.kind, b.kind, w, a.kind, a.kind, b.kind)
+				}
+			}
+		}
+	}
+	// An older component names one kind only.
+	old := (&WireError{Kind: "not_attached", Message: "m"}).err()
+	if !errors.Is(old, attach.ErrNotAttached) || errors.Is(old, attach.ErrInvalid) || old.Error() != "m" {
+		t.Errorf("an error of an older component: %v", old)
+	}
+	if e := (&WireError{Kind: "from-the-future", Message: "m"}).err(); e == nil || e.Error() != "m" {
+		t.Errorf("an unknown kind: %v", e)
 	}
 }
 
