@@ -116,6 +116,10 @@ snapshot_controller=$(build snapshot-controller github.com/kubernetes-csi/extern
 # stand-ins built from this tree.
 set_dir=$ROOT/set/$(basename "$(dirname "$provisioner")")-$(basename "$(dirname "$attacher")")-$(basename "$(dirname "$resizer")")-$(basename "$(dirname "$snapshotter")")
 mkdir -p "$set_dir"
+# One run at a time assembles a set: two at once wrote the same temporary
+# files and one emptied snapshot-manifests/ while the other filled it.
+exec 8>"$set_dir/.lock"
+flock 8
 for bin in "$provisioner" "$attacher" "$resizer" "$snapshotter" "$snapshot_controller"; do
   ln -sfn "$bin" "$set_dir/$(basename "$bin").tmp"
   mv -T "$set_dir/$(basename "$bin").tmp" "$set_dir/$(basename "$bin")"
