@@ -198,7 +198,7 @@ func handOverProcs(t *testing.T, from, to *attacherProc, stateDir, id string) in
 	t.Logf("handover from server %d took %v", old, time.Since(start).Round(time.Millisecond))
 	waitGone(t, old)
 	pid := serverPid(t, probe, id)
-	if pid == old || !procAlive(pid, 0) {
+	if pid == old || !attach.ProcAlive(pid, 0) {
 		t.Fatalf("the volume's server is %d after the handover from %d", pid, old)
 	}
 	if hl, err := probe.Health(id); err != nil || !hl.Connected {

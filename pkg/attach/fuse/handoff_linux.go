@@ -294,7 +294,7 @@ func (a *Attacher) HandOff(ctx context.Context, volumeID string) (*attach.Handof
 		}
 		// The successor may start once the predecessor is gone.
 		deadline := time.Now().Add(exitTimeout)
-		for procAlive(p.pid, p.start) {
+		for attach.ProcAlive(p.pid, p.start) {
 			if time.Now().After(deadline) {
 				log.Warn("fuse: the released server does not exit; killing it", "pid", p.pid)
 				if err := killProc(p.pid, p.start); err != nil {

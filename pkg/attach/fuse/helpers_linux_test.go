@@ -192,7 +192,7 @@ func newAttacher(t testing.TB, c Config) *Attacher {
 			}
 		}
 		for _, st := range serverStates(t, a.cfg.StateDir) {
-			if procAlive(st.Pid, st.StartTime) {
+			if attach.ProcAlive(st.Pid, st.StartTime) {
 				t.Errorf("cleanup: killing the server process %d of volume %s", st.Pid, st.VolumeID)
 				if err := killProc(st.Pid, st.StartTime); err != nil {
 					t.Errorf("cleanup: kill %d: %v", st.Pid, err)
@@ -252,7 +252,7 @@ func liveServers(t testing.TB) []int {
 		if err != nil || !bytes.Contains(cmd, []byte("\x00"+ServeArg+"\x00")) {
 			continue
 		}
-		if procAlive(pid, 0) {
+		if attach.ProcAlive(pid, 0) {
 			out = append(out, pid)
 		}
 	}
@@ -263,7 +263,7 @@ func liveServers(t testing.TB) []int {
 func waitGone(t testing.TB, pid int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for procAlive(pid, 0) {
+	for attach.ProcAlive(pid, 0) {
 		if time.Now().After(deadline) {
 			t.Fatalf("process %d still runs", pid)
 		}

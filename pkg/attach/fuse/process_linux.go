@@ -25,7 +25,6 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
-	"strconv"
 	"strings"
 	"time"
 
@@ -381,7 +380,7 @@ func (a *Attacher) detachServer(ctx context.Context, id string, log *slog.Logger
 		resp, err := p.call(octx, ctlRequest{Op: opDetach, UnmountTimeout: a.cfg.UnmountTimeout}, 0)
 		cancel()
 		if err != nil {
-			if attempt == 0 && !procAlive(p.pid, p.start) {
+			if attempt == 0 && !attach.ProcAlive(p.pid, p.start) {
 				continue // it died meanwhile: clean up after it
 			}
 			return fmt.Errorf("fuse: detach volume %s: %w", id, err)
@@ -455,7 +454,7 @@ func (a *Attacher) serverHealth(id string) (attach.Health, error) {
 	resp, err := p.call(context.Background(), ctlRequest{Op: opHealth}, ctlTimeout)
 	if err != nil {
 		h := attach.Health{MPTCP: p.att.MPTCP}
-		if procAlive(p.pid, p.start) {
+		if attach.ProcAlive(p.pid, p.start) {
 			h.Message = fmt.Sprintf("the FUSE server process (pid %d) does not answer: %v", p.pid, err)
 		} else {
 			h.Message = fmt.Sprintf("the FUSE server process (pid %d) is gone: I/O to %s fails until the volume is detached and attached again", p.pid, p.att.Device)
@@ -531,42 +530,6 @@ func (a *Attacher) Adopt(ctx context.Context) ([]*attach.Attachment, error) {
 	return out, nil
 }
 
-// procStat returns a process's state letter and start time.
-func procStat(pid int) (state byte, start uint64, err error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, 0, err
-	}
-	// The command name, in parentheses, may hold anything.
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 || i+2 > len(s) {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
-	}
-	f := strings.Fields(s[i+2:])
-	if len(f) < 20 || f[0] == "" {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
-	}
-	start, err = strconv.ParseUint(f[19], 10, 64)
-	if err != nil {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
-	}
-	return f[0][0], start, nil
-}
-
-// procAlive reports whether process pid runs (a zombie does not) and, if
-// start is not 0, is the one that started then.
-func procAlive(pid int, start uint64) bool {
-	if pid <= 0 {
-		return false
-	}
-	state, s, err := procStat(pid)
-	if err != nil || state == 'Z' || state == 'X' {
-		return false
-	}
-	return start == 0 || s == start
-}
-
 // killProc sends SIGKILL to process pid if it is the one that started at
 // start (any, if start is 0). A process that is gone is no error.
 func killProc(pid int, start uint64) error {
@@ -583,7 +546,7 @@ func killProc(pid int, start uint64) error {
 	defer unix.Close(fd)
 	// The descriptor pins the process: checked now, it cannot be another
 	// one by the time the signal goes.
-	if !procAlive(pid, start) {
+	if !attach.ProcAlive(pid, start) {
 		return nil
 	}
 	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {

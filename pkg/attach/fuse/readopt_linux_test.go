@@ -251,7 +251,7 @@ func TestReadoptAfterAttacherKilled(t *testing.T) {
 		t.Fatalf("%d I/O errors after the attaching process died, first: %v", n, *w.first.Load())
 	}
 	t.Logf("%d writes, no error", w.writes.Load())
-	if !procAlive(pid, 0) {
+	if !attach.ProcAlive(pid, 0) {
 		t.Fatalf("the server process %d died with the attaching process", pid)
 	}
 
@@ -285,7 +285,7 @@ func TestReadoptAfterAttacherKilled(t *testing.T) {
 		t.Fatal(err)
 	}
 	reap(pid)
-	if procAlive(pid, 0) {
+	if attach.ProcAlive(pid, 0) {
 		t.Errorf("the server process %d still runs after the detach", pid)
 	}
 	assertNothingLeft(t, fresh, vol, ts)
@@ -514,19 +514,6 @@ func TestSockPath(t *testing.T) {
 	}
 }
 
-func TestProcStat(t *testing.T) {
-	state, start, err := procStat(os.Getpid())
-	if err != nil || start == 0 || state == 'Z' {
-		t.Fatalf("procStat(self) = %c, %d, %v", state, start, err)
-	}
-	if !procAlive(os.Getpid(), start) || procAlive(os.Getpid(), start+1) {
-		t.Error("procAlive does not tell the start time apart")
-	}
-	if procAlive(0, 0) || procAlive(1<<30, 0) {
-		t.Error("procAlive of a process that cannot exist")
-	}
-}
-
 // TestServerSIGTERM: a server process told to stop detaches its volume
 // and exits, unless the device is in use, in which case it keeps serving.
 func TestServerSIGTERM(t *testing.T) {
@@ -547,7 +534,7 @@ func TestServerSIGTERM(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(time.Second)
-	if !procAlive(pid, 0) {
+	if !attach.ProcAlive(pid, 0) {
 		t.Fatal("the server process exited on SIGTERM with its device in use")
 	}
 	if _, err := busy.ReadAt(alignedBuf(4096), 0); err != nil {

@@ -55,7 +55,7 @@ func ServeMain() int {
 		return 2
 	}
 	defer runtime.KeepAlive(lockf) // its lock must last as long as we do
-	_, start, err := procStat(pid)
+	_, start, err := attach.ProcStat(pid)
 	if err != nil {
 		log.Warn("fuse: own start time", "error", err)
 	}

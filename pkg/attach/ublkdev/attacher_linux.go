@@ -224,7 +224,7 @@ func (a *Attacher) waitQuiesced(ctx context.Context, id uint32, handedOff bool) 
 		if err != nil {
 			return st, err
 		}
-		if pid > 0 && processAlive(pid) && !handedOff || time.Now().After(deadline) {
+		if pid > 0 && attach.ProcAlive(pid, 0) && !handedOff || time.Now().After(deadline) {
 			return st, nil
 		}
 		select {
@@ -233,19 +233,6 @@ func (a *Attacher) waitQuiesced(ctx context.Context, id uint32, handedOff bool) 
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
-}
-
-func processAlive(pid int) bool {
-	if pid == os.Getpid() {
-		return true
-	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i < 0 || i+2 >= len(s) || s[i+2] != 'Z'
 }
 
 // Adopt takes over every device the state directory lists.

@@ -1,0 +1,60 @@
+// Copyright 2026 The mpnbd Authors.
+//
+// Licensed under the Apache License, Version 2.0 (the "License");
+// you may not use this file except in compliance with the License.
+// You may obtain a copy of the License at
+//
+//     http://www.apache.org/licenses/LICENSE-2.0
+//
+// Unless required by applicable law or agreed to in writing, software
+// distributed under the License is distributed on an "AS IS" BASIS,
+// WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+// See the License for the specific language governing permissions and
+// limitations under the License.
+
+package attach
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// ProcStat returns a process's state letter and start time (in clock ticks
+// since boot: with the PID, what tells a process from a later one that
+// reuses its PID).
+func ProcStat(pid int) (state byte, start uint64, err error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	// The command name, in parentheses, may hold anything.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 || i+2 > len(s) {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	f := strings.Fields(s[i+2:])
+	if len(f) < 20 || f[0] == "" {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	start, err = strconv.ParseUint(f[19], 10, 64)
+	if err != nil {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+	}
+	return f[0][0], start, nil
+}
+
+// ProcAlive reports whether process pid runs (a zombie does not) and, if
+// start is not 0, is the one that started then.
+func ProcAlive(pid int, start uint64) bool {
+	if pid <= 0 {
+		return false
+	}
+	state, s, err := ProcStat(pid)
+	if err != nil || state == 'Z' || state == 'X' {
+		return false
+	}
+	return start == 0 || s == start
+}
