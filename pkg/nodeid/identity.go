@@ -38,6 +38,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/internal/backoff"
 )
 
 // IdentityConfig configures a component's certificate.
@@ -121,7 +123,7 @@ func (id *Identity) Start(ctx context.Context, within time.Duration) error {
 			break
 		}
 		id.log.Warn("reading the CA bundle", "error", err, "retry_in", wait)
-		if sleep(ctx, wait); ctx.Err() != nil {
+		if backoff.Sleep(ctx, wait) != nil {
 			return fmt.Errorf("the CA bundle: %w", err)
 		}
 	}
@@ -131,7 +133,7 @@ func (id *Identity) Start(ctx context.Context, within time.Duration) error {
 		id.cert.Store(kept)
 		id.log.Info("certificate read from the state directory", "expires", kept.Leaf.NotAfter)
 	}
-	backoff := time.Second
+	pause := backoff.New(time.Second, renewBackoffMax)
 	for {
 		cur := id.cert.Load()
 		if cur != nil && time.Now().Before(renewAt(cur.Leaf)) {
@@ -146,16 +148,18 @@ func (id *Identity) Start(ctx context.Context, within time.Duration) error {
 			break
 		}
 		id.log.Warn("getting a certificate", "error", err)
-		if sleep(ctx, backoff); ctx.Err() != nil {
+		if pause.Wait(ctx) != nil {
 			return fmt.Errorf("getting a %s certificate: %w", id.cfg.Kind, err)
 		}
-		// Up to 5 minutes: a cluster that denies (one older than 1.30,
-		// whose tokens name no node) gets a request every 5 minutes.
-		backoff = min(2*backoff, 5*time.Minute)
 	}
 	go id.keepFresh(life)
 	return nil
 }
+
+// renewBackoffMax caps the pause between a certificate's requests: a
+// cluster that denies them (one older than 1.30, whose tokens name no
+// node) gets one every 5 minutes.
+const renewBackoffMax = 5 * time.Minute
 
 // renewAt is when a certificate is renewed: two thirds into its life.
 func renewAt(c *x509.Certificate) time.Time {
@@ -169,7 +173,7 @@ func renewAt(c *x509.Certificate) time.Time {
 func (id *Identity) keepFresh(ctx context.Context) {
 	bundle := time.NewTicker(id.cfg.BundleRefresh)
 	defer bundle.Stop()
-	backoff := time.Second
+	pause := backoff.New(time.Second, renewBackoffMax)
 	var retryAt time.Time
 	for ctx.Err() == nil {
 		leaf := id.cert.Load().Leaf
@@ -189,12 +193,13 @@ func (id *Identity) keepFresh(ctx context.Context) {
 			}
 		case <-t.C:
 			if err := id.renew(ctx); err != nil {
-				id.log.Warn("renewing the certificate", "error", err, "retry_in", backoff, "expires", leaf.NotAfter)
-				retryAt = time.Now().Add(backoff)
-				backoff = min(2*backoff, 5*time.Minute)
+				wait := pause.Next()
+				id.log.Warn("renewing the certificate", "error", err, "retry_in", wait, "expires", leaf.NotAfter)
+				retryAt = time.Now().Add(wait)
 				continue
 			}
-			retryAt, backoff = time.Time{}, time.Second
+			retryAt = time.Time{}
+			pause.Reset()
 		}
 	}
 }
@@ -360,7 +365,7 @@ func (id *Identity) await(ctx context.Context, name string) ([]byte, error) {
 				}
 			}
 		}
-		if sleep(ctx, wait); ctx.Err() != nil {
+		if backoff.Sleep(ctx, wait) != nil {
 			return nil, fmt.Errorf("certificate signing request %s: no certificate issued: %w", name, ctx.Err())
 		}
 		wait = min(2*wait, 2*time.Second)

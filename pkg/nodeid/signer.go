@@ -35,6 +35,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"github.com/mpnbd/mpnbd/internal/backoff"
 )
 
 // DefaultLifetime is a certificate's lifetime when the request names none.
@@ -162,21 +164,12 @@ func (s *Signer) Run(ctx context.Context) error {
 		rv, err := s.handleAll(ctx)
 		if err != nil {
 			s.log.Warn("listing certificate signing requests", "error", err)
-			sleep(ctx, 5*time.Second)
+			_ = backoff.Sleep(ctx, 5*time.Second)
 			continue
 		}
 		s.watch(ctx, rv)
 	}
 	return nil
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
 }
 
 // handleAll handles every request and returns the list's version.
@@ -199,7 +192,7 @@ func (s *Signer) watch(ctx context.Context, rv string) {
 	w, err := s.cfg.Client.Watch(wctx, &certv1.CertificateSigningRequestList{}, &client.ListOptions{Raw: &metav1.ListOptions{ResourceVersion: rv}})
 	if err != nil {
 		s.log.Warn("watching certificate signing requests", "error", err)
-		sleep(wctx, 5*time.Second)
+		_ = backoff.Sleep(wctx, 5*time.Second)
 		return
 	}
 	defer w.Stop()

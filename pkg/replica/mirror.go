@@ -41,6 +41,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/backoff"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -720,7 +721,7 @@ func (m *Mirror) drop(p *peer) {
 // recorded (the epoch it made is the Mirror's), refused (superseded: the
 // Mirror is fenced) or ctx or the Mirror ends. Called with decide held.
 func (m *Mirror) record(ctx context.Context, what string, ask func(ctx context.Context, epoch int64) (int64, error)) (int64, error) {
-	backoff := 50 * time.Millisecond
+	pause := backoff.New(50*time.Millisecond, 2*time.Second)
 	for {
 		m.mu.Lock()
 		epoch, fenced := m.epoch, m.fenced
@@ -747,9 +748,8 @@ func (m *Mirror) record(ctx context.Context, what string, ask func(ctx context.C
 			return 0, ctx.Err()
 		case <-m.ctx.Done():
 			return 0, m.ctx.Err()
-		case <-time.After(backoff):
+		case <-time.After(pause.Next()):
 		}
-		backoff = min(2*backoff, 2*time.Second)
 	}
 }
 

@@ -48,6 +48,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/backoff"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -829,7 +830,7 @@ func (a *Attacher) reconnect(v *volume) {
 	log := a.log.With("volume_id", v.target.VolumeID, "nbd_index", v.index)
 	log.Warn("nbd connection dead, reconnecting")
 	start := time.Now()
-	backoff := 100 * time.Millisecond
+	pause := backoff.New(100*time.Millisecond, 5*time.Second)
 	warned := false
 	for attempt := 1; ; attempt++ {
 		ctx, cancel := context.WithTimeout(v.life, a.cfg.DialTimeout)
@@ -862,13 +863,11 @@ func (a *Attacher) reconnect(v *volume) {
 		v.mu.Lock()
 		v.lastErr = err
 		v.mu.Unlock()
-		log.Warn("reconnect failed", "error", err, "attempt", attempt, "retry_in", backoff)
-		select {
-		case <-v.life.Done():
+		wait := pause.Next()
+		log.Warn("reconnect failed", "error", err, "attempt", attempt, "retry_in", wait)
+		if backoff.Sleep(v.life, wait) != nil {
 			return
-		case <-time.After(backoff):
 		}
-		backoff = min(2*backoff, 5*time.Second)
 	}
 }
 

@@ -29,6 +29,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mpnbd/mpnbd/internal/backoff"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/fdpass"
 	"github.com/mpnbd/mpnbd/pkg/ublk"
@@ -209,7 +210,7 @@ func (s *Supervisor) supervise(t attach.Target, o attach.Options, att attach.Att
 // unasked, until the supervision ends.
 func (s *Supervisor) keepServed(v *supervised) {
 	defer close(v.done)
-	delay := minBackoff
+	pause := backoff.New(minBackoff, maxBackoff)
 	for {
 		s.mu.Lock()
 		srv := v.srv
@@ -225,17 +226,17 @@ func (s *Supervisor) keepServed(v *supervised) {
 				return
 			}
 			if time.Since(srv.started) > stableAfter {
-				delay = minBackoff
+				pause.Reset()
 			}
+		}
+		delay := pause.Next()
+		if srv != nil {
 			v.log.Error("ublk: the volume's server process exited; the kernel holds the device's I/O until a new one takes it over",
 				"pid", srv.pid, "status", v.lastExit, "restart_in", delay)
 		}
-		select {
-		case <-v.ctx.Done():
+		if backoff.Sleep(v.ctx, delay) != nil {
 			return
-		case <-time.After(delay):
 		}
-		delay = min(2*delay, maxBackoff)
 		s.mu.Lock()
 		v.restarts++
 		s.mu.Unlock()
