@@ -130,12 +130,12 @@ func killShims(socket string) {
 
 // unmountUnder lazily unmounts every mount below dir, deepest first.
 func unmountUnder(dir string) error {
-	mps, err := mountinfo.Read()
+	mps, err := mountinfo.Under(dir)
 	if err != nil {
 		return err
 	}
 	var errs []error
-	for _, m := range mountinfo.Under(mps, dir) {
+	for _, m := range mps {
 		if err := syscall.Unmount(m, syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
 			errs = append(errs, fmt.Errorf("unmount %s: %w", m, err))
 		}

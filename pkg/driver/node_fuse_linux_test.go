@@ -15,7 +15,6 @@
 package driver
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/rand"
@@ -24,8 +23,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -37,6 +34,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -97,9 +95,7 @@ func newFuseNode(t *testing.T, exports ...string) *fuseNode {
 	}
 	// After a failure, leave nothing mounted or attached.
 	t.Cleanup(func() {
-		mps := mountsUnder(t, root)
-		slices.Reverse(mps)
-		for _, mp := range mps {
+		for _, mp := range mountsUnder(t, root) {
 			if !strings.HasPrefix(mp, f.stateDir) {
 				if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
 					t.Logf("cleanup: unmount %s: %v", mp, err)
@@ -310,41 +306,12 @@ func writeFileSync(path string, data []byte) error {
 	return fl.Close()
 }
 
-// mountsUnder lists the mount points at or below dir, in mount order.
+// mountsUnder lists the mount points at or below dir, deepest first.
 func mountsUnder(t *testing.T, dir string) []string {
 	t.Helper()
-	fl, err := os.Open("/proc/self/mountinfo")
+	mps, err := mountinfo.Under(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer fl.Close()
-	var out []string
-	sc := bufio.NewScanner(fl)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeOctal(fields[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
-	}
-	return out
-}
-
-// unescapeOctal undoes the \ooo escapes of /proc/self/mountinfo.
-func unescapeOctal(s string) string {
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return mps
 }

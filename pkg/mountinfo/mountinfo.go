@@ -12,77 +12,66 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-// Package mountinfo reads the mount points of this mount namespace from
-// /proc/self/mountinfo (a dead FUSE mount cannot be stat'ed; the table
-// still lists it).
+// Package mountinfo answers what is mounted where in this mount namespace.
+// It reads the kernel's table (/proc/self/mountinfo), not the file system:
+// a dead FUSE mount cannot be stat'ed, and the table still lists it. The
+// table is parsed by github.com/moby/sys/mountinfo (escapes, optional
+// fields); this package adds the two questions the driver asks of it.
 package mountinfo
 
 import (
-	"os"
+	"io"
 	"path/filepath"
 	"sort"
-	"strconv"
-	"strings"
+
+	mi "github.com/moby/sys/mountinfo"
 )
 
-// Path is the mount table of the calling process's mount namespace.
-const Path = "/proc/self/mountinfo"
+// Info is one mount of the table.
+type Info = mi.Info
 
-// MountPoints returns the mount points listed in text (the content of a
-// mountinfo file), unescaped, in table order.
-func MountPoints(text string) []string {
-	var out []string
-	for line := range strings.SplitSeq(text, "\n") {
-		if f := strings.Fields(line); len(f) > 4 {
-			out = append(out, Unescape(f[4]))
-		}
-	}
-	return out
-}
-
-// Read returns the mount points of this mount namespace.
-func Read() ([]string, error) {
-	b, err := os.ReadFile(Path)
+// Under returns the mount points at or below dir, deepest first (a mount
+// below another comes before it: the order to unmount them in).
+func Under(dir string) ([]string, error) {
+	infos, err := mi.GetMounts(mi.PrefixFilter(filepath.Clean(dir)))
 	if err != nil {
 		return nil, err
 	}
-	return MountPoints(string(b)), nil
-}
-
-// Under returns the mount points at or below dir, deepest first (a mount
-// below another comes before it, the order to unmount them in).
-func Under(mountPoints []string, dir string) []string {
-	dir = filepath.Clean(dir)
-	var out []string
-	for _, mp := range mountPoints {
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
+	out := make([]string, 0, len(infos))
+	for _, m := range infos {
+		out = append(out, m.Mountpoint)
 	}
-	sort.Slice(out, func(i, j int) bool {
+	sort.SliceStable(out, func(i, j int) bool {
 		if len(out[i]) != len(out[j]) {
 			return len(out[i]) > len(out[j])
 		}
 		return out[i] < out[j]
 	})
-	return out
+	return out, nil
 }
 
-// Unescape undoes mountinfo's octal escapes (\040 for a space).
-func Unescape(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
+// At returns the topmost mount at path, nil when path is no mount point.
+func At(path string) (*Info, error) {
+	infos, err := mi.GetMounts(at(path))
+	return last(infos), err
+}
+
+// AtIn is At over the table read from r (another process's, a test's).
+func AtIn(r io.Reader, path string) (*Info, error) {
+	infos, err := mi.GetMountsFromReader(r, at(path))
+	return last(infos), err
+}
+
+// at keeps the mounts at path; the table lists a mount after the ones it
+// covers, so the last is the one path shows.
+func at(path string) mi.FilterFunc {
+	path = filepath.Clean(path)
+	return func(m *Info) (skip, stop bool) { return m.Mountpoint != path, false }
+}
+
+func last(infos []*Info) *Info {
+	if len(infos) == 0 {
+		return nil
 	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return infos[len(infos)-1]
 }

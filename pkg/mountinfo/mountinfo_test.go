@@ -15,48 +15,69 @@
 package mountinfo
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
-func TestUnescape(t *testing.T) {
-	for in, want := range map[string]string{
-		`/run/a`:          "/run/a",
-		`/run/a\040b`:     "/run/a b",
-		`/x\134y`:         `/x\y`,
-		`/trailing\04`:    `/trailing\04`,
-		`/t\011ab\012end`: "/t\tab\nend",
-	} {
-		if got := Unescape(in); got != want {
-			t.Errorf("Unescape(%q) = %q, want %q", in, got, want)
-		}
-	}
-}
-
-func TestUnder(t *testing.T) {
-	mi := `22 1 8:1 / / rw shared:1 - ext4 /dev/vda rw
-30 22 0:50 / /tmp/dd/node-state/fuse/v rw - fuse /dev/fuse rw
-31 22 7:1 / /tmp/dd/kubelet/staging/v rw - ext4 /dev/loop1 rw
-32 22 7:1 / /tmp/dd/kubelet/pod\040a/mount rw - ext4 /dev/loop1 rw
-33 22 0:51 / /tmp/ddx rw - tmpfs tmpfs rw
+const table = `22 27 0:21 / /proc rw,relatime - proc proc rw
+412 27 7:3 / /w/kubelet/staging/pvc-1 rw,relatime - xfs /dev/loop3 rw,attr2,noquota
+413 27 7:3 / /w/kubelet/pod\040x/volume rw,relatime - xfs /dev/loop3 rw,attr2,noquota
+414 27 0:6 /loop4 /w/kubelet/pod-block/volume rw,nosuid - devtmpfs udev rw,size=1k
+415 413 0:30 / /w/kubelet/pod\040x/volume rw shared:7 - tmpfs over rw
 `
-	if got := MountPoints(mi); len(got) != 5 || got[3] != "/tmp/dd/kubelet/pod a/mount" {
-		t.Errorf("MountPoints = %q", got)
+
+func TestAtIn(t *testing.T) {
+	m, err := AtIn(strings.NewReader(table), "/w/kubelet/pod x/volume")
+	if err != nil || m == nil {
+		t.Fatalf("AtIn: %v, %v", m, err)
 	}
-	got := Under(MountPoints(mi), "/tmp/dd/")
-	want := []string{"/tmp/dd/kubelet/pod a/mount", "/tmp/dd/kubelet/staging/v", "/tmp/dd/node-state/fuse/v"}
-	if strings.Join(got, "|") != strings.Join(want, "|") {
-		t.Errorf("got %q, want %q (deepest first, not /tmp/ddx)", got, want)
+	// The escaped space is undone, and the topmost mount is the one given.
+	if m.FSType != "tmpfs" || m.Source != "over" {
+		t.Errorf("the topmost mount at a path mounted twice: %+v", m)
+	}
+	if m, err := AtIn(strings.NewReader(table), "/w/kubelet/pod-block/volume/"); err != nil || m == nil || m.Root != "/loop4" {
+		t.Errorf("a bind of a device, the path with a trailing slash: %+v, %v", m, err)
+	}
+	if m, err := AtIn(strings.NewReader(table), "/w/kubelet"); err != nil || m != nil {
+		t.Errorf("a path that is no mount point: %+v, %v", m, err)
 	}
 }
 
-func TestRead(t *testing.T) {
-	mps, err := Read()
-	if err != nil {
-		t.Skipf("no %s here: %v", Path, err)
+// TestUnder mounts tmpfs at a directory, below it and at a name with a
+// space, and finds them deepest first (needs root: a mount of its own).
+func TestUnder(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("skipping: mounting needs root")
 	}
-	if !slices.Contains(mps, "/") {
-		t.Errorf("the root is not among the mount points %q", mps)
+	dir := t.TempDir()
+	paths := []string{dir, filepath.Join(dir, "a b"), filepath.Join(dir, "a b", "c")}
+	for _, p := range paths {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("tmpfs", p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatalf("mount %s: %v", p, err)
+		}
+		t.Cleanup(func() { _ = unix.Unmount(p, unix.MNT_DETACH) })
+	}
+	got, err := Under(dir + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := slices.Clone(paths)
+	slices.Reverse(want)
+	if !slices.Equal(got, want) {
+		t.Errorf("Under(%s) = %q, want %q", dir, got, want)
+	}
+	if m, err := At(paths[1]); err != nil || m == nil || m.FSType != "tmpfs" {
+		t.Errorf("At(%s) = %+v, %v", paths[1], m, err)
+	}
+	if got, err := Under(filepath.Join(dir, "a")); err != nil || len(got) != 0 {
+		t.Errorf("Under a sibling's prefix: %q, %v", got, err)
 	}
 }

@@ -254,11 +254,11 @@ func checkNothingLeft(t *testing.T, bin, name, work string) {
 			t.Errorf("network namespace %s left", e.Name())
 		}
 	}
-	mi, err := os.ReadFile("/proc/self/mountinfo")
+	m, err := mountinfo.Under(work)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m := mountinfo.Under(mountinfo.MountPoints(string(mi)), work); len(m) > 0 {
+	if len(m) > 0 {
 		t.Errorf("mounts left: %v", m)
 	}
 	if l := loopsUnder(work); len(l) > 0 {

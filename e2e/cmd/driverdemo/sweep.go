@@ -54,11 +54,11 @@ func loopsUnder(dir string) []string {
 func sweep(dir string, nss []string) error {
 	var found []string
 	unmountAll := func(detach bool) {
-		mi, err := os.ReadFile("/proc/self/mountinfo")
+		mps, err := mountinfo.Under(dir)
 		if err != nil {
 			return
 		}
-		for _, mp := range mountinfo.Under(mountinfo.MountPoints(string(mi)), dir) {
+		for _, mp := range mps {
 			flags := 0
 			if detach {
 				flags = syscall.MNT_DETACH
@@ -109,8 +109,8 @@ func sweep(dir string, nss []string) error {
 // devices under dir, and the namespaces nss.
 func leftovers(dir string, nss []string) []string {
 	var out []string
-	if mi, err := os.ReadFile("/proc/self/mountinfo"); err == nil {
-		for _, mp := range mountinfo.Under(mountinfo.MountPoints(string(mi)), dir) {
+	if mps, err := mountinfo.Under(dir); err == nil {
+		for _, mp := range mps {
 			out = append(out, "mount "+mp)
 		}
 	}

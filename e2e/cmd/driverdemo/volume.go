@@ -313,19 +313,15 @@ type mount struct {
 // mountAt returns the topmost mount at path; ok is false when path is
 // not a mount point.
 func mountAt(mountInfo []byte, path string) (m mount, ok bool) {
-	for line := range bytes.Lines(mountInfo) {
-		pre, post, cut := strings.Cut(strings.TrimSpace(string(line)), " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if !cut || len(f) < 6 || len(g) < 2 || mountinfo.Unescape(f[4]) != path {
-			continue
-		}
-		m = mount{root: f[3], fsType: g[0], source: g[1], opts: f[5]}
-		if len(g) > 2 {
-			m.opts += "," + g[2]
-		}
-		ok = true
+	info, err := mountinfo.AtIn(bytes.NewReader(mountInfo), path)
+	if err != nil || info == nil {
+		return m, false
 	}
-	return m, ok
+	m = mount{root: info.Root, fsType: info.FSType, source: info.Source, opts: info.Options}
+	if info.VFSOptions != "" {
+		m.opts += "," + info.VFSOptions
+	}
+	return m, true
 }
 
 // mountOf describes what is mounted at path ("ext4 on /dev/loop3").

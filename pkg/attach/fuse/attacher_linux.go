@@ -528,11 +528,8 @@ func cleanup(dir, file string, log *slog.Logger) error {
 // isMountPoint reports whether dir is a mount point of this mount
 // namespace (a dead FUSE mount cannot be stat'ed, so mountinfo it is).
 func isMountPoint(dir string) (bool, error) {
-	mps, err := mountinfo.Read()
-	if err != nil {
-		return false, err
-	}
-	return slices.Contains(mps, dir), nil
+	m, err := mountinfo.At(dir)
+	return m != nil, err
 }
 
 // Health reports whether the volume's connections are up, whether they run

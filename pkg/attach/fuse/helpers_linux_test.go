@@ -274,11 +274,11 @@ func waitGone(t testing.TB, pid int) {
 // mountsUnder lists the mount points at or below dir.
 func mountsUnder(t testing.TB, dir string) []string {
 	t.Helper()
-	mps, err := mountinfo.Read()
+	mps, err := mountinfo.Under(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return mountinfo.Under(mps, dir)
+	return mps
 }
 
 // assertNothingLeft checks that a volume left no mount, mount point, loop
