@@ -85,7 +85,37 @@ func (m *mounter) Resize(devicePath, mountPath string) (bool, error) {
 	if err != nil || !need {
 		return false, err
 	}
-	return m.resizer.Resize(devicePath, mountPath)
+	ok, err := m.resizer.Resize(devicePath, mountPath)
+	if err != nil {
+		if format, _ := m.GetDiskFormat(devicePath); strings.HasPrefix(format, "ext") && !hasCapability(capSysResource) {
+			// The kernel's online resize of ext4 (EXT4_IOC_RESIZE_FS)
+			// needs CAP_SYS_RESOURCE; resize2fs then only says
+			// "Permission denied".
+			return false, fmt.Errorf("%w: growing a mounted %s file system needs CAP_SYS_RESOURCE, which this process does not have "+
+				"(not in its capability bounding set: the container runtime or the host drops it); grant it to the node plugin, "+
+				"or grow the volume offline (it grows at its next stage, once no pod uses it): %w", ErrPrecondition, format, err)
+		}
+	}
+	return ok, err
+}
+
+// capSysResource is CAP_SYS_RESOURCE's number (linux/capability.h).
+const capSysResource = 24
+
+// hasCapability reports whether capability number c is in this process's
+// effective set (/proc/self/status, CapEff).
+func hasCapability(c uint) bool {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return true // unknown: say nothing of it
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			eff, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err != nil || eff&(1<<c) != 0
+		}
+	}
+	return true
 }
 
 // growSlack is how much smaller than its device an ext file system may be

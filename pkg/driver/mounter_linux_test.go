@@ -16,6 +16,7 @@ package driver
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -117,5 +118,77 @@ func TestMounterGrowUnmounted(t *testing.T) {
 	}
 	if grown, err := m.GrowUnmounted(loop(blank)); err != nil || grown {
 		t.Errorf("GrowUnmounted on an unformatted device: %v, %v", grown, err)
+	}
+}
+
+// TestMounterGrowMountedExt4: a mounted ext4 file system on a loop device
+// whose file grew is grown in place where this process has
+// CAP_SYS_RESOURCE (the kernel's online resize needs it); where it has not
+// (hosts whose bounding set leaves it out), Resize fails with an error
+// that names the capability and what to do, and FailedPrecondition's
+// sentinel, instead of resize2fs's bare "Permission denied".
+func TestMounterGrowMountedExt4(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skipf("skipping: loop devices and mounts need root (euid %d)", os.Geteuid())
+	}
+	for _, tool := range []string{"mkfs.ext4", "resize2fs", "blkid", "losetup", "mount", "umount"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("skipping: %s not found: %v", tool, err)
+		}
+	}
+	run := func(name string, args ...string) string {
+		t.Helper()
+		out, err := exec.Command(name, args...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	dir := t.TempDir()
+	img, mnt := filepath.Join(dir, "vol.img"), filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	run("mkfs.ext4", "-q", "-F", img)
+	dev := run("losetup", "--find", "--show", img)
+	t.Cleanup(func() { _ = exec.Command("losetup", "-d", dev).Run() })
+	run("mount", dev, mnt)
+	t.Cleanup(func() { _ = unix.Unmount(mnt, unix.MNT_DETACH) })
+	var before unix.Statfs_t
+	if err := unix.Statfs(mnt, &before); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 256<<20); err != nil {
+		t.Fatal(err)
+	}
+	run("losetup", "--set-capacity", dev)
+
+	m := NewMounter()
+	grown, err := m.Resize(dev, mnt)
+	if hasCapability(capSysResource) {
+		if err != nil || !grown {
+			t.Fatalf("Resize with CAP_SYS_RESOURCE: %v, %v", grown, err)
+		}
+		var after unix.Statfs_t
+		if err := unix.Statfs(mnt, &after); err != nil {
+			t.Fatal(err)
+		}
+		if after.Blocks*uint64(after.Bsize) < 3*before.Blocks*uint64(before.Bsize) {
+			t.Errorf("the file system has %d bytes after growing, %d before", after.Blocks*uint64(after.Bsize), before.Blocks*uint64(before.Bsize))
+		}
+		return
+	}
+	t.Logf("this process lacks CAP_SYS_RESOURCE: the online resize must fail with a clear error")
+	if err == nil {
+		t.Fatal("Resize of a mounted ext4 without CAP_SYS_RESOURCE succeeded: the capability check is wrong")
+	}
+	if !errors.Is(err, ErrPrecondition) || !strings.Contains(err.Error(), "CAP_SYS_RESOURCE") || !strings.Contains(err.Error(), "offline") {
+		t.Errorf("the error does not say why and what to do: %v", err)
 	}
 }
