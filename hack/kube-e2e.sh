@@ -22,8 +22,12 @@
 # e2e.test -list-tests (with -storage.testdriver) lists the specs without
 # a cluster; so does -ginkgo.dry-run.
 #
-# Built on 2 cores: cold (empty build cache, modules downloaded) COLD_TIME;
-# warm (everything cached) WARM_TIME.
+# Built on 2 cores: cold (nothing in the cache directory; modules downloaded
+# and the Go build cache holding Kubernetes packages from hack/kube-binaries.sh)
+# 57 s;
+# warm 0.01 s. An empty Go build cache (not measured) takes longer.
+# -list-tests with testdriver.yaml: 313 External.Storage specs (100 without
+# [Feature:], [Serial], [Disruptive] or [Slow]).
 #
 # The images the storage suites run (k8s.io/kubernetes
 # test/utils/image/manifest.go at v1.34.4) must be on the node, since the
