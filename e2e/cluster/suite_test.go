@@ -457,6 +457,12 @@ storageAgent:
 		s.uninstallScenario()
 		return
 	}
+	if os.Getenv(envKubeStorageOnly) != "" {
+		// Kubernetes' storage suites alone, on the driver of this chart.
+		s.kubeStorageScenario()
+		s.uninstallScenario()
+		return
+	}
 	if os.Getenv(envTokensOnly) != "" {
 		// The token scenario alone, with the driver of this chart and
 		// its admission policies.
@@ -471,6 +477,7 @@ storageAgent:
 	s.snapshotScenario(dataDir)
 	s.sidecarEndpointsScenario()
 	s.blockScenario()
+	s.kubeStorageScenario()
 	s.measureResources("after the upgrade, the filesystem, expansion, snapshot and block scenarios")
 	s.scaleScenario()
 	s.restartScenario()
