@@ -18,11 +18,14 @@ test:
 # The long fault runs: fio --verify under storage-server SIGKILLs for
 # minutes, a 5-minute outage mid-write, 2000 power-loss crash points; and
 # the cluster suite with 10, 25, 50 and 100 PVCs created, mounted and
-# deleted at once (out/cluster-scale.json and .svg).
+# deleted at once (out/cluster-scale.json and .svg); every spec of
+# Kubernetes' storage suites for external drivers but the Disruptive,
+# Serial and Flaky ones.
 soak: deps
 	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./pkg/relay
 	cd e2e && MPNBD_SOAK=1 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./faults
 	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_CLUSTER_SCALE=10,25,50,100 go test -count=1 -timeout 90m -v -run TestDriverOnCluster ./cluster
+	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_CLUSTER_KUBE_STORAGE_ONLY=1 MPNBD_KUBE_STORAGE_FOCUS=all go test -count=1 -timeout 90m -v -run TestDriverOnCluster ./cluster
 	bash hack/vm-kernel-mptcp.sh
 	cd e2e && MPNBD_SOAK=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
 	  MPNBD_VM_RUN='TestTransportsServerKills|TestTransportsLongOutage|TestTransportsSilentStorage|TestTransportsSilentPath|TestPluginRestartDuringOutage|TestServerStallPastRequestTimeout|TestReadoptHealthyDevices' \

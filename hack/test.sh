@@ -59,6 +59,9 @@ if [ "$(id -u)" = 0 ]; then
   bash hack/image.sh --base-only
   bash hack/rootfs.sh
   bash hack/sidecars.sh
+  # Kubernetes' storage suites for external drivers (the cluster suite's
+  # kubeStorageScenario): e2e.test, ginkgo and agnhost, cached.
+  bash hack/kube-e2e.sh
   export MPNBD_CLUSTER_REQUIRE=${MPNBD_CLUSTER_REQUIRE:-1}
   # make release's test (e2e/release): the arm64 image's runtime stage runs
   # under qemu-user-static, registered with binfmt_misc here.
