@@ -26,21 +26,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestMounterGrowUnmounted: an ext4 file system copied while mounted (as
-// a snapshot is taken: its journal still to be replayed) onto a larger
-// device is checked and grown before its first mount, and keeps its
-// data; a second call finds nothing to do; an unformatted device is left
-// alone.
-func TestMounterGrowUnmounted(t *testing.T) {
+// rootTools skips t unless it runs as root with every tool named, and
+// returns what runs a command, failing t with its output.
+func rootTools(t *testing.T, tools ...string) func(name string, args ...string) string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skipf("skipping: loop devices and mounts need root (euid %d)", os.Geteuid())
 	}
-	for _, tool := range []string{"mkfs.ext4", "e2fsck", "resize2fs", "dumpe2fs", "blkid", "blockdev", "losetup", "mount", "umount"} {
+	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
 			t.Skipf("skipping: %s not found: %v", tool, err)
 		}
 	}
-	run := func(name string, args ...string) string {
+	return func(name string, args ...string) string {
 		t.Helper()
 		out, err := exec.Command(name, args...).CombinedOutput()
 		if err != nil {
@@ -48,6 +46,15 @@ func TestMounterGrowUnmounted(t *testing.T) {
 		}
 		return strings.TrimSpace(string(out))
 	}
+}
+
+// TestMounterGrowUnmounted: an ext4 file system copied while mounted (as
+// a snapshot is taken: its journal still to be replayed) onto a larger
+// device is checked and grown before its first mount, and keeps its
+// data; a second call finds nothing to do; an unformatted device is left
+// alone.
+func TestMounterGrowUnmounted(t *testing.T) {
+	run := rootTools(t, "mkfs.ext4", "e2fsck", "resize2fs", "dumpe2fs", "blkid", "blockdev", "losetup", "mount", "umount")
 	loop := func(img string) string {
 		t.Helper()
 		dev := run("losetup", "--find", "--show", img)
@@ -128,22 +135,7 @@ func TestMounterGrowUnmounted(t *testing.T) {
 // that names the capability and what to do, and FailedPrecondition's
 // sentinel, instead of resize2fs's bare "Permission denied".
 func TestMounterGrowMountedExt4(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skipf("skipping: loop devices and mounts need root (euid %d)", os.Geteuid())
-	}
-	for _, tool := range []string{"mkfs.ext4", "resize2fs", "blkid", "losetup", "mount", "umount"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("skipping: %s not found: %v", tool, err)
-		}
-	}
-	run := func(name string, args ...string) string {
-		t.Helper()
-		out, err := exec.Command(name, args...).CombinedOutput()
-		if err != nil {
-			t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
-		}
-		return strings.TrimSpace(string(out))
-	}
+	run := rootTools(t, "mkfs.ext4", "resize2fs", "blkid", "losetup", "mount", "umount")
 	dir := t.TempDir()
 	img, mnt := filepath.Join(dir, "vol.img"), filepath.Join(dir, "mnt")
 	if err := os.Mkdir(mnt, 0o755); err != nil {
