@@ -38,6 +38,7 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // plan is how long a fault run lasts and how often the server dies.
@@ -331,6 +332,14 @@ func attachFuse(t *testing.T, s server) string {
 
 func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 	t.Helper()
+	dev, _ := attachFuseAttacher(t, s, o)
+	return dev
+}
+
+// attachFuseAttacher attaches the volume of s with the fuse transport and
+// returns its device and the attacher that asks its health.
+func attachFuseAttacher(t *testing.T, s server, o attach.Options) (string, *fuse.Attacher) {
+	t.Helper()
 	a := fuse.New(fuse.Config{StateDir: t.TempDir()})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -347,7 +356,7 @@ func attachFuseWith(t *testing.T, s server, o attach.Options) string {
 			t.Errorf("detach: %v", err)
 		}
 	})
-	return att.Device
+	return att.Device, a
 }
 
 var fioErr = regexp.MustCompile(`err=\s*(\d+)`)
@@ -484,13 +493,49 @@ func TestFuseServerKills(t *testing.T) {
 	for _, kind := range []string{"nbd-server", "ours", "ours-tls"} {
 		t.Run(kind, func(t *testing.T) {
 			s := newServer(t, kind, 256<<20)
-			dev := attachFuse(t, s)
+			dev, a := attachFuseAttacher(t, s, attach.Options{})
 			rounds, n := roundsUnderKills(t, s, p, func(round int) (string, error) {
 				return fioVerify(t, dev, 32<<20, round)
 			})
 			t.Logf("%s: %d fio write+verify rounds, %d SIGKILLs of the server: 0 I/O errors, 0 verify failures", s.name(), rounds, n)
+			checkRequestsThroughKills(t, a, p)
 		})
 	}
+}
+
+// checkRequestsThroughKills reads the volume's request counts after fio
+// ran through SIGKILLs of the server with no I/O error: reads and writes
+// counted, every one answered by the server with a success (none an
+// error or failed by the session, as fio saw none), and some request that
+// waited through a kill counted with the wait (at least half the time
+// the server stayed down).
+func checkRequestsThroughKills(t *testing.T, a *fuse.Attacher, p plan) {
+	t.Helper()
+	h, err := a.Health("pv-faults")
+	if err != nil {
+		t.Fatalf("health: %v", err)
+	}
+	ops := map[string]relay.RequestStats{}
+	long := uint64(0)
+	for _, r := range h.Requests {
+		ops[r.Op] = r
+		if r.Errors != 0 || r.Failed != 0 || r.OK != r.Count() {
+			t.Errorf("%s requests: %d counted, %d ok, %d errors, %d failed; fio saw no error", r.Op, r.Count(), r.OK, r.Errors, r.Failed)
+		}
+		for i, n := range r.Buckets {
+			// Bucket i holds requests longer than bound i-1.
+			if i > 0 && time.Duration(relay.LatencyBounds[i-1]*float64(time.Second)) >= p.gap/2 {
+				long += n
+			}
+		}
+	}
+	if ops["read"].Count() == 0 || ops["write"].Count() == 0 {
+		t.Errorf("request counts %+v: no reads or no writes counted", h.Requests)
+	}
+	if long == 0 {
+		t.Errorf("no request counted as longer than %v, though the server was killed under fio and stayed down %v each time", p.gap/2, p.gap)
+	}
+	t.Logf("requests counted: %d reads, %d writes, %d flushes; %d waited %v or more", ops["read"].Count(), ops["write"].Count(), ops["flush"].Count(), long, p.gap/2)
 }
 
 // TestFuseServerKillsDuringReads: data written once with crc32c
