@@ -6,6 +6,7 @@
 #   ${MPNBD_KUBE_CACHE:-/var/cache/mpnbd/kube}/<version>/bin/
 # Prints KUBE_BIN=<dir>. A warm cache makes this a no-op.
 set -euo pipefail
+source "$(dirname "$0")/lib/kube-module.sh"
 VERSION=${KUBE_VERSION:-v1.34.4}
 CACHE=${MPNBD_KUBE_CACHE:-/var/cache/mpnbd/kube}/$VERSION
 BINS=${KUBE_BINARIES:-kube-apiserver}
@@ -22,18 +23,12 @@ flock 9
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-minor=${VERSION#v1.}
-staging=v0.${minor}
-
-# kubernetes' own go.mod replaces its staging modules with local paths;
-# a consumer must pin each of them to the published version instead.
-gomod=$(go mod download -json "k8s.io/kubernetes@$VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-[ -n "$gomod" ] || { echo "cannot download k8s.io/kubernetes@$VERSION" >&2; exit 1; }
+gomod=$(kube_gomod "$VERSION")
 {
   echo "module mpnbd.local/kubebuild"
   echo "go 1.26"
   echo "require k8s.io/kubernetes $VERSION"
-  grep -E '^\s*k8s\.io/[a-z0-9-]+ => \./staging/' "$gomod" | awk -v v="$staging" '{print "replace " $1 " => " $1 " " v}'
+  kube_replaces "$gomod" "$VERSION"
 } > go.mod
 {
   echo "//go:build tools"
@@ -43,7 +38,7 @@ gomod=$(go mod download -json "k8s.io/kubernetes@$VERSION" | sed -n 's/.*"GoMod"
   echo ")"
 } > tools.go
 go mod tidy >/dev/null
-ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
+ldflags=$(kube_ldflags "$VERSION")
 for b in "${missing[@]}"; do
   echo "building $b $VERSION (cold: several minutes)" >&2
   CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$CACHE/bin/$b.tmp" "k8s.io/kubernetes/cmd/$b"

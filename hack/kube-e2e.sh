@@ -51,6 +51,7 @@
 # (in-tree volume servers), sig-storage/nfs-provisioner, httpd (statefulset
 # fixtures): no External.Storage spec runs them.
 set -euo pipefail
+source "$(dirname "$0")/lib/kube-module.sh"
 VERSION=${KUBE_VERSION:-v1.34.4}
 CACHE=${MPNBD_KUBE_CACHE:-/var/cache/mpnbd/kube}/$VERSION/e2e
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -82,13 +83,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-minor=${VERSION#v1.}
-staging=v0.${minor}
-
-# kubernetes' own go.mod replaces its staging modules with local paths;
-# a consumer must pin each of them to the published version instead.
-gomod=$(go mod download -json "k8s.io/kubernetes@$VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-[ -n "$gomod" ] || { echo "cannot download k8s.io/kubernetes@$VERSION" >&2; exit 1; }
+gomod=$(kube_gomod "$VERSION")
 ginkgo_version=$(awk '$1 == "github.com/onsi/ginkgo/v2" {print $2; exit}' "$gomod")
 [ -n "$ginkgo_version" ] || { echo "k8s.io/kubernetes@$VERSION requires no github.com/onsi/ginkgo/v2" >&2; exit 1; }
 {
@@ -98,7 +93,7 @@ ginkgo_version=$(awk '$1 == "github.com/onsi/ginkgo/v2" {print $2; exit}' "$gomo
   echo "  k8s.io/kubernetes $VERSION"
   echo "  github.com/onsi/ginkgo/v2 $ginkgo_version"
   echo ")"
-  grep -E '^\s*k8s\.io/[a-z0-9-]+ => \./staging/' "$gomod" | awk -v v="$staging" '{print "replace " $1 " => " $1 " " v}'
+  kube_replaces "$gomod" "$VERSION"
 } > go.mod
 # The programs built from the module graph, kept by go mod tidy.
 cat > tools.go <<'GO'
@@ -119,7 +114,7 @@ go mod tidy >/dev/null
 got=$(go list -m -f '{{.Version}}' github.com/onsi/ginkgo/v2)
 [ "$got" = "$ginkgo_version" ] || { echo "ginkgo resolved to $got, kubernetes requires $ginkgo_version" >&2; exit 1; }
 
-ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*}"
+ldflags=$(kube_ldflags "$VERSION")
 if [ ! -x "$CACHE/ginkgo" ]; then
   echo "building ginkgo $ginkgo_version" >&2
   CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$CACHE/ginkgo.tmp" github.com/onsi/ginkgo/v2/ginkgo
