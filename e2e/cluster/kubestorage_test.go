@@ -26,6 +26,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/capability"
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 )
 
@@ -113,7 +114,7 @@ func (s *suite) kubeStorageScenario() {
 			t.Logf("skipping %s: %s", re, why)
 			skips = append(skips, re)
 		}
-		if !hostHasSysResource() {
+		if !capability.Has(capability.Bounding, capability.SysResource) {
 			// The kernel's online resize of ext4 needs CAP_SYS_RESOURCE,
 			// which this host drops from every bounding set: the driver
 			// says so (FailedPrecondition), and the spec cannot pass here.
@@ -210,24 +211,4 @@ func skipReason(msg string) string {
 		return "not selected (focus/skip)"
 	}
 	return reasonNoise.ReplaceAllString(firstLine(strings.TrimSpace(msg)), "N")
-}
-
-// hostHasSysResource reports whether this host lets processes hold
-// CAP_SYS_RESOURCE (the suite's own bounding set, which the node's
-// containers do not exceed).
-func hostHasSysResource() bool {
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return true
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "CapBnd:"); ok {
-			var bnd uint64
-			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%x", &bnd); err != nil {
-				return true
-			}
-			return bnd&(1<<24) != 0
-		}
-	}
-	return true
 }

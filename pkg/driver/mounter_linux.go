@@ -26,6 +26,7 @@ import (
 	mount "k8s.io/mount-utils"
 	utilexec "k8s.io/utils/exec"
 
+	"github.com/mpnbd/mpnbd/internal/capability"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 )
 
@@ -87,7 +88,7 @@ func (m *mounter) Resize(devicePath, mountPath string) (bool, error) {
 	}
 	ok, err := m.resizer.Resize(devicePath, mountPath)
 	if err != nil {
-		if format, _ := m.GetDiskFormat(devicePath); strings.HasPrefix(format, "ext") && !hasCapability(capSysResource) {
+		if format, _ := m.GetDiskFormat(devicePath); strings.HasPrefix(format, "ext") && !capability.Has(capability.Effective, capability.SysResource) {
 			// The kernel's online resize of ext4 (EXT4_IOC_RESIZE_FS)
 			// needs CAP_SYS_RESOURCE; resize2fs then only says
 			// "Permission denied".
@@ -97,25 +98,6 @@ func (m *mounter) Resize(devicePath, mountPath string) (bool, error) {
 		}
 	}
 	return ok, err
-}
-
-// capSysResource is CAP_SYS_RESOURCE's number (linux/capability.h).
-const capSysResource = 24
-
-// hasCapability reports whether capability number c is in this process's
-// effective set (/proc/self/status, CapEff).
-func hasCapability(c uint) bool {
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		return true // unknown: say nothing of it
-	}
-	for line := range strings.SplitSeq(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
-			eff, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
-			return err != nil || eff&(1<<c) != 0
-		}
-	}
-	return true
 }
 
 // growSlack is how much smaller than its device an ext file system may be

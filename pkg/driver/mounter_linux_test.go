@@ -24,6 +24,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mpnbd/mpnbd/internal/capability"
 )
 
 // rootTools skips t unless it runs as root with every tool named, and
@@ -163,7 +165,7 @@ func TestMounterGrowMountedExt4(t *testing.T) {
 
 	m := NewMounter()
 	grown, err := m.Resize(dev, mnt)
-	if hasCapability(capSysResource) {
+	if capability.Has(capability.Effective, capability.SysResource) {
 		if err != nil || !grown {
 			t.Fatalf("Resize with CAP_SYS_RESOURCE: %v, %v", grown, err)
 		}
