@@ -121,7 +121,7 @@ func hostState(t *testing.T) string {
 	}
 	ns, _ := exec.Command("ip", "netns", "list").Output()
 	for _, l := range strings.Split(string(ns), "\n") {
-		if strings.HasPrefix(l, "cni-") {
+		if strings.HasPrefix(l, "cni-") || strings.HasPrefix(l, "mpnbd-") {
 			b.WriteString("netns " + strings.Fields(l)[0] + " ")
 		}
 	}
@@ -136,7 +136,7 @@ func hostState(t *testing.T) string {
 	}
 	links, _ := exec.Command("ip", "-o", "link", "show").Output()
 	for _, l := range strings.Split(string(links), "\n") {
-		if strings.Contains(l, "mpe2e") {
+		if f := strings.Fields(l); len(f) > 1 && (strings.Contains(l, "mpe2e") || strings.HasPrefix(f[1], nodeLinkPrefix)) {
 			b.WriteString("link " + strings.Fields(l)[1] + " ")
 		}
 	}

@@ -37,6 +37,9 @@ func (c *Cluster) Down() error {
 	var errs []error
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	if err := c.downNodes(); err != nil {
+		errs = append(errs, err)
+	}
 	// The kubelet first, so it stops restarting containers.
 	c.stop("kubelet")
 	if c.Containerd != "" {
@@ -88,22 +91,26 @@ func (c *Cluster) Down() error {
 // stop sends SIGTERM to a daemon's process group, then SIGKILL.
 func (c *Cluster) stop(name string) {
 	for _, p := range c.procs {
-		if p.name != name {
-			continue
+		if p.name == name {
+			stopProc(p)
 		}
-		select {
-		case <-p.done:
-			return
-		default:
-		}
-		// ESRCH only: the group is gone, and p.done says so.
-		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(15 * time.Second):
-			_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-			<-p.done
-		}
+	}
+}
+
+// stopProc sends SIGTERM to a daemon's process group, then SIGKILL.
+func stopProc(p *proc) {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	// ESRCH only: the group is gone, and p.done says so.
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(15 * time.Second):
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.done
 	}
 }
 

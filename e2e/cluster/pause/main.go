@@ -16,25 +16,6 @@
 // for SIGTERM or SIGINT and exits, reaping orphans meanwhile as PID 1 must.
 package main
 
-import (
-	"os"
-	"os/signal"
-	"syscall"
-)
+import "github.com/mpnbd/mpnbd/e2e/cluster/internal/reaper"
 
-func main() {
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT, syscall.SIGCHLD)
-	for s := range sig {
-		if s != syscall.SIGCHLD {
-			return
-		}
-		for {
-			var ws syscall.WaitStatus
-			pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
-			if pid <= 0 || err != nil {
-				break
-			}
-		}
-	}
-}
+func main() { reaper.Run() }
