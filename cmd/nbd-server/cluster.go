@@ -17,7 +17,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"net/netip"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -27,6 +26,7 @@ import (
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/kubeconfig"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
@@ -44,8 +44,8 @@ type clusterAgent struct {
 }
 
 // startAgent builds the manager and the agent serving on d.srv through
-// ls, and starts them.
-func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterAgent, error) {
+// ls, reporting addrs (the storage addresses, resolved), and starts them.
+func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners, addrs []string) (*clusterAgent, error) {
 	port := ls.Port()
 	co := d.opts.cluster
 	kubelog.Bridge(d.log)
@@ -80,7 +80,7 @@ func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterA
 		NodeName:          co.nodeName,
 		Snapshots:         snapshots,
 		DataDir:           co.dataDir,
-		Addresses:         co.addresses,
+		Addresses:         addrs,
 		Port:              int32(port),
 		Topology:          co.topology,
 		HeartbeatInterval: co.heartbeat,
@@ -124,7 +124,7 @@ func (d *daemon) startAgent(ctx context.Context, ls *agent.Listeners) (*clusterA
 	ca := &clusterAgent{agent: a, done: make(chan error, 1), stop: cancel}
 	go func() { ca.done <- mgr.Start(mctx) }()
 	d.log.Info("storage agent started", "node", co.nodeName, "data_dir", co.dataDir, "namespace", co.namespace,
-		"storage_addresses", co.addresses, "port", port, "signal_nics", co.signalNICs)
+		"storage_addresses", addrs, "port", port, "signal_nics", co.signalNICs)
 	return ca, nil
 }
 
@@ -153,16 +153,9 @@ func (d *daemon) startIdentity(ctx context.Context, cfg *rest.Config, scheme *ru
 	return id, nil
 }
 
-// storageAddrs parses the storage addresses (checked by resolve).
-func storageAddrs(addrs []string) []netip.Addr {
-	out := make([]netip.Addr, 0, len(addrs))
-	for _, a := range addrs {
-		if ip, err := netip.ParseAddr(a); err == nil {
-			out = append(out, ip)
-		}
-	}
-	return out
-}
+// hostAddrs is where the storage addresses' CIDRs find the host's
+// addresses (tests replace it).
+var hostAddrs = hostaddr.System
 
 // pathDecisions returns what counts the slow-path watch's decisions in
 // the metrics /metrics serves.

@@ -21,13 +21,13 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -64,10 +64,12 @@ var clusterOnly = []string{"node-name", "data-dir", "namespace", "storage-addres
 
 // clusterOptions is the resolved configuration of the storage agent.
 type clusterOptions struct {
-	nodeName   string
-	dataDir    string
-	namespace  string
-	addresses  []string
+	nodeName  string
+	dataDir   string
+	namespace string
+	// addresses are the storage addresses as given (IP addresses and
+	// CIDRs), resolved into the host's when serving starts.
+	addresses  hostaddr.List
 	signalNICs []mptcp.NICSpec
 	autoBackup bool
 	staleLoss  int
@@ -93,7 +95,7 @@ func addClusterFlags(fs *flag.FlagSet, c *clusterFlags) {
 	fs.StringVar(&c.nodeName, "node-name", "", "cluster mode: this storage node's `NAME` (default $NODE_NAME)")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir, "cluster mode: `DIR` holding the volumes' backing files")
 	fs.StringVar(&c.namespace, "namespace", "", "cluster mode: `NAMESPACE` of the CA bundle ConfigMap the storage certificate is checked with (default $POD_NAMESPACE)")
-	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage IP addresses, reported to clients; repeatable or comma-separated; required")
+	fs.Var(&c.storageAddresses, "storage-address", "cluster mode: this node's storage addresses, reported to clients: IP addresses, or CIDRs standing for every global address of the host inside them (found at start; one without any is an error); repeatable or comma-separated; required")
 	fs.Var(&c.signalNICs, "signal-nic", "cluster mode: keep MPTCP signal endpoints on these storage NICs (interface names or CIDRs); repeatable or comma-separated")
 	fs.BoolVar(&c.autoBackup, "auto-backup", true, "cluster mode: flag backup the signal endpoint of a path much slower than the others while it stays slow (needs --signal-nic)")
 	fs.IntVar(&c.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "cluster mode: raise net.mptcp.stale_loss_cnt to at least this while the signal endpoints are kept (0: leave it; needs --signal-nic), so that subflows queued behind many others are not taken for dead")
@@ -196,20 +198,14 @@ func (c *clusterFlags) resolve(set map[string]bool) (*clusterOptions, error) {
 	if o.staleLoss < 0 {
 		return nil, fmt.Errorf("invalid --mptcp-stale-loss-count %d: want 0 (leave it) or more", o.staleLoss)
 	}
-	for _, a := range splitList(c.storageAddresses) {
-		ip, err := netip.ParseAddr(a)
-		if err != nil || ip.Zone() != "" {
-			return nil, fmt.Errorf("invalid --storage-address %q: want an IP address without a port", a)
-		}
-		s := ip.Unmap().String()
-		if slices.Contains(o.addresses, s) {
-			return nil, fmt.Errorf("--storage-address %s is given twice", s)
-		}
-		o.addresses = append(o.addresses, s)
+	addrs, err := hostaddr.Parse("--storage-address", splitList(c.storageAddresses))
+	if err != nil {
+		return nil, err
 	}
-	if len(o.addresses) == 0 {
-		return nil, errors.New("cluster mode needs at least one --storage-address (the node's storage IPs)")
+	if len(addrs.Entries) == 0 {
+		return nil, errors.New("cluster mode needs at least one --storage-address (the node's storage IPs or CIDRs)")
 	}
+	o.addresses = addrs
 	for _, n := range splitList(c.signalNICs) {
 		if strings.Contains(n, "/") {
 			if _, err := netip.ParsePrefix(n); err != nil {

@@ -17,11 +17,14 @@ package main
 import (
 	"bytes"
 	"context"
+	"net/netip"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
@@ -30,15 +33,18 @@ import (
 func TestParseArgsCluster(t *testing.T) {
 	t.Setenv("NODE_NAME", "node-from-env")
 	t.Setenv("POD_NAMESPACE", "ns-from-env")
-	o, err := parseArgs([]string{"--cluster", "--storage-address", "10.0.0.1,10.0.1.1", "--storage-address", "fd00::1"})
+	o, err := parseArgs([]string{"--cluster", "--storage-address", "10.0.0.1,10.0.1.1", "--storage-address", "fd00::1,10.77.1.0/24"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := &clusterOptions{
-		nodeName:   "node-from-env",
-		dataDir:    defaultDataDir,
-		namespace:  "ns-from-env",
-		addresses:  []string{"10.0.0.1", "10.0.1.1", "fd00::1"},
+		nodeName:  "node-from-env",
+		dataDir:   defaultDataDir,
+		namespace: "ns-from-env",
+		addresses: hostaddr.List{Flag: "--storage-address", Entries: []hostaddr.Entry{
+			{Addr: netip.MustParseAddr("10.0.0.1")}, {Addr: netip.MustParseAddr("10.0.1.1")},
+			{Addr: netip.MustParseAddr("fd00::1")}, {Prefix: netip.MustParsePrefix("10.77.1.0/24")},
+		}},
 		topology:   map[string]string{access.TopologyKey: access.DefaultTopology},
 		heartbeat:  defaultHeartbeat,
 		autoBackup: true,
@@ -67,7 +73,7 @@ func TestParseArgsCluster(t *testing.T) {
 		nodeName:   "n1",
 		dataDir:    "/srv/vols",
 		namespace:  "mpnbd",
-		addresses:  []string{"192.168.1.5"},
+		addresses:  hostaddr.List{Flag: "--storage-address", Entries: []hostaddr.Entry{{Addr: netip.MustParseAddr("192.168.1.5")}}},
 		signalNICs: []mptcp.NICSpec{"eth1", "10.7.0.0/16", "eth2"},
 		topology:   map[string]string{"topology.kubernetes.io/zone": "a", "rack": "r1"},
 		heartbeat:  3 * time.Second,
@@ -127,8 +133,11 @@ func TestParseArgsClusterErrors(t *testing.T) {
 		{"no namespace", []string{"--cluster", "--node-name", "n1", "--storage-address", "10.0.0.1"}, "--namespace"},
 		{"no storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns"}, "--storage-address"},
 		{"empty storage address", []string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--storage-address", ","}, "--storage-address"},
-		{"storage address with port", with("--storage-address", "10.0.0.2:10809"), `invalid --storage-address "10.0.0.2:10809"`},
+		{"storage address with port", with("--storage-address", "10.0.0.2:10809"), `invalid --storage-address "10.0.0.2:10809": want an IP address without a port, or a CIDR`},
+		{"storage address an interface", with("--storage-address", "eth1"), `invalid --storage-address "eth1"`},
+		{"bad storage CIDR", with("--storage-address", "10.77.1.0/33"), `invalid --storage-address "10.77.1.0/33"`},
 		{"storage address twice", with("--storage-address", "10.0.0.1"), "--storage-address 10.0.0.1 is given twice"},
+		{"storage CIDR twice", with("--storage-address", "10.77.1.0/24,10.77.1.0/24"), "--storage-address 10.77.1.0/24 is given twice"},
 		{"bad node name", with("--node-name", "Node_1"), `invalid --node-name "Node_1"`},
 		{"bad signal nic", with("--signal-nic", "10.0.0.0/99"), `invalid --signal-nic "10.0.0.0/99"`},
 		{"bad topology", with("--topology", "zone"), `topology "zone"`},
@@ -165,7 +174,7 @@ func TestRunClusterUsage(t *testing.T) {
 	if code := run(context.Background(), []string{"--help"}, &stdout, &stderr); code != 0 {
 		t.Fatalf("--help: exit %d", code)
 	}
-	for _, want := range []string{"--cluster", "--node-name NAME", "--storage-address IP[,IP...]", "--signal-nic NIC[,NIC...]",
+	for _, want := range []string{"--cluster", "--node-name NAME", "--storage-address IP|CIDR[,...]", "--signal-nic NIC[,NIC...]",
 		"--topology KEY=VALUE[,KEY=VALUE...]", "--heartbeat DURATION", "--reserved-handshakes N", "--kubeconfig FILE", "--data-dir DIR", "--identity",
 		defaultDataDir, "$NODE_NAME", "$POD_NAMESPACE", "/readyz"} {
 		if !strings.Contains(stdout.String(), want) {
@@ -178,5 +187,27 @@ func TestRunClusterUsage(t *testing.T) {
 	}
 	if !strings.Contains(stderr.String(), "--node-name") {
 		t.Fatalf("stderr %q does not name --node-name", stderr.String())
+	}
+}
+
+// fakeHost is an AddrSource standing for the host's addresses.
+type fakeHost []mptcp.Interface
+
+func (f fakeHost) Interfaces() ([]mptcp.Interface, error) { return f, nil }
+
+// TestRunClusterStorageCIDR: a --storage-address CIDR holding no address
+// of the host stops the agent at start, the log naming it.
+func TestRunClusterStorageCIDR(t *testing.T) {
+	old := hostAddrs
+	t.Cleanup(func() { hostAddrs = old })
+	hostAddrs = fakeHost{{Index: 2, Name: "eth1", Addrs: []netip.Addr{netip.MustParseAddr("10.77.1.5")}}}
+	var stdout, stderr bytes.Buffer
+	args := []string{"--cluster", "--node-name", "n1", "--namespace", "ns", "--data-dir", filepath.Join(t.TempDir(), "vols"),
+		"--metrics-addr", "", "--listen", ":0", "--storage-address", "10.77.1.0/24,10.77.4.0/24"}
+	if code := run(context.Background(), args, &stdout, &stderr); code != exitFailure {
+		t.Fatalf("exit %d, want %d; stderr:\n%s", code, exitFailure, stderr.String())
+	}
+	if want := "--storage-address 10.77.4.0/24: no address of this host is in it"; !strings.Contains(stderr.String(), want) {
+		t.Fatalf("stderr %q does not say %q", stderr.String(), want)
 	}
 }

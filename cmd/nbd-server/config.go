@@ -48,7 +48,7 @@ const (
 )
 
 const usageText = `Usage: nbd-server [flags] --export NAME=PATH[,OPTIONS] ...
-       nbd-server --cluster --storage-address IP[,IP...] [flags]
+       nbd-server --cluster --storage-address IP|CIDR[,...] [flags]
 
 Serves files and block devices as NBD exports (fixed newstyle protocol),
 over Multipath TCP unless --tcp is given.
@@ -109,14 +109,17 @@ Signals:
 Cluster mode (--cluster):
   --node-name defaults to $NODE_NAME and --namespace to $POD_NAMESPACE;
   both are required. --storage-address (the node's storage IPs, repeatable
-  or comma-separated) is required. --signal-nic keeps MPTCP "signal"
+  or comma-separated) is required; a CIDR in it stands for every global
+  address of the host inside it, found at start (one holding none is an
+  error), so that one argument gives each node its own addresses on
+  shared storage subnets. --signal-nic keeps MPTCP "signal"
   endpoints on those NICs (interface names or CIDRs); without it the host's
   endpoints are left alone. With it, --auto-backup (on by default) flags
   backup the endpoint of a path much slower than the others, from what its
   subflows deliver, and clears the flag once the path recovers.
   --listen gives only the port (:PORT, default 10809): the agent binds
-  it on the --storage-address addresses (one not up yet is bound all
-  the same and served once it is) and on the addresses of the
+  it on the --storage-address addresses (an IP address not up yet is
+  bound all the same and served once it is) and on the addresses of the
   --signal-nic NICs, following them as they come and go (the port opens
   on an address before its endpoint is announced), never on every
   address. The cluster is reached with --kubeconfig, else
@@ -231,7 +234,7 @@ func usage(fs *flag.FlagSet) string {
 		case "export":
 			arg = "NAME=PATH[,OPTIONS]"
 		case "storage-address":
-			arg = "IP[,IP...]"
+			arg = "IP|CIDR[,...]"
 		case "signal-nic":
 			arg = "NIC[,NIC...]"
 		case "topology":

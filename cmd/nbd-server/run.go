@@ -24,6 +24,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -36,6 +37,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	ctrlmetrics "sigs.k8s.io/controller-runtime/pkg/metrics"
 
+	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/agent"
 	"github.com/mpnbd/mpnbd/pkg/buildinfo"
 	"github.com/mpnbd/mpnbd/pkg/logging/kubelog"
@@ -185,9 +187,15 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 		}
 	}
 	var bound []string
+	var storageAddrs []netip.Addr
 	if co := opts.cluster; co != nil {
+		// A CIDR stands for the host's addresses inside it now.
+		if storageAddrs, err = co.addresses.Resolve(hostAddrs); err != nil {
+			log.Error("no storage addresses", "error", err)
+			return exitFailure
+		}
 		clusterListeners = agent.NewListeners(d.srv, co.port, !opts.tcp, log)
-		if err := clusterListeners.Bind(storageAddrs(co.addresses)); err != nil {
+		if err := clusterListeners.Bind(storageAddrs); err != nil {
 			log.Error("cannot listen on the storage addresses", "error", err)
 			closeListeners()
 			return exitFailure
@@ -215,7 +223,7 @@ func serve(ctx context.Context, opts *options, log *slog.Logger, reload <-chan o
 
 	var ca *clusterAgent
 	if opts.cluster != nil {
-		ca, err = d.startAgent(ctx, clusterListeners)
+		ca, err = d.startAgent(ctx, clusterListeners, hostaddr.Strings(storageAddrs))
 		if err != nil {
 			log.Error("cannot start the storage agent", "error", err)
 			closeListeners()

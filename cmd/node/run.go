@@ -21,7 +21,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -34,6 +33,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
@@ -63,7 +63,7 @@ type options struct {
 	backupNICs   []mptcp.NICSpec
 	autoBackup   bool
 	staleLoss    int
-	storageAddrs []string
+	storageAddrs hostaddr.List
 	kubeconfig   string
 	metricsAddr  string
 	logLevel     slog.Level
@@ -116,14 +116,9 @@ func newFlagSet(o *options) *flag.FlagSet {
 	})
 	fs.BoolVar(&o.autoBackup, "auto-backup", true, "flag backup the endpoint of a storage NIC whose path is much slower than the others while it stays slow")
 	fs.IntVar(&o.staleLoss, "mptcp-stale-loss-count", mptcp.DefaultStaleLossCount, "raise the host's net.mptcp.stale_loss_cnt to at least this while the storage NICs are kept (0: leave it), so that subflows queued behind many others are not taken for dead")
-	fs.Func("storage-address", "this node's storage IP address, published on its Node object so exports accept only them (default: every global address of the host); repeatable or comma-separated", func(s string) error {
-		for _, a := range splitList(s) {
-			if _, err := netip.ParseAddr(a); err != nil {
-				return fmt.Errorf("storage address %q is not an IP address", a)
-			}
-			o.storageAddrs = append(o.storageAddrs, a)
-		}
-		return nil
+	o.storageAddrs.Flag = "--storage-address"
+	fs.Func("storage-address", "this node's storage addresses, published on its Node object so exports accept only them: IP addresses, or CIDRs standing for every global address of the host inside them (found at start; one without any is an error) (default: every global address of the host); repeatable or comma-separated", func(s string) error {
+		return o.storageAddrs.Add(splitList(s)...)
 	})
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics of the attached volumes (connected, MPTCP subflows, health) at http://ADDR/metrics; empty: off")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "kubeconfig for publishing the storage addresses and the token's hash (default: in-cluster, then $KUBECONFIG)")
@@ -217,6 +212,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 func serve(ctx context.Context, o *options, log *slog.Logger) error {
+	// The addresses to publish, found first: a CIDR that holds none of
+	// the host's is a mistake to stop at.
+	var storageAddrs []string
+	if o.serveDatapath == "" {
+		var err error
+		storageAddrs, err = storageAddresses(o, hostAddrs)
+		switch {
+		case err != nil && len(o.storageAddrs.Entries) > 0:
+			return err
+		case err != nil:
+			log.Error("cannot list the host's addresses, to publish as its storage addresses", "error", err)
+		}
+	}
 	if err := relay.GuardAgainstReclaim(); err != nil {
 		log.Warn("cannot guard against memory reclaim; relays may stall under memory pressure", "error", err)
 	}
@@ -284,7 +292,7 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	go publishAddresses(ctx, o, access.TokenHash(token), log)
+	go publishAddresses(ctx, o, storageAddrs, access.TokenHash(token), log)
 	if o.identity && o.namespace != "" {
 		go keepIdentity(ctx, o, log)
 	}
@@ -494,18 +502,35 @@ const volumeWatchInterval = 5 * time.Second
 // restored) before an Event says so: three looks.
 const pathsHold = 3 * volumeWatchInterval
 
+// hostAddrs is where the storage addresses are found (tests replace it).
+var hostAddrs = hostaddr.System
+
+// storageAddresses resolves --storage-address on src, a CIDR standing
+// for the host's addresses inside it; without the flag they are every
+// global address of src (the node plugin runs in the host's network
+// namespace: the sources its connections to storage agents may come
+// from).
+func storageAddresses(o *options, src mptcp.AddrSource) ([]string, error) {
+	var addrs []netip.Addr
+	var err error
+	if len(o.storageAddrs.Entries) == 0 {
+		addrs, err = hostaddr.Global(src)
+	} else {
+		addrs, err = o.storageAddrs.Resolve(src)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return hostaddr.Strings(addrs), nil
+}
+
 // publishAddresses annotates this node's Node object with its storage
-// addresses (--storage-address, else every global address of the host:
-// the token is good from none other) and its token's hash, retrying until
-// it works or ctx ends.
-func publishAddresses(ctx context.Context, o *options, tokenHash string, log *slog.Logger) {
-	addrs := o.storageAddrs
+// addresses (from storageAddresses: the token is good from none other)
+// and its token's hash, retrying until it works or ctx ends.
+func publishAddresses(ctx context.Context, o *options, addrs []string, tokenHash string, log *slog.Logger) {
 	if len(addrs) == 0 {
-		var err error
-		if addrs, err = hostAddresses(); err != nil || len(addrs) == 0 {
-			log.Error("storage addresses not published: none given and none found on the host; volumes without encryption cannot be published here", "error", err)
-			return
-		}
+		log.Error("storage addresses not published: none given and none found on the host; volumes without encryption cannot be published here")
+		return
 	}
 	c, err := apiClient(o)
 	if err != nil {
@@ -525,27 +550,6 @@ func publishAddresses(ctx context.Context, o *options, tokenHash string, log *sl
 		case <-time.After(delay):
 		}
 	}
-}
-
-// hostAddresses are the host's global unicast addresses (the node plugin
-// runs in the host's network namespace): the sources its connections to
-// storage agents may come from when no --storage-address says which.
-func hostAddresses() ([]string, error) {
-	ifAddrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, a := range ifAddrs {
-		p, err := netip.ParsePrefix(a.String())
-		if err != nil {
-			continue
-		}
-		if ip := p.Addr().Unmap(); ip.IsGlobalUnicast() {
-			out = append(out, ip.String())
-		}
-	}
-	return out, nil
 }
 
 // identityDir keeps the node certificate and the CA bundle, where the

@@ -17,10 +17,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -51,13 +54,16 @@ func TestMain(m *testing.M) {
 
 func TestParseArgs(t *testing.T) {
 	o, err := parseArgs([]string{"--node-id", "n1", "--transports", "fuse,relay", "--topology", "zone=a,rack=r1",
-		"--storage-nic", "eth1,10.0.0.0/24", "--storage-address", "10.0.0.2"})
+		"--storage-nic", "eth1,10.0.0.0/24", "--storage-address", "10.0.0.2", "--storage-address", "10.77.1.0/24,fd00:77::/64"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if o.nodeID != "n1" || len(o.transports) != 2 || o.transports[0] != attach.FUSE || o.topology["rack"] != "r1" ||
-		len(o.storageNICs) != 2 || o.storageAddrs[0] != "10.0.0.2" || o.staleLoss != mptcp.DefaultStaleLossCount {
+		len(o.storageNICs) != 2 || o.staleLoss != mptcp.DefaultStaleLossCount {
 		t.Fatalf("parsed %+v", o)
+	}
+	if got := fmt.Sprint(o.storageAddrs.Entries); got != "[10.0.0.2 10.77.1.0/24 fd00:77::/64]" || o.storageAddrs.Flag != "--storage-address" {
+		t.Fatalf("storage addresses %s (flag %q)", got, o.storageAddrs.Flag)
 	}
 	for _, c := range []struct {
 		args []string
@@ -66,7 +72,9 @@ func TestParseArgs(t *testing.T) {
 		{[]string{}, "--node-id"},
 		{[]string{"--node-id", "n", "--transports", "auto"}, "auto"},
 		{[]string{"--node-id", "n", "--transports", "nfs"}, "nfs"},
-		{[]string{"--node-id", "n", "--storage-address", "eth0"}, "eth0"},
+		{[]string{"--node-id", "n", "--storage-address", "eth0"}, `invalid --storage-address "eth0": want an IP address without a port, or a CIDR`},
+		{[]string{"--node-id", "n", "--storage-address", "10.77.1.0/33"}, `invalid --storage-address "10.77.1.0/33"`},
+		{[]string{"--node-id", "n", "--storage-address", "10.0.0.2", "--storage-address", "10.0.0.2"}, "--storage-address 10.0.0.2 is given twice"},
 		{[]string{"--node-id", "n", "--topology", "zone"}, "zone"},
 		{[]string{"--node-id", "n", "--endpoint", "csi.sock"}, "--endpoint"},
 		{[]string{"--node-id", "n", "--datapath-socket", "a", "--serve-datapath", "b"}, "--serve-datapath"},
@@ -77,6 +85,77 @@ func TestParseArgs(t *testing.T) {
 		if _, err := parseArgs(c.args); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("parseArgs(%q) = %v, want an error naming %s", c.args, err, c.want)
 		}
+	}
+}
+
+// fakeHost is an AddrSource standing for the host's addresses.
+type fakeHost struct {
+	ifs []mptcp.Interface
+	err error
+}
+
+func (f fakeHost) Interfaces() ([]mptcp.Interface, error) { return f.ifs, f.err }
+
+// storageHost has two storage NICs on the subnets 10.77.1.0/24 and
+// 10.77.2.0/24, and a management address.
+var storageHost = fakeHost{ifs: []mptcp.Interface{
+	{Index: 1, Name: "lo", Addrs: []netip.Addr{netip.MustParseAddr("127.0.0.1")}},
+	{Index: 2, Name: "eth0", Addrs: []netip.Addr{netip.MustParseAddr("192.168.0.10"), netip.MustParseAddr("fe80::1")}},
+	{Index: 3, Name: "eth1", Addrs: []netip.Addr{netip.MustParseAddr("10.77.1.5"), netip.MustParseAddr("fd00:77::5")}},
+	{Index: 4, Name: "eth2", Addrs: []netip.Addr{netip.MustParseAddr("10.77.2.5")}},
+}}
+
+// TestStorageAddresses: the addresses published on the Node, CIDRs
+// resolved on the host's addresses.
+func TestStorageAddresses(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "[192.168.0.10 10.77.1.5 fd00:77::5 10.77.2.5]"},
+		{[]string{"--storage-address", "10.0.0.9"}, "[10.0.0.9]"},
+		{[]string{"--storage-address", "10.77.2.0/24,10.77.1.0/24"}, "[10.77.2.5 10.77.1.5]"},
+		{[]string{"--storage-address", "10.77.0.0/16", "--storage-address", "10.77.2.5,fd00:77::/64"}, "[10.77.1.5 10.77.2.5 fd00:77::5]"},
+	} {
+		o, err := parseArgs(append([]string{"--node-id", "n"}, c.args...))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := storageAddresses(o, storageHost)
+		if err != nil || fmt.Sprint(got) != c.want {
+			t.Errorf("storage addresses of %q: %q, %v; want %s", c.args, got, err, c.want)
+		}
+	}
+
+	o, err := parseArgs([]string{"--node-id", "n", "--storage-address", "10.77.1.0/24,10.77.4.0/24"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := storageAddresses(o, storageHost); err == nil ||
+		!strings.Contains(err.Error(), "--storage-address 10.77.4.0/24: no address of this host is in it") {
+		t.Errorf("storage addresses with a CIDR holding none of the host's: %q, %v", got, err)
+	}
+	failing := errors.New("no netlink")
+	if _, err := storageAddresses(&options{}, fakeHost{err: failing}); !errors.Is(err, failing) {
+		t.Errorf("storage addresses of a host whose addresses cannot be listed: %v", err)
+	}
+}
+
+// TestRunStorageCIDRWithoutAddress: the plugin stops at start on a
+// --storage-address CIDR that holds none of the host's addresses, and
+// says which.
+func TestRunStorageCIDRWithoutAddress(t *testing.T) {
+	old := hostAddrs
+	t.Cleanup(func() { hostAddrs = old })
+	hostAddrs = storageHost
+	var stdout, stderr bytes.Buffer
+	args := []string{"--node-id", "n", "--state-dir", t.TempDir(), "--endpoint", "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
+		"--storage-address", "10.77.4.0/24"}
+	if code := run(context.Background(), args, &stdout, &stderr); code != 1 {
+		t.Fatalf("exit %d, want 1; stderr:\n%s", code, stderr.String())
+	}
+	if want := "--storage-address 10.77.4.0/24: no address of this host is in it"; !strings.Contains(stderr.String(), want) {
+		t.Fatalf("stderr %q does not say %q", stderr.String(), want)
 	}
 }
 

@@ -154,7 +154,7 @@ func TestNBDPortOnStorageAddresses(t *testing.T) {
 	}{
 		{"defaults", render(t), 10809, []string{"--storage-address=$(STORAGE_ADDRESS)"}, "status.hostIP"},
 		{"deploy/", parseObjects(t, kustomizeDeploy(t)), 10809, []string{"--storage-address=$(STORAGE_ADDRESS)"}, "status.hostIP"},
-		{"values-custom", parseObjects(t, customTemplate(t)), 10900, []string{"--storage-address=10.10.1.1,10.10.2.1"}, ""},
+		{"values-custom", parseObjects(t, customTemplate(t)), 10900, []string{"--storage-address=10.10.1.1,10.10.2.1,10.10.3.0/24"}, ""},
 		{"both", render(t, "--set", "storageAgent.storageAddresses={10.0.0.5}"), 10809,
 			[]string{"--storage-address=$(STORAGE_ADDRESS)", "--storage-address=10.0.0.5"}, "status.hostIP"},
 	} {

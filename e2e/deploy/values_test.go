@@ -59,7 +59,7 @@ func TestChartValues(t *testing.T) {
 	}
 	has("node", argsOf(t, objs, "DaemonSet", "mpnbd-node", "node"),
 		"--storage-nic=eth1,eth2,10.10.3.0/24", "--backup-nic=eth0", "--auto-backup=false", "--storage-address=$(STORAGE_ADDRESS)",
-		"--storage-address=10.10.1.5", "--max-volumes=32", "--datapath-socket=/var/lib/mpnbd/state/datapath.sock",
+		"--storage-address=10.10.1.5,10.10.3.0/24", "--max-volumes=32", "--datapath-socket=/var/lib/mpnbd/state/datapath.sock",
 		"--state-dir=/var/lib/mpnbd/state", "--log-level=debug", "--log-format=json", "--metrics-addr=:19810")
 	has("datapath", argsOf(t, objs, "DaemonSet", "mpnbd-datapath", "datapath"),
 		"--serve-datapath=/var/lib/mpnbd/state/datapath.sock", "--transports=relay,multiconn,fuse",
@@ -72,7 +72,7 @@ func TestChartValues(t *testing.T) {
 		"--kubelet-registration-path=/var/lib/k0s/kubelet/plugins/nbd.mptcp.mpnbd.io/csi.sock", "--v=5")
 	has("storage agent", argsOf(t, objs, "DaemonSet", "mpnbd-storage-agent", "storage-agent"),
 		"--cluster", "--data-dir=/srv/mpnbd", "--listen=:10900", "--metrics-addr=:19810", "--signal-nic=eth1,eth2",
-		"--auto-backup=false", "--storage-address=10.10.1.1,10.10.2.1", "--shutdown-timeout=60s", "--reserved-handshakes=100",
+		"--auto-backup=false", "--storage-address=10.10.1.1,10.10.2.1,10.10.3.0/24", "--shutdown-timeout=60s", "--reserved-handshakes=100",
 		"--max-handshakes=1024")
 	has("controller", argsOf(t, objs, "Deployment", "mpnbd-controller", "controller"),
 		"--wait-timeout=90s", "--stale-after=5m", "--log-format=json")
