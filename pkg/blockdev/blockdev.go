@@ -50,12 +50,16 @@ type LoopStatus struct {
 	Device string
 	// BackingFile is the path of the backing file as the kernel reports it.
 	BackingFile string
-	Offset      uint64
-	SizeLimit   uint64
-	ReadOnly    bool
-	Autoclear   bool
-	DirectIO    bool
-	PartScan    bool
+	// BackingDevice and BackingInode identify the backing file: the
+	// st_dev of its file system and its inode number.
+	BackingDevice uint64
+	BackingInode  uint64
+	Offset        uint64
+	SizeLimit     uint64
+	ReadOnly      bool
+	Autoclear     bool
+	DirectIO      bool
+	PartScan      bool
 }
 
 // QueueLimits are settings of a block device's request queue, in KiB:

@@ -371,13 +371,15 @@ func StatLoop(dev string) (LoopStatus, error) {
 		return LoopStatus{}, fmt.Errorf("blockdev: LOOP_GET_STATUS64 %s: %w", dev, err)
 	}
 	st := LoopStatus{
-		Device:    dev,
-		Offset:    info.Offset,
-		SizeLimit: info.Sizelimit,
-		ReadOnly:  info.Flags&unix.LO_FLAGS_READ_ONLY != 0,
-		Autoclear: info.Flags&unix.LO_FLAGS_AUTOCLEAR != 0,
-		DirectIO:  info.Flags&unix.LO_FLAGS_DIRECT_IO != 0,
-		PartScan:  info.Flags&unix.LO_FLAGS_PARTSCAN != 0,
+		Device:        dev,
+		BackingDevice: info.Device,
+		BackingInode:  info.Inode,
+		Offset:        info.Offset,
+		SizeLimit:     info.Sizelimit,
+		ReadOnly:      info.Flags&unix.LO_FLAGS_READ_ONLY != 0,
+		Autoclear:     info.Flags&unix.LO_FLAGS_AUTOCLEAR != 0,
+		DirectIO:      info.Flags&unix.LO_FLAGS_DIRECT_IO != 0,
+		PartScan:      info.Flags&unix.LO_FLAGS_PARTSCAN != 0,
 	}
 	if bf, err := readBackingFile(sys); err == nil {
 		st.BackingFile = bf

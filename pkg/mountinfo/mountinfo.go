@@ -62,6 +62,16 @@ func AtIn(r io.Reader, path string) (*Info, error) {
 	return last(infos), err
 }
 
+// HasDevice reports whether a file system of device major:minor (st_dev)
+// is mounted in this mount namespace.
+func HasDevice(major, minor int) (bool, error) {
+	infos, err := mi.GetMounts(func(m *Info) (skip, stop bool) {
+		match := m.Major == major && m.Minor == minor
+		return !match, match
+	})
+	return len(infos) > 0, err
+}
+
 // at keeps the mounts at path; the table lists a mount after the ones it
 // covers, so the last is the one path shows.
 func at(path string) mi.FilterFunc {

@@ -392,6 +392,9 @@ func detachLoops(file, conn string) error {
 	if err != nil {
 		return err
 	}
+	if devs, err = ownLoops(devs); err != nil {
+		return err
+	}
 	if minor, perr := strconv.ParseUint(conn, 10, 32); conn != "" && perr == nil {
 		more, err := blockdev.FindLoopByBackingInode(unix.Mkdev(0, uint32(minor)), fileNode)
 		if err != nil {
@@ -409,6 +412,32 @@ func detachLoops(file, conn string) error {
 		}
 	}
 	return nil
+}
+
+// ownLoops keeps the loop devices whose backing file lies on a file
+// system mounted in this mount namespace. The kernel names a backing file
+// by its path in the mount namespace that bound it, so a loop device of
+// another mount namespace (another node, where several share one host's
+// kernel, as test clusters do) can show the very path of ours; it is not
+// ours to detach. A device that cannot be asked (unbound meanwhile) is
+// kept: detaching it is then a no-op.
+func ownLoops(devs []string) ([]string, error) {
+	var own []string
+	for _, d := range devs {
+		st, err := blockdev.StatLoop(d)
+		if err != nil {
+			own = append(own, d)
+			continue
+		}
+		ok, err := mountinfo.HasDevice(int(unix.Major(st.BackingDevice)), int(unix.Minor(st.BackingDevice)))
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			own = append(own, d)
+		}
+	}
+	return own, nil
 }
 
 // retryBusy calls f until it does not fail with ErrLoopBusy or timeout
