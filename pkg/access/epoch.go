@@ -32,14 +32,17 @@ const epochSeparator = "@"
 // serves a connection only when its epoch is that of the node's current
 // publication. One presenting an older epoch comes from a data path of a
 // publication since replaced (a node fenced, force-detached and published
-// again later, whose old session kept redialing): the agent refuses it
+// again later, whose old session kept redialing), and one presenting the
+// epoch of a publication withdrawn since (the node has none now, and the
+// epoch is older than the volume generation the agent applied: a node
+// force-detached, the volume moved to another) too: the agent refuses it
 // as superseded (nbd.ErrSuperseded), and such a refusal alone is final,
 // so the old session fails its I/O and drops the writes it kept instead
-// of replaying them over what was written since. Every other refusal
-// (the volume unknown to an agent that just restarted, no publication to
-// the node yet or any more, an epoch newer than the agent has applied)
-// only makes the data path dial again. A connection without an epoch
-// matches only a publication without one.
+// of replaying them over what was written since (or waiting for ever).
+// Every other refusal (the volume unknown to an agent that just
+// restarted, no publication to the node yet, an epoch newer than the
+// agent has applied) only makes the data path dial again. A connection
+// without an epoch matches only a publication without one.
 func ExportName(volume, token string, epoch int64) string {
 	name := volume
 	if token != "" {

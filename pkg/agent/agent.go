@@ -233,6 +233,9 @@ type volume struct {
 	backend *nbd.FileBackend // nil until the file is open
 	// grants by node ID: who may open the export, as last applied.
 	grants map[string]grant
+	// generation is the NBDVolume's metadata.generation whose
+	// publications grants are.
+	generation int64
 	// asReplica: held as a replica of another node's primary
 	// (replica.go), which alone may open it, as record says.
 	asReplica bool
@@ -369,7 +372,9 @@ var errUnpublished = errors.New("no current publication with this token")
 // Either way the connection must come from one of the publication's
 // addresses (if it lists any), and present the publication's epoch: an
 // older one is refused as superseded (nbd.ErrSuperseded, which ends the
-// node's data path). Everything else is refused.
+// node's data path), and so is the epoch of a publication withdrawn since
+// (older than the generation whose publications are applied). Everything
+// else is refused, for the node to dial again.
 func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 	vol, token, epoch, ok := access.ParseExport(name)
 	if !ok {
@@ -424,6 +429,16 @@ func (a *Agent) resolve(c nbd.ConnInfo, name string) (nbd.Grant, error) {
 			grant.Servers = v.replicated.servers
 		}
 		return grant, nil
+	}
+	if epoch > 0 && epoch < v.generation {
+		// A publication's epoch is the volume's generation when it was
+		// made, and the publications applied here are those of a later
+		// generation, which no longer holds it: it was withdrawn (the
+		// node fenced and force-detached, the volume published elsewhere
+		// since). The session presenting it is refused for good, so that
+		// it fails its I/O instead of waiting, and redialing, forever.
+		return nbd.Grant{}, fmt.Errorf("volume %q: the connection is of publication epoch %d, withdrawn by generation %d: %w",
+			vol, epoch, v.generation, nbd.ErrSuperseded)
 	}
 	if !withToken {
 		return nbd.Grant{}, fmt.Errorf("volume %q is not published to node %s", vol, peer)

@@ -675,6 +675,40 @@ func TestAgent(t *testing.T) {
 		unpublish(t, c, "vol-a", "node-e")
 	})
 
+	t.Run("epoch of a withdrawn publication", func(t *testing.T) {
+		// As the controller publishes: the epoch is the volume's
+		// generation then. The node force-detached (its publication
+		// withdrawn, none other to it): its session's redials are refused
+		// for good, so that it fails its I/O instead of waiting forever;
+		// the epoch of a publication the agent may not have seen yet is
+		// refused for now.
+		tok := must(t, access.NewToken)
+		var epoch int64
+		editVolume(t, c, "vol-a", func(v *v1alpha1.NBDVolume) {
+			epoch = v.Generation
+			v.Spec.Publications = append(v.Spec.Publications, v1alpha1.Publication{
+				NodeID: "node-w", TokenSHA256: access.TokenHash(tok), Addresses: []string{"127.0.0.1"}, Epoch: epoch,
+			})
+		})
+		mustDial(t, r, access.ExportName("vol-a", tok, epoch)).Close()
+		unpublish(t, c, "vol-a", "node-w")
+		cl, err := dial(t, r, access.ExportName("vol-a", tok, epoch))
+		if err == nil {
+			cl.Close()
+			t.Fatal("a session of a withdrawn publication was served")
+		}
+		if !errors.Is(err, nbd.ErrSuperseded) {
+			t.Fatalf("a session of a withdrawn publication: %v, want a refusal as superseded", err)
+		}
+		next := getVolume(t, c, "vol-a").Generation
+		if cl, err := dial(t, r, access.ExportName("vol-a", tok, next)); err == nil || errors.Is(err, nbd.ErrSuperseded) {
+			if cl != nil {
+				cl.Close()
+			}
+			t.Fatalf("the epoch of a publication not applied yet: %v, want a refusal that is not final", err)
+		}
+	})
+
 	t.Run("read-only", func(t *testing.T) {
 		tok5 := publish(t, c, "vol-a", "node-5", true)
 		cl := mustDial(t, r, access.NodeExport("vol-a", tok5))

@@ -416,6 +416,7 @@ func (a *Agent) applyPublications(ctx context.Context, log *slog.Logger, vol *v1
 	a.mu.Lock()
 	prev := v.grants
 	v.grants = next
+	v.generation = vol.Generation
 	a.updateKnownSourcesLocked()
 	a.mu.Unlock()
 
