@@ -92,15 +92,7 @@ func (s *suite) kubeStorageScenario() {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, im := range images {
-			tarPath := filepath.Join(s.dir, strings.NewReplacer("/", "_", ":", "_").Replace(im.Ref)+".tar")
-			if err := im.Build(tarPath); err != nil {
-				t.Fatal(err)
-			}
-			if err := s.c.ImportImage(s.ctx, tarPath); err != nil {
-				t.Fatal(err)
-			}
-		}
+		s.importBuilt(images)
 
 		focus := os.Getenv(envKubeStorageFocus)
 		switch focus {

@@ -16,11 +16,13 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
@@ -147,12 +149,14 @@ func (c *Cluster) runtimes() []string {
 // ImportImage imports an image tarball (Image.Build) into every running
 // node (a node killed later keeps it: its containerd's root is its disk).
 func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
-	for _, sock := range c.runtimes() {
-		if err := importInto(ctx, sock, tarPath); err != nil {
-			return err
-		}
+	socks := c.runtimes()
+	errs := make([]error, len(socks))
+	var wg sync.WaitGroup
+	for i, sock := range socks {
+		wg.Go(func() { errs[i] = importInto(ctx, sock, tarPath) })
 	}
-	return nil
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // TagImage gives the image src the reference dst too, on every running

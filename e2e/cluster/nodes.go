@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -26,8 +27,11 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
 )
 
 // The networks of a multi-node cluster. Every node has a management link
@@ -414,10 +418,17 @@ func (n *Node) Kill() error {
 	if err := n.cut(); err != nil {
 		return err
 	}
-	n.halt(syscall.SIGKILL)
+	err := n.halt(syscall.SIGKILL)
 	n.c.logf("node %s killed", n.Name)
-	return nil
+	return err
 }
+
+// Cut cuts the running node off: its links drop every packet, in and
+// out (no reset is sent), its processes go on. Heal undoes it.
+func (n *Node) Cut() error { return n.cut() }
+
+// Heal lets a cut node's packets through again.
+func (n *Node) Heal() error { return n.RunIn("nft", "delete", "table", "inet", cutTable) }
 
 // cutTable is the nftables table that drops a dead node's packets.
 const cutTable = "mpnbd_cut"
@@ -434,9 +445,11 @@ func (n *Node) cut() error {
 	return nil
 }
 
-// halt ends the node's PID namespace with sig to its init and waits for
-// every process of the node to be gone.
-func (n *Node) halt(sig syscall.Signal) {
+// halt ends the node's PID namespace with sig to its init, waits for
+// every process of the node to be gone and detaches the loop devices it
+// left.
+func (n *Node) halt(sig syscall.Signal) error {
+	nodeDevs, devErr := n.mountDevices()
 	// ESRCH only: it is gone, and initDone says so.
 	_ = syscall.Kill(n.init.Process.Pid, sig)
 	select {
@@ -456,6 +469,17 @@ func (n *Node) halt(sig syscall.Signal) {
 		p.log.Close()
 	}
 	n.procs, n.init = nil, nil
+	if devErr != nil {
+		return fmt.Errorf("the mounts of node %s: %w", n.Name, devErr)
+	}
+	detached, err := detachNodeLoops(nodeDevs)
+	if detached > 0 {
+		n.c.logf("node %s: %d loop devices it left detached", n.Name, detached)
+	}
+	if err != nil {
+		return fmt.Errorf("the loop devices node %s left: %w", n.Name, err)
+	}
+	return nil
 }
 
 // Revive brings a killed node back: its links carry packets again, and it
@@ -465,7 +489,7 @@ func (n *Node) Revive(ctx context.Context) error {
 	if n.init != nil {
 		return fmt.Errorf("node %s is up", n.Name)
 	}
-	if err := n.RunIn("nft", "delete", "table", "inet", cutTable); err != nil {
+	if err := n.Heal(); err != nil {
 		return err
 	}
 	if err := n.boot(ctx); err != nil {
@@ -477,15 +501,17 @@ func (n *Node) Revive(ctx context.Context) error {
 // shutdown stops the node for good: the kubelet first (so it stops
 // restarting containers), then everything else with its PID namespace.
 func (n *Node) shutdown() error {
+	var errs []error
 	if n.init != nil {
 		for _, p := range n.procs {
 			if strings.HasSuffix(p.name, "/kubelet") {
 				stopProc(p)
 			}
 		}
-		n.halt(syscall.SIGKILL)
+		if err := n.halt(syscall.SIGKILL); err != nil {
+			errs = append(errs, err)
+		}
 	}
-	var errs []error
 	if err := n.removeCgroups(); err != nil {
 		errs = append(errs, err)
 	}
@@ -517,6 +543,165 @@ func (c *Cluster) downNodes() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// statFields are the fields of /proc/PID/stat after the command name
+// (which may hold anything): [0] is the state, [1] the parent's PID,
+// [11] and [12] utime and stime.
+func statFields(pid int) []string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return nil
+	}
+	return strings.Fields(string(b)[i+1:])
+}
+
+// pidsInNS lists the host's processes in the PID namespace ns (the link
+// text of /proc/PID/ns/pid) and their descendants (containers nest PID
+// namespaces of their own).
+func pidsInNS(ns string) []int {
+	parent := map[int]int{}
+	in := map[int]bool{}
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if f := statFields(pid); len(f) > 1 {
+			parent[pid], _ = strconv.Atoi(f[1])
+		}
+		if l, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid)); err == nil && l == ns {
+			in[pid] = true
+		}
+	}
+	var pids []int
+	for pid := range parent {
+		for p := pid; p > 1; p = parent[p] {
+			if in[p] {
+				pids = append(pids, pid)
+				break
+			}
+		}
+	}
+	return pids
+}
+
+// pids are the host PIDs of the node's processes (its containers' too).
+func (n *Node) pids() []int {
+	if n.init == nil {
+		return nil
+	}
+	ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", n.init.Process.Pid))
+	if err != nil {
+		return nil
+	}
+	return pidsInNS(ns)
+}
+
+// mountDevices are the devices (st_dev) of the file systems mounted in
+// the mount namespace of process pid.
+func mountDevices(pid int) (map[uint64]bool, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		return nil, err
+	}
+	devs := map[uint64]bool{}
+	for _, l := range strings.Split(string(b), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 3 {
+			continue
+		}
+		major, minor, ok := strings.Cut(f[2], ":")
+		if !ok {
+			continue
+		}
+		a, err1 := strconv.ParseUint(major, 10, 32)
+		i, err2 := strconv.ParseUint(minor, 10, 32)
+		if err1 == nil && err2 == nil {
+			devs[unix.Mkdev(uint32(a), uint32(i))] = true
+		}
+	}
+	return devs, nil
+}
+
+// mountDevices are the devices of the file systems mounted in any mount
+// namespace of the node's processes (its own, its containers').
+func (n *Node) mountDevices() (map[uint64]bool, error) {
+	devs := map[uint64]bool{}
+	seen := map[string]bool{}
+	for _, pid := range n.pids() {
+		ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", pid))
+		if err != nil || seen[ns] {
+			continue // gone meanwhile, or read already
+		}
+		seen[ns] = true
+		d, err := mountDevices(pid)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		maps.Copy(devs, d)
+	}
+	if len(seen) == 0 {
+		return nil, fmt.Errorf("no process of node %s to read mounts from", n.Name)
+	}
+	return devs, nil
+}
+
+// detachNodeLoops detaches the loop devices a dead node left bound, as its
+// power-off would have (loop devices belong to the host's kernel, not to
+// the node's namespaces): the ones backed by a file on a file system only
+// the node had mounted (nodeDevs less the host's: the volumes' FUSE
+// files), and, first, the ones backed by those devices' nodes (the
+// kubelet's locks on block volumes). It returns how many it detached.
+func detachNodeLoops(nodeDevs map[uint64]bool) (int, error) {
+	hostDevs, err := mountDevices(os.Getpid())
+	if err != nil {
+		return 0, err
+	}
+	type loop struct {
+		name     string
+		dev, ino uint64
+	}
+	var bound []loop
+	entries, _ := os.ReadDir("/sys/block")
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		st, err := blockdev.StatLoop("/dev/" + e.Name())
+		if err != nil {
+			continue // not bound
+		}
+		bound = append(bound, loop{"/dev/" + e.Name(), st.BackingDevice, st.BackingInode})
+	}
+	var own, holders []string
+	ownNode := map[[2]uint64]bool{}
+	for _, l := range bound {
+		if nodeDevs[l.dev] && !hostDevs[l.dev] {
+			own = append(own, l.name)
+			var st unix.Stat_t
+			if unix.Stat(l.name, &st) == nil {
+				ownNode[[2]uint64{st.Dev, st.Ino}] = true
+			}
+		}
+	}
+	for _, l := range bound {
+		if ownNode[[2]uint64{l.dev, l.ino}] {
+			holders = append(holders, l.name)
+		}
+	}
+	var errs []error
+	for _, d := range append(holders, own...) {
+		if err := blockdev.DetachLoop(d); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return len(holders) + len(own), errors.Join(errs...)
 }
 
 // buildNodeinit builds nodeinit into the cluster's directory.

@@ -87,10 +87,13 @@ func TestNodesUpDown(t *testing.T) {
 		if _, err := n.Exec(ctx, "sh", "-c", "echo "+n.Name+" > /var/lib/mpnbd-e2e-marker"); err != nil {
 			t.Fatal(err)
 		}
-		// The kubelet's root is the usual path, a shared mount in the node
-		// (the kubelet makes it one: mount propagation for CSI).
-		if out, err := n.Exec(ctx, "findmnt", "-no", "PROPAGATION", "/var/lib/kubelet"); err != nil || !strings.Contains(out, "shared") {
-			t.Errorf("%s: /var/lib/kubelet propagation %q (%v)", n.Name, out, err)
+		// The kubelet's root is the usual path, on the node's /var/lib, a
+		// shared mount as on a systemd host (mount propagation for CSI:
+		// what a container mounts under a hostPath there, the node sees).
+		for _, d := range []string{"/var/lib/kubelet", "/var/lib"} {
+			if out, err := n.Exec(ctx, "findmnt", "-no", "PROPAGATION", "-T", d); err != nil || !strings.Contains(out, "shared") {
+				t.Errorf("%s: %s propagation %q (%v)", n.Name, d, out, err)
+			}
 		}
 	}
 	for _, n := range c.Nodes {
@@ -222,64 +225,6 @@ func reachable(n *Node, addr string) error {
 func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
-}
-
-// statFields are the fields of /proc/PID/stat after the command name
-// (which may hold anything): [0] is the state, [1] the parent's PID,
-// [11] and [12] utime and stime.
-func statFields(pid int) []string {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return nil
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return nil
-	}
-	return strings.Fields(string(b)[i+1:])
-}
-
-// pidsInNS lists the host's processes in the PID namespace ns (the link
-// text of /proc/PID/ns/pid) and their descendants (containers nest PID
-// namespaces of their own).
-func pidsInNS(ns string) []int {
-	parent := map[int]int{}
-	in := map[int]bool{}
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if f := statFields(pid); len(f) > 1 {
-			parent[pid], _ = strconv.Atoi(f[1])
-		}
-		if l, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid)); err == nil && l == ns {
-			in[pid] = true
-		}
-	}
-	var pids []int
-	for pid := range parent {
-		for p := pid; p > 1; p = parent[p] {
-			if in[p] {
-				pids = append(pids, pid)
-				break
-			}
-		}
-	}
-	return pids
-}
-
-// pids are the host PIDs of the node's processes (its containers' too).
-func (n *Node) pids() []int {
-	if n.init == nil {
-		return nil
-	}
-	ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", n.init.Process.Pid))
-	if err != nil {
-		return nil
-	}
-	return pidsInNS(ns)
 }
 
 // usage sums the resident memory (bytes) and CPU time (seconds) of the

@@ -22,6 +22,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"testing"
 	"time"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
@@ -67,7 +68,8 @@ var glibc = regexp.MustCompile(`^(ld-linux.*|libc|libm|libpthread|libdl|librt|li
 
 // fioPod runs fio write+verify rounds on the claim's block device for
 // about d, a new random order each round, and prints rounds=N when every
-// round verified; a failed round fails the pod with fio's output.
+// round verified; a failed round fails the pod with fio's output. Each
+// round's completion latency lines are printed too (longestIO).
 func fioPod(name, claim string, d time.Duration) string {
 	script := fmt.Sprintf(`end=$(( $(date +%%s) + %d )); n=0
 while [ "$(date +%%s)" -lt "$end" ]; do
@@ -76,9 +78,47 @@ while [ "$(date +%%s)" -lt "$end" ]; do
     --size=32M --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --randrepeat=0 --randseed=$n \
     --output=/tmp/fio.out || { echo "round $n failed"; cat /tmp/fio.out; exit 1; }
   grep -q "err= 0" /tmp/fio.out || { echo "round $n reported an error"; cat /tmp/fio.out; exit 1; }
+  grep -E "^ +clat \(" /tmp/fio.out | sed "s/^ */round $n /"
 done
 echo rounds=$n`, int(d.Seconds()))
 	return strings.Replace(pod(name, claim, script, true), "image: "+driverImage, "image: "+fioImage, 1)
+}
+
+// clatLine is a completion latency line of fio's output:
+// "clat (usec): min=40, max=4817.2k, avg=...".
+var clatLine = regexp.MustCompile(`clat \((nsec|usec|msec)\): min=[^,]*, max=([0-9.]+)([kKmM]?),`)
+
+// longestIO is the longest completion latency in fio's output: the
+// longest a single I/O waited (through a failover: the pause).
+func longestIO(out string) time.Duration {
+	var longest time.Duration
+	for _, m := range clatLine.FindAllStringSubmatch(out, -1) {
+		v, err := strconv.ParseFloat(m[2], 64)
+		if err != nil {
+			continue
+		}
+		switch m[3] {
+		case "k", "K":
+			v *= 1e3
+		case "m", "M":
+			v *= 1e6
+		}
+		unit := map[string]float64{"nsec": 1, "usec": 1e3, "msec": 1e6}[m[1]]
+		longest = max(longest, time.Duration(v*unit))
+	}
+	return longest
+}
+
+func TestLongestIO(t *testing.T) {
+	out := `round 1    clat (usec): min=40, max=4817.2k, avg=1003.12, stdev=20.1
+round 1    clat (msec): min=1, max=12, avg=2.00, stdev=0.1
+round 2    clat (nsec): min=900, max=95000, avg=1000.00, stdev=1.1`
+	if got, want := longestIO(out), 4817200*time.Microsecond; got != want {
+		t.Errorf("longestIO = %v, want %v", got, want)
+	}
+	if got := longestIO("no latency here"); got != 0 {
+		t.Errorf("longestIO of nothing = %v", got)
+	}
 }
 
 // restartScenario: a pod runs fio --verify=crc32c on a volume while the

@@ -235,42 +235,12 @@ func TestDriverOnCluster(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := hostState(t)
-	defer func() {
-		var failed []string
-		for _, tm := range s.timings {
-			mark := ""
-			if tm.failed {
-				mark, failed = "  FAILED", append(failed, strconv.Quote(tm.what))
-			}
-			t.Logf("%-40s %v%s", tm.what, tm.d, mark)
-		}
-		if len(failed) > 0 {
-			// The last lines of a long log are the ones always read.
-			t.Logf("failed in step(s) %s: search the log above for each step's name", strings.Join(failed, ", "))
-		}
-		// Everything is undone by now (deferred calls run in reverse).
-		if after := hostState(t); after != before {
-			t.Errorf("the host changed:\nbefore: %s\nafter:  %s", before, after)
-		}
-	}()
+	defer s.summary(before)
 
 	// The driver's image builds from its Dockerfile, as users build it
 	// (hack/image.sh: buildah), while the cluster comes up. Its version is
 	// one no earlier build had, which the driver's pods must log.
-	imageVersion := fmt.Sprintf("e2e-%d", time.Now().UnixNano())
-	driverTar := filepath.Join(s.dir, "mpnbd-image.tar")
-	driverBuildLog := filepath.Join(s.dir, "mpnbd-image-build.log")
-	driverBuilt := make(chan error, 1)
-	go func() {
-		f, err := os.Create(driverBuildLog)
-		if err != nil {
-			driverBuilt <- err
-			return
-		}
-		err = BuildDockerfileImage(ctx, driverImage, imageVersion, driverTar, f)
-		f.Close()
-		driverBuilt <- err
-	}()
+	imageVersion, driverBuilt := s.buildDriverImage()
 	restoreMPTCP := hostMPTCPLimits(t, paths-1)
 	defer restoreMPTCP()
 
@@ -281,63 +251,9 @@ func TestDriverOnCluster(t *testing.T) {
 		}
 		s.c = c
 	})
-	defer func() {
-		if t.Failed() {
-			s.dumpState()
-			// Let the driver release what it attached before the
-			// cluster goes: pods first, then claims.
-			bg := context.Background()
-			for _, args := range [][]string{
-				{"delete", "pods", "--all", "-n", "default", "--timeout=90s"},
-				{"delete", "pvc", "--all", "-n", "default", "--timeout=120s"},
-			} {
-				if _, err := s.c.Kubectl(bg, args...); err != nil {
-					t.Logf("cleanup: kubectl %s: %v", strings.Join(args, " "), err)
-				}
-			}
-		}
-		if err := s.c.Down(); err != nil {
-			t.Errorf("down: %v", err)
-		}
-	}()
+	defer s.down()
 
-	sidecarImages := map[string]string{}
-	s.step("build and import the images", func() {
-		err := <-driverBuilt
-		build, _ := os.ReadFile(driverBuildLog)
-		if err != nil {
-			t.Fatalf("the driver's image: %v\n%s", err, lastLines(build, 60))
-		}
-		t.Logf("the driver's image: %s", lastLines(build, 1))
-		if err := s.c.ImportImage(ctx, driverTar); err != nil {
-			t.Fatal(err)
-		}
-		var images []Image
-		fio, err := fioFiles()
-		if err != nil {
-			t.Fatal(err)
-		}
-		images = append(images, Image{Ref: fioImage, BaseLayers: []string{rootfs}, Files: fio})
-		// The real csi-provisioner, csi-attacher, csi-resizer,
-		// csi-snapshotter and snapshot-controller at the chart's versions;
-		// stand-ins of the registrar and the livenessprobe
-		// (hack/sidecars.sh).
-		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "snapshot-controller", "csi-node-driver-registrar", "livenessprobe"} {
-			ref := "mpnbd.local/" + name + ":e2e"
-			sidecarImages[name] = ref
-			images = append(images, Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}})
-		}
-		for _, im := range images {
-			tarPath := filepath.Join(s.dir, strings.NewReplacer("/", "_", ":", "_").Replace(im.Ref)+".tar")
-			if err := im.Build(tarPath); err != nil {
-				t.Fatal(err)
-			}
-			if err := s.c.ImportImage(ctx, tarPath); err != nil {
-				t.Fatal(err)
-			}
-		}
-	})
-
+	sidecarImages := s.importImages(driverBuilt, rootfs, sidecars)
 	s.snapshotterImage = sidecarImages["csi-snapshotter"]
 	s.installSnapshotAPI(sidecars)
 	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
@@ -347,17 +263,7 @@ func TestDriverOnCluster(t *testing.T) {
 		for i := 1; i <= paths; i++ {
 			storageAddrs = append(storageAddrs, pathAddr(i, false))
 		}
-		values := fmt.Sprintf(`image: {repository: mpnbd.local/mpnbd, tag: e2e, pullPolicy: Never}
-sidecars:
-  pullPolicy: Never
-  provisioner: {image: %s}
-  attacher: {image: %s}
-  resizer: {image: %s}
-  nodeDriverRegistrar: {image: %s}
-  livenessProbe: {image: %s}
-apiServer: {host: %q, port: "%d"}
-logLevel: debug
-controller: {hostNetwork: true}
+		values := valuesHead(sidecarImages, PodGateway) + fmt.Sprintf(`controller: {hostNetwork: true}
 node:
   kubeletDir: %s
   stateDir: %s
@@ -370,15 +276,10 @@ storageAgent:
   storageAddressesFrom: ""
   storageAddresses: [%s]
   signalNICs: [%s]
-`, sidecarImages["csi-provisioner"], sidecarImages["csi-attacher"], sidecarImages["csi-resizer"],
-			sidecarImages["csi-node-driver-registrar"], sidecarImages["livenessprobe"],
-			PodGateway, APIServerPort, s.c.KubeletRoot(), filepath.Join(s.dir, "node-state"), nodeMetricsPort,
+`, s.c.KubeletRoot(), filepath.Join(s.dir, "node-state"), nodeMetricsPort,
 			strings.Join(hostAddrs(), ","), dataDir, strings.Join(storageAddrs, ","), strings.Join(joinCIDRs(), ","))
-		vf := filepath.Join(s.dir, "values.yaml")
-		if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		s.values = vf
+		s.writeValues(values)
+		vf := s.values
 		// As a platform team installs it: the previous release (upgraded
 		// to this chart under I/O by upgradeScenario) into a namespace of
 		// its own that Helm creates (the cluster enforces no Pod Security
@@ -414,25 +315,7 @@ storageAgent:
 	defer delPaths()
 
 	s.step("driver ready", func() {
-		s.waitFor("the storage node's report", 3*time.Minute, func() string {
-			a := s.jsonpath("{.status.availableBytes}", "get", "nbdstoragenode", s.c.NodeName)
-			if n, _ := strconv.ParseInt(a, 10, 64); n <= 0 {
-				return "no capacity reported yet"
-			}
-			return ""
-		})
-		s.waitFor("the node plugin's registration", 3*time.Minute, func() string {
-			if d := s.jsonpath("{.spec.drivers[*].name}", "get", "csinode", s.c.NodeName); !strings.Contains(d, "nbd.mptcp.mpnbd.io") {
-				return "CSINode drivers: " + d
-			}
-			return ""
-		})
-		s.waitFor("the controller", 3*time.Minute, func() string {
-			if r := s.jsonpath("{.status.readyReplicas}", "get", "deploy", "-n", namespace, "mpnbd-controller"); r != "1" {
-				return "ready replicas " + r
-			}
-			return ""
-		})
+		s.waitDriverReady([]string{s.c.NodeName}, []string{s.c.NodeName})
 	})
 
 	s.step("the driver runs the image just built", func() {
@@ -486,6 +369,195 @@ storageAgent:
 	s.deleteScenario(dataDir, filepath.Join(s.dir, "node-state"))
 	s.uninstallScenario()
 	s.templateInstallScenario()
+}
+
+// summary logs how long each step took and checks the host is as it was
+// before the suite (deferred first: everything is undone by then).
+func (s *suite) summary(before string) {
+	t := s.t
+	var failed []string
+	for _, tm := range s.timings {
+		mark := ""
+		if tm.failed {
+			mark, failed = "  FAILED", append(failed, strconv.Quote(tm.what))
+		}
+		t.Logf("%-40s %v%s", tm.what, tm.d, mark)
+	}
+	if len(failed) > 0 {
+		// The last lines of a long log are the ones always read.
+		t.Logf("failed in step(s) %s: search the log above for each step's name", strings.Join(failed, ", "))
+	}
+	if after := hostState(t); after != before {
+		t.Errorf("the host changed:\nbefore: %s\nafter:  %s", before, after)
+	}
+}
+
+// down takes the cluster down; after a failure it first shows the state
+// and lets the driver release what it attached: pods first, then claims.
+func (s *suite) down() {
+	t := s.t
+	if s.c == nil {
+		return
+	}
+	if t.Failed() {
+		s.dumpState()
+		bg := context.Background()
+		for _, args := range [][]string{
+			{"delete", "pods", "--all", "-n", "default", "--timeout=90s"},
+			{"delete", "pvc", "--all", "-n", "default", "--timeout=120s"},
+		} {
+			if _, err := s.c.Kubectl(bg, args...); err != nil {
+				t.Logf("cleanup: kubectl %s: %v", strings.Join(args, " "), err)
+			}
+		}
+	}
+	if err := s.c.Down(); err != nil {
+		t.Errorf("down: %v", err)
+	}
+}
+
+// driverBuild is the driver's image being built.
+type driverBuild struct {
+	tar, log string
+	done     chan error
+}
+
+// buildDriverImage starts building the driver's image from its
+// Dockerfile, as users build it (hack/image.sh: buildah), at a version
+// no earlier build had (which the driver's pods must log); it returns
+// the version.
+func (s *suite) buildDriverImage() (string, *driverBuild) {
+	version := fmt.Sprintf("e2e-%d", time.Now().UnixNano())
+	b := &driverBuild{tar: filepath.Join(s.dir, "mpnbd-image.tar"), log: filepath.Join(s.dir, "mpnbd-image-build.log"), done: make(chan error, 1)}
+	go func() {
+		f, err := os.Create(b.log)
+		if err != nil {
+			b.done <- err
+			return
+		}
+		err = BuildDockerfileImage(s.ctx, driverImage, version, b.tar, f)
+		f.Close()
+		b.done <- err
+	}()
+	return version, b
+}
+
+// importImages waits for the driver's image and imports it into the
+// cluster's nodes, with the fio image (the Debian rootfs and the host's
+// fio) and the CSI sidecars' images; it returns the sidecars' references
+// by name.
+func (s *suite) importImages(b *driverBuild, rootfs, sidecars string) map[string]string {
+	t := s.t
+	sidecarImages := map[string]string{}
+	s.step("build and import the images", func() {
+		err := <-b.done
+		build, _ := os.ReadFile(b.log)
+		if err != nil {
+			t.Fatalf("the driver's image: %v\n%s", err, lastLines(build, 60))
+		}
+		t.Logf("the driver's image: %s", lastLines(build, 1))
+		if err := s.c.ImportImage(s.ctx, b.tar); err != nil {
+			t.Fatal(err)
+		}
+		var images []Image
+		fio, err := fioFiles()
+		if err != nil {
+			t.Fatal(err)
+		}
+		images = append(images, Image{Ref: fioImage, BaseLayers: []string{rootfs}, Files: fio})
+		// The real csi-provisioner, csi-attacher, csi-resizer,
+		// csi-snapshotter and snapshot-controller at the chart's versions;
+		// stand-ins of the registrar and the livenessprobe
+		// (hack/sidecars.sh).
+		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "snapshot-controller", "csi-node-driver-registrar", "livenessprobe"} {
+			ref := "mpnbd.local/" + name + ":e2e"
+			sidecarImages[name] = ref
+			images = append(images, Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}})
+		}
+		s.importBuilt(images)
+	})
+	return sidecarImages
+}
+
+// waitDriverReady waits for the storage nodes' capacity reports, the node
+// plugin's registration on each node and the controller.
+func (s *suite) waitDriverReady(storageNodes, nodes []string) {
+	for _, n := range storageNodes {
+		s.waitFor(n+"'s storage report", 3*time.Minute, func() string {
+			a := s.jsonpath("{.status.availableBytes}", "get", "nbdstoragenode", n)
+			if v, _ := strconv.ParseInt(a, 10, 64); v <= 0 {
+				return "no capacity reported yet"
+			}
+			return ""
+		})
+	}
+	for _, n := range nodes {
+		s.waitFor("the node plugin's registration on "+n, 3*time.Minute, func() string {
+			if d := s.jsonpath("{.spec.drivers[*].name}", "get", "csinode", n); !strings.Contains(d, "nbd.mptcp.mpnbd.io") {
+				return "CSINode drivers: " + d
+			}
+			return ""
+		})
+	}
+	s.waitFor("the controller", 3*time.Minute, func() string {
+		if r := s.jsonpath("{.status.readyReplicas}", "get", "deploy", "-n", namespace, "mpnbd-controller"); r != "1" {
+			return "ready replicas " + r
+		}
+		return ""
+	})
+}
+
+// importBuilt builds each image's tarball and imports it into the nodes.
+func (s *suite) importBuilt(images []Image) {
+	for _, im := range images {
+		tarPath := filepath.Join(s.dir, strings.NewReplacer("/", "_", ":", "_").Replace(im.Ref)+".tar")
+		if err := im.Build(tarPath); err != nil {
+			s.t.Fatal(err)
+		}
+		if err := s.c.ImportImage(s.ctx, tarPath); err != nil {
+			s.t.Fatal(err)
+		}
+	}
+}
+
+// valuesHead is how the suites' chart values begin: the image just built
+// and the sidecars' (imported, never pulled), the API server at apiHost,
+// debug logs.
+func valuesHead(sidecarImages map[string]string, apiHost string) string {
+	return fmt.Sprintf(`image: {repository: mpnbd.local/mpnbd, tag: e2e, pullPolicy: Never}
+sidecars:
+  pullPolicy: Never
+  provisioner: {image: %s}
+  attacher: {image: %s}
+  resizer: {image: %s}
+  nodeDriverRegistrar: {image: %s}
+  livenessProbe: {image: %s}
+apiServer: {host: %q, port: "%d"}
+logLevel: debug
+`, sidecarImages["csi-provisioner"], sidecarImages["csi-attacher"], sidecarImages["csi-resizer"],
+		sidecarImages["csi-node-driver-registrar"], sidecarImages["livenessprobe"], apiHost, APIServerPort)
+}
+
+// writeValues writes the release's values file.
+func (s *suite) writeValues(values string) {
+	vf := filepath.Join(s.dir, "values.yaml")
+	if err := os.WriteFile(vf, []byte(values), 0o644); err != nil {
+		s.t.Fatal(err)
+	}
+	s.values = vf
+}
+
+// waitEvent waits for an Event on the object named name whose reason or
+// message holds what.
+func (s *suite) waitEvent(name, what string) {
+	s.t.Helper()
+	s.waitFor("an event "+what+" for "+name, 2*time.Minute, func() string {
+		ev := s.kubectl("get", "events", "--field-selector", "involvedObject.name="+name, "-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+		if !strings.Contains(ev, what) {
+			return "events: " + ev
+		}
+		return ""
+	})
 }
 
 // hostAddrs are the node's storage addresses.

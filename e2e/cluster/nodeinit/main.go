@@ -59,6 +59,7 @@ func main() {
 }
 
 func setup(hostname string, binds, tmpfs []string) error {
+	var shared []string
 	if os.Getpid() != 1 {
 		return fmt.Errorf("not PID 1 of a PID namespace (pid %d)", os.Getpid())
 	}
@@ -86,10 +87,22 @@ func setup(hostname string, binds, tmpfs []string) error {
 		if err := syscall.Mount(src, dst, "", syscall.MS_BIND|syscall.MS_REC, ""); err != nil {
 			return fmt.Errorf("bind %s at %s: %w", src, dst, err)
 		}
+		shared = append(shared, dst)
 	}
 	for _, d := range tmpfs {
 		if err := syscall.Mount("tmpfs", d, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "mode=755"); err != nil {
 			return fmt.Errorf("tmpfs at %s: %w", d, err)
+		}
+		shared = append(shared, d)
+	}
+	// The node's own mounts shared, as a systemd host's are: what a
+	// container mounts into a hostPath below them with Bidirectional
+	// propagation (the datapath's FUSE mounts) the node and its other
+	// containers see. Each is a peer group of its own: nothing reaches
+	// the host's directories behind them.
+	for _, d := range shared {
+		if err := syscall.Mount("", d, "", syscall.MS_REC|syscall.MS_SHARED, ""); err != nil {
+			return fmt.Errorf("make %s shared: %w", d, err)
 		}
 	}
 	return nil
