@@ -21,6 +21,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -62,22 +63,8 @@ func TestClusterUpDown(t *testing.T) {
 	before := hostState(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	start := time.Now()
-	c, err := Up(ctx, Config{Dir: dir, KubeBin: KubeBin(), Log: testLog{t}})
-	if err != nil {
-		t.Fatalf("up: %v", err)
-	}
-	t.Logf("cluster up in %v", time.Since(start).Round(time.Millisecond))
-	down := func() {
-		if err := c.Down(); err != nil {
-			t.Errorf("down: %v", err)
-		}
-	}
-	defer func() {
-		if c != nil {
-			down()
-		}
-	}()
+	c, down := upForTest(ctx, t, "cluster", Config{Dir: dir, KubeBin: KubeBin(), Log: testLog{t}})
+	defer down()
 	// Pods reach the API server at the pod bridge's gateway address.
 	hc, err := c.httpClient()
 	if err != nil {
@@ -103,12 +90,32 @@ spec:
 		t.Fatal(err)
 	}
 	down()
-	c = nil
 	if after := hostState(t); after != before {
 		t.Errorf("the host changed:\nbefore: %s\nafter:  %s", before, after)
 	}
 	if out, _ := exec.Command("sh", "-c", "grep -c "+dir+" /proc/self/mountinfo").Output(); strings.TrimSpace(string(out)) != "0" {
 		t.Errorf("mounts left under %s", dir)
+	}
+}
+
+// upForTest brings a cluster up for a test and logs how long it took
+// (what names it); the function returned takes it down, once however
+// often it is called (deferred, and where the test checks the host).
+func upForTest(ctx context.Context, t *testing.T, what string, cfg Config) (*Cluster, func()) {
+	t.Helper()
+	start := time.Now()
+	c, err := Up(ctx, cfg)
+	if err != nil {
+		t.Fatalf("up: %v", err)
+	}
+	t.Logf("%s up in %v", what, time.Since(start).Round(time.Millisecond))
+	var once sync.Once
+	return c, func() {
+		once.Do(func() {
+			if err := c.Down(); err != nil {
+				t.Errorf("down: %v", err)
+			}
+		})
 	}
 }
 

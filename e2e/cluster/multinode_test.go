@@ -50,9 +50,7 @@ const envNodesOnly = "MPNBD_NODES_ONLY"
 // primary of (failed over, no I/O error; back, copied in sync again).
 func TestDriverOnNodes(t *testing.T) {
 	requireCluster(t)
-	helm := cachedTool(t, "tools.sh", "HELM")
-	rootfs := cachedTool(t, "rootfs.sh", "ROOTFS")
-	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
+	helm, rootfs, sidecars := suiteTools(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	root, err := repo.Root()

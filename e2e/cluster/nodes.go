@@ -32,6 +32,7 @@ import (
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/internal/testenv/topo"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
+	"github.com/mpnbd/mpnbd/pkg/mountinfo"
 )
 
 // The networks of a multi-node cluster. Every node has a management link
@@ -606,25 +607,13 @@ func (n *Node) pids() []int {
 // mountDevices are the devices (st_dev) of the file systems mounted in
 // the mount namespace of process pid.
 func mountDevices(pid int) (map[uint64]bool, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	mounts, err := mountinfo.Of(pid)
 	if err != nil {
 		return nil, err
 	}
 	devs := map[uint64]bool{}
-	for _, l := range strings.Split(string(b), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 3 {
-			continue
-		}
-		major, minor, ok := strings.Cut(f[2], ":")
-		if !ok {
-			continue
-		}
-		a, err1 := strconv.ParseUint(major, 10, 32)
-		i, err2 := strconv.ParseUint(minor, 10, 32)
-		if err1 == nil && err2 == nil {
-			devs[unix.Mkdev(uint32(a), uint32(i))] = true
-		}
+	for _, m := range mounts {
+		devs[unix.Mkdev(uint32(m.Major), uint32(m.Minor))] = true
 	}
 	return devs, nil
 }

@@ -43,26 +43,12 @@ func TestNodesUpDown(t *testing.T) {
 	before := hostState(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	start := time.Now()
-	c, err := Up(ctx, Config{Dir: t.TempDir(), KubeBin: KubeBin(), Log: testLog{t}, Nodes: []NodeConfig{
+	c, down := upForTest(ctx, t, "3 nodes", Config{Dir: t.TempDir(), KubeBin: KubeBin(), Log: testLog{t}, Nodes: []NodeConfig{
 		{Name: "node-a", Labels: map[string]string{"mpnbd.io/storage-node": "true"}},
 		{Name: "node-b", Labels: map[string]string{"mpnbd.io/storage-node": "true"}},
 		{Name: "node-c"},
 	}})
-	if err != nil {
-		t.Fatalf("up: %v", err)
-	}
-	t.Logf("3 nodes up in %v", time.Since(start).Round(time.Millisecond))
-	down := func() {
-		if err := c.Down(); err != nil {
-			t.Errorf("down: %v", err)
-		}
-	}
-	defer func() {
-		if c != nil {
-			down()
-		}
-	}()
+	defer down()
 	kubectl := func(args ...string) string {
 		t.Helper()
 		out, err := c.Kubectl(ctx, args...)
@@ -195,7 +181,6 @@ spec:
 	kubectl("delete", "pods", "--all", "--wait=true", "--timeout=60s")
 
 	down()
-	c = nil
 	if after := hostState(t); after != before {
 		t.Errorf("the host changed:\nbefore: %s\nafter:  %s", before, after)
 	}

@@ -102,6 +102,12 @@ func (s *suite) step(what string, fn func()) {
 	fn()
 }
 
+// suiteTools are what the driver suites need built (cached): helm, the
+// Debian rootfs of the fio image, the CSI sidecars.
+func suiteTools(t *testing.T) (helm, rootfs, sidecars string) {
+	return cachedTool(t, "tools.sh", "HELM"), cachedTool(t, "rootfs.sh", "ROOTFS"), cachedTool(t, "sidecars.sh", "SIDECARS")
+}
+
 // cachedTool runs a hack/ script that prints NAME=path and returns path.
 func cachedTool(t *testing.T, script, key string) string {
 	t.Helper()
@@ -221,9 +227,7 @@ func (s *suite) jsonpath(path string, args ...string) string {
 // health endpoints answering.
 func TestDriverOnCluster(t *testing.T) {
 	requireCluster(t)
-	helm := cachedTool(t, "tools.sh", "HELM")
-	rootfs := cachedTool(t, "rootfs.sh", "ROOTFS")
-	sidecars := cachedTool(t, "sidecars.sh", "SIDECARS")
+	helm, rootfs, sidecars := suiteTools(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	prev, err := previousChart()

@@ -20,7 +20,9 @@
 package mountinfo
 
 import (
+	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"sort"
 
@@ -60,6 +62,16 @@ func At(path string) (*Info, error) {
 func AtIn(r io.Reader, path string) (*Info, error) {
 	infos, err := mi.GetMountsFromReader(r, at(path))
 	return last(infos), err
+}
+
+// Of returns the mount table of process pid's mount namespace.
+func Of(pid int) ([]*Info, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return mi.GetMountsFromReader(f, nil)
 }
 
 // HasDevice reports whether a file system of device major:minor (st_dev)
