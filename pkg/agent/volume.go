@@ -242,7 +242,7 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 	}
 
 	want := vol.Spec.SizeBytes
-	changed := false
+	changed, created := false, false
 	if v.backend == nil && asReplica {
 		// Logs of what other replicas lacked, kept while this node was
 		// the primary of an earlier reign, say nothing of what they
@@ -285,7 +285,7 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 				}
 				log.Info("backing file created", "path", path, "size", want)
 			}
-			changed = true
+			changed, created = true, true
 		default:
 			return nil, internal("%v", err)
 		}
@@ -332,7 +332,13 @@ func (a *Agent) ensureStore(ctx context.Context, log *slog.Logger, vol *v1alpha1
 		if asReplica {
 			// The primary's settle marks (docs/replication.md,
 			// "Unsettled writes").
-			exp.Ledger = a.ledgerFor(name, v.backend.Size())
+			l := a.ledgerFor(name, v.backend.Size())
+			if created {
+				// Made by this process: nothing was forwarded
+				// to it before its ledger.
+				l.Fresh()
+			}
+			exp.Ledger = l
 		}
 		err := a.srv.AddExport(exp)
 		if err != nil {

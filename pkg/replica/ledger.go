@@ -36,7 +36,7 @@ import (
 //
 // The Ledger knows nothing of what came before it was made (an agent that
 // restarted): Unsettled says so until a connection has spoken for its
-// first mark.
+// first mark, unless the replica was created after it (Fresh).
 type Ledger struct {
 	size  atomic.Int64
 	mu    sync.Mutex
@@ -68,6 +68,16 @@ func NewLedger(size int64) *Ledger {
 	l := &Ledger{conns: map[*ledgerConn]struct{}{}}
 	l.size.Store(size)
 	return l
+}
+
+// Fresh tells the Ledger that its replica was created by this process:
+// nothing was forwarded to it before the Ledger was made, so the Ledger
+// knows from the start (a primary promoted before any settle mark was
+// spoken for need not drop the other replicas).
+func (l *Ledger) Fresh() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.known = true
 }
 
 // SetSize tells the Ledger the replica's size now (it grew).

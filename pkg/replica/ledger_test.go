@@ -73,6 +73,22 @@ func TestLedger(t *testing.T) {
 	want("marks that speak for nothing new", true, nbd.Range{Off: 4 * Chunk, Len: 8 * Chunk})
 }
 
+// TestLedgerFresh: the ledger of a replica created by this process knows
+// from the start, before any mark is spoken for, and keeps what changed.
+func TestLedgerFresh(t *testing.T) {
+	l := NewLedger(16 * Chunk)
+	l.Fresh()
+	if got, known := l.Unsettled(); !known || len(got) != 0 {
+		t.Fatalf("fresh: unsettled %v (known %v), want none, known", got, known)
+	}
+	c := l.Open(nbd.ConnInfo{})
+	c.Changed(Chunk, 1)
+	c.Settled(1, 0)
+	if got, known := l.Unsettled(); !known || !slices.Equal(got, []nbd.Range{{Off: Chunk, Len: Chunk}}) {
+		t.Fatalf("fresh, first mark not spoken for: unsettled %v (known %v), want [%d+%d], known", got, known, Chunk, Chunk)
+	}
+}
+
 // TestUnsettledInfo: the answer a replica gives reads back as it was; an
 // unknowing ledger says so; malformed answers are errors.
 func TestUnsettledInfo(t *testing.T) {
