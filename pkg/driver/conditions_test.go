@@ -42,8 +42,8 @@ import (
 // changes); when it is back, Ready again and one Event saying so. An agent
 // that holds its lease and stops reporting is HeartbeatStale.
 func TestStorageNodeConditions(t *testing.T) {
-	const ns = "mpnbd-conditions"
-	c := leaseTestEnv(t, ns)
+	const ns = testNamespace
+	c, ctl := leaseTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
@@ -114,7 +114,7 @@ func TestStorageNodeConditions(t *testing.T) {
 		return v.Status.Conditions
 	}
 
-	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: func() time.Time { return now }, StaleAfter: time.Minute})
+	f := NewFailover(FailoverConfig{Client: ctl, Namespace: ns, Now: func() time.Time { return now }, StaleAfter: time.Minute})
 	if _, err := f.Check(ctx, true); err != nil {
 		t.Fatal(err)
 	}
@@ -234,7 +234,7 @@ func TestStorageNodeConditions(t *testing.T) {
 // agent renews its lease releases nothing. When the lost node's agent comes
 // back, its volume is Reachable again.
 func TestStorageNodeLostForGood(t *testing.T) {
-	c := leaseTestEnv(t, testNamespace)
+	c, asController := leaseTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	for _, n := range []string{"s1", "s2"} {
@@ -264,8 +264,8 @@ func TestStorageNodeLostForGood(t *testing.T) {
 	for _, n := range []string{"pub2", "del2"} {
 		volume(n, "s2")
 	}
-	ctl := newTestController(t, c)
-	f := NewFailover(FailoverConfig{Client: c, Namespace: testNamespace, Now: func() time.Time { return now }, StaleAfter: time.Minute})
+	ctl := newTestController(t, asController)
+	f := NewFailover(FailoverConfig{Client: asController, Namespace: testNamespace, Now: func() time.Time { return now }, StaleAfter: time.Minute})
 	check := func() {
 		t.Helper()
 		if _, err := f.Check(ctx, true); err != nil {

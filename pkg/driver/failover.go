@@ -558,13 +558,14 @@ func (f *Failover) drainStep(ctx context.Context, v *v1alpha1.NBDVolume, nodes m
 				"volume_id", v.Name, "draining", node)
 			return false, nil
 		}
-		orig := v.DeepCopy()
 		v.Spec.ReplicaNodes = append(v.Spec.ReplicaNodes, next)
 		if v.Labels == nil {
 			v.Labels = map[string]string{}
 		}
 		v.Labels[v1alpha1.ReplicaLabel(next)] = ""
-		if err := f.cfg.Client.Patch(ctx, v, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+		// An update (of the object as read: a conflict if it changed
+		// since), which the controller's RBAC grants; no patch.
+		if err := f.cfg.Client.Update(ctx, v); err != nil {
 			return false, ignoreConflict(fmt.Errorf("volume %s: adding a replica on %s for the drain of %s: %w", v.Name, next, node, err))
 		}
 		f.cfg.Logger.Info("a replica added for a drain", "volume_id", v.Name, "draining", node, "replica", next)
@@ -584,9 +585,8 @@ func (f *Failover) drainStep(ctx context.Context, v *v1alpha1.NBDVolume, nodes m
 			"the storage node %s of the primary is draining: the replica on %s is the primary from replica epoch %d", node, next, rec.Epoch+1))
 		return err == nil, ignoreConflict(err)
 	}
-	orig := v.DeepCopy()
 	v.Spec.ReplicaNodes = slices.DeleteFunc(v.Spec.ReplicaNodes, func(n string) bool { return n == node })
-	if err := f.cfg.Client.Patch(ctx, v, client.MergeFromWithOptions(orig, client.MergeFromWithOptimisticLock{})); err != nil {
+	if err := f.cfg.Client.Update(ctx, v); err != nil {
 		return false, ignoreConflict(fmt.Errorf("volume %s: taking the replica off draining %s: %w", v.Name, node, err))
 	}
 	f.cfg.Logger.Info("a replica taken off a draining node", "volume_id", v.Name, "draining", node, "replicas", v.Spec.ReplicaNodes)

@@ -46,8 +46,8 @@ import (
 // one whose primary never had a lease, not an unreplicated one. A
 // promotion recorded and not moved is finished.
 func TestFailoverCheck(t *testing.T) {
-	const ns = "mpnbd-failover"
-	c := leaseTestEnv(t, ns)
+	const ns = testNamespace
+	c, ctl := leaseTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	clock := func() time.Time { return now }
@@ -96,7 +96,7 @@ func TestFailoverCheck(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: clock, Metrics: metrics})
+	f := NewFailover(FailoverConfig{Client: ctl, Namespace: ns, Now: clock, Metrics: metrics})
 	if moved, err := f.Check(ctx, false); err != nil || len(moved) != 0 {
 		t.Fatalf("with every lease fresh: moved %v, %v", moved, err)
 	}
@@ -189,8 +189,8 @@ func waitEvents(t *testing.T, c client.Client, cond func([]corev1.Event) string)
 // whose NBDStorageNode was deleted is lost at once; with no node to take
 // it, the replica stays.
 func TestFailoverReplacesLost(t *testing.T) {
-	const ns = "mpnbd-replace"
-	c := leaseTestEnv(t, ns)
+	const ns = testNamespace
+	c, ctl := leaseTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
@@ -239,7 +239,7 @@ func TestFailoverReplacesLost(t *testing.T) {
 	if err := c.Delete(ctx, &v1alpha1.NBDVolume{ObjectMeta: metav1.ObjectMeta{Name: "vdel"}}); err != nil {
 		t.Fatal(err)
 	}
-	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: func() time.Time { return now }, ReplicaLostAfter: time.Minute, StaleAfter: time.Hour})
+	f := NewFailover(FailoverConfig{Client: ctl, Namespace: ns, Now: func() time.Time { return now }, ReplicaLostAfter: time.Minute, StaleAfter: time.Hour})
 	get := func(name string) *v1alpha1.NBDVolume {
 		t.Helper()
 		var v v1alpha1.NBDVolume
@@ -332,15 +332,27 @@ func TestFailoverReplacesLost(t *testing.T) {
 	}
 }
 
-// leaseTestEnv starts a real API server with the namespace ns, in which
-// the tests' storage agents hold their leases.
-func leaseTestEnv(t *testing.T, ns string) client.Client {
+// leaseTestEnv starts a real API server with the controller's namespace
+// (testNamespace), in which the storage agents' leases are, and the deploy
+// tree's RBAC of the controller. It returns an admin client, for what the
+// agents and the test do, and one acting as the controller's
+// ServiceAccount, for the Failover: a call it makes that the RBAC does not
+// grant fails the test.
+func leaseTestEnv(t *testing.T) (admin, asController client.Client) {
 	t.Helper()
-	_, c := apiserver.Start(t)
-	if err := c.Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}); err != nil {
+	cfg, c := apiserver.Start(t)
+	ctx := context.Background()
+	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
 		t.Fatal(err)
 	}
-	return c
+	if err := apiserver.Apply(ctx, c, "deploy/rbac-controller.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	ctl, err := client.New(apiserver.As(cfg, "mpnbd-controller", ""), client.Options{Scheme: c.Scheme()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, ctl
 }
 
 // renewLease renews (or makes) storage node's lease in ns at now, for 6s,
@@ -371,8 +383,8 @@ func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 // replica and a replica on it leaves the volume; an unreplicated volume
 // stays. A cordoned node takes no new volume.
 func TestFailoverDrain(t *testing.T) {
-	const ns = "mpnbd-drain"
-	c := leaseTestEnv(t, ns)
+	const ns = testNamespace
+	c, ctl := leaseTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	const gi = int64(1) << 30
@@ -451,7 +463,7 @@ func TestFailoverDrain(t *testing.T) {
 			}
 		}
 	}
-	f := NewFailover(FailoverConfig{Client: c, Namespace: ns, Now: func() time.Time { return now }, StaleAfter: time.Hour})
+	f := NewFailover(FailoverConfig{Client: ctl, Namespace: ns, Now: func() time.Time { return now }, StaleAfter: time.Hour})
 	check := func() []string {
 		t.Helper()
 		now = now.Add(time.Second)
@@ -533,12 +545,12 @@ func TestFailoverDrain(t *testing.T) {
 	})
 
 	// A cordoned or draining node takes no new volume.
-	ctl, err := NewController(ControllerConfig{Client: c, Namespace: ns, StaleAfter: time.Hour})
+	csi, err := NewController(ControllerConfig{Client: ctl, Namespace: ns, StaleAfter: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, name := range []string{"s5", "s1"} {
-		if _, err := ctl.pickStorageNode(ctx, Params{StorageNode: name}, nil, gi); !errors.Is(err, ErrExhausted) || !strings.Contains(err.Error(), "cordoned or draining") {
+		if _, err := csi.pickStorageNode(ctx, Params{StorageNode: name}, nil, gi); !errors.Is(err, ErrExhausted) || !strings.Contains(err.Error(), "cordoned or draining") {
 			t.Errorf("a volume pinned to %s: %v, want ResourceExhausted naming the cordon", name, err)
 		}
 	}
