@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -132,14 +133,15 @@ func importInto(ctx context.Context, socket, tarPath string) error {
 	return err
 }
 
-// runtimes are the containerd sockets of the running nodes.
-func (c *Cluster) runtimes() []string {
+// runtimes are the containerd sockets of the running nodes, of those
+// named in only if it names any.
+func (c *Cluster) runtimes(only ...string) []string {
 	if len(c.Nodes) == 0 {
 		return []string{c.Containerd}
 	}
 	var s []string
 	for _, n := range c.Nodes {
-		if n.Up() {
+		if n.Up() && (len(only) == 0 || slices.Contains(only, n.Name)) {
 			s = append(s, n.Containerd)
 		}
 	}
@@ -147,9 +149,11 @@ func (c *Cluster) runtimes() []string {
 }
 
 // ImportImage imports an image tarball (Image.Build) into every running
-// node (a node killed later keeps it: its containerd's root is its disk).
-func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
-	socks := c.runtimes()
+// node, or only into the nodes named in only when it names any (a node
+// killed later keeps it: its containerd's root is its disk). A cluster
+// of one node (no Config.Nodes) imports into its node whatever only says.
+func (c *Cluster) ImportImage(ctx context.Context, tarPath string, only ...string) error {
+	socks := c.runtimes(only...)
 	errs := make([]error, len(socks))
 	var wg sync.WaitGroup
 	for i, sock := range socks {

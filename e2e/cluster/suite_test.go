@@ -448,9 +448,10 @@ func (s *suite) buildDriverImage() (string, *driverBuild) {
 
 // importImages waits for the driver's image and imports it into the
 // cluster's nodes, with the fio image (the Debian rootfs and the host's
-// fio) and the CSI sidecars' images; it returns the sidecars' references
-// by name.
-func (s *suite) importImages(b *driverBuild, rootfs, sidecars string) map[string]string {
+// fio) and the CSI sidecars' images (the controller's only into the
+// nodes named in controllerNodes, when it names any); it returns the
+// sidecars' references by name.
+func (s *suite) importImages(b *driverBuild, rootfs, sidecars string, controllerNodes ...string) map[string]string {
 	t := s.t
 	sidecarImages := map[string]string{}
 	s.step("build and import the images", func() {
@@ -460,9 +461,11 @@ func (s *suite) importImages(b *driverBuild, rootfs, sidecars string) map[string
 			t.Fatalf("the driver's image: %v\n%s", err, lastLines(build, 60))
 		}
 		t.Logf("the driver's image: %s", lastLines(build, 1))
+		began := time.Now()
 		if err := s.c.ImportImage(s.ctx, b.tar); err != nil {
 			t.Fatal(err)
 		}
+		t.Logf("the driver's image imported in %v", time.Since(began).Round(time.Millisecond))
 		var images []Image
 		fio, err := fioFiles()
 		if err != nil {
@@ -473,12 +476,19 @@ func (s *suite) importImages(b *driverBuild, rootfs, sidecars string) map[string
 		// csi-snapshotter and snapshot-controller at the chart's versions;
 		// stand-ins of the registrar and the livenessprobe
 		// (hack/sidecars.sh).
+		var controllers []Image
 		for _, name := range []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "snapshot-controller", "csi-node-driver-registrar", "livenessprobe"} {
 			ref := "mpnbd.local/" + name + ":e2e"
 			sidecarImages[name] = ref
-			images = append(images, Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}})
+			im := Image{Ref: ref, Files: map[string]string{"/" + name: filepath.Join(sidecars, name)}, Entrypoint: []string{"/" + name}}
+			if name == "csi-node-driver-registrar" || name == "livenessprobe" {
+				images = append(images, im)
+			} else {
+				controllers = append(controllers, im)
+			}
 		}
 		s.importBuilt(images)
+		s.importBuilt(controllers, controllerNodes...)
 	})
 	return sidecarImages
 }
@@ -511,16 +521,20 @@ func (s *suite) waitDriverReady(storageNodes, nodes []string) {
 	})
 }
 
-// importBuilt builds each image's tarball and imports it into the nodes.
-func (s *suite) importBuilt(images []Image) {
+// importBuilt builds each image's tarball and imports it into the nodes
+// (those named in only, when it names any).
+func (s *suite) importBuilt(images []Image, only ...string) {
 	for _, im := range images {
 		tarPath := filepath.Join(s.dir, strings.NewReplacer("/", "_", ":", "_").Replace(im.Ref)+".tar")
+		began := time.Now()
 		if err := im.Build(tarPath); err != nil {
 			s.t.Fatal(err)
 		}
-		if err := s.c.ImportImage(s.ctx, tarPath); err != nil {
+		built := time.Now()
+		if err := s.c.ImportImage(s.ctx, tarPath, only...); err != nil {
 			s.t.Fatal(err)
 		}
+		s.t.Logf("image %s: built in %v, imported in %v", im.Ref, built.Sub(began).Round(time.Millisecond), time.Since(built).Round(time.Millisecond))
 	}
 }
 
