@@ -22,6 +22,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -32,7 +33,8 @@ import (
 )
 
 // envNodesOnly, a regexp, runs only TestDriverOnNodes's scenarios whose
-// names (rwo, shared, death, partition, replicas) it matches.
+// names (rwo, shared, death, partition, storage, spread, restarts,
+// replicas) it matches.
 const envNodesOnly = "MPNBD_NODES_ONLY"
 
 // TestDriverOnNodes installs the driver with its Helm chart on a cluster
@@ -41,17 +43,20 @@ const envNodesOnly = "MPNBD_NODES_ONLY"
 // controller), every node with four 1 Gbit storage NICs. What only
 // several nodes can show: a ReadWriteOnce volume used from two nodes in
 // turn (the second pod waits, Multi-Attach, until the first is gone, then
-// reads its data); ReadWriteMany Block on two nodes at once and
-// ReadWriteOncePod across two; a worker node that dies, or is cut off,
+// reads its data); ReadWriteMany Block on two nodes at once,
+// ReadWriteOncePod across two, and ReadOnlyMany (a clone of a written
+// volume) read on two at once; a worker node that dies, or is cut off,
 // under a writer (its pod moved by the out-of-service taint to another
 // node, which reads every write acknowledged before the loss; the node,
-// back, fenced: none of its old session's writes lands); and a storage
-// node that dies under fio --verify on a replicated volume it is the
+// back, fenced: none of its old session's writes lands); a storage node
+// that dies under fio --verify on an unreplicated volume (the I/O waits
+// and goes on when it is back, what an operator sees meanwhile checked);
+// and one that dies under fio --verify on a replicated volume it is the
 // primary of (failed over, no I/O error; back, copied in sync again).
 func TestDriverOnNodes(t *testing.T) {
 	requireCluster(t)
 	helm, rootfs, sidecars := suiteTools(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
 	defer cancel()
 	root, err := repo.Root()
 	if err != nil {
@@ -74,7 +79,8 @@ func TestDriverOnNodes(t *testing.T) {
 		s.c = c
 	})
 	defer s.down()
-	sidecarImages := s.importImages(driverBuilt, rootfs, sidecars)
+	// The controller's sidecars only where it runs (node-d).
+	sidecarImages := s.importImages(driverBuilt, rootfs, sidecars, "node-d")
 	s.step("helm install", func() {
 		var cidrs []string
 		for i := 1; i <= StoragePaths; i++ {
@@ -119,6 +125,9 @@ storageAgent:
 		{"shared", s.sharedAccessScenario},
 		{"death", func() { s.nodeLossScenario(true) }},
 		{"partition", func() { s.nodeLossScenario(false) }},
+		{"storage", s.storageLossScenario},
+		{"spread", s.spreadScenario},
+		{"restarts", s.restartsScenario},
 		{"replicas", s.replicaFailoverScenario},
 	} {
 		if only.MatchString(sc.name) {
@@ -243,6 +252,49 @@ echo bad=$bad`, from, to, gen))
 		}
 		s.kubectl("delete", "pod", "rwop-b", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "rwop", "--wait=true", "--timeout=120s")
+	})
+	s.step("rox: a written volume's clone read on node-a and node-c at once, read-only", func() {
+		s.apply(pvc("rox-src", "mpnbd-ext4", "256Mi", false))
+		sum := field(s.runPod("rox-w", onNode(pod("rox-w", "rox-src",
+			`head -c 32M /dev/urandom > /data/file && sync && echo sum=$(sha256sum /data/file | cut -d' ' -f1)`, false), "node-a")), "sum")
+		if len(sum) != 64 {
+			t.Fatalf("the writer printed sum %q", sum)
+		}
+		s.apply(withAccessMode(pvcFrom("rox", "mpnbd-ext4", "256Mi", "PersistentVolumeClaim", "rox-src"), "ReadOnlyMany"))
+		reader := func(name, node string) string {
+			return onNode(podSpec(name, "", `echo sum=$(sha256sum /data/file | cut -d' ' -f1)
+if touch /data/new 2>/dev/null; then echo writable=yes; else echo writable=no; fi
+sleep 3600`, `volumeMounts: [{name: data, mountPath: /data, readOnly: true}]`,
+				"{name: data, persistentVolumeClaim: {claimName: rox, readOnly: true}}"), node)
+		}
+		s.startPod("rox-a", reader("rox-a", "node-a"))
+		s.startPod("rox-c", reader("rox-c", "node-c"))
+		for _, p := range []string{"rox-a", "rox-c"} {
+			var out string
+			s.waitFor(p+" to read the file", 2*time.Minute, func() string {
+				out, _ = s.c.Kubectl(s.ctx, "logs", p)
+				if field(out, "writable") == "" {
+					return "log: " + out
+				}
+				return ""
+			})
+			if got, w := field(out, "sum"), field(out, "writable"); got != sum || w != "no" {
+				t.Fatalf("%s read sha256 %q (want %q) and found the volume writable=%s (want no)", p, got, sum, w)
+			}
+		}
+		pv := s.jsonpath("{.spec.volumeName}", "get", "pvc", "rox")
+		var on []string
+		for _, va := range strings.Fields(s.jsonpath(`{range .items[*]}{.spec.source.persistentVolumeName}/{.spec.nodeName}{" "}{end}`, "get", "volumeattachments")) {
+			if v, node, _ := strings.Cut(va, "/"); v == pv {
+				on = append(on, node)
+			}
+		}
+		if slices.Sort(on); !slices.Equal(on, []string{"node-a", "node-c"}) {
+			t.Errorf("the clone is attached on %v, want node-a and node-c", on)
+		}
+		t.Logf("rox: the clone read on node-a and node-c at once, the same sha256 as written, read-only on both")
+		s.kubectl("delete", "pod", "rox-a", "rox-c", "--wait=true", "--timeout=120s")
+		s.kubectl("delete", "pvc", "rox", "rox-src", "--wait=true", "--timeout=120s")
 	})
 }
 
@@ -457,7 +509,7 @@ provisioner: nbd.mptcp.mpnbd.io
 parameters: {transport: fuse, replicas: "2"}
 `)
 	s.apply(pvc("repl", "mpnbd-replicated-block", "256Mi", true))
-	s.startPod("repl-fio", onNode(fioPod("repl-fio", "repl", 100*time.Second), "node-d"))
+	s.startPod("repl-fio", onNode(fioPod("repl-fio", "repl", 15*time.Minute), "node-d"))
 	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "repl")
 	var primary string
 	s.step("replicas: two in sync under fio", func() {
@@ -473,12 +525,7 @@ parameters: {transport: fuse, replicas: "2"}
 		}
 		time.Sleep(15 * time.Second)
 	})
-	var dead *Node
-	for _, n := range s.c.Nodes {
-		if n.Name == primary {
-			dead = n
-		}
-	}
+	dead := s.node(primary)
 	s.step("replicas: the primary's storage node dies under fio", func() {
 		killed := time.Now()
 		if err := dead.Kill(); err != nil {
@@ -492,11 +539,8 @@ parameters: {transport: fuse, replicas: "2"}
 		})
 		t.Logf("replicas: primary %s died; failed over to %s %v later", primary,
 			s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id), time.Since(killed).Round(time.Second))
-		out := s.waitPod("repl-fio", 6*time.Minute)
-		rounds := field(out, "rounds")
-		if rounds == "" {
-			t.Fatalf("fio pod output %q", out)
-		}
+		out := s.stopFio("repl-fio", 3)
+		rounds := s.fioRounds("repl-fio", out)
 		t.Logf("replicas: fio --verify across the death of the primary's storage node: %s verified rounds, 0 errors, longest I/O %v", rounds, longestIO(out))
 		s.kubectl("delete", "pod", "repl-fio", "--wait=true", "--timeout=120s")
 	})

@@ -66,22 +66,55 @@ func fioFiles() (map[string]string, error) {
 // glibc matches the libraries of glibc, which the image's base has.
 var glibc = regexp.MustCompile(`^(ld-linux.*|libc|libm|libpthread|libdl|librt|libresolv|libutil)\.so`)
 
-// fioPod runs fio write+verify rounds on the claim's block device for
-// about d, a new random order each round, and prints rounds=N when every
-// round verified; a failed round fails the pod with fio's output. Each
-// round's completion latency lines are printed too (longestIO).
+// fioPod runs fio write+verify rounds on the claim's block device, a new
+// random order each round, until it is told to stop (stopFio) or for at
+// most d, and prints rounds=N when every round verified; a failed round
+// fails the pod with fio's output. Each round prints its completion
+// latency lines (longestIO) and "round N verified".
 func fioPod(name, claim string, d time.Duration) string {
 	script := fmt.Sprintf(`end=$(( $(date +%%s) + %d )); n=0
-while [ "$(date +%%s)" -lt "$end" ]; do
+while [ "$(date +%%s)" -lt "$end" ] && [ ! -e %s ]; do
   n=$((n+1))
   LD_LIBRARY_PATH=/opt/fio/lib /opt/fio/bin/fio --name=verify --filename=/dev/xvda --direct=1 --ioengine=libaio --iodepth=16 --rw=randwrite --bs=4k \
     --size=32M --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 --randrepeat=0 --randseed=$n \
     --output=/tmp/fio.out || { echo "round $n failed"; cat /tmp/fio.out; exit 1; }
   grep -q "err= 0" /tmp/fio.out || { echo "round $n reported an error"; cat /tmp/fio.out; exit 1; }
   grep -E "^ +clat \(" /tmp/fio.out | sed "s/^ */round $n /"
+  echo "round $n verified"
 done
-echo rounds=$n`, int(d.Seconds()))
+echo rounds=$n`, int(d.Seconds()), fioStopFile)
 	return strings.Replace(pod(name, claim, script, true), "image: "+driverImage, "image: "+fioImage, 1)
+}
+
+// fioStopFile, once it exists in a fioPod, ends its rounds.
+const fioStopFile = "/tmp/fio-stop"
+
+// roundVerified matches a fioPod's line for a round that verified.
+var roundVerified = regexp.MustCompile(`(?m)^round [0-9]+ verified$`)
+
+// stopFio lets a fioPod run more rounds after now (I/O after the faults
+// before it), then tells it to stop, waits (bounded) for it to finish
+// and returns its output.
+func (s *suite) stopFio(name string, more int) string {
+	s.t.Helper()
+	verified := func() int {
+		out, _ := s.c.Kubectl(s.ctx, "logs", name)
+		return len(roundVerified.FindAllString(out, -1))
+	}
+	from := verified()
+	s.waitFor(fmt.Sprintf("pod %s to verify %d more rounds", name, more), 5*time.Minute, func() string {
+		if p := s.jsonpath("{.status.phase}", "get", "pod", name); p != "Running" {
+			return "" // finished (or failed: waitPod says)
+		}
+		if n := verified() - from; n < more {
+			return fmt.Sprintf("%d more rounds verified", n)
+		}
+		return ""
+	})
+	if _, err := s.c.Kubectl(s.ctx, "exec", name, "--", "touch", fioStopFile); err != nil {
+		s.t.Logf("telling fio pod %s to stop: %v (it finished?)", name, err)
+	}
+	return s.waitPod(name, 3*time.Minute)
 }
 
 // clatLine is a completion latency line of fio's output:
@@ -133,7 +166,7 @@ round 2    clat (nsec): min=900, max=95000, avg=1000.00, stdev=1.1`
 func (s *suite) restartScenario() {
 	t := s.t
 	s.apply(pvc("restart", "mpnbd-block", "256Mi", true))
-	s.startPod("restart-fio", fioPod("restart-fio", "restart", 150*time.Second))
+	s.startPod("restart-fio", fioPod("restart-fio", "restart", 15*time.Minute))
 	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "restart")
 	time.Sleep(10 * time.Second)
 	s.step("restart: rollout restart of the node plugin mid-fio", func() {
@@ -175,7 +208,7 @@ func (s *suite) restartScenario() {
 		s.storageAgentAway(id)
 	})
 	s.step("restart: fio finishes, every block verified", func() {
-		rounds := s.waitFio("restart-fio", 6*time.Minute)
+		rounds := s.fioRounds("restart-fio", s.stopFio("restart-fio", 2))
 		t.Logf("fio across a node plugin rollout restart, a node plugin pod deletion, a datapath rollout restart (handover) and a storage agent pod deletion: %s verified rounds, 0 errors", rounds)
 		s.kubectl("delete", "pod", "restart-fio", "--wait=true", "--timeout=120s")
 		s.kubectl("delete", "pvc", "restart", "--wait=true", "--timeout=120s")
@@ -216,18 +249,7 @@ func (s *suite) waitHealthy(id string) {
 // storage node; then Ready again, with a StorageNodeReady Event.
 func (s *suite) storageAgentAway(id string) {
 	t := s.t
-	// Events of the storage node: how many times each reason was
-	// recorded (the counts of its Event objects: repeats are counted on
-	// one object).
-	events := func(reason string) int {
-		n := 0
-		for _, c := range strings.Fields(s.jsonpath("{.items[*].count}", "get", "events", "-A",
-			"--field-selector", "involvedObject.kind=NBDStorageNode,involvedObject.name="+s.c.NodeName+",reason="+reason)) {
-			k, _ := strconv.Atoi(c)
-			n += k
-		}
-		return n
-	}
+	events := func(reason string) int { return s.storageNodeEvents(s.c.NodeName, reason) }
 	notReadyBefore, readyBefore := events("StorageNodeNotReady"), events("StorageNodeReady")
 	old := s.agentAway()
 	s.waitFor("the volume not Reachable", 30*time.Second, func() string {
@@ -250,6 +272,19 @@ func (s *suite) storageAgentAway(id string) {
 		}
 		return ""
 	})
+}
+
+// storageNodeEvents is how many times reason was recorded on storage node
+// node's NBDStorageNode (the counts of its Event objects: repeats are
+// counted on one object).
+func (s *suite) storageNodeEvents(node, reason string) int {
+	n := 0
+	for _, c := range strings.Fields(s.jsonpath("{.items[*].count}", "get", "events", "-A",
+		"--field-selector", "involvedObject.kind=NBDStorageNode,involvedObject.name="+node+",reason="+reason)) {
+		k, _ := strconv.Atoi(c)
+		n += k
+	}
+	return n
 }
 
 // storageReady is the storage node's Ready condition, "status/reason".
