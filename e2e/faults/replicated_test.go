@@ -47,6 +47,7 @@ import (
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/attach/fuse"
+	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 )
 
@@ -383,11 +384,28 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 	}
 	done := make(chan struct{})
 	go func() { cmd.Wait(); close(done) }()
+	// The loop device the client attached, and its backing file as
+	// bound then (a fuse volume's: dev:ino on its FUSE mount).
+	var loopDev string
+	var loopBacking [2]uint64
 	t.Cleanup(func() {
 		if e.abandoned[target.VolumeID] {
 			cmd.Process.Kill()
 			<-done
 			killByEnv(clientStateEnv + "=" + state)
+			// A client killed attached leaves its loop device bound to
+			// a file on a dead FUSE mount: detached, as a node's
+			// cleanup would, if it still holds that file.
+			if st, err := blockdev.StatLoop(loopDev); loopDev != "" && err == nil && [2]uint64{st.BackingDevice, st.BackingInode} == loopBacking {
+				switch err := blockdev.DetachLoop(loopDev); {
+				case errors.Is(err, blockdev.ErrLoopBusy):
+					// Still open (a write of the test's waiting on
+					// it): the kernel detaches it at the last close.
+					t.Logf("%s, left by the killed client, detaches at its last close (%v)", loopDev, err)
+				case err != nil:
+					t.Errorf("detaching %s, left by the killed client: %v", loopDev, err)
+				}
+			}
 			return
 		}
 		stdin.Close()
@@ -422,6 +440,9 @@ func (e *replicatedEnv) startClient(target attach.Target) string {
 	case d, ok := <-dev:
 		if !ok {
 			t.Fatal("the client exited before it attached")
+		}
+		if st, err := blockdev.StatLoop(d); err == nil {
+			loopDev, loopBacking = d, [2]uint64{st.BackingDevice, st.BackingInode}
 		}
 		return d
 	case <-time.After(90 * time.Second):
