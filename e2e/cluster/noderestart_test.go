@@ -15,6 +15,8 @@
 package cluster
 
 import (
+	"fmt"
+	"strings"
 	"time"
 )
 
@@ -103,10 +105,17 @@ func (s *suite) restartsScenario() {
 		s.kubectl("rollout", "restart", "daemonset/mpnbd-datapath", "-n", namespace)
 		s.kubectl("rollout", "status", "daemonset/mpnbd-datapath", "-n", namespace, "--timeout=5m")
 		for _, n := range workers {
-			p := podOn("datapath", n)
-			if p == old[n] {
-				t.Fatalf("the datapath pod on %s is still %s after the rollout", n, p)
-			}
+			// A surge: the old pod goes once the new one took over.
+			var p string
+			s.waitFor("the old datapath pod on "+n+" to go", 2*time.Minute, func() string {
+				names := strings.Fields(s.jsonpath("{.items[*].metadata.name}", "get", "pods", "-n", namespace,
+					"-l", "app.kubernetes.io/component=datapath", "--field-selector", "spec.nodeName="+n))
+				if len(names) != 1 || names[0] == old[n] {
+					return fmt.Sprintf("datapath pods on %s: %v (the old one %s)", n, names, old[n])
+				}
+				p = names[0]
+				return ""
+			})
 			if logs := s.kubectl("logs", "-n", namespace, p, "--tail=-1"); !takenOver(logs, ids[n]) {
 				t.Fatalf("the new datapath on %s did not take volume %s over from %s:\n%s", n, ids[n], old[n], lastLines([]byte(logs), 20))
 			}
