@@ -43,7 +43,7 @@ import (
 // that holds its lease and stops reporting is HeartbeatStale.
 func TestStorageNodeConditions(t *testing.T) {
 	const ns = testNamespace
-	c, ctl := leaseTestEnv(t)
+	c, ctl := controllerTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
@@ -234,7 +234,7 @@ func TestStorageNodeConditions(t *testing.T) {
 // agent renews its lease releases nothing. When the lost node's agent comes
 // back, its volume is Reachable again.
 func TestStorageNodeLostForGood(t *testing.T) {
-	c, asController := leaseTestEnv(t)
+	c, asController := controllerTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	for _, n := range []string{"s1", "s2"} {

@@ -28,7 +28,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
-	"github.com/mpnbd/mpnbd/internal/testenv/apiserver"
 	"github.com/mpnbd/mpnbd/pkg/access"
 )
 
@@ -36,20 +35,10 @@ import (
 // kube-apiserver (with the CRDs of deploy/crds) and a simulated storage
 // agent.
 func TestControllerAPIServer(t *testing.T) {
-	cfg, c := apiserver.Start(t)
-	ctx := context.Background()
-	if err := c.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNamespace}}); err != nil {
-		t.Fatal(err)
-	}
 	// The controller acts as its ServiceAccount, with the deploy tree's
 	// RBAC: a call that needs more than it grants fails here.
-	if err := apiserver.Apply(ctx, c, "deploy/rbac-controller.yaml"); err != nil {
-		t.Fatal(err)
-	}
-	asController, err := client.New(apiserver.As(cfg, "mpnbd-controller", ""), client.Options{Scheme: c.Scheme()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, asController := controllerTestEnv(t)
+	ctx := context.Background()
 	now := time.Now()
 	putStorageNode(t, c, "big", 100*gib, map[string]string{"zone": "a"}, nil, now)
 	putStorageNode(t, c, "small", 10*gib, map[string]string{"zone": "b"}, map[string]string{"tier": "fast"}, now)

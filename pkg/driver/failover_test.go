@@ -47,7 +47,7 @@ import (
 // promotion recorded and not moved is finished.
 func TestFailoverCheck(t *testing.T) {
 	const ns = testNamespace
-	c, ctl := leaseTestEnv(t)
+	c, ctl := controllerTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	clock := func() time.Time { return now }
@@ -190,7 +190,7 @@ func waitEvents(t *testing.T, c client.Client, cond func([]corev1.Event) string)
 // it, the replica stays.
 func TestFailoverReplacesLost(t *testing.T) {
 	const ns = testNamespace
-	c, ctl := leaseTestEnv(t)
+	c, ctl := controllerTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	renew := func(node string) { renewLease(t, c, ns, node, now) }
@@ -332,13 +332,13 @@ func TestFailoverReplacesLost(t *testing.T) {
 	}
 }
 
-// leaseTestEnv starts a real API server with the controller's namespace
+// controllerTestEnv starts a real API server with the controller's namespace
 // (testNamespace), in which the storage agents' leases are, and the deploy
 // tree's RBAC of the controller. It returns an admin client, for what the
 // agents and the test do, and one acting as the controller's
 // ServiceAccount, for the Failover: a call it makes that the RBAC does not
 // grant fails the test.
-func leaseTestEnv(t *testing.T) (admin, asController client.Client) {
+func controllerTestEnv(t *testing.T) (admin, asController client.Client) {
 	t.Helper()
 	cfg, c := apiserver.Start(t)
 	ctx := context.Background()
@@ -384,7 +384,7 @@ func renewLease(t *testing.T, c client.Client, ns, node string, now time.Time) {
 // stays. A cordoned node takes no new volume.
 func TestFailoverDrain(t *testing.T) {
 	const ns = testNamespace
-	c, ctl := leaseTestEnv(t)
+	c, ctl := controllerTestEnv(t)
 	ctx := context.Background()
 	now := time.Now()
 	const gi = int64(1) << 30
