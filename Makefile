@@ -25,7 +25,7 @@ soak: deps
 	MPNBD_SOAK=1 RELAY_CRASH_POINTS=2000 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./pkg/relay
 	cd e2e && MPNBD_SOAK=1 go test -count=1 -timeout 60m -v -run 'Fault|Fuse|Crash' ./faults
 	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_CLUSTER_SCALE=10,25,50,100 go test -count=1 -timeout 90m -v -run TestDriverOnCluster ./cluster
-	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_CLUSTER_KUBE_STORAGE_ONLY=1 MPNBD_KUBE_STORAGE_FOCUS=all go test -count=1 -timeout 90m -v -run TestDriverOnCluster ./cluster
+	cd e2e && MPNBD_CLUSTER_REQUIRE=1 MPNBD_NODES_ONLY=kube MPNBD_KUBE_STORAGE_FOCUS=all go test -count=1 -timeout 120m -v -run TestDriverOnNodes ./cluster
 	bash hack/vm-kernel-mptcp.sh
 	cd e2e && MPNBD_SOAK=1 MPNBD_VM_REQUIRE=1 MPNBD_VM_MPTCP_REQUIRE=1 \
 	  MPNBD_VM_RUN='TestTransportsServerKills|TestTransportsLongOutage|TestTransportsSilentStorage|TestTransportsSilentPath|TestPluginRestartDuringOutage|TestServerStallPastRequestTimeout|TestReadoptHealthyDevices' \

@@ -36,10 +36,6 @@ import (
 // Flaky ones (make soak); unset, the subset below.
 const envKubeStorageFocus = "MPNBD_KUBE_STORAGE_FOCUS"
 
-// envKubeStorageOnly, set to anything, runs kubeStorageScenario alone
-// right after the driver is installed.
-const envKubeStorageOnly = "MPNBD_CLUSTER_KUBE_STORAGE_ONLY"
-
 // kubeStorageSubset is what make test runs: on dynamically provisioned
 // volumes, one spec or two of each suite that exercises what the driver
 // claims (provisioning from a claim and from a snapshot, data kept,
@@ -49,8 +45,12 @@ var kubeStorageSubset = `External.Storage.*(\[Testpattern: Dynamic PV[^]]*\].*(`
 	`provisioning should provision storage with snapshot data source \[`,
 	`volumes should store data`,
 	`volumeMode should fail to use a volume in a pod with mismatched mode`,
+	`volumeMode should not mount / map unused volumes in a pod`,
 	`volume-expand should resize volume when PVC is edited while pod is using it`,
 }, "|") + `)|\[Testpattern: Dynamic Snapshot \(delete policy\)\] snapshottable .* should check snapshot fields)`
+
+// kubeStorageAllLimit bounds a run of every spec (make soak).
+const kubeStorageAllLimit = 75 * time.Minute
 
 // kubeStorageSkip are the specs never run here, and why.
 var kubeStorageSkip = map[string]string{
@@ -94,12 +94,12 @@ func (s *suite) kubeStorageScenario() {
 		}
 		s.importBuilt(images)
 
-		focus := os.Getenv(envKubeStorageFocus)
+		focus, limit := os.Getenv(envKubeStorageFocus), 35*time.Minute
 		switch focus {
 		case "":
 			focus = kubeStorageSubset
 		case "all":
-			focus = `External.Storage`
+			focus, limit = `External.Storage`, kubeStorageAllLimit
 		}
 		var skips []string
 		for re, why := range kubeStorageSkip {
@@ -119,10 +119,10 @@ func (s *suite) kubeStorageScenario() {
 		if err := os.MkdirAll(out, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithTimeout(s.ctx, 40*time.Minute)
+		ctx, cancel := context.WithTimeout(s.ctx, limit+5*time.Minute)
 		defer cancel()
 		args := []string{"-p", "--procs=2", "--focus=" + focus, "--skip=" + strings.Join(skips, "|"),
-			"--timeout=35m", "--output-dir=" + out, "--json-report=report.json", "--no-color",
+			"--timeout=" + limit.String(), "--output-dir=" + out, "--json-report=report.json", "--no-color",
 			e2eTest, "--",
 			"-kubeconfig=" + s.c.Kubeconfig,
 			"-kubectl-path=" + filepath.Join(KubeBin(), "kubectl"),

@@ -33,15 +33,17 @@ import (
 )
 
 // envNodesOnly, a regexp, runs only TestDriverOnNodes's scenarios whose
-// names (rwo, shared, death, partition, storage, spread, restarts,
+// names (kube, rwo, shared, death, partition, storage, spread, restarts,
 // replicas) it matches.
 const envNodesOnly = "MPNBD_NODES_ONLY"
 
 // TestDriverOnNodes installs the driver with its Helm chart on a cluster
 // of four nodes, each a host of its own (Node): node-a and node-b are
 // storage nodes, node-c and node-d workers only (node-d runs the
-// controller), every node with four 1 Gbit storage NICs. What only
-// several nodes can show: a ReadWriteOnce volume used from two nodes in
+// controller), every node with four 1 Gbit storage NICs. First
+// Kubernetes' own storage suites for external drivers
+// (kubeStorageScenario), with pods on any node; then what only several
+// nodes can show: a ReadWriteOnce volume used from two nodes in
 // turn (the second pod waits, Multi-Attach, until the first is gone, then
 // reads its data); ReadWriteMany Block on two nodes at once,
 // ReadWriteOncePod across two, and ReadOnlyMany (a clone of a written
@@ -56,7 +58,11 @@ const envNodesOnly = "MPNBD_NODES_ONLY"
 func TestDriverOnNodes(t *testing.T) {
 	requireCluster(t)
 	helm, rootfs, sidecars := suiteTools(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 35*time.Minute)
+	limit := 35 * time.Minute
+	if os.Getenv(envKubeStorageFocus) == "all" {
+		limit += kubeStorageAllLimit
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	root, err := repo.Root()
 	if err != nil {
@@ -81,6 +87,7 @@ func TestDriverOnNodes(t *testing.T) {
 	defer s.down()
 	// The controller's sidecars only where it runs (node-d).
 	sidecarImages := s.importImages(driverBuilt, rootfs, sidecars, "node-d")
+	s.installSnapshotAPI(sidecars, MgmtGateway, "node-d")
 	s.step("helm install", func() {
 		var cidrs []string
 		for i := 1; i <= StoragePaths; i++ {
@@ -88,8 +95,7 @@ func TestDriverOnNodes(t *testing.T) {
 		}
 		// Every node's storage addresses by subnet (one value for all):
 		// clients dial path 1, the agents announce paths 2..4.
-		s.writeValues(valuesHead(sidecarImages, MgmtGateway) + fmt.Sprintf(`snapshots: {enabled: false}
-controller:
+		s.writeValues(valuesHead(sidecarImages, MgmtGateway) + fmt.Sprintf(`controller:
   hostNetwork: true
   # Where the test kills no node.
   nodeSelector: {kubernetes.io/hostname: node-d}
@@ -102,7 +108,8 @@ storageAgent:
   storageAddresses: [%s]
   signalNICs: [%s]
 `, strings.Join(cidrs, ","), strings.Join(cidrs, ","), cidrs[0], strings.Join(cidrs[1:], ",")))
-		if out, err := s.helm("install", "mpnbd", s.chart, "--create-namespace", "--values", s.values, "--wait=false"); err != nil {
+		if out, err := s.helm("install", "mpnbd", s.chart, "--create-namespace", "--values", s.values,
+			"--set", "sidecars.snapshotter.image="+sidecarImages["csi-snapshotter"], "--wait=false"); err != nil {
 			t.Fatalf("helm install: %v\n%s", err, out)
 		}
 	})
@@ -121,6 +128,7 @@ storageAgent:
 		name string
 		run  func()
 	}{
+		{"kube", s.kubeStorageScenario},
 		{"rwo", s.rwoAcrossNodesScenario},
 		{"shared", s.sharedAccessScenario},
 		{"death", func() { s.nodeLossScenario(true) }},

@@ -31,7 +31,7 @@ const snapshotControllerImage = "mpnbd.local/snapshot-controller:e2e"
 // every CSI driver's snapshots: the snapshot.storage.k8s.io CRDs and the
 // snapshot-controller with its RBAC, all of the snapshotter's release
 // (hack/sidecars.sh, snapshot-manifests/).
-func (s *suite) installSnapshotAPI(sidecars string) {
+func (s *suite) installSnapshotAPI(sidecars, apiHost, node string) {
 	t := s.t
 	s.step("the snapshot API: CRDs and snapshot-controller", func() {
 		dir := filepath.Join(sidecars, "snapshot-manifests")
@@ -43,7 +43,12 @@ func (s *suite) installSnapshotAPI(sidecars string) {
 			s.kubectl("apply", "-f", f)
 		}
 		// The release's own Deployment, as a cluster without kube-proxy
-		// runs it: on the host network, told where the API server is.
+		// runs it: on the host network, told where the API server is
+		// (apiHost), on node when one is named (where its image is).
+		placement := ""
+		if node != "" {
+			placement = "\n      nodeSelector: {kubernetes.io/hostname: " + node + "}"
+		}
 		s.apply(fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata: {name: snapshot-controller, namespace: kube-system}
@@ -54,7 +59,7 @@ spec:
     metadata: {labels: {app.kubernetes.io/name: snapshot-controller}}
     spec:
       serviceAccountName: snapshot-controller
-      hostNetwork: true
+      hostNetwork: true%s
       containers:
         - name: snapshot-controller
           image: %s
@@ -63,7 +68,7 @@ spec:
           env:
             - {name: KUBERNETES_SERVICE_HOST, value: %q}
             - {name: KUBERNETES_SERVICE_PORT, value: "%d"}
-`, snapshotControllerImage, PodGateway, APIServerPort))
+`, placement, snapshotControllerImage, apiHost, APIServerPort))
 		for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
 			s.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io")
 		}

@@ -259,7 +259,7 @@ func TestDriverOnCluster(t *testing.T) {
 
 	sidecarImages := s.importImages(driverBuilt, rootfs, sidecars)
 	s.snapshotterImage = sidecarImages["csi-snapshotter"]
-	s.installSnapshotAPI(sidecars)
+	s.installSnapshotAPI(sidecars, PodGateway, "")
 	s.kubectl("label", "node", s.c.NodeName, "mpnbd.io/storage-node=true")
 	dataDir := filepath.Join(s.dir, "volumes")
 	s.step("helm install", func() {
@@ -344,12 +344,6 @@ storageAgent:
 		s.uninstallScenario()
 		return
 	}
-	if os.Getenv(envKubeStorageOnly) != "" {
-		// Kubernetes' storage suites alone, on the driver of this chart.
-		s.kubeStorageScenario()
-		s.uninstallScenario()
-		return
-	}
 	if os.Getenv(envTokensOnly) != "" {
 		// The token scenario alone, with the driver of this chart and
 		// its admission policies.
@@ -364,7 +358,6 @@ storageAgent:
 	s.snapshotScenario(dataDir)
 	s.sidecarEndpointsScenario()
 	s.blockScenario()
-	s.kubeStorageScenario()
 	s.measureResources("after the upgrade, the filesystem, expansion, snapshot and block scenarios")
 	s.scaleScenario()
 	s.restartScenario()
