@@ -34,7 +34,7 @@ import (
 
 // envNodesOnly, a regexp, runs only TestDriverOnNodes's scenarios whose
 // names (kube, rwo, shared, death, partition, storage, spread, restarts,
-// replicas) it matches.
+// replicas, lost) it matches.
 const envNodesOnly = "MPNBD_NODES_ONLY"
 
 // TestDriverOnNodes installs the driver with its Helm chart on a cluster
@@ -54,7 +54,9 @@ const envNodesOnly = "MPNBD_NODES_ONLY"
 // that dies under fio --verify on an unreplicated volume (the I/O waits
 // and goes on when it is back, what an operator sees meanwhile checked);
 // and one that dies under fio --verify on a replicated volume it is the
-// primary of (failed over, no I/O error; back, copied in sync again).
+// primary of (failed over, no I/O error; back, copied in sync again); and
+// one stopped for good under fio --verify (failed over, forgotten, its
+// replica replaced on a storage node that joined, which is then drained).
 func TestDriverOnNodes(t *testing.T) {
 	requireCluster(t)
 	helm, rootfs, sidecars := suiteTools(t)
@@ -137,6 +139,7 @@ storageAgent:
 		{"spread", s.spreadScenario},
 		{"restarts", s.restartsScenario},
 		{"replicas", s.replicaFailoverScenario},
+		{"lost", s.replicaLostScenario},
 	} {
 		if only.MatchString(sc.name) {
 			sc.run()
