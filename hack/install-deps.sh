@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(iproute2 nbd-server nbd-client nbdkit libnbd-bin qemu-utils qemu-system-x86 busybox-static fio mptcpd mptcpize iperf3 e2fsprogs xfsprogs util-linux etcd-server
   containerd runc containernetworking-plugins iptables nftables conntrack debootstrap openssl buildah
-  linux-source-6.1 flex bison libelf-dev bc libssl-dev prometheus qemu-user-static gnupg)
+  linux-source-6.1 flex bison libelf-dev bc libssl-dev prometheus qemu-user-static gnupg socat)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

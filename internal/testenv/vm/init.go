@@ -59,6 +59,7 @@ while read -r mod args; do
 	[ -n "$mod" ] || continue
 	insmod "$mod" $args || fail "insmod ${mod##*/} $args"
 done </etc/mpnbd-vm/modules
+. /etc/mpnbd-vm/net
 
 . /etc/mpnbd-vm/env
 cd /

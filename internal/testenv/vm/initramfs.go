@@ -333,6 +333,14 @@ func buildInitramfs(dst string, cfg *Config, nonce string) error {
 	if err := r.file(guestConfigDir+"/payload", 0o755, cfg.Cmd+"\n"); err != nil {
 		return err
 	}
+	// The NIC of the host forwards, set up by init (fail is its own).
+	net := ""
+	if len(cfg.HostForwards) > 0 {
+		net = fmt.Sprintf("ip link set eth0 up || fail \"eth0 up\"\nip addr add %s/24 dev eth0 || fail \"eth0's address\"\n", GuestAddr)
+	}
+	if err := r.file(guestConfigDir+"/net", 0o644, net); err != nil {
+		return err
+	}
 	if err := r.file("/init", 0o755, initScript(nonce)); err != nil {
 		return err
 	}

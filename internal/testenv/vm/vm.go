@@ -24,7 +24,9 @@
 // before powering off. qemu runs with TCG (no KVM needed), no network
 // device and no disk: networking tests build veth pairs between network
 // namespaces inside the guest, and block devices come from brd, loop or
-// nbd.
+// nbd. A guest that needs a service of the host (a Kubernetes API
+// server) is given a NIC whose only way out is the TCP forwards its
+// Config names (HostForwards).
 //
 // Run boots one VM for a Config. Default provides a Config with a cached
 // Debian cloud kernel fetched by hack/vm-kernel.sh; RunGoTest builds a Go
@@ -101,6 +103,46 @@ type Config struct {
 	QEMU string
 	// Accel is the qemu accelerator (default: $MPNBD_VM_ACCEL or "tcg").
 	Accel string
+	// HostForwards carry the guest's TCP connections to ports of
+	// HostAddr to addresses on the host (each connection through a socat
+	// the host runs for it). With any, the guest has a NIC, eth0, at
+	// GuestAddr on a network of qemu's user mode that reaches nothing
+	// else; the guest kernel needs virtio_net (in Modules where it is a
+	// module).
+	HostForwards []HostForward
+}
+
+// A HostForward carries the guest's connections to HostAddr:Port to To
+// (host:port) on the host.
+type HostForward struct {
+	Port int
+	To   string
+}
+
+// The addresses of the guest's network when it has host forwards.
+const (
+	HostAddr  = "10.0.2.100"
+	GuestAddr = "10.0.2.15"
+)
+
+// nicArgs are qemu's network arguments: no NIC, or one whose only way out
+// is the host forwards.
+func nicArgs(fwds []HostForward) ([]string, error) {
+	if len(fwds) == 0 {
+		return []string{"-nic", "none"}, nil
+	}
+	socat, err := exec.LookPath("socat")
+	if err != nil {
+		return nil, fmt.Errorf("vm: host forwards need socat on the host (apt-get install socat): %w", err)
+	}
+	spec := "user,id=host,restrict=on,ipv6=off,net=10.0.2.0/24"
+	for _, f := range fwds {
+		if f.Port <= 0 || f.Port > 65535 || strings.ContainsAny(f.To, ", ") {
+			return nil, fmt.Errorf("vm: bad host forward %+v", f)
+		}
+		spec += fmt.Sprintf(",guestfwd=tcp:%s:%d-cmd:%s - TCP:%s", HostAddr, f.Port, socat, f.To)
+	}
+	return []string{"-netdev", spec, "-device", "virtio-net-pci,netdev=host,romfile="}, nil
 }
 
 // Result is what a VM run produced.
@@ -226,6 +268,10 @@ func runOnce(ctx context.Context, cfg Config) (Result, error) {
 	if cfg.KernelArgs != "" {
 		cmdline += " " + cfg.KernelArgs
 	}
+	nic, err := nicArgs(cfg.HostForwards)
+	if err != nil {
+		return res, err
+	}
 	args := []string{
 		"-nodefaults", "-no-user-config", "-no-reboot",
 		"-accel", cfg.Accel,
@@ -234,11 +280,13 @@ func runOnce(ctx context.Context, cfg Config) (Result, error) {
 		"-smp", strconv.Itoa(cfg.CPUs),
 		"-display", "none",
 		"-serial", "stdio",
-		"-nic", "none",
+	}
+	args = append(args, nic...)
+	args = append(args,
 		"-kernel", cfg.Kernel,
 		"-initrd", initrd,
 		"-append", cmdline,
-	}
+	)
 	cmd := exec.Command(qemu, args...)
 	con := newConsole(nonce, cfg.Output)
 	var stderr bytes.Buffer

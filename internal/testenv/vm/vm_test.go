@@ -18,9 +18,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -143,4 +146,52 @@ func TestVMSetupError(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "guest setup failed: insmod") {
 		t.Fatalf("Run = %v, want a setup error naming insmod\n%s", err, res.Log)
 	}
+}
+
+// TestVMHostForward: the guest's connections to HostAddr reach a server on
+// the host through Config.HostForwards, two at once, each its own
+// connection; nothing else of the host answers.
+func TestVMHostForward(t *testing.T) {
+	cfg := DefaultUblk(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nonce := strconv.FormatInt(time.Now().UnixNano(), 36)
+	var conns atomic.Int32
+	srv := &http.Server{
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			fmt.Fprintf(w, "%s served %s\n", nonce, r.URL.Path)
+		}),
+		ConnState: func(_ net.Conn, s http.ConnState) {
+			if s == http.StateNew {
+				conns.Add(1)
+			}
+		},
+	}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { srv.Close() })
+	cfg.HostForwards = []HostForward{{Port: 6443, To: ln.Addr().String()}}
+	// A port not forwarded, and the host's own address on the host's
+	// network, reach nothing.
+	cfg.Cmd = fmt.Sprintf(`wget -q -O- http://%[1]s:6443/a & wget -q -O- http://%[1]s:6443/b & wait
+wget -q -T 3 -O- http://%[1]s:6444/ && echo "unforwarded port answered"
+wget -q -T 3 -O- http://10.0.2.2:%[2]d/ && echo "the host answered"
+exit 0`, HostAddr, ln.Addr().(*net.TCPAddr).Port)
+	res, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("Run: %v\n%s", err, res.Log)
+	}
+	for _, want := range []string{nonce + " served /a", nonce + " served /b"} {
+		if !strings.Contains(res.Output, want) {
+			t.Errorf("guest output lacks %q:\n%s", want, res.Output)
+		}
+	}
+	if strings.Contains(res.Output, "answered") {
+		t.Errorf("the guest reached more than its forwards:\n%s", res.Output)
+	}
+	if n := conns.Load(); n != 2 {
+		t.Errorf("the host server saw %d connections, want 2", n)
+	}
+	t.Logf("VM with host forwards ran %v", res.Duration.Round(time.Millisecond))
 }
