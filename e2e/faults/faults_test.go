@@ -34,6 +34,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/e2e/internal/replenv"
 	"github.com/mpnbd/mpnbd/internal/testenv/pki"
 	"github.com/mpnbd/mpnbd/internal/testenv/repo"
 	"github.com/mpnbd/mpnbd/pkg/attach"
@@ -254,23 +255,8 @@ func (s *ourServer) start(t *testing.T) {
 
 func (s *ourServer) kill(t *testing.T) {
 	t.Helper()
-	killGroup(t, s.cmd, s.done, "our nbd-server")
+	replenv.KillGroup(t, s.cmd, s.done, "our nbd-server")
 	s.cmd = nil
-}
-
-// killGroup SIGKILLs the process group of cmd (nil: nothing runs) and
-// waits, bounded, for done (closed once cmd was waited for).
-func killGroup(t *testing.T, cmd *exec.Cmd, done <-chan struct{}, what string) {
-	t.Helper()
-	if cmd == nil {
-		return
-	}
-	syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("%s survived SIGKILL", what)
-	}
 }
 
 var buildOnce = sync.OnceValues(func() (string, error) {

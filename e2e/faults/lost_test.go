@@ -31,6 +31,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"github.com/mpnbd/mpnbd/api/v1alpha1"
+	"github.com/mpnbd/mpnbd/e2e/internal/replenv"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 )
@@ -49,40 +50,40 @@ func TestLostStorageNodeStaysFenced(t *testing.T) {
 	ctx := context.Background()
 	const name = "lost"
 	const size = 16 << 20
-	token := e.createPublished(name, size, "store-1")
-	e.waitFor("the volume served", time.Minute, func() string {
-		v := e.volume(name)
+	token := e.CreatePublished(name, size, "store-1")
+	e.WaitFor("the volume served", time.Minute, func() string {
+		v := e.Volume(name)
 		if v.Status.Phase != v1alpha1.VolumeAvailable || v.Status.ObservedGeneration != v.Generation {
 			return "status " + string(v.Status.Phase)
 		}
 		return ""
 	})
-	dev := e.startClient(attach.Target{VolumeID: name, Export: access.ExportName(name, token, 1), Addrs: e.servers("s1")})
+	dev := e.startClient(attach.Target{VolumeID: name, Export: access.ExportName(name, token, 1), Addrs: e.Servers("s1")})
 	before := make([]byte, 4<<20)
 	if _, err := rand.Read(before); err != nil {
 		t.Fatal(err)
 	}
-	if err := directIO(dev, before, 0, true); err != nil {
+	if err := replenv.DirectIO(dev, before, 0, true); err != nil {
 		t.Fatal(err)
 	}
 	want := sha256.Sum256(before)
 
-	h := e.hosts["store-1"]
-	h.die(t)
+	h := e.Hosts["store-1"]
+	h.Die(t)
 	// The old session's writes, left pending: none may land.
 	e.abandoned[name] = true
 	go func() {
 		after := bytes.Repeat([]byte{0x5a}, 1<<20)
 		for off := int64(0); off < 4<<20; off += 1 << 20 {
-			if directIO(dev, after, off, true) != nil {
+			if replenv.DirectIO(dev, after, off, true) != nil {
 				return
 			}
 		}
 	}()
 
-	e.waitFor("the controller's word that store-1's agent is not reporting", time.Minute, func() string {
+	e.WaitFor("the controller's word that store-1's agent is not reporting", time.Minute, func() string {
 		var sn v1alpha1.NBDStorageNode
-		if err := e.c.Get(ctx, client.ObjectKey{Name: h.node}, &sn); err != nil {
+		if err := e.C.Get(ctx, client.ObjectKey{Name: h.Node}, &sn); err != nil {
 			return err.Error()
 		}
 		for _, c := range sn.Status.Conditions {
@@ -96,14 +97,14 @@ func TestLostStorageNodeStaysFenced(t *testing.T) {
 		return "no Ready condition"
 	})
 	fctx, cancel := context.WithTimeout(ctx, time.Minute)
-	out, err := exec.CommandContext(fctx, filepath.Join(e.bin, "mpnbdctl"), "--kubeconfig", e.admin, "forget", h.node).CombinedOutput()
+	out, err := exec.CommandContext(fctx, filepath.Join(e.Bin, "mpnbdctl"), "--kubeconfig", e.Admin, "forget", h.Node).CombinedOutput()
 	cancel()
 	if err != nil {
-		t.Fatalf("mpnbdctl forget %s: %v\n%s", h.node, err, out)
+		t.Fatalf("mpnbdctl forget %s: %v\n%s", h.Node, err, out)
 	}
 	t.Logf("mpnbdctl forget:\n%s", out)
 
-	conn, err := grpc.NewClient(e.csi, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(e.CSI, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,15 +117,15 @@ func TestLostStorageNodeStaysFenced(t *testing.T) {
 		t.Fatalf("ControllerUnpublishVolume of a volume on a node lost for good: %v", err)
 	}
 	t.Logf("unpublished without the agent in %v", time.Since(start).Round(time.Millisecond))
-	if p := e.volume(name).Spec.Publications; len(p) != 0 {
+	if p := e.Volume(name).Spec.Publications; len(p) != 0 {
 		t.Fatalf("publications after the unpublish: %+v", p)
 	}
 
 	// The host back, its agent over the same data.
-	h.revive(t)
-	e.waitFor("store-1's agent back and Ready", 2*time.Minute, func() string {
+	h.Revive(t)
+	e.WaitFor("store-1's agent back and Ready", 2*time.Minute, func() string {
 		var sn v1alpha1.NBDStorageNode
-		if err := e.c.Get(ctx, client.ObjectKey{Name: h.node}, &sn); err != nil {
+		if err := e.C.Get(ctx, client.ObjectKey{Name: h.Node}, &sn); err != nil {
 			return err.Error()
 		}
 		for _, c := range sn.Status.Conditions {
@@ -137,7 +138,7 @@ func TestLostStorageNodeStaysFenced(t *testing.T) {
 	// Long enough for the client's redials (every few seconds at most)
 	// to reach the agent several times.
 	time.Sleep(15 * time.Second)
-	file := filepath.Join(h.dir, name+".img")
+	file := filepath.Join(h.Dir, name+".img")
 	b, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -57,6 +58,13 @@ type FabricConfig struct {
 	RateMbit int
 	// Subnet is the first two octets of the addresses (default "10.78").
 	Subnet string
+	// RootHost, if set, is the host (one of Hosts) that is the caller's
+	// own network namespace rather than one of the fabric's: where the
+	// kernel's nbd generic-netlink family resolves (only the initial
+	// namespace), in a VM guest given to the test. Its links go with the
+	// hub; Down also removes its MPTCP endpoints of the fabric (its MPTCP
+	// limits stay as the fabric set them).
+	RootHost string
 }
 
 // NewFabricForTest builds the fabric, skipping the test (with the
@@ -118,27 +126,41 @@ func NewFabric(cfg FabricConfig) (f *Fabric, err error) {
 			return f, err
 		}
 	}
+	if cfg.RootHost != "" && !slices.Contains(cfg.Hosts, cfg.RootHost) {
+		return f, fmt.Errorf("topo: fabric root host %q is not one of its hosts", cfg.RootHost)
+	}
 	for _, h := range cfg.Hosts {
 		ns := f.NS(h)
-		if err := run("ip", "netns", "add", ns); err != nil {
-			return f, err
+		// in is a command of ip or tc run in h's namespace.
+		in := func(tool string, args ...string) []string {
+			if ns == "" {
+				return append([]string{tool}, args...)
+			}
+			return append([]string{tool, "-n", ns}, args...)
 		}
-		if err := run("ip", "-n", ns, "link", "set", "lo", "up"); err != nil {
-			return f, err
+		hostEnd := []string{}
+		if ns != "" {
+			if err := run("ip", "netns", "add", ns); err != nil {
+				return f, err
+			}
+			if err := run("ip", "-n", ns, "link", "set", "lo", "up"); err != nil {
+				return f, err
+			}
+			hostEnd = []string{"netns", ns}
 		}
 		for p := 1; p <= cfg.Paths; p++ {
 			hostIf, hubIf := f.IfName(h, p), cfg.Name+"-"+h+"b"+strconv.Itoa(p)
 			steps := [][]string{
-				{"ip", "link", "add", hostIf, "netns", ns, "type", "veth", "peer", "name", hubIf, "netns", f.HubNS},
+				append(append([]string{"ip", "link", "add", hostIf}, hostEnd...), "type", "veth", "peer", "name", hubIf, "netns", f.HubNS),
 				{"ip", "-n", f.HubNS, "link", "set", hubIf, "master", "br" + strconv.Itoa(p)},
 				{"ip", "-n", f.HubNS, "link", "set", hubIf, "up"},
-				{"ip", "-n", ns, "addr", "add", f.Addr(h, p).String() + "/24", "dev", hostIf},
-				{"ip", "-n", ns, "link", "set", hostIf, "up"},
-				append([]string{"tc", "-n", ns, "qdisc", "add", "dev", hostIf, "root"}, TBFArgs(cfg.RateMbit)...),
+				in("ip", "addr", "add", f.Addr(h, p).String()+"/24", "dev", hostIf),
+				in("ip", "link", "set", hostIf, "up"),
+				in("tc", append([]string{"qdisc", "add", "dev", hostIf, "root"}, TBFArgs(cfg.RateMbit)...)...),
 				append([]string{"tc", "-n", f.HubNS, "qdisc", "add", "dev", hubIf, "root"}, TBFArgs(cfg.RateMbit)...),
 			}
 			if p > 1 {
-				steps = append(steps, []string{"ip", "-n", ns, "mptcp", "endpoint", "add", f.Addr(h, p).String(), "dev", hostIf, "signal"})
+				steps = append(steps, in("ip", "mptcp", "endpoint", "add", f.Addr(h, p).String(), "dev", hostIf, "signal"))
 			}
 			for _, s := range steps {
 				if err := run(s[0], s[1:]...); err != nil {
@@ -147,15 +169,21 @@ func NewFabric(cfg FabricConfig) (f *Fabric, err error) {
 			}
 		}
 		n := strconv.Itoa(max(cfg.Paths, 2))
-		if err := run("ip", "-n", ns, "mptcp", "limits", "set", "subflows", n, "add_addr_accepted", n); err != nil {
+		limits := in("ip", "mptcp", "limits", "set", "subflows", n, "add_addr_accepted", n)
+		if err := run(limits[0], limits[1:]...); err != nil {
 			return f, err
 		}
 	}
 	return f, nil
 }
 
-// NS is the namespace of host h.
-func (f *Fabric) NS(h string) string { return f.cfg.Name + "-" + h }
+// NS is the namespace of host h ("" for the root host: the caller's).
+func (f *Fabric) NS(h string) string {
+	if h == f.cfg.RootHost {
+		return ""
+	}
+	return f.cfg.Name + "-" + h
+}
 
 // IfName is host h's interface on path p.
 func (f *Fabric) IfName(h string, p int) string { return f.cfg.Name + "-" + h + "p" + strconv.Itoa(p) }
@@ -187,7 +215,26 @@ func (f *Fabric) Addrs(h string) []netip.Addr {
 // interface, address and qdisc of the fabric).
 func (f *Fabric) Down() error {
 	var errs []error
+	if h := f.cfg.RootHost; h != "" {
+		// Its endpoints on the fabric's addresses: "ADDR id N signal dev IF".
+		out, err := output("ip", "mptcp", "endpoint", "show")
+		if err != nil {
+			errs = append(errs, err)
+		}
+		for _, line := range strings.Split(out, "\n") {
+			fs := strings.Fields(line)
+			if len(fs) < 3 || fs[1] != "id" || !slices.ContainsFunc(f.Addrs(h), func(a netip.Addr) bool { return a.String() == fs[0] }) {
+				continue
+			}
+			if err := run("ip", "mptcp", "endpoint", "delete", "id", fs[2]); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
 	for _, ns := range append(f.namespaces(), f.HubNS) {
+		if ns == "" {
+			continue
+		}
 		ok, err := netnsExists(ns)
 		if err != nil {
 			errs = append(errs, err)
