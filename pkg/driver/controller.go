@@ -208,7 +208,10 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 		return nil, err
 	}
 	// A volume made from a snapshot or a volume lands on the storage node
-	// that holds its source, at least as large as the source.
+	// that holds its source, at least as large as the source: a smaller
+	// size asked is raised to the source's (an xfs source may hold more
+	// than its claim asked), as CreateVolume may return more than
+	// required_bytes; a limit below the source's size is OutOfRange.
 	var source *v1alpha1.ContentSource
 	var sourceNode string
 	if cs := req.GetVolumeContentSource(); cs != nil {
@@ -217,9 +220,9 @@ func (c *Controller) createVolume(ctx context.Context, req *csi.CreateVolumeRequ
 			return nil, err
 		}
 		r := req.GetCapacityRange()
-		if (r.GetRequiredBytes() > 0 && r.GetRequiredBytes() < srcSize) || (r.GetLimitBytes() > 0 && r.GetLimitBytes() < srcSize) {
-			return nil, fmt.Errorf("%w: the source holds %d bytes, more than the capacity range allows (required %d, limit %d)",
-				ErrOutOfRange, srcSize, r.GetRequiredBytes(), r.GetLimitBytes())
+		if r.GetLimitBytes() > 0 && r.GetLimitBytes() < srcSize {
+			return nil, fmt.Errorf("%w: the source holds %d bytes, more than the capacity range's limit_bytes %d allows",
+				ErrOutOfRange, srcSize, r.GetLimitBytes())
 		}
 		size = max(size, srcSize)
 	}

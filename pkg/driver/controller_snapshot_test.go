@@ -30,7 +30,8 @@ import (
 // TestSnapshots: CreateSnapshot is idempotent by name, refuses a second
 // source under one name and an unknown source; volumes made from a
 // snapshot or a volume land on the source's storage node, at least as
-// large as the source (smaller asked is OutOfRange), and say their
+// large as the source (a smaller size asked is raised to it, a smaller
+// limit is OutOfRange), and say their
 // source; ListSnapshots filters and pages; DeleteSnapshot is idempotent;
 // an agent failure reaches the caller with its code.
 func TestSnapshots(t *testing.T) {
@@ -97,8 +98,15 @@ func TestSnapshots(t *testing.T) {
 	if v, err := ctl.CreateVolume(ctx, fromSnap("restored-default", 0)); err != nil || v.GetVolume().GetCapacityBytes() != 2*gib {
 		t.Fatalf("restore without a size: %v, %v", v, err)
 	}
-	_, err = ctl.CreateVolume(ctx, fromSnap("restored-small", gib))
-	wantStatus(t, err, codes.OutOfRange, "source")
+	// Less asked than the source holds: the source's size (as the xfs
+	// minimum raises a claim); a limit below it is OutOfRange.
+	if v, err := ctl.CreateVolume(ctx, fromSnap("restored-small", gib)); err != nil || v.GetVolume().GetCapacityBytes() != 2*gib {
+		t.Fatalf("restore asking less than the source holds: %v, %v", v, err)
+	}
+	limited := fromSnap("restored-limited", gib)
+	limited.CapacityRange.LimitBytes = gib + gib/2
+	_, err = ctl.CreateVolume(ctx, limited)
+	wantStatus(t, err, codes.OutOfRange, "limit_bytes")
 	// The same name again with another source.
 	clone := createReq("restored", 3*gib, nil)
 	clone.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
