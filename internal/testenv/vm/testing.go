@@ -183,7 +183,8 @@ var ublkKernel cachedKernel
 
 // DefaultUblk is Default on UblkKernelPackage, with ublk_drv loaded
 // besides Default's modules: /dev/ublk-control exists in the guest; and
-// virtio_net, for Config.HostForwards.
+// virtio_net, for Config.HostForwards, bridge (topo.Fabric) and
+// nf_tables (hosts and paths silenced).
 func DefaultUblk(t testing.TB) Config {
 	t.Helper()
 	pkg := os.Getenv("MPNBD_VM_UBLK_KERNEL_PKG")
@@ -191,7 +192,7 @@ func DefaultUblk(t testing.TB) Config {
 		pkg = UblkKernelPackage
 	}
 	return ublkKernel.config(t, "ublk guest kernel", "MPNBD_VM_KERNEL_PKG="+pkg,
-		"MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4 crc32c_generic virtio_net")
+		"MPNBD_VM_MODULES=ublk_drv nbd veth sch_tbf loop brd ext4 crc32c_generic virtio_net bridge nf_tables")
 }
 
 // NewestKernelSuite is where DefaultNewest takes its kernel: Debian 13's

@@ -45,6 +45,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -481,9 +482,43 @@ func (a *Attacher) dialAll(ctx context.Context, v *volume) ([]*os.File, error) {
 // dialEach dials every storage address at once, one connection each (the
 // multiconn transport). Addresses that do not answer are left out: the
 // device gets, or a reconnect offers the kernel, the connections that
-// work, so a path that is down costs one connection, not the volume.
+// work, so a path that is down costs one connection, not the volume. A
+// replicated volume's connections all go to the one server that serves
+// it (its primary; the others refuse): the first connection is dialled to
+// every server at once (attach.DialServers), the others to that server's
+// other addresses.
 func (a *Attacher) dialEach(ctx context.Context, v *volume) ([]net.Conn, error) {
 	t := v.target
+	servers := v.servers.For(t)
+	srv := servers[0]
+	// local is the node's address for the server address of path i.
+	local := func(i int) string {
+		if i >= 0 && i < len(t.LocalAddrs) {
+			return t.LocalAddrs[i]
+		}
+		return ""
+	}
+	var conns []net.Conn
+	addrs := srv.Addrs
+	if len(servers) > 1 {
+		dctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
+		first, addr, err := attach.DialServers(dctx, &v.servers, servers, func(ctx context.Context, s attach.Server, addr string) (*relay.Remote, error) {
+			// No session: see below.
+			return a.dialServer(ctx, v, s, addr, local(slices.Index(s.Addrs, addr)), false, -1)
+		}, func(rc *relay.Remote) { rc.Close() })
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		for _, s := range servers {
+			if slices.Contains(s.Addrs, addr) {
+				srv = s
+				break
+			}
+		}
+		conns, v.info = append(conns, first.Conn), first.Info
+		addrs = slices.DeleteFunc(slices.Clone(srv.Addrs), func(x string) bool { return x == addr })
+	}
 	type result struct {
 		c   *relay.Remote
 		err error
@@ -498,22 +533,21 @@ func (a *Attacher) dialEach(ctx context.Context, v *volume) ([]net.Conn, error) 
 		i int
 		result
 	}
-	ch := make(chan indexed, len(t.Addrs))
-	for i, addr := range t.Addrs {
-		local := ""
-		if i < len(t.LocalAddrs) {
-			local = t.LocalAddrs[i]
-		}
+	ch := make(chan indexed, len(addrs))
+	for i, addr := range addrs {
 		go func() {
 			// No session: LINK_DEAD does not say which socket died, and a
 			// new socket on a live one's lane would fence it.
-			c, err := a.dial(ctx, v, addr, local, false, -1)
+			c, err := a.dialServer(ctx, v, srv, addr, local(slices.Index(srv.Addrs, addr)), false, -1)
 			ch <- indexed{i, result{c, err}}
 		}()
 	}
-	res := make([]result, len(t.Addrs))
+	res := make([]result, len(addrs))
 	var timeout <-chan time.Time
-	for left := len(t.Addrs); left > 0; left-- {
+	if len(conns) > 0 {
+		timeout = time.After(grace)
+	}
+	for left := len(addrs); left > 0; left-- {
 		var r indexed
 		select {
 		case r = <-ch:
@@ -526,13 +560,16 @@ func (a *Attacher) dialEach(ctx context.Context, v *volume) ([]net.Conn, error) 
 			timeout = time.After(grace)
 		}
 	}
-	var conns []net.Conn
 	var errs []error
 	for i, r := range res {
 		if r.err != nil {
 			errs = append(errs, r.err)
 			if errors.Is(r.err, attach.ErrServerRefused) {
-				// The export is refused: no address will do.
+				// The export is refused (or the primary is one no more):
+				// no address of this server will do.
+				for _, c := range conns {
+					c.Close()
+				}
 				for _, o := range res {
 					if o.c != nil {
 						o.c.Close()
@@ -540,7 +577,7 @@ func (a *Attacher) dialEach(ctx context.Context, v *volume) ([]net.Conn, error) 
 				}
 				return nil, r.err
 			}
-			a.log.Warn("storage address unreachable: the device goes without its connection", "volume_id", t.VolumeID, "addr", t.Addrs[i], "error", r.err)
+			a.log.Warn("storage address unreachable: the device goes without its connection", "volume_id", t.VolumeID, "addr", addrs[i], "error", r.err)
 			continue
 		}
 		conns = append(conns, r.c.Conn)

@@ -410,3 +410,77 @@ func TestSupersededDisconnects(t *testing.T) {
 		t.Fatalf("detach after the fence: %v", err)
 	}
 }
+
+// TestMulticonnReplicatedDialsThePrimary: a replicated volume's multiconn
+// connections all go to the one server that serves it, wherever the
+// publication put the primary: at attach (the target's own server is a
+// replica that refuses), and after a failover (LINK_DEAD with the old
+// primary refusing the export: the RECONFIGURE's sockets are all the new
+// primary's).
+func TestMulticonnReplicatedDialsThePrimary(t *testing.T) {
+	// serve is a storage node with two addresses, serving the volume or
+	// refusing it (a replica that is not the primary).
+	serve := func(primary bool) (*nbd.Server, []string) {
+		s := &nbd.Server{Logger: quiet()}
+		if primary {
+			if err := s.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var addrs []string
+		for range 2 {
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			go s.Serve(l)
+			addrs = append(addrs, l.Addr().String())
+		}
+		t.Cleanup(func() { s.Shutdown(context.Background()) })
+		return s, addrs
+	}
+	replica, replicaAddrs := serve(false)
+	primary, primaryAddrs := serve(true)
+	k := newFakeKernel()
+	a, err := New(Config{Mode: attach.MultiConn, Kernel: k, Devices: &fakeDevices{backends: map[string]uint32{}}, Logger: quiet(), DialTimeout: 6 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	tg := attach.Target{VolumeID: "pvc-1", Export: "vol", Addrs: replicaAddrs,
+		Replicas: []attach.Server{{StorageNode: "store-2", Addrs: primaryAddrs}}}
+	if _, err := a.Attach(context.Background(), tg, attach.Options{}); err != nil {
+		t.Fatalf("attach with the primary among the replicas: %v", err)
+	}
+	k.mu.Lock()
+	n := len(k.connects[0].Sockets)
+	k.mu.Unlock()
+	if n != 2 {
+		t.Fatalf("CONNECT with %d sockets, want one per address of the primary (2)", n)
+	}
+	// Both there (the replica has no such export to hold any).
+	waitConns(t, primary, 2)
+
+	// The failover: the old primary refuses the volume, the replica serves.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := primary.RemoveExport(ctx, "vol"); err != nil {
+		t.Fatal(err)
+	}
+	if err := replica.AddExport(&nbd.Export{Name: "vol", Backend: nbd.NewMemBackend(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	k.linkDead <- nbdnl.LinkDead{Index: 0}
+	select {
+	case <-k.reconfigured:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no RECONFIGURE after LINK_DEAD")
+	}
+	k.mu.Lock()
+	n = len(k.reconfigs[len(k.reconfigs)-1].Sockets)
+	k.mu.Unlock()
+	if n != 2 {
+		t.Fatalf("RECONFIGURE with %d sockets, want one per address of the new primary (2)", n)
+	}
+	waitConns(t, replica, 2)
+}
