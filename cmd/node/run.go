@@ -211,6 +211,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+// guardAgainstReclaim keeps a process that serves volumes' I/O in memory
+// and from the OOM killer (a variable for the tests).
+var guardAgainstReclaim = relay.GuardAgainstReclaim
+
 func serve(ctx context.Context, o *options, log *slog.Logger) error {
 	// The addresses to publish, found first: a CIDR that holds none of
 	// the host's is a mistake to stop at.
@@ -225,14 +229,18 @@ func serve(ctx context.Context, o *options, log *slog.Logger) error {
 			log.Error("cannot list the host's addresses, to publish as its storage addresses", "error", err)
 		}
 	}
-	if err := relay.GuardAgainstReclaim(); err != nil {
-		log.Warn("cannot guard against memory reclaim; relays may stall under memory pressure", "error", err)
-	}
 	var mgr datapath.Service
 	if o.datapathSocket != "" {
+		// No volume's I/O runs here: the datapath component's process is
+		// the one kept in memory and from the OOM killer.
 		mgr = &datapath.Client{Path: o.datapathSocket}
 		log.Info("the data path runs in the datapath component", "socket", o.datapathSocket)
 	} else {
+		// This process serves the volumes' I/O (the datapath component, or
+		// a node plugin that runs its own data path).
+		if err := guardAgainstReclaim(); err != nil {
+			log.Warn("cannot guard against memory reclaim; relays may stall under memory pressure", "error", err)
+		}
 		m, closeAll, err := newManager(o, log)
 		if err != nil {
 			return err

@@ -26,7 +26,9 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -389,5 +391,65 @@ func TestDatapathComponent(t *testing.T) {
 	ready(sock)
 	if tr, h, err := dp.Health(tg.VolumeID); err != nil || tr != attach.FUSE || !h.Connected {
 		t.Fatalf("health through the component after the plugin's restart: %s %+v %v", tr, h, err)
+	}
+}
+
+// TestGuardOnlyWhereIOIsServed: the process that serves the volumes' I/O
+// (a node plugin running its own data path, or the datapath component)
+// is kept in memory and from the OOM killer; a node plugin whose data
+// path is the datapath component's is not.
+func TestGuardOnlyWhereIOIsServed(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the node plugin needs root")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skipf("no fuse transport here: %v", err)
+	}
+	var calls atomic.Int32
+	saved := guardAgainstReclaim
+	guardAgainstReclaim = func() error { calls.Add(1); return nil }
+	t.Cleanup(func() { guardAgainstReclaim = saved })
+	dir := t.TempDir()
+	for i, c := range []struct {
+		role string
+		args []string
+		want int32
+	}{
+		{"a node plugin whose data path is the datapath component's", []string{"--datapath-socket", filepath.Join(dir, "datapath.sock")}, 0},
+		{"a node plugin running its own data path", []string{"--transports", "fuse"}, 1},
+		{"the datapath component", []string{"--serve-datapath", filepath.Join(dir, "served.sock"), "--transports", "fuse"}, 1},
+	} {
+		calls.Store(0)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan int, 1)
+		var stderr bytes.Buffer
+		args := append([]string{"--node-id", "n1", "--state-dir", filepath.Join(dir, strconv.Itoa(i))}, c.args...)
+		sock := filepath.Join(dir, strconv.Itoa(i)+".sock")
+		if c.args[0] == "--serve-datapath" {
+			sock = c.args[1]
+		} else {
+			args = append(args, "--endpoint", "unix://"+sock)
+		}
+		go func() { done <- run(ctx, args, io.Discard, &stderr) }()
+		// Up once its socket answers: the guard, if any, came before.
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if conn, err := net.Dial("unix", sock); err == nil {
+				conn.Close()
+				break
+			}
+			if time.Now().After(deadline) {
+				cancel()
+				t.Fatalf("%s: not serving at %s:\n%s", c.role, sock, stderr.String())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		cancel()
+		if code := <-done; code != 0 {
+			t.Fatalf("%s: run returned %d:\n%s", c.role, code, stderr.String())
+		}
+		if n := calls.Load(); n != c.want {
+			t.Errorf("%s: guarded against memory reclaim %d times, want %d", c.role, n, c.want)
+		}
 	}
 }

@@ -32,6 +32,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mpnbd/mpnbd/internal/capability"
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/blockdev"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
@@ -62,6 +63,25 @@ func checkServerProcess(t *testing.T, a *Attacher, volumeID string) {
 	}
 	if st, err := os.Stat(a.sockPath(volumeID)); err == nil && st.Mode().Type() != os.ModeSocket {
 		t.Errorf("%s is not a socket: %v", a.sockPath(volumeID), st.Mode())
+	}
+	// Kept in memory (mlockall: its pages locked) and from the OOM killer.
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmLck:"); ok {
+			if kb, _ := strconv.Atoi(strings.TrimSuffix(strings.TrimSpace(rest), " kB")); kb == 0 {
+				t.Errorf("server process %d locks no memory (%s): not guarded against reclaim", pid, strings.TrimSpace(line))
+			}
+		}
+	}
+	// Lowering oom_score_adj takes CAP_SYS_RESOURCE, which some hosts
+	// drop from every process.
+	if !capability.Has(capability.Effective, capability.SysResource) {
+		t.Logf("oom_score_adj not checked: this process lacks CAP_SYS_RESOURCE, and the server process with it")
+	} else if adj, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/oom_score_adj"); err != nil || strings.TrimSpace(string(adj)) != "-1000" {
+		t.Errorf("server process %d's oom_score_adj %q (%v), want -1000", pid, adj, err)
 	}
 }
 

@@ -33,6 +33,7 @@ import (
 
 	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/logging"
+	"github.com/mpnbd/mpnbd/pkg/relay"
 )
 
 // ServeMain is the body of a volume's server process, which an Attacher
@@ -48,6 +49,12 @@ func ServeMain() int {
 	unix.Umask(0o077)
 	pid := os.Getpid()
 	log := logging.FromEnv(os.Stderr).With("transport", string(attach.FUSE), "pid", pid)
+	// The FUSE requests of the volume's page cache writeback must not
+	// wait on memory reclaim that waits on them (mlockall is not
+	// inherited across exec: the attaching process's guard is not ours).
+	if err := relay.GuardAgainstReclaim(); err != nil {
+		log.Warn("fuse: not fully guarded against memory reclaim", "error", err)
+	}
 
 	ready, lockf, err := serveFiles()
 	if err != nil {
