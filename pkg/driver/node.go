@@ -353,6 +353,12 @@ func (n *Node) mountStaged(ctx context.Context, log *slog.Logger, id, staging st
 	if spec.Options.ReadOnly {
 		opts = append(opts, "ro")
 	}
+	if fsType == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A clone or restore holds its source's file system, UUID and
+		// all, and xfs refuses to mount a second file system of one UUID
+		// on a node (a pod using a volume and its clone).
+		opts = append(opts, "nouuid")
+	}
 	// A volume restored or cloned into more space than its source had
 	// holds the source's smaller file system: grow it to the device, ext
 	// file systems before they are mounted, the others (xfs grows only

@@ -167,9 +167,9 @@ func TestNodeStageVolumeFilesystem(t *testing.T) {
 		wantOpts   []string
 		wantRO     bool
 	}{
-		{"param fs type", mountCap(rwo, ""), map[string]string{ParamFSType: "xfs"}, "xfs", nil, false},
+		{"param fs type", mountCap(rwo, ""), map[string]string{ParamFSType: "xfs"}, "xfs", []string{"nouuid"}, false},
 		{"default ext4", mountCap(rwo, ""), nil, "ext4", nil, false},
-		{"capability wins", mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, "xfs", "noatime"), map[string]string{ParamFSType: "ext4"}, "xfs", []string{"noatime"}, false},
+		{"capability wins", mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER, "xfs", "noatime"), map[string]string{ParamFSType: "ext4"}, "xfs", []string{"noatime", "nouuid"}, false},
 		{"reader only", mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, ""), nil, "ext4", []string{"ro"}, true},
 		{"single node multi writer", mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER, ""), nil, "ext4", nil, false},
 	}
