@@ -102,6 +102,9 @@ func TestRelayDetachWithTheStorageNodeAwayFails(t *testing.T) {
 func TestRelayDetachOfAPausedRelayFails(t *testing.T) {
 	node := powerloss.Start(t, 1<<20)
 	k := newFakeKernel()
+	// The kernel holds its end of the relay's socket pair: without it the
+	// relay sees it closed and ends, before or after the handoff pauses it.
+	k.holdSockets = true
 	a := attachRelay(t, k, node)
 	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
 	defer cancel()
