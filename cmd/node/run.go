@@ -33,6 +33,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"github.com/mpnbd/mpnbd/internal/backoff"
 	"github.com/mpnbd/mpnbd/internal/hostaddr"
 	"github.com/mpnbd/mpnbd/pkg/access"
 	"github.com/mpnbd/mpnbd/pkg/attach"
@@ -545,17 +546,17 @@ func publishAddresses(ctx context.Context, o *options, addrs []string, tokenHash
 		log.Error("storage addresses not published", "error", err)
 		return
 	}
-	for delay := time.Second; ; delay = min(2*delay, time.Minute) {
+	retry := backoff.New(time.Second, time.Minute)
+	for {
 		err := driver.PublishNodeAccess(ctx, c, o.nodeID, addrs, tokenHash)
 		if err == nil {
 			log.Info("storage addresses and token hash published", "addresses", addrs)
 			return
 		}
+		delay := retry.Next()
 		log.Warn("publishing storage addresses failed; retrying", "error", err, "retry_in", delay)
-		select {
-		case <-ctx.Done():
+		if backoff.Sleep(ctx, delay) != nil {
 			return
-		case <-time.After(delay):
 		}
 	}
 }

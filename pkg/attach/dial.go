@@ -31,6 +31,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/mpnbd/mpnbd/internal/backoff"
 	"github.com/mpnbd/mpnbd/pkg/mptcp"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
@@ -360,7 +361,7 @@ func DialServers[T any](ctx context.Context, d *ServerDialer, servers []Server, 
 	pending.Store(int32(len(servers)))
 	for _, s := range servers {
 		go func() {
-			first, wait := true, refusedRetryPause
+			first, wait := true, backoff.New(refusedRetryPause, time.Second)
 			for {
 				v, addr, err := Dial(ctx, d.of(s), s.Addrs, func(ctx context.Context, addr string) (T, error) { return dial(ctx, s, addr) })
 				if first {
@@ -368,13 +369,8 @@ func DialServers[T any](ctx context.Context, d *ServerDialer, servers []Server, 
 					first = false
 				}
 				again := errors.Is(err, ErrServerRefused) && !errors.Is(err, nbd.ErrSuperseded) && pending.Load() > 0
-				if again {
-					select {
-					case <-ctx.Done():
-						again = false
-					case <-time.After(wait):
-						wait = min(2*wait, time.Second)
-					}
+				if again && backoff.Sleep(ctx, wait.Next()) != nil {
+					again = false
 				}
 				if !again {
 					if err != nil {
