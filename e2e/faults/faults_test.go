@@ -174,12 +174,8 @@ func (s *nbdServer) kill(t *testing.T) {
 }
 
 func zombie(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	i := bytes.LastIndexByte(b, ')')
-	return i >= 0 && i+2 < len(b) && b[i+2] == 'Z'
+	state, _, err := attach.ProcStat(pid)
+	return err != nil || state == 'Z'
 }
 
 // ourServer is our storage server (cmd/nbd-server), which fences

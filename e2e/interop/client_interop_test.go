@@ -24,12 +24,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/mpnbd/mpnbd/pkg/attach"
 	"github.com/mpnbd/mpnbd/pkg/nbd"
 )
 
@@ -160,14 +160,8 @@ func startNbdServer(t *testing.T, export string, size int64) *peerServer {
 // isZombie reports whether pid has exited but was not reaped (a daemon
 // that outlived its parent and whose new parent does not reap).
 func isZombie(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	// The state follows the parenthesised command name.
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i >= 0 && i+2 < len(s) && s[i+2] == 'Z'
+	state, _, err := attach.ProcStat(pid)
+	return err == nil && state == 'Z'
 }
 
 // stopPid terminates a daemon started by a test and waits until it is gone.

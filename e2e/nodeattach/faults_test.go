@@ -280,18 +280,9 @@ type procStat struct {
 }
 
 func readStat(pid int) (procStat, bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return procStat{}, false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return procStat{}, false
-	}
 	// state ppid pgrp session ...
-	f := strings.Fields(s[i+1:])
-	if len(f) < 4 {
+	f, err := attach.ProcFields(pid)
+	if err != nil {
 		return procStat{}, false
 	}
 	ppid, _ := strconv.Atoi(f[1])

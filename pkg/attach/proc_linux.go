@@ -21,23 +21,33 @@ import (
 	"strings"
 )
 
-// ProcStat returns a process's state letter and start time (in clock ticks
-// since boot: with the PID, what tells a process from a later one that
-// reuses its PID).
-func ProcStat(pid int) (state byte, start uint64, err error) {
+// ProcFields returns the fields of /proc/PID/stat that follow the
+// command name, the state first (field 3 of proc(5) is ProcFields[0]).
+func ProcFields(pid int) ([]string, error) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return 0, 0, err
+		return nil, err
 	}
 	// The command name, in parentheses, may hold anything.
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 || i+2 > len(s) {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+		return nil, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
 	}
 	f := strings.Fields(s[i+2:])
 	if len(f) < 20 || f[0] == "" {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+		return nil, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	return f, nil
+}
+
+// ProcStat returns a process's state letter and start time (in clock ticks
+// since boot: with the PID, what tells a process from a later one that
+// reuses its PID).
+func ProcStat(pid int) (state byte, start uint64, err error) {
+	f, err := ProcFields(pid)
+	if err != nil {
+		return 0, 0, err
 	}
 	start, err = strconv.ParseUint(f[19], 10, 64)
 	if err != nil {

@@ -43,11 +43,10 @@ import (
 func checkServerProcess(t *testing.T, a *Attacher, volumeID string) {
 	t.Helper()
 	pid := serverPid(t, a, volumeID)
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	f, err := attach.ProcFields(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
 	if sid, _ := strconv.Atoi(f[3]); sid != pid {
 		t.Errorf("server process %d runs in session %d, not its own", pid, sid)
 	}
