@@ -15,10 +15,14 @@
 package attach
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ProcFields returns the fields of /proc/PID/stat that follow the
@@ -67,4 +71,45 @@ func ProcAlive(pid int, start uint64) bool {
 		return false
 	}
 	return start == 0 || s == start
+}
+
+// SelfPidfd is a pidfd of this process, for another process to learn of
+// its exit: unlike a pid it means this process in any pid namespace (a
+// successor in another pod) and cannot come to mean another one.
+func SelfPidfd() (*os.File, error) {
+	fd, err := unix.PidfdOpen(os.Getpid(), 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "pidfd"), nil
+}
+
+// PidfdExitedBy reports whether the process of pidfd f (nil: none known)
+// has exited by deadline: a pidfd polls readable once its process has
+// exited.
+func PidfdExitedBy(f *os.File, deadline time.Time) bool {
+	if f == nil {
+		return false
+	}
+	raw, err := f.SyscallConn()
+	if err != nil {
+		return false
+	}
+	for {
+		ms := max(int(time.Until(deadline)/time.Millisecond), 0)
+		var n int
+		var perr error
+		var revents int16
+		if err := raw.Control(func(fd uintptr) {
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			n, perr = unix.Poll(fds, ms)
+			revents = fds[0].Revents
+		}); err != nil {
+			return false
+		}
+		if errors.Is(perr, unix.EINTR) && time.Now().Before(deadline) {
+			continue
+		}
+		return perr == nil && n > 0 && revents&unix.POLLIN != 0
+	}
 }

@@ -19,6 +19,8 @@ import (
 	"os/exec"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestProcStat(t *testing.T) {
@@ -48,4 +50,39 @@ func TestProcStat(t *testing.T) {
 	if state, _, err := ProcStat(cmd.Process.Pid); err != nil || state != 'Z' {
 		t.Errorf("the exited child: state %c, %v; want a zombie", state, err)
 	}
+}
+
+// TestPidfdExitedBy: a pidfd tells a process's exit, waiting up to a
+// deadline; a running process is not taken for exited, nor is an unknown
+// one (nil).
+func TestPidfdExitedBy(t *testing.T) {
+	if f, err := SelfPidfd(); err != nil {
+		t.Skipf("no pidfds here: %v", err)
+	} else {
+		if PidfdExitedBy(f, time.Now().Add(20*time.Millisecond)) {
+			t.Error("this process taken for exited")
+		}
+		f.Close()
+	}
+	if PidfdExitedBy(nil, time.Now().Add(time.Second)) {
+		t.Error("no pidfd taken for an exited process")
+	}
+	cmd := exec.Command("sleep", "0.3")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.PidfdOpen(cmd.Process.Pid, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "pidfd")
+	defer f.Close()
+	if PidfdExitedBy(f, time.Now().Add(20*time.Millisecond)) {
+		t.Error("a running sleep taken for exited")
+	}
+	// Not reaped yet: a pidfd is readable at the exit, before the wait.
+	if !PidfdExitedBy(f, time.Now().Add(10*time.Second)) {
+		t.Error("the sleep's exit not seen within 10s")
+	}
+	cmd.Wait()
 }

@@ -150,7 +150,7 @@ func handOver(ctx context.Context, c *net.UnixConn, h Handing, gen int64, retire
 	}
 	if m.Liveness {
 		// Its exit is how a successor tells our death from our silence.
-		if pf, err := selfPidfd(); err != nil {
+		if pf, err := attach.SelfPidfd(); err != nil {
 			log.Warn("handover: no pidfd for the successor: it will take our silence for life", "error", err)
 		} else {
 			err := writeMsg(c, handoverMsg{Liveness: true}, []*os.File{pf})
@@ -421,7 +421,7 @@ func awaitRelease(ctx context.Context, c *net.UnixConn, pred *os.File, id string
 			case v.err == nil:
 				return false, "the predecessor answered the readiness with neither release nor resume"
 			}
-			if exitedWithin(pred, exitGrace) {
+			if attach.PidfdExitedBy(pred, time.Now().Add(exitGrace)) {
 				log.Warn("the predecessor exited during the handover, without resuming the volume: starting it", "volume_id", id, "error", v.err)
 				return true, fmt.Sprintf("the predecessor exited (%v)", v.err)
 			}

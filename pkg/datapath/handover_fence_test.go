@@ -209,7 +209,7 @@ func TestHandoverLivePredecessorHangingUpIsNoRelease(t *testing.T) {
 				return err
 			}
 			if m.Liveness {
-				pf, err := selfPidfd()
+				pf, err := attach.SelfPidfd()
 				if err != nil {
 					return err
 				}

@@ -17,7 +17,6 @@ package fuse
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -89,7 +88,7 @@ func serveSuccessor(sp serveSpec, dec *json.Decoder, report func(readyMsg), read
 	case <-time.After(wait):
 		err = fmt.Errorf("not started within %v", wait.Round(time.Second))
 	}
-	if err == nil && pred != nil && !exitedBy(pred, sp.Deadline) {
+	if err == nil && pred != nil && !attach.PidfdExitedBy(pred, sp.Deadline) {
 		err = fmt.Errorf("the predecessor server (pid %d) still runs at the deadline: it serves the volume", sp.Handoff.State.Pid)
 	}
 	if err != nil {
@@ -180,30 +179,4 @@ func volumeFromHandoff(ctx context.Context, cfg Config, t attach.Target, o attac
 func (s *volumeServer) runUnpublished() int {
 	<-s.v.server.done()
 	return 1
-}
-
-// exitedBy reports whether the process of pidfd f has exited by deadline
-// (a pidfd polls readable once its process has exited).
-func exitedBy(f *os.File, deadline time.Time) bool {
-	raw, err := f.SyscallConn()
-	if err != nil {
-		return false
-	}
-	for {
-		ms := max(int(time.Until(deadline)/time.Millisecond), 0)
-		var n int
-		var perr error
-		var revents int16
-		if err := raw.Control(func(fd uintptr) {
-			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-			n, perr = unix.Poll(fds, ms)
-			revents = fds[0].Revents
-		}); err != nil {
-			return false
-		}
-		if errors.Is(perr, unix.EINTR) && time.Now().Before(deadline) {
-			continue
-		}
-		return perr == nil && n > 0 && revents&unix.POLLIN != 0
-	}
 }

@@ -14,7 +14,7 @@
 
 //go:build !linux
 
-package datapath
+package attach
 
 import (
 	"errors"
@@ -22,9 +22,9 @@ import (
 	"time"
 )
 
-// selfPidfd is Linux only: without it a successor never takes a silence
-// of this process for its death.
-func selfPidfd() (*os.File, error) { return nil, errors.New("datapath: pidfds are Linux only") }
+// SelfPidfd is Linux only: without it no other process takes a silence of
+// this one for its death.
+func SelfPidfd() (*os.File, error) { return nil, errors.New("attach: pidfds are Linux only") }
 
-// exitedWithin cannot tell without a pidfd: never.
-func exitedWithin(*os.File, time.Duration) bool { return false }
+// PidfdExitedBy cannot tell without a pidfd: never.
+func PidfdExitedBy(*os.File, time.Time) bool { return false }
