@@ -151,7 +151,7 @@ func New(t *testing.T, o Options) *Env {
 	if err := ctl.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ctl.Process.Kill(); ctl.Wait() })
+	t.Cleanup(func() { _ = ctl.Process.Kill(); _ = ctl.Wait() })
 
 	// The agents end after the clients (whose cleanups come later and run
 	// first) have detached, whenever an agent was last started.
@@ -281,7 +281,7 @@ func (h *StorageHost) Start(t testing.TB) {
 		t.Fatal(err)
 	}
 	h.done = make(chan struct{})
-	go func(cmd *exec.Cmd, done chan struct{}) { cmd.Wait(); close(done) }(h.cmd, h.done)
+	go func(cmd *exec.Cmd, done chan struct{}) { _ = cmd.Wait(); close(done) }(h.cmd, h.done)
 }
 
 // Kill SIGKILLs the agent's process group and waits for it.
@@ -326,7 +326,7 @@ func KillGroup(t testing.TB, cmd *exec.Cmd, done <-chan struct{}, what string) {
 	if cmd == nil {
 		return
 	}
-	syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) // gone already: the wait below says so
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):

@@ -615,14 +615,9 @@ func (a *Attacher) dialAny(ctx context.Context, v *volume) (*relay.Remote, error
 	return c, err
 }
 
-// dial connects one data connection to the target's own server and runs
-// the handshake on it, announcing the volume's session on lane (none
-// when lane < 0).
-func (a *Attacher) dial(ctx context.Context, v *volume, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
-	return a.dialServer(ctx, v, v.target.Servers()[0], addr, local, useMPTCP, lane)
-}
-
-// dialServer is dial to server srv of the target.
+// dialServer connects one data connection to server srv of the target
+// and runs the handshake on it, announcing the volume's session on lane
+// (none when lane < 0).
 func (a *Attacher) dialServer(ctx context.Context, v *volume, srv attach.Server, addr, local string, useMPTCP bool, lane int) (*relay.Remote, error) {
 	ctx, cancel := context.WithTimeout(ctx, a.cfg.DialTimeout)
 	defer cancel()
