@@ -41,8 +41,14 @@ const (
 	// E2ENginxRef runs the volumes suite's exec check, a /bin/sh script.
 	E2ENginxRef = "registry.k8s.io/e2e-test-images/nginx:1.14-4"
 	// E2EJessieDnsutilsRef runs the multi-volume suite's concurrent
-	// access pods, which run the same shell commands as busybox pods.
+	// access pods, which run the same shell commands as busybox pods but
+	// for dd's oflag=nocache, which only GNU dd knows (the real image is
+	// Debian's).
 	E2EJessieDnsutilsRef = "registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"
+
+	// GNUDd is Debian's coreutils dd, which the jessie-dnsutils stand-in
+	// holds as /bin/dd, with the libraries it links.
+	GNUDd = "/usr/bin/dd"
 
 	// DebianBusybox is Debian's busybox-static.
 	DebianBusybox = "/bin/busybox"
@@ -53,7 +59,8 @@ const (
 // hack/kube-e2e.sh) and Debian's static busybox, whose layer (busybox as
 // /bin/busybox and a symbolic link to it for every applet, where
 // `busybox --install -s` puts them) it writes to dir. The busybox, nginx
-// and jessie-dnsutils images are that layer with /bin/sh as entrypoint:
+// and jessie-dnsutils images are that layer with /bin/sh as entrypoint
+// (jessie-dnsutils with GNU dd over busybox's, as the real one has it):
 // the suites give those containers a command, or none, which the real
 // images' CMD ["sh"] runs as well. The agnhost image adds /agnhost, its
 // entrypoint, to the same layer: the suites exec /bin/sh in its
@@ -74,12 +81,41 @@ func e2eImages(agnhost, busybox, dir string) ([]Image, error) {
 	}
 	base := []string{layer}
 	sh := []string{"/bin/sh"}
+	dd, err := withLibraries(GNUDd, "/bin/dd")
+	if err != nil {
+		return nil, err
+	}
 	return []Image{
 		{Ref: E2EBusyboxRef, BaseLayers: base, Entrypoint: sh},
 		{Ref: E2ENginxRef, BaseLayers: base, Entrypoint: sh},
-		{Ref: E2EJessieDnsutilsRef, BaseLayers: base, Entrypoint: sh},
+		{Ref: E2EJessieDnsutilsRef, BaseLayers: base, Files: dd, Entrypoint: sh},
 		{Ref: E2EAgnhostRef, BaseLayers: base, Files: map[string]string{"/agnhost": agnhost}, Entrypoint: []string{"/agnhost"}},
 	}, nil
+}
+
+// withLibraries is an image's files for the dynamically linked program
+// prog, put at at: the program and every library and loader it links
+// (as ldd lists them), each at its own path.
+func withLibraries(prog, at string) (map[string]string, error) {
+	out, err := exec.Command("ldd", prog).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ldd %s: %w", prog, err)
+	}
+	files := map[string]string{at: prog}
+	for _, line := range strings.Split(string(out), "\n") {
+		// "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" or
+		// "/lib64/ld-linux-x86-64.so.2 (0x...)"; the vDSO has no file.
+		f := strings.Fields(line)
+		for i, w := range f {
+			if strings.HasPrefix(w, "/") && (i == 0 || f[i-1] == "=>") {
+				files[w] = w
+			}
+		}
+	}
+	if len(files) == 1 {
+		return nil, fmt.Errorf("ldd %s lists no library: %s", prog, out)
+	}
+	return files, nil
 }
 
 // checkStatic refuses a program that needs a dynamic loader: an image of

@@ -94,7 +94,19 @@ func TestE2EImages(t *testing.T) {
 		rc.Close()
 		for _, l := range []string{"/bin/sh", "/bin/ls", "/bin/mount", "/usr/bin/md5sum", "/bin/dd", "/usr/bin/find", "/bin/sync"} {
 			if h := files[l]; h == nil || h.Typeflag != tar.TypeSymlink || h.Linkname != "/bin/busybox" {
+				if l == "/bin/dd" && im.Ref == E2EJessieDnsutilsRef {
+					continue
+				}
 				t.Errorf("%s: %s is not a link to /bin/busybox: %+v", im.Ref, l, h)
+			}
+		}
+		if im.Ref == E2EJessieDnsutilsRef {
+			// GNU dd (oflag=nocache), over busybox's, and its loader.
+			if h := files["/bin/dd"]; h == nil || h.Typeflag != tar.TypeReg || h.Mode&0o111 == 0 {
+				t.Errorf("%s: /bin/dd is not GNU dd: %+v", im.Ref, h)
+			}
+			if h := files["/lib64/ld-linux-x86-64.so.2"]; h == nil {
+				t.Errorf("%s: no dynamic loader for GNU dd", im.Ref)
 			}
 		}
 		if h := files["/bin/busybox"]; h == nil || h.Typeflag != tar.TypeReg || h.Mode&0o111 == 0 {
