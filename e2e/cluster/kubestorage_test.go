@@ -111,8 +111,10 @@ func (s *suite) kubeStorageScenario() {
 			// which this host drops from every bounding set: the driver
 			// says so (FailedPrecondition), and the spec cannot pass here.
 			re := `volume-expand should resize volume when PVC is edited while pod is using it`
-			t.Logf("skipping ext4's online growth (%s): this host drops CAP_SYS_RESOURCE, which the kernel's online ext4 resize needs; the default fs is ext4", re)
-			skips = append(skips, `Dynamic PV \(default fs\).*`+re, `Dynamic PV \(ext4\).*`+re)
+			eph := `ephemeral should support expansion of pvcs created for ephemeral pvcs`
+			t.Logf("skipping ext4's online growth (%s; %s): this host drops CAP_SYS_RESOURCE, which the kernel's online ext4 resize needs; the default fs is ext4", re, eph)
+			skips = append(skips, `Dynamic PV \(default fs\).*`+re, `Dynamic PV \(ext4\).*`+re,
+				`Generic Ephemeral-volume \(default fs\).*`+eph, `Generic Ephemeral-volume \(ext4\).*`+eph)
 		}
 		slices.Sort(skips)
 		out := filepath.Join(s.dir, "kube-storage")
