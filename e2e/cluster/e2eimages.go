@@ -20,6 +20,7 @@ import (
 	"bytes"
 	"debug/elf"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path"
@@ -47,8 +48,11 @@ const (
 	E2EJessieDnsutilsRef = "registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"
 
 	// GNUDd is Debian's coreutils dd, which the jessie-dnsutils stand-in
-	// holds as /bin/dd, with the libraries it links.
-	GNUDd = "/usr/bin/dd"
+	// holds as /bin/dd, with the libraries it links; and DebianDash its
+	// /bin/sh, as the real image has it: busybox's shell runs its own
+	// applets before any program of the PATH, dd included.
+	GNUDd      = "/usr/bin/dd"
+	DebianDash = "/bin/dash"
 
 	// DebianBusybox is Debian's busybox-static.
 	DebianBusybox = "/bin/busybox"
@@ -60,7 +64,8 @@ const (
 // /bin/busybox and a symbolic link to it for every applet, where
 // `busybox --install -s` puts them) it writes to dir. The busybox, nginx
 // and jessie-dnsutils images are that layer with /bin/sh as entrypoint
-// (jessie-dnsutils with GNU dd over busybox's, as the real one has it):
+// (jessie-dnsutils with GNU dd and dash over busybox's, as the real one
+// has them):
 // the suites give those containers a command, or none, which the real
 // images' CMD ["sh"] runs as well. The agnhost image adds /agnhost, its
 // entrypoint, to the same layer: the suites exec /bin/sh in its
@@ -85,6 +90,11 @@ func e2eImages(agnhost, busybox, dir string) ([]Image, error) {
 	if err != nil {
 		return nil, err
 	}
+	dash, err := withLibraries(DebianDash, "/bin/sh")
+	if err != nil {
+		return nil, err
+	}
+	maps.Copy(dd, dash)
 	return []Image{
 		{Ref: E2EBusyboxRef, BaseLayers: base, Entrypoint: sh},
 		{Ref: E2ENginxRef, BaseLayers: base, Entrypoint: sh},
