@@ -513,43 +513,16 @@ sleep 3600`, rewritten), true), "image: "+driverImage, "image: "+fioImage, 1), "
 // comes back and its replica is copied back in sync.
 func (s *suite) replicaFailoverScenario() {
 	t := s.t
-	s.apply(`apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mpnbd-replicated-block}
-provisioner: nbd.mptcp.mpnbd.io
-parameters: {transport: fuse, replicas: "2"}
-`)
-	s.apply(pvc("repl", "mpnbd-replicated-block", "256Mi", true))
-	s.startPod("repl-fio", onNode(fioPod("repl-fio", "repl", 15*time.Minute), "node-d"))
-	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "repl")
-	var primary string
+	var id, primary string
 	s.step("replicas: two in sync under fio", func() {
-		s.waitFor("both replicas in sync", 3*time.Minute, func() string {
-			if n := s.jsonpath("{.status.replication.inSyncReplicas}", "get", "nbdvolume", id); n != "2" {
-				return "in sync: " + n
-			}
-			return ""
-		})
-		primary = s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id)
-		if primary != "node-a" && primary != "node-b" {
-			t.Fatalf("primary %q", primary)
-		}
+		id, primary = s.replicatedUnderFio("repl", "repl-fio")
 		time.Sleep(15 * time.Second)
 	})
 	dead := s.node(primary)
 	s.step("replicas: the primary's storage node dies under fio", func() {
-		killed := time.Now()
-		if err := dead.Kill(); err != nil {
-			t.Fatal(err)
-		}
-		s.waitFor("the volume failed over", 2*time.Minute, func() string {
-			if p := s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id); p == primary || p == "" {
-				return "primary " + p
-			}
-			return ""
-		})
+		after := s.killPrimary(id, dead)
 		t.Logf("replicas: primary %s died; failed over to %s %v later", primary,
-			s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id), time.Since(killed).Round(time.Second))
+			s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id), after)
 		out := s.stopFio("repl-fio", 3)
 		rounds := s.fioRounds("repl-fio", out)
 		t.Logf("replicas: fio --verify across the death of the primary's storage node: %s verified rounds, 0 errors, longest I/O %v", rounds, longestIO(out))
@@ -560,15 +533,65 @@ parameters: {transport: fuse, replicas: "2"}
 		if err := dead.Revive(s.ctx); err != nil {
 			t.Fatal(err)
 		}
-		s.waitFor("two replicas in sync again", 5*time.Minute, func() string {
-			if n := s.jsonpath("{.status.replication.inSyncReplicas}", "get", "nbdvolume", id); n != "2" {
-				return "in sync: " + n
-			}
-			return ""
-		})
+		s.waitFor("two replicas in sync again", 5*time.Minute, s.inSync(id, "2"))
 		t.Logf("replicas: %s back and in sync %v after its return", primary, time.Since(back).Round(time.Second))
 		s.kubectl("delete", "pvc", "repl", "--wait=true", "--timeout=120s")
 	})
+}
+
+// replicatedUnderFio makes claim, a Block volume of two replicas (on
+// node-a and node-b, the storage nodes), used by pod, fio --verify=crc32c
+// on node-d (where no node is killed); it waits until both replicas are
+// in sync and fio has verified a round, and returns the volume and the
+// storage node of its primary.
+func (s *suite) replicatedUnderFio(claim, pod string) (id, primary string) {
+	s.apply(`apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: mpnbd-replicated-block}
+provisioner: nbd.mptcp.mpnbd.io
+parameters: {transport: fuse, replicas: "2"}
+`)
+	s.apply(pvc(claim, "mpnbd-replicated-block", "256Mi", true))
+	s.startPod(pod, onNode(fioPod(pod, claim, 20*time.Minute), "node-d"))
+	id = s.jsonpath("{.spec.volumeName}", "get", "pvc", claim)
+	s.waitFor("both replicas in sync", 3*time.Minute, s.inSync(id, "2"))
+	primary = s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id)
+	if primary != "node-a" && primary != "node-b" {
+		s.t.Fatalf("primary %q", primary)
+	}
+	s.waitFor("fio's first verified round", 2*time.Minute, func() string {
+		if out, _ := s.c.Kubectl(s.ctx, "logs", pod); !roundVerified.MatchString(out) {
+			return "log: " + lastLines([]byte(out), 3)
+		}
+		return ""
+	})
+	return id, primary
+}
+
+// inSync is a waitFor condition: want replicas of volume id in sync.
+func (s *suite) inSync(id, want string) func() string {
+	return func() string {
+		if n := s.jsonpath("{.status.replication.inSyncReplicas}", "get", "nbdvolume", id); n != want {
+			return "in sync: " + n + "; replicas " + s.jsonpath("{.spec.replicaNodes}", "get", "nbdvolume", id)
+		}
+		return ""
+	}
+}
+
+// killPrimary kills node, the storage node of volume id's primary, and
+// returns how long after the kill the volume had another primary.
+func (s *suite) killPrimary(id string, node *Node) time.Duration {
+	killed := time.Now()
+	if err := node.Kill(); err != nil {
+		s.t.Fatal(err)
+	}
+	s.waitFor("the volume failed over", 2*time.Minute, func() string {
+		if p := s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id); p == node.Name || p == "" {
+			return "primary " + p
+		}
+		return ""
+	})
+	return time.Since(killed).Round(time.Second)
 }
 
 // loopsBacking lists the bound loop devices whose backing file's name

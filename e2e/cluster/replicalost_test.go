@@ -34,58 +34,21 @@ import (
 // again at the end: its agent, forgotten, makes its NBDStorageNode anew.
 func (s *suite) replicaLostScenario() {
 	t := s.t
-	s.apply(`apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: mpnbd-replicated-block}
-provisioner: nbd.mptcp.mpnbd.io
-parameters: {transport: fuse, replicas: "2"}
-`)
-	s.apply(pvc("lost", "mpnbd-replicated-block", "256Mi", true))
-	s.startPod("lost-fio", onNode(fioPod("lost-fio", "lost", 20*time.Minute), "node-d"))
-	id := s.jsonpath("{.spec.volumeName}", "get", "pvc", "lost")
-	inSync := func(want string) func() string {
-		return func() string {
-			if n := s.jsonpath("{.status.replication.inSyncReplicas}", "get", "nbdvolume", id); n != want {
-				return "in sync: " + n + "; replicas " + s.jsonpath("{.spec.replicaNodes}", "get", "nbdvolume", id)
-			}
-			return ""
-		}
-	}
-	replicas := func() []string {
+	replicas := func(id string) []string {
 		r := strings.Fields(s.jsonpath("{.spec.replicaNodes[*]}", "get", "nbdvolume", id))
 		slices.Sort(r)
 		return r
 	}
-	var primary string
+	var id, primary string
 	s.step("lost: two replicas in sync under fio; two more storage nodes join", func() {
-		s.waitFor("both replicas in sync", 3*time.Minute, inSync("2"))
-		primary = s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id)
-		if primary != "node-a" && primary != "node-b" {
-			t.Fatalf("primary %q", primary)
-		}
-		s.waitFor("fio's first verified round", 2*time.Minute, func() string {
-			if out, _ := s.c.Kubectl(s.ctx, "logs", "lost-fio"); !roundVerified.MatchString(out) {
-				return "log: " + lastLines([]byte(out), 3)
-			}
-			return ""
-		})
+		id, primary = s.replicatedUnderFio("lost", "lost-fio")
 		s.kubectl("label", "node", "node-c", "node-d", "mpnbd.io/storage-node=true")
 		s.waitDriverReady([]string{"node-c", "node-d"}, nil)
 	})
 	dead := s.node(primary)
 	var x string
 	s.step("lost: the primary's storage node stopped for good, forgotten, its replica replaced", func() {
-		killed := time.Now()
-		if err := dead.Kill(); err != nil {
-			t.Fatal(err)
-		}
-		s.waitFor("the volume failed over", 2*time.Minute, func() string {
-			if p := s.jsonpath("{.status.replication.primary}", "get", "nbdvolume", id); p == primary || p == "" {
-				return "primary " + p
-			}
-			return ""
-		})
-		failedOver := time.Since(killed).Round(time.Second)
+		failedOver := s.killPrimary(id, dead)
 		s.waitFor(primary+"'s agent not reporting", time.Minute, func() string {
 			ready := s.jsonpath(`{.status.conditions[?(@.type=="Ready")].status}`, "get", "nbdnode", primary)
 			reason := s.jsonpath(`{.status.conditions[?(@.type=="Ready")].reason}`, "get", "nbdnode", primary)
@@ -101,7 +64,7 @@ parameters: {transport: fuse, replicas: "2"}
 		forgotten := time.Now()
 		t.Logf("lost: %s forgotten:\n%s", primary, out)
 		s.waitFor("the lost replica replaced on node-c or node-d", 2*time.Minute, func() string {
-			r := replicas()
+			r := replicas(id)
 			for _, n := range r {
 				if n == "node-c" || n == "node-d" {
 					x = n
@@ -110,8 +73,8 @@ parameters: {transport: fuse, replicas: "2"}
 			}
 			return "replicas " + strings.Join(r, " ")
 		})
-		s.waitFor("the replacement copied in sync", 5*time.Minute, inSync("2"))
-		if r := replicas(); slices.Contains(r, primary) {
+		s.waitFor("the replacement copied in sync", 5*time.Minute, s.inSync(id, "2"))
+		if r := replicas(id); slices.Contains(r, primary) {
 			t.Errorf("replicas %v still name %s, forgotten", r, primary)
 		}
 		s.waitEvent(id, "ReplicaReplaced")
@@ -125,11 +88,11 @@ parameters: {transport: fuse, replicas: "2"}
 		if err != nil {
 			t.Fatalf("mpnbdctl drain %s: %v\n%s\n%s", x, err, out, s.kubectl("get", "nbdvol", "-o", "wide"))
 		}
-		if r := replicas(); slices.Contains(r, x) || !slices.Contains(r, y) {
+		if r := replicas(id); slices.Contains(r, x) || !slices.Contains(r, y) {
 			t.Errorf("replicas %v after the drain of %s, want %s among them and not %s", r, x, y, x)
 		}
-		s.waitFor("two in sync after the drain", 5*time.Minute, inSync("2"))
-		t.Logf("lost: %s drained in %v, the replica now on %s (replicas %v)", x, time.Since(began).Round(time.Second), y, replicas())
+		s.waitFor("two in sync after the drain", 5*time.Minute, s.inSync(id, "2"))
+		t.Logf("lost: %s drained in %v, the replica now on %s (replicas %v)", x, time.Since(began).Round(time.Second), y, replicas(id))
 		fio := s.stopFio("lost-fio", 2)
 		t.Logf("lost: fio --verify across the loss of %s for good, the replacement and its drain: %s verified rounds, 0 errors, longest I/O %v",
 			primary, s.fioRounds("lost-fio", fio), longestIO(fio))
