@@ -102,6 +102,20 @@ func (p *PauseProbe) Take() (time.Duration, []error) {
 	return l, errs
 }
 
+// Pause waits, up to timeout, for the probe's writes to go on (Resumed)
+// and returns the longest pause since the last Take; an error if they do
+// not resume or any failed.
+func (p *PauseProbe) Pause(timeout time.Duration) (time.Duration, error) {
+	if err := p.Resumed(timeout); err != nil {
+		return 0, fmt.Errorf("the probe's writes did not resume: %w", err)
+	}
+	pause, errs := p.Take()
+	if len(errs) > 0 {
+		return pause, fmt.Errorf("the probe's writes failed: %v", errs)
+	}
+	return pause, nil
+}
+
 // End stops the probe; a write that hangs (the test failed with the
 // volume unreachable) is left behind after 10s.
 func (p *PauseProbe) End() {
